@@ -1,0 +1,413 @@
+"""GOAT attention: packing the log-prior into q/k channels, and the Flax Linen modules.
+
+Packing (paper section 3.3; REFERENCE.md section 1). Per head, with content dims ``d_c``::
+
+    q~ = [q_c / sqrt(d_c),  A cos(w p_i) + B sin(w p_i),  A sin(w p_i) - B cos(w p_i),  g * 1 ...]
+    k~ = [k_c,              cos(w p_j),                   sin(w p_j),                   u(j) ...]
+
+so that ``q~ . k~`` (scale 1) equals ``q_c . k_c / sqrt(d_c) + kappa(p_i - p_j) + g u(j)`` and
+any unmodified dot-product kernel (cuDNN flash, splash, XLA) computes GOAT exactly, with no
+T x S bias. Values keep the full head dim.
+
+bfloat16 at long context. ``u(j)`` contains the causal recency term ``slope * j``, which grows
+with position: rounded to bfloat16 (8 mantissa bits) it is off by up to ``2**-9 |u|``, i.e. up
+to 16 logits at j = 16384 -- this is what breaks the official package in bf16. We instead
+split ``u`` *exactly* into ``c`` bf16 (or fp16) channels ``u = u_1 + ... + u_c`` (each the
+rounding of the remainder), with the query side carrying the same coefficient (1 or the gate)
+in each. Kernels multiply bf16 inputs exactly and accumulate in float32, so the sink reaches
+the logits with float32 accuracy (3 bf16 parts carry 24 bits). The bounded channels (Fourier
+features, scaled content) have position-independent rounding errors and stay one channel.
+``sink_channels`` is 1 in float32, 3 in bfloat16 and 2 in float16 by default; the packed q/k
+dim is then ``head_dim + sink_channels - 1`` and values are zero-padded to it where a kernel
+needs equal dims (cuDNN/XLA), never for splash.
+
+Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax import kernels
+from goat_jax import prior as prior_lib
+
+Array = jax.Array
+Dtype = Any
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing (pure functions)
+# ----------------------------------------------------------------------------------------------
+
+
+def default_sink_channels(dtype: Dtype) -> int:
+    """Channels needed to carry ``u(j)`` at float32 accuracy in ``dtype`` (see module doc)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.dtype(jnp.bfloat16):
+        return 3
+    if dtype == jnp.dtype(jnp.float16):
+        return 2
+    return 1
+
+
+def split_exact(x: Array, parts: int, dtype: Dtype) -> Array:
+    """Splits float32 ``x`` into ``parts`` values of ``dtype`` whose float32 sum is ``x``
+    (up to the last part's rounding): ``x_1 = round(x)``, ``x_2 = round(x - x_1)``, ...
+
+    Returns [..., parts] in ``dtype``.
+    """
+    out, rest = [], x.astype(jnp.float32)
+    for _ in range(parts):
+        piece = rest.astype(dtype)
+        out.append(piece)
+        rest = rest - piece.astype(jnp.float32)
+    return jnp.stack(out, axis=-1)
+
+
+def pack_query(q_content: Array, q_rel: Array, q_sink: Array, sink_channels: int, dtype: Dtype) -> Array:
+    """Packed queries ``[q_c / sqrt(d_c), q_rel, q_sink x sink_channels]``.
+
+    Args:
+      q_content: [B, T, N, d_c]; q_rel: [..., T, N, 2R]; q_sink: [..., T, N] (ignored when
+        ``sink_channels == 0``).
+    Returns:
+      [B, T, N, d_c + 2R + sink_channels] in ``dtype``.
+    """
+    b, t, n, d_c = q_content.shape
+    # The 1/sqrt(d_c) scale is folded in float32 before the cast so the kernel runs at scale 1.
+    parts = [(q_content.astype(jnp.float32) / math.sqrt(d_c)).astype(dtype),
+             jnp.broadcast_to(q_rel, (b, t, n, q_rel.shape[-1])).astype(dtype)]
+    if sink_channels:
+        coef = jnp.broadcast_to(q_sink, (b, t, n))[..., None]
+        parts.append(jnp.repeat(coef, sink_channels, axis=-1).astype(dtype))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype) -> Array:
+    """Packed keys ``[k_c, cos(w p_j), sin(w p_j), split(u(j))]``.
+
+    Args:
+      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R]; u: [..., S, K] float32.
+    Returns:
+      [B, S, K, d_c + 2R + sink_channels] in ``dtype``.
+    """
+    b, s, kh, _ = k_content.shape
+    parts = [k_content.astype(dtype),
+             jnp.broadcast_to(k_rel[..., None, :], (b, s, kh, k_rel.shape[-1])).astype(dtype)]
+    if sink_channels:
+        u = jnp.broadcast_to(u, (b, s, kh))
+        parts.append(split_exact(u, sink_channels, dtype))
+    return jnp.concatenate(parts, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prior module: owns the parameters, calls goat_jax.prior
+# ----------------------------------------------------------------------------------------------
+
+
+def _alibi_raw_init(kv_heads: int, prior_init: str):
+    def init(_rng, shape, dtype=jnp.float32):
+        if prior_init == "uniform":
+            return jnp.full(shape, -30.0, dtype)  # softplus(-30) ~ 1e-13: no recency at start
+        return jnp.asarray(prior_lib.inverse_softplus(prior_lib.alibi_slopes(kv_heads)), dtype)
+    return init
+
+
+class GoatPrior(nn.Module):
+    """Parameters of the GOAT log-prior (official names and shapes; float32 always, since they
+    are tiny and their products with positions need the precision).
+
+    Methods return the q/k channels (``query``, ``key``) or the dense ``log_prior``; the math
+    lives in :mod:`goat_jax.prior`.
+    """
+
+    num_heads: int
+    kv_num_heads: int
+    pos_rank: int = 8
+    abs_rank: int = 8
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    enable_key_bias: bool = True
+    training_seq_len: Optional[int] = None
+    prior_gate: str = "none"
+    prior_init: str = "seeded"
+    init_scale_prior: float = 1e-3
+
+    @property
+    def spec(self) -> prior_lib.PriorSpec:
+        return prior_lib.PriorSpec(
+            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, pos_rank=self.pos_rank,
+            abs_rank=self.abs_rank, pos_base=self.pos_base, abs_base=self.abs_base,
+            enable_key_bias=self.enable_key_bias, training_seq_len=self.training_seq_len,
+            prior_gate=self.prior_gate)
+
+    def setup(self):
+        if self.prior_init not in ("seeded", "uniform"):
+            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {self.prior_init!r}.")
+        spec = self.spec  # validates the hyper-parameters
+        k, r, m = spec.kv_num_heads, spec.pos_rank, spec.abs_rank
+        f32 = jnp.float32
+        seeded = self.prior_init == "seeded"
+        sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
+        self.lambda_sym = self.param("lambda_sym", sym_init, (k, r), f32)
+        self.lambda_asym = self.param("lambda_asym", nn.initializers.zeros, (k, r), f32)
+        self.prior_gate_scale_raw = self.param(
+            "prior_gate_scale_raw", nn.initializers.constant(-10.0), (spec.num_heads,), f32)
+        self.prior_gate_bias = self.param(
+            "prior_gate_bias", nn.initializers.constant(10.0), (spec.num_heads,), f32)
+        if spec.enable_key_bias:
+            in_dim = 2 * m + 2
+            hidden = min(2 * in_dim, 4)  # official: min(in * 2, max(out * 2, 4)) with out = 1
+            scale = self.init_scale_prior
+
+            def mlp_init(rng):
+                r1, r2 = jax.random.split(rng)
+                fc2 = scale * jax.random.normal(r2, (hidden, 1), f32) if seeded else jnp.zeros((hidden, 1), f32)
+                return {"fc1": {"kernel": scale * jax.random.normal(r1, (in_dim, hidden), f32),
+                                "bias": jnp.zeros((hidden,), f32)},
+                        "fc2": {"kernel": fc2, "bias": jnp.zeros((1,), f32)}}
+
+            self.key_bias = self.param("key_bias", mlp_init)
+            self.sink_gain = self.param("sink_gain", nn.initializers.ones, (k,), f32)
+            self.sink_bump = self.param("sink_bump", nn.initializers.zeros, (k,), f32)
+            self.recency_slope_raw = self.param(
+                "recency_slope_raw", _alibi_raw_init(k, self.prior_init), (k,), f32)
+
+    def _params(self) -> dict:
+        names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
+        if self.enable_key_bias:
+            names += ["key_bias", "sink_gain", "sink_bump", "recency_slope_raw"]
+        return {name: getattr(self, name) for name in names}
+
+    def query(self, q_pos: prior_lib.Positions, q_content: Optional[Array] = None):
+        """Returns ``(q_rel [.., T, N, 2R], q_sink [.., T, N], gate or None)``, float32."""
+        params = self._params()
+        gate = prior_lib.query_gate(self.spec, params, q_content)
+        q_rel, q_sink = prior_lib.query_features(self.spec, params, q_pos, gate)
+        return q_rel, q_sink, gate
+
+    def key(self, k_pos: prior_lib.Positions, is_causal: bool):
+        """Returns ``(k_rel [.., S, 2R], u [.., S, K])``, float32."""
+        return prior_lib.key_features(self.spec, self._params(), k_pos, is_causal)
+
+    def log_prior(self, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions, is_causal: bool,
+                  q_content: Optional[Array] = None) -> Array:
+        """Dense ``[B or 1, N, T, S]`` log-prior (for plots and the 'dense' implementation)."""
+        params = self._params()
+        gate = prior_lib.query_gate(self.spec, params, q_content)
+        return prior_lib.log_prior(self.spec, params, q_pos, k_pos, is_causal=is_causal, gate=gate)
+
+    def __call__(self, q_pos, k_pos, is_causal: bool = False):
+        """Same as :meth:`log_prior` without a gate (lets ``init`` create the parameters)."""
+        return self.log_prior(q_pos, k_pos, is_causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# GoatAttention
+# ----------------------------------------------------------------------------------------------
+
+Offset = Union[None, int, Array, Tuple[int, int]]
+
+
+# The official module initializes each projection xavier-uniform over the whole [in, out]
+# matrix; DenseGeneral hands its initializer the flattened 2D kernel shape, so this matches.
+_xavier = nn.initializers.xavier_uniform()
+
+
+class GoatAttention(nn.Module):
+    """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
+
+    Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
+    spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
+    q_positions=None, k_positions=None)`` with ``query`` [B, T, E] and ``key``/``value``
+    [B, S, E'] (default: ``query``, i.e. self-attention). Returns [B, T, out_features or E].
+
+    * ``key_padding_mask``: [B, S] bool, True = padding (PyTorch/official convention).
+    * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
+      decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]; they move
+      the prior only; causal masking is always by sequence index).
+    * 2D: ``pos_encoding='2d'`` (or 'auto' with a ``spatial_shape``) uses (row, col) positions
+      of a row-major ``spatial_shape`` grid, CLS first if ``has_cls_token``; offsets are
+      (row, col) pairs.
+    * ``decode=True``: KV-cache decoding (Flax 'cache' collection). ``init`` with a full-length
+      input sizes the cache; each ``apply(..., mutable=['cache'])`` appends the new tokens at
+      the cache index and attends causally over the cache. Needs ``training_seq_len`` when the
+      sink is enabled, because otherwise the sink normalizes positions by the key length, which
+      changes while decoding.
+
+    Attention dropout is not offered: flash kernels have none.
+    """
+
+    num_heads: int
+    kv_num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    out_features: Optional[int] = None
+    pos_rank: int = 8
+    abs_rank: int = 8
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    enable_key_bias: bool = True
+    init_scale_prior: float = 1e-3
+    training_seq_len: Optional[int] = None
+    prior_init: str = "seeded"
+    prior_gate: str = "none"
+    pos_encoding: str = "1d"
+    has_cls_token_default: bool = False
+    use_bias: bool = True
+    dtype: Optional[Dtype] = None
+    param_dtype: Dtype = jnp.float32
+    implementation: Optional[str] = None
+    sink_channels: Optional[int] = None
+    decode: bool = False
+
+    def _dims(self, embed_dim: int) -> Tuple[int, int, int]:
+        kv = self.kv_num_heads or self.num_heads
+        if self.num_heads < 1 or kv < 1 or self.num_heads % kv:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a positive multiple of kv_num_heads={kv}.")
+        head_dim = self.head_dim
+        if head_dim is None:
+            if embed_dim % self.num_heads:
+                raise ValueError(
+                    f"embed_dim={embed_dim} is not divisible by num_heads={self.num_heads}; set "
+                    "head_dim explicitly or change num_heads.")
+            head_dim = embed_dim // self.num_heads
+        return kv, head_dim, head_dim
+
+    def _positions(self, length, offset, explicit, spatial_shape, has_cls, use_2d, name):
+        if use_2d:
+            prior_lib.check_grid(length, spatial_shape, has_cls)
+            if offset is None:
+                offset = (0, 0)
+            if isinstance(offset, (int, np.integer)):
+                if offset != 0:
+                    raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
+                offset = (0, 0)
+            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(int(o) for o in offset))
+        if isinstance(offset, (tuple, list)):
+            raise ValueError(f"{name} must be an integer in 1D mode, got {offset}.")
+        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit)
+
+    @nn.compact
+    def __call__(
+        self,
+        query: Array,
+        key: Optional[Array] = None,
+        value: Optional[Array] = None,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: Optional[Array] = None,
+        spatial_shape: Optional[Sequence[int]] = None,
+        has_cls_token: Optional[bool] = None,
+        position_offset_q: Offset = None,
+        position_offset_k: Offset = None,
+        q_positions: Optional[Array] = None,
+        k_positions: Optional[Array] = None,
+    ) -> Array:
+        key = query if key is None else key
+        value = key if value is None else value
+        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+            raise ValueError(
+                f"query/key/value must be [batch, length, features]; got {query.shape}, "
+                f"{key.shape}, {value.shape}.")
+        embed_dim = query.shape[-1]
+        kv_heads, head_dim, _ = self._dims(embed_dim)
+        dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
+        prior = GoatPrior(
+            num_heads=self.num_heads, kv_num_heads=kv_heads, pos_rank=self.pos_rank,
+            abs_rank=self.abs_rank, pos_base=self.pos_base, abs_base=self.abs_base,
+            enable_key_bias=self.enable_key_bias, training_seq_len=self.training_seq_len,
+            prior_gate=self.prior_gate, prior_init=self.prior_init,
+            init_scale_prior=self.init_scale_prior, name="prior")
+        d_c = prior.spec.content_dim(head_dim)
+        sink_channels = int(self.enable_key_bias) * (
+            self.sink_channels if self.sink_channels is not None else default_sink_channels(dtype))
+        if self.enable_key_bias and sink_channels < 1:
+            raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
+        qk_dim = d_c + 2 * self.pos_rank + sink_channels
+        impl = kernels.resolve_implementation(self.implementation, dtype, qk_dim)
+
+        def proj(name, heads, x, axes):
+            return nn.DenseGeneral(
+                (heads, head_dim), use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,
+                kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                name=name)(x)
+
+        q = proj("q_proj", self.num_heads, query, ("heads", "kv"))  # [B, T, N, H]
+        k = proj("k_proj", kv_heads, key, ("kv_heads", "kv"))  # [B, S, K, H]
+        v = proj("v_proj", kv_heads, value, ("kv_heads", "kv"))  # [B, S, K, H]
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+
+        # --- positions -------------------------------------------------------------------------
+        has_cls = self.has_cls_token_default if has_cls_token is None else bool(has_cls_token)
+        if self.pos_encoding not in ("1d", "2d", "auto"):
+            raise ValueError(f"pos_encoding must be '1d', '2d' or 'auto', got {self.pos_encoding!r}.")
+        use_2d = self.pos_encoding == "2d" or (self.pos_encoding == "auto" and spatial_shape is not None)
+        if use_2d and spatial_shape is None:
+            raise ValueError("pos_encoding='2d' needs spatial_shape=(rows, cols) of the patch grid.")
+        if use_2d and (self.decode or is_causal):
+            raise ValueError("2D positions support bidirectional, non-decoding attention only.")
+
+        cache_index = None
+        if self.decode:
+            if self.enable_key_bias and self.training_seq_len is None:
+                raise ValueError(
+                    "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
+                    "it; without it the normalization follows the key length, which grows while "
+                    "decoding). Set training_seq_len to the training context length.")
+            if query is not key or not is_causal:
+                raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
+            if q_positions is not None or position_offset_q is not None:
+                raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+            is_init = not self.has_variable("cache", "cached_key")
+            cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, s, kv_heads, qk_dim), dtype)
+            cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, s, kv_heads, head_dim), dtype)
+            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+            if not is_init:
+                cache_index = index.value
+                position_offset_q = position_offset_k = cache_index
+
+        q_pos = self._positions(t, position_offset_q, q_positions, spatial_shape, has_cls, use_2d, "position_offset_q")
+        k_pos = self._positions(s, position_offset_k, k_positions, spatial_shape, has_cls, use_2d, "position_offset_k")
+
+        q_content, k_content = q[..., :d_c], k[..., :d_c]
+        if impl == "dense" and cache_index is None:
+            # The materialized reference: content logits plus the dense log-prior as a bias.
+            bias = prior.log_prior(q_pos, k_pos, is_causal, q_content=q_content)  # [B|1, N, T, S]
+            out = kernels.attend(q_content, k_content, v, implementation="dense", scale=1.0 / math.sqrt(d_c),
+                                 is_causal=is_causal, key_padding_mask=key_padding_mask, bias=bias)
+        else:
+            q_rel, q_sink, _ = prior.query(q_pos, q_content)
+            k_rel, u = prior.key(k_pos, is_causal)
+            q_packed = pack_query(q_content, q_rel, q_sink, sink_channels, dtype)  # [B, T, N, qk_dim]
+            k_packed = pack_key(k_content, k_rel, u, sink_channels, dtype)  # [B, S, K, qk_dim]
+            causal_offset, kv_lengths = 0, None
+            if cache_index is not None:
+                # Append the new tokens and attend over the whole cache; keys past the last
+                # written slot are masked by the causal offset (= cache index).
+                k_packed = jax.lax.dynamic_update_slice(cached_k.value, k_packed, (0, cache_index, 0, 0))
+                v = jax.lax.dynamic_update_slice(cached_v.value, v, (0, cache_index, 0, 0))
+                cached_k.value, cached_v.value = k_packed, v
+                index.value = cache_index + t
+                causal_offset = cache_index
+                if t == 1:  # one token: causal == "keys up to the index", native on cuDNN
+                    kv_lengths = jnp.full((b,), cache_index + 1, jnp.int32)
+                    is_causal = False
+                if key_padding_mask is not None:
+                    raise ValueError("key_padding_mask is not supported while decoding.")
+            out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
+                                 is_causal=is_causal, causal_offset=causal_offset,
+                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
+        features = self.out_features or embed_dim
+        return nn.DenseGeneral(
+            features, axis=(-2, -1), use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            name="out_proj")(out.astype(dtype))

@@ -1,0 +1,281 @@
+"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'cudnn' | 'splash' |
+'splash_interpret' | 'dense' | None (automatic).
+
+Every kernel here computes plain ``softmax(q . k * scale + mask) v`` with *no additive bias*:
+GOAT's prior is packed into extra q/k channels (``goat_jax.attention``), so an unmodified flash
+kernel runs it exactly. Shape legend: B batch, T queries, S keys, N query heads, K kv heads
+(N % K == 0, grouped-query attention), Hqk q/k head dim, Hv value head dim.
+
+Masking contract (shared by all kernels):
+  * ``is_causal``: query ``i`` sees key ``j`` iff ``j <= i + causal_offset`` (sequence indices;
+    ``causal_offset`` = position of query 0 minus position of key 0, e.g. the cache index
+    while decoding). Offset 0 lets the kernels use their native causal mode.
+  * ``key_padding_mask``: [B, S] bool, **True = padding (ignored)**, the PyTorch/official
+    convention.
+  * ``kv_lengths``: [B] int32, keys at index >= length are ignored (right padding; native on
+    cuDNN).
+A query row whose keys are all masked has no defined output; callers must avoid it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("xla", "cudnn", "splash", "splash_interpret", "dense")
+_CUDNN_MAX_HEAD_DIM = 256  # Hopper; 128 on older GPUs.
+_SPLASH_BLOCK = 128  # splash block sizes must be multiples of the TPU lane count.
+
+_logger = logging.getLogger("goat_jax")
+_logged: set = set()
+
+
+def log_once(message: str) -> None:
+    """Logs ``message`` at INFO level the first time it is seen in this process."""
+    if message not in _logged:
+        _logged.add(message)
+        _logger.info(message)
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int) -> str:
+    """Validates ``implementation`` or picks one automatically (logged once).
+
+    Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
+    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; XLA
+    otherwise. An explicit choice that cannot run raises ValueError naming the reason.
+    """
+    dtype = jnp.dtype(dtype)
+    half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    platform = _platform()
+    if implementation is None or implementation == "auto":
+        padded = -(-qk_dim // 8) * 8
+        if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
+            choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
+        elif platform == "tpu":
+            choice, why = "splash", "TPU"
+        else:
+            reasons = []
+            if platform == "gpu" and not half:
+                reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
+            if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
+                reasons.append(f"packed head dim {padded} > {_CUDNN_MAX_HEAD_DIM}")
+            choice, why = "xla", ", ".join(reasons) or f"platform {platform}"
+        log_once(f"goat_jax: attention implementation '{choice}' ({why}).")
+        return choice
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"Unknown implementation={implementation!r}; choose one of {IMPLEMENTATIONS} or None "
+            "(automatic)."
+        )
+    if implementation == "cudnn":
+        if platform != "gpu":
+            raise ValueError(
+                f"implementation='cudnn' needs a GPU, but JAX runs on '{platform}'. Use "
+                "implementation='xla' (or None for automatic choice)."
+            )
+        if not half:
+            raise ValueError(
+                f"implementation='cudnn' needs bfloat16 or float16 inputs, got {dtype.name}. Set "
+                "the module's dtype=jnp.bfloat16, or use implementation='xla'."
+            )
+        if -(-qk_dim // 8) * 8 > _CUDNN_MAX_HEAD_DIM:
+            raise ValueError(
+                f"implementation='cudnn' supports head dims <= {_CUDNN_MAX_HEAD_DIM}; the packed "
+                f"q/k dim is {qk_dim}. Use fewer heads' dims or implementation='xla'."
+            )
+    if implementation == "splash" and platform != "tpu":
+        raise ValueError(
+            f"implementation='splash' needs a TPU, but JAX runs on '{platform}'. Use "
+            "'splash_interpret' to run the same Pallas kernel in interpret mode (slow; for tests)."
+        )
+    return implementation
+
+
+def _explicit_mask(
+    t: int, s: int, is_causal: bool, causal_offset: Any, key_padding_mask: Optional[Array],
+    kv_lengths: Optional[Array],
+) -> Optional[Array]:
+    """Boolean [B or 1, 1, T, S] mask (True = attend) from the masking contract, or None."""
+    mask = None
+    if is_causal:
+        i = jnp.arange(t)[:, None]
+        j = jnp.arange(s)[None, :]
+        mask = (j <= i + causal_offset)[None, None]
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask.astype(bool)[:, None, None, :]
+        mask = keep if mask is None else mask & keep
+    if kv_lengths is not None:
+        keep = (jnp.arange(s)[None, :] < kv_lengths[:, None])[:, None, None, :]
+        mask = keep if mask is None else mask & keep
+    return mask
+
+
+def _is_static_zero(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and int(x) == 0
+
+
+def _check_inputs(q: Array, k: Array, v: Array, key_padding_mask, kv_lengths):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be [B, T, N, H], [B, S, K, H], [B, S, K, Hv]; got {q.shape}, {k.shape}, {v.shape}."
+        )
+    b, t, n, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"Incompatible q {q.shape}, k {k.shape}, v {v.shape}.")
+    if n % k.shape[2]:
+        raise ValueError(
+            f"{n} query heads are not a multiple of {k.shape[2]} key/value heads; choose "
+            "kv_num_heads among the divisors of num_heads."
+        )
+    if key_padding_mask is not None and key_padding_mask.shape != (b, k.shape[1]):
+        raise ValueError(
+            f"key_padding_mask must have shape [B, S] = {(b, k.shape[1])}, got {key_padding_mask.shape}."
+        )
+    if kv_lengths is not None and kv_lengths.shape != (b,):
+        raise ValueError(f"kv_lengths must have shape [B] = {(b,)}, got {kv_lengths.shape}.")
+
+
+def attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    implementation: str,
+    scale: float = 1.0,
+    is_causal: bool = False,
+    causal_offset: Any = 0,
+    key_padding_mask: Optional[Array] = None,
+    kv_lengths: Optional[Array] = None,
+    bias: Optional[Array] = None,
+) -> Array:
+    """``softmax(scale * q . k [+ bias] + mask) v`` on the chosen kernel.
+
+    Args:
+      q: [B, T, N, Hqk]; k: [B, S, K, Hqk]; v: [B, S, K, Hv].
+      implementation: a resolved name (see :func:`resolve_implementation`).
+      bias: optional additive [B or 1, N or 1, T, S] float bias, only for 'xla' and 'dense' (the
+        materialized baselines: ALiBi-as-bias, naive L x L prior). Flash kernels get none.
+    Returns:
+      [B, T, N, Hv] in v's dtype.
+    """
+    _check_inputs(q, k, v, key_padding_mask, kv_lengths)
+    if bias is not None and implementation not in ("xla", "dense"):
+        raise ValueError(
+            f"An additive bias is only supported by implementation='xla' or 'dense', not "
+            f"{implementation!r} (flash kernels take packed q/k instead)."
+        )
+    if implementation == "dense":
+        return _dense(q, k, v, scale, bias, _explicit_mask(
+            q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask, kv_lengths))
+    if implementation in ("splash", "splash_interpret"):
+        return _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths,
+                       interpret=implementation == "splash_interpret")
+    # jax.nn.dot_product_attention needs equal q/k and v head dims: pad v with zero columns.
+    hv, hqk = v.shape[-1], q.shape[-1]
+    if implementation == "cudnn" and hqk % 8:
+        pad = -(-hqk // 8) * 8 - hqk  # cuDNN wants head dims that are multiples of 8
+        q = jnp.pad(q, [(0, 0)] * 3 + [(0, pad)])
+        k = jnp.pad(k, [(0, 0)] * 3 + [(0, pad)])
+        hqk += pad
+    if hv < hqk:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, hqk - hv)])
+    elif hv > hqk:
+        q = jnp.pad(q, [(0, 0)] * 3 + [(0, hv - hqk)])
+        k = jnp.pad(k, [(0, 0)] * 3 + [(0, hv - hqk)])
+    native_causal = is_causal and _is_static_zero(causal_offset)
+    mask = _explicit_mask(q.shape[1], k.shape[1], is_causal and not native_causal, causal_offset,
+                          key_padding_mask, None)
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=scale, is_causal=native_causal,
+        key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
+        implementation=implementation,
+    )
+    return out[..., :hv]
+
+
+def _dense(q, k, v, scale, bias, mask) -> Array:
+    """The materialized reference: float32 logits at highest precision, then softmax."""
+    g = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, g, axis=2)
+    v = jnp.repeat(v, g, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.astype(v.dtype)
+
+
+def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, *, interpret):
+    """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if t % _SPLASH_BLOCK or s % _SPLASH_BLOCK:
+        raise ValueError(
+            f"splash attention needs query and key lengths that are multiples of {_SPLASH_BLOCK}; "
+            f"got T={t}, S={s}. Pad the sequence or use implementation='xla'."
+        )
+    if is_causal and not isinstance(causal_offset, (int, np.integer)):
+        raise ValueError(
+            "splash attention builds its causal mask statically and needs an integer "
+            "causal_offset (got a traced value, e.g. a KV-cache index). Decode with "
+            "implementation='xla'/'cudnn'."
+        )
+    g = n // kh
+    block = lambda length: max(_SPLASH_BLOCK, min(512, length) // _SPLASH_BLOCK * _SPLASH_BLOCK)
+    bq, bkv = block(t), block(s)
+    while t % bq:
+        bq -= _SPLASH_BLOCK
+    while s % bkv:
+        bkv -= _SPLASH_BLOCK
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                          block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    base = sm.CausalMask((t, s), offset=int(causal_offset)) if is_causal else sm.FullMask((t, s))
+    mqa = kh == 1 or g > 1
+    heads = g if mqa else n
+    kernel = (sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device)(
+        sm.MultiHeadMask([base] * heads), block_sizes=sizes, interpret=interpret)
+
+    pad = None
+    if key_padding_mask is not None:
+        pad = key_padding_mask.astype(jnp.int32)
+    if kv_lengths is not None:
+        beyond = (jnp.arange(s)[None, :] >= kv_lengths[:, None]).astype(jnp.int32)
+        pad = beyond if pad is None else jnp.maximum(pad, beyond)
+
+    # Splash does not scale q; layouts are (heads, length, dim) per example.
+    qs = jnp.moveaxis(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B, N, T, H]
+    ks = jnp.moveaxis(k, 1, 2)  # [B, K, S, H]
+    vs = jnp.moveaxis(v, 1, 2)
+
+    def one(qb, kb, vb, pad_b):
+        seg = None
+        if pad_b is not None:
+            # Padded keys get segment 1, queries segment 0: they never match.
+            seg = sk.SegmentIds(q=jnp.zeros((t,), jnp.int32), kv=pad_b)
+        if mqa:  # qb [N, T, H] -> [K, G, T, H]; one MQA call per KV head
+            qg = qb.reshape(kh, g, t, -1)
+            return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=seg))(qg, kb, vb).reshape(n, t, -1)
+        return kernel(qb, kb, vb, segment_ids=seg)
+
+    if pad is None:
+        out = jax.vmap(lambda a, c, d: one(a, c, d, None))(qs, ks, vs)
+    else:
+        out = jax.vmap(one)(qs, ks, vs, pad)
+    return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]

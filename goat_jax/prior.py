@@ -1,0 +1,440 @@
+"""The GOAT log-prior as pure functions (no Flax in this file).
+
+GOAT (arXiv 2601.15380, section 3) replaces the hidden uniform prior of softmax attention by a
+learned one. For query position ``p_i`` and key position ``p_j`` of head ``h``::
+
+    log pi_h(i, j) = kappa_h(p_i - p_j) + u_h(j)
+
+* ``kappa_h(d) = sum_r A[h, r] cos(w_r d) + B[h, r] sin(w_r d)``: a truncated Fourier series
+  in the position difference (translation-equivariant), ``w_r = pos_base ** (-r / max(R-1, 1))``.
+* ``u_h(j) = gain_h * mlp(phi(j)) + bump_h * [t_j == 0] + [causal] softplus(slope_h) * t_j``:
+  a key-only "sink" term. ``phi(j)`` are absolute Fourier features of the key position plus
+  ``t_j / L_n`` and ``log1p(t_j) / log1p(L_n)``.
+
+The parametrization (names, shapes, initial values, frequency formula, 2D frequency split)
+is exactly that of the official PyTorch package ``goat-attention`` 0.1.1, so parameters map
+one to one (see ``goat_jax.interop``).
+
+Shape legend used in docstrings:
+  B batch, T query length, S key length, N query heads, K key/value heads, G = N // K,
+  R relative rank (``pos_rank``), M absolute rank (``abs_rank``).
+
+Positions are described by :class:`Positions`: 1D integer positions, or a 2D (row, col) grid
+with an optional CLS token whose Fourier features are zero (the official convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Params = Mapping[str, Any]
+
+# ALiBi (Press et al. 2022) slopes: the official package seeds the causal recency slopes with them.
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes ``m_i`` for ``num_heads`` heads, shape [num_heads], float64.
+
+    Power of two ``n``: ``m_i = 2 ** (-8 i / n)``, i = 1..n. Otherwise the slopes of the largest
+    power of two ``c < n`` followed by every other slope of ``2c`` (the ALiBi paper's recipe).
+    """
+    if num_heads < 1:
+        raise ValueError(f"alibi_slopes: num_heads must be >= 1, got {num_heads}.")
+
+    def power_of_two(n: int) -> list:
+        return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return np.asarray(power_of_two(num_heads))
+    c = 2 ** int(math.floor(math.log2(num_heads)))
+    return np.asarray(power_of_two(c) + power_of_two(2 * c)[0::2][: num_heads - c])
+
+
+def inverse_softplus(y: np.ndarray) -> np.ndarray:
+    """``x`` with ``softplus(x) = y`` for ``y > 0`` (used to seed raw slope parameters)."""
+    y = np.asarray(y, np.float64)
+    if np.any(y <= 0):
+        raise ValueError("inverse_softplus: all values must be > 0.")
+    return np.log(np.expm1(y))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hyper-parameters
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorSpec:
+    """Static hyper-parameters of a GOAT prior (everything that is not a learned parameter).
+
+    Attributes:
+      num_heads: query heads N.
+      kv_num_heads: key/value heads K (N % K == 0); the relative coefficients and the sink are
+        per KV head and shared across each group of G = N // K query heads, as in the official
+        package.
+      pos_rank: R, number of relative frequencies (0 disables kappa).
+      abs_rank: M, number of absolute frequencies fed to the sink MLP.
+      pos_base, abs_base: geometric frequency bases.
+      enable_key_bias: whether the sink u(j) exists (one extra q/k channel).
+      training_seq_len: ``L_n`` normalizing the sink MLP's linear/log position inputs. ``None``
+        means "current key length - 1" (the official default); set it for KV-cache decoding and
+        length extrapolation, where the key length changes.
+      prior_gate: 'none' or 'query_norm' (``g = sigmoid(b_h - softplus(s_h) * ||q_c||)``
+        multiplies the query-side prior features).
+    """
+
+    num_heads: int
+    kv_num_heads: int
+    pos_rank: int = 8
+    abs_rank: int = 8
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    enable_key_bias: bool = True
+    training_seq_len: Optional[int] = None
+    prior_gate: str = "none"
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.kv_num_heads < 1:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) and kv_num_heads ({self.kv_num_heads}) must be >= 1."
+            )
+        if self.num_heads % self.kv_num_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of kv_num_heads="
+                f"{self.kv_num_heads}; GQA/MQA needs each KV head to serve a whole group of "
+                "query heads. Choose kv_num_heads among the divisors of num_heads."
+            )
+        if self.pos_rank < 0 or self.abs_rank < 0:
+            raise ValueError(f"pos_rank ({self.pos_rank}) and abs_rank ({self.abs_rank}) must be >= 0.")
+        if self.prior_gate not in ("none", "query_norm"):
+            raise ValueError(f"prior_gate must be 'none' or 'query_norm', got {self.prior_gate!r}.")
+        if self.training_seq_len is not None and self.training_seq_len < 1:
+            raise ValueError(f"training_seq_len must be >= 1 or None, got {self.training_seq_len}.")
+
+    @property
+    def prior_dim(self) -> int:
+        """Head dims the prior takes from q/k in the official layout: ``2R + [key bias]``."""
+        return 2 * self.pos_rank + int(self.enable_key_bias)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+    def content_dim(self, head_dim: int) -> int:
+        """Content dims ``d_c = head_dim - prior_dim``; raises if the head is too small."""
+        d_c = head_dim - self.prior_dim
+        if d_c < 1:
+            raise ValueError(
+                f"head_dim={head_dim} is too small for the prior: it needs 2*pos_rank"
+                f"{' + 1 (key bias)' if self.enable_key_bias else ''} = {self.prior_dim} dims and "
+                "at least one content dim. Increase the head dim (embed_dim / num_heads) or "
+                "reduce pos_rank."
+            )
+        return d_c
+
+
+def frequencies(rank: int, base: float) -> Array:
+    """Geometric frequencies ``w_r = base ** (-r / max(rank - 1, 1))``, r = 0..rank-1; [rank] f32.
+
+    Note the ``rank - 1`` denominator (official convention): the lowest frequency is ``1/base``.
+    """
+    r = np.arange(rank, dtype=np.float64)
+    return jnp.asarray(base ** (-r / max(rank - 1, 1)), jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions
+# ----------------------------------------------------------------------------------------------
+
+
+class Positions(NamedTuple):
+    """Where each token sits.
+
+    Attributes:
+      index: [..., L] sequence index of each token (float32). In 1D it is the position itself;
+        in 2D it is the token's index in the flattened sequence (CLS = 0), which the official
+        package uses for the sink MLP's linear/log inputs, the first-token bump and the causal
+        recency slope.
+      coords: [..., L] (1D positions) or [..., L, 2] ((row, col)) float32 coordinates entering
+        the Fourier features.
+      is_cls: None, or [..., L] bool; CLS tokens get zero Fourier features (2D only).
+    """
+
+    index: Array
+    coords: Array
+    is_cls: Optional[Array] = None
+
+    @property
+    def is_2d(self) -> bool:
+        return self.coords.ndim == self.index.ndim + 1
+
+
+def positions_1d(length: int, offset: Any = 0, positions: Optional[Array] = None) -> Positions:
+    """1D positions ``offset + arange(length)``, or explicit integer ``positions`` [L] / [B, L].
+
+    ``offset`` may be a traced scalar (KV-cache decoding). Positions are exact integers in
+    float32 up to 2**24.
+    """
+    if positions is None:
+        pos = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+    else:
+        pos = jnp.asarray(positions).astype(jnp.float32)
+        if pos.shape[-1] != length:
+            raise ValueError(
+                f"positions has length {pos.shape[-1]} but the sequence has {length} tokens."
+            )
+    return Positions(index=pos, coords=pos, is_cls=None)
+
+
+def check_grid(length: int, spatial_shape: Sequence[int], has_cls: bool, name: str = "spatial_shape"):
+    """Raises ValueError unless ``length == H * W + has_cls``."""
+    if len(spatial_shape) != 2:
+        raise ValueError(f"{name} must be (rows, cols), got {spatial_shape!r}.")
+    h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    if h < 1 or w < 1 or h * w + int(has_cls) != length:
+        raise ValueError(
+            f"{name}={tuple(spatial_shape)} with has_cls_token={has_cls} describes "
+            f"{h * w + int(has_cls)} tokens but the sequence has {length}. Pass the patch grid "
+            "(rows, cols) of this input and set has_cls_token to whether token 0 is a CLS token."
+        )
+
+
+def positions_2d(
+    spatial_shape: Sequence[int], has_cls: bool, offset: Tuple[int, int] = (0, 0)
+) -> Positions:
+    """Row-major (row, col) grid positions, CLS (if any) first with zero features.
+
+    Returns Positions with ``index`` = arange(L), ``coords`` [L, 2] = (row + offset_row,
+    col + offset_col) (0 for CLS), ``is_cls`` [L].
+    """
+    h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    rows, cols = np.meshgrid(np.arange(h) + offset[0], np.arange(w) + offset[1], indexing="ij")
+    coords = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1).astype(np.float32)
+    is_cls = np.zeros(h * w, bool)
+    if has_cls:
+        coords = np.concatenate([np.zeros((1, 2), np.float32), coords], axis=0)
+        is_cls = np.concatenate([[True], is_cls])
+    length = coords.shape[0]
+    return Positions(
+        index=jnp.arange(length, dtype=jnp.float32),
+        coords=jnp.asarray(coords),
+        is_cls=jnp.asarray(is_cls),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Fourier features
+# ----------------------------------------------------------------------------------------------
+
+
+def fourier_features(pos: Positions, freqs: Array) -> Array:
+    """``[cos(w . p), sin(w . p)]`` of each token, [..., L, 2F] float32 for F frequencies.
+
+    1D: ``p`` is the position. 2D: the first ``F - F // 2`` frequencies go to the row, the
+    remaining ``F // 2`` to the column, laid out ``[cos_row, cos_col, sin_row, sin_col]``
+    (official order), so the dot product of two tokens' features is a separable sum over axes.
+    CLS tokens get zeros.
+    """
+    f = freqs.shape[0]
+    if not pos.is_2d:
+        phase = pos.coords[..., None] * freqs  # [..., L, F]
+    else:
+        f_row = f - f // 2
+        phase = jnp.concatenate(
+            [pos.coords[..., 0:1] * freqs[:f_row], pos.coords[..., 1:2] * freqs[f_row:]], axis=-1
+        )  # [..., L, F]
+    feats = jnp.concatenate([jnp.cos(phase), jnp.sin(phase)], axis=-1)
+    if pos.is_cls is not None:
+        feats = jnp.where(pos.is_cls[..., None], 0.0, feats)
+    return feats
+
+
+def kappa(delta: Array, lam_sym: Array, lam_asym: Array, freqs: Array) -> Array:
+    """The relative prior ``kappa(d) = sum_r A_r cos(w_r d) + B_r sin(w_r d)``.
+
+    Args:
+      delta: [...] position differences ``p_i - p_j`` (1D).
+      lam_sym, lam_asym: [H, R] coefficients A, B.
+      freqs: [R].
+    Returns:
+      [H, ...] float32.
+    """
+    phase = jnp.asarray(delta, jnp.float32)[..., None] * freqs  # [..., R]
+    out = jnp.einsum("...r,hr->h...", jnp.cos(phase), lam_sym) + jnp.einsum(
+        "...r,hr->h...", jnp.sin(phase), lam_asym
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Query-side and key-side features (what gets packed into the extra q/k channels)
+# ----------------------------------------------------------------------------------------------
+
+
+def _per_query_head(x: Array, spec: PriorSpec) -> Array:
+    """[K, ...] per-KV-head parameter -> [N, ...], each KV head repeated over its group."""
+    return jnp.repeat(x, spec.group_size, axis=0)
+
+
+def query_gate(spec: PriorSpec, params: Params, q_content: Optional[Array]) -> Optional[Array]:
+    """The ``query_norm`` prior gate ``g = sigmoid(b_h - softplus(s_h) * ||q_c||)``.
+
+    Args:
+      q_content: [B, T, N, d_c] raw (unscaled) query content dims.
+    Returns:
+      None when ``prior_gate == 'none'``, else [B, T, N] float32.
+    """
+    if spec.prior_gate == "none":
+        return None
+    if q_content is None:
+        raise ValueError("prior_gate='query_norm' needs the query content (q_content).")
+    norm = jnp.sqrt(jnp.sum(jnp.square(q_content.astype(jnp.float32)), axis=-1))
+    scale = jax.nn.softplus(params["prior_gate_scale_raw"].astype(jnp.float32))
+    return jax.nn.sigmoid(params["prior_gate_bias"].astype(jnp.float32) - scale * norm)
+
+
+def query_features(
+    spec: PriorSpec, params: Params, q_pos: Positions, gate: Optional[Array] = None
+) -> Tuple[Array, Array]:
+    """Query-side prior channels.
+
+    Returns:
+      q_rel: [..., T, N, 2R] = ``[A cos(w p_i) + B sin(w p_i), A sin(w p_i) - B cos(w p_i)]``
+        (times the gate, if any), float32.
+      q_sink: [..., T, N] coefficient of the sink channel: 1, or the gate. float32.
+      The leading dims are those of ``q_pos`` broadcast with the gate's [B, T].
+    """
+    r = spec.pos_rank
+    feats = fourier_features(q_pos, frequencies(r, spec.pos_base))  # [..., T, 2R]
+    cos, sin = feats[..., None, :r], feats[..., None, r:]  # [..., T, 1, R]
+    a = _per_query_head(params["lambda_sym"], spec).astype(jnp.float32) if r else None
+    b = _per_query_head(params["lambda_asym"], spec).astype(jnp.float32) if r else None
+    if r:
+        q_rel = jnp.concatenate([a * cos + b * sin, a * sin - b * cos], axis=-1)  # [..., T, N, 2R]
+    else:
+        q_rel = jnp.zeros(feats.shape[:-1] + (spec.num_heads, 0), jnp.float32)
+    q_sink = jnp.ones(q_rel.shape[:-1], jnp.float32)
+    if gate is not None:
+        q_rel = q_rel * gate[..., None]
+        q_sink = q_sink * gate
+    return q_rel, q_sink
+
+
+def sink_mlp_inputs(spec: PriorSpec, k_pos: Positions) -> Array:
+    """Inputs of the sink MLP: ``[cos(w_abs p), sin(w_abs p), t / L_n, log1p(t) / log1p(L_n)]``.
+
+    ``t`` is the key's sequence index and ``L_n = training_seq_len`` (or key length - 1).
+    Returns [..., S, 2M + 2] float32.
+    """
+    s = k_pos.index.shape[-1]
+    denom = float(spec.training_seq_len if spec.training_seq_len is not None else max(s - 1, 1))
+    t = k_pos.index.astype(jnp.float32)[..., None]
+    extra = jnp.concatenate([t / denom, jnp.log1p(t) / math.log1p(denom)], axis=-1)
+    abs_feats = fourier_features(k_pos, frequencies(spec.abs_rank, spec.abs_base))
+    abs_feats = jnp.broadcast_to(abs_feats, extra.shape[:-1] + abs_feats.shape[-1:])
+    return jnp.concatenate([abs_feats, extra], axis=-1)
+
+
+def sink_mlp(mlp_params: Params, x: Array) -> Array:
+    """The sink MLP ``fc2(silu(fc1(x)))`` in float32; [..., in] -> [...]."""
+    h = x @ mlp_params["fc1"]["kernel"].astype(jnp.float32) + mlp_params["fc1"]["bias"].astype(jnp.float32)
+    h = jax.nn.silu(h)
+    out = h @ mlp_params["fc2"]["kernel"].astype(jnp.float32) + mlp_params["fc2"]["bias"].astype(jnp.float32)
+    return out[..., 0]
+
+
+def sink(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> Array:
+    """The key-only log-prior ``u_h(j)``, [..., S, K] float32 (zeros [..., S, 0] if disabled).
+
+    ``u = gain_h * mlp(phi(j)) + bump_h * [t_j == 0] + [causal] softplus(slope_h) * t_j``.
+    The recency slope is only added under causal masking, where ``slope * t_j`` equals the
+    ALiBi penalty ``-slope * (t_i - t_j)`` up to a per-row constant that softmax ignores.
+    """
+    if not spec.enable_key_bias:
+        return jnp.zeros(k_pos.index.shape + (0,), jnp.float32)
+    m = sink_mlp(params["key_bias"], sink_mlp_inputs(spec, k_pos))[..., None]  # [..., S, 1]
+    t = k_pos.index.astype(jnp.float32)[..., None]  # [..., S, 1]
+    u = params["sink_gain"].astype(jnp.float32) * m + params["sink_bump"].astype(jnp.float32) * (
+        t == 0
+    ).astype(jnp.float32)
+    if is_causal:
+        u = u + jax.nn.softplus(params["recency_slope_raw"].astype(jnp.float32)) * t
+    return u
+
+
+def key_features(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> Tuple[Array, Array]:
+    """Key-side prior channels: ``k_rel`` [..., S, 2R] (``[cos(w p_j), sin(w p_j)]``) and ``u``
+    [..., S, K] (see :func:`sink`), float32."""
+    k_rel = fourier_features(k_pos, frequencies(spec.pos_rank, spec.pos_base))
+    return k_rel, sink(spec, params, k_pos, is_causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense log-prior (plots, the 'dense' reference implementation, tests)
+# ----------------------------------------------------------------------------------------------
+
+
+def log_prior(
+    spec: PriorSpec,
+    params: Params,
+    q_pos: Positions,
+    k_pos: Positions,
+    *,
+    is_causal: bool,
+    gate: Optional[Array] = None,
+) -> Array:
+    """The materialized log-prior ``kappa_h(p_i - p_j) + u_h(j)`` (gated if a gate is given).
+
+    kappa is evaluated from position *differences* (not through the packed features), so this
+    is an independent check of the packing. No causal mask is applied here.
+
+    Args:
+      q_pos, k_pos: query and key positions (both 1D or both 2D); leading dims [B] optional.
+      gate: None or [B, T, N] from :func:`query_gate`.
+    Returns:
+      [B or 1, N, T, S] float32.
+    """
+    r = spec.pos_rank
+    freqs = frequencies(r, spec.pos_base)
+    a = _per_query_head(params["lambda_sym"], spec).astype(jnp.float32) if r else None
+    b = _per_query_head(params["lambda_asym"], spec).astype(jnp.float32) if r else None
+    qc, kc = q_pos.coords, k_pos.coords
+    if qc.ndim == (2 if q_pos.is_2d else 1):
+        qc = qc[None]
+    if kc.ndim == (2 if k_pos.is_2d else 1):
+        kc = kc[None]
+    if r == 0:
+        rel = jnp.zeros((1, spec.num_heads, qc.shape[1], kc.shape[1]), jnp.float32)
+    elif not q_pos.is_2d:
+        delta = qc[:, :, None] - kc[:, None, :]  # [B, T, S]
+        rel = jnp.moveaxis(kappa(delta, a, b, freqs), 0, 1)  # [B, N, T, S]
+    else:
+        r_row = r - r // 2
+        d_row = qc[:, :, None, 0] - kc[:, None, :, 0]
+        d_col = qc[:, :, None, 1] - kc[:, None, :, 1]
+        rel = kappa(d_row, a[:, :r_row], b[:, :r_row], freqs[:r_row]) + kappa(
+            d_col, a[:, r_row:], b[:, r_row:], freqs[r_row:]
+        )
+        rel = jnp.moveaxis(rel, 0, 1)  # [B, N, T, S]
+        cls_q = q_pos.is_cls if q_pos.is_cls is not None else jnp.zeros(qc.shape[1], bool)
+        cls_k = k_pos.is_cls if k_pos.is_cls is not None else jnp.zeros(kc.shape[1], bool)
+        keep = ~(cls_q[..., :, None] | cls_k[..., None, :])  # CLS has zero relative features
+        rel = jnp.where(keep, rel, 0.0)
+    if gate is not None:
+        rel = rel * jnp.moveaxis(gate, -1, -2)[..., None]  # gate [B, T, N] -> [B, N, T, 1]
+    u = sink(spec, params, k_pos, is_causal)  # [..., S, K]
+    if u.shape[-1]:
+        u = _per_query_head(jnp.moveaxis(u, -1, 0), spec)  # [N, ..., S]
+        u = jnp.moveaxis(u, 0, -2) if u.ndim == 3 else u[None]  # [B or 1, N, S]
+        u = u[..., None, :]  # [B, N, 1, S]
+        if gate is not None:
+            u = u * jnp.moveaxis(gate, -1, -2)[..., None]
+        rel = rel + u
+    return rel
