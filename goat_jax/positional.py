@@ -1,0 +1,446 @@
+"""Positional-encoding baselines behind GoatAttention's interface, for fair comparisons.
+
+Relative encodings act inside attention, in :class:`PositionalAttention` (same call signature,
+projection names and cache collection as :class:`goat_jax.attention.GoatAttention`, so models
+swap the two freely), chosen by ``position_encoding``:
+
+=================  =============================================================================
+'nope'             no positional information in attention (Kazemnejad et al. 2023)
+'rope'             rotary embeddings (Su et al. 2021), rotate-half layout
+'rope_pi'          RoPE with position interpolation (Chen et al. 2023): positions times
+                   ``training_seq_len / key_length`` once the keys outgrow the training length
+'alibi'            ALiBi (Press et al. 2022) as a materialized [N, T, S] additive bias: the
+                   textbook form; XLA / dense kernels only
+'alibi_packed'     the same ALiBi logits packed into q/k channels exactly like GOAT's causal
+                   recency slope, so it runs on flash kernels; causal only
+'naive_prior'      a learned dense per-head [N, max_len, max_len] log-prior: the L x L prior that
+                   GOAT's packing avoids (its memory is the point of the comparison)
+=================  =============================================================================
+
+Absolute encodings are added to the token embeddings before the first layer, not inside
+attention: :func:`sinusoidal_embedding` (Vaswani et al. 2017) and
+:class:`LearnedPositionEmbedding`. A model using them runs its attention with
+``position_encoding='nope'``.
+
+Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
+H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax import kernels
+from goat_jax import prior as prior_lib
+from goat_jax.attention import Offset, default_sink_channels, split_exact
+
+Array = jax.Array
+Dtype = Any
+
+POSITION_ENCODINGS = ("nope", "rope", "rope_pi", "alibi", "alibi_packed", "naive_prior")
+_BIAS_ENCODINGS = ("alibi", "naive_prior")  # materialize a [.., N, T, S] bias
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions
+# ----------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(dim: int, base: float = 10_000.0) -> Array:
+    """RoPE inverse frequencies ``theta_i = base ** (-2 i / dim)``, i = 0..dim/2-1; [dim/2] f32."""
+    if dim < 2 or dim % 2:
+        raise ValueError(f"RoPE needs an even head dim >= 2, got {dim}.")
+    # float64 on the host, so the lowest frequencies are correctly rounded once.
+    return jnp.asarray(base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
+
+
+def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float = 1.0) -> Array:
+    """Rotates ``x`` by its positions (rotate-half layout, as GPT-NeoX / Llama).
+
+    Dim ``i < H/2`` is paired with dim ``i + H/2`` and the pair is rotated by the angle
+    ``(p / scale) * theta_i`` (:func:`rope_frequencies`). Then ``apply_rope(q, p_i) .
+    apply_rope(k, p_j)`` depends on the positions only through ``p_i - p_j``. ``scale > 1`` is
+    position interpolation (positions divided by ``scale``).
+
+    Args:
+      x: [B, T, N, H].
+      positions: [T] or [B, T] (integer or float) positions.
+    Returns:
+      [B, T, N, H] in ``x``'s dtype; the rotation is computed in float32 (angles reach
+      ``p * theta_0 = p`` radians, too coarse in bfloat16).
+    """
+    h = x.shape[-1]
+    angle = (jnp.asarray(positions, jnp.float32) / scale)[..., None] * rope_frequencies(h, base)
+    cos = jnp.cos(angle)[..., None, :]  # [(B,) T, 1, H/2]
+    sin = jnp.sin(angle)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _as_batched(positions: Array) -> Array:
+    """[L] -> [1, L]; [B, L] unchanged; float32 (integer positions are exact up to 2**24)."""
+    p = jnp.asarray(positions, jnp.float32)
+    return p[None] if p.ndim == 1 else p
+
+
+def alibi_bias(num_heads: int, q_positions: Array, k_positions: Array) -> Array:
+    """ALiBi bias ``-m_h |p_i - p_j|`` with the ALiBi slopes ``m_h`` (``prior.alibi_slopes``).
+
+    Under a causal mask this is the paper's ``-m_h (p_i - p_j)``; the absolute value is the usual
+    bidirectional extension.
+
+    Args:
+      q_positions: [T] or [B, T]; k_positions: [S] or [B, S].
+    Returns:
+      [1 or B, N, T, S] float32.
+    """
+    slopes = jnp.asarray(prior_lib.alibi_slopes(num_heads), jnp.float32)
+    dist = jnp.abs(_as_batched(q_positions)[:, :, None] - _as_batched(k_positions)[:, None, :])
+    return -slopes[:, None, None] * dist[:, None]  # [B|1, N, T, S]
+
+
+def pack_alibi_query(q: Array, group_size: int, channels: int, dtype: Dtype) -> Array:
+    """Queries for packed causal ALiBi: ``[q / sqrt(H), onehot_g x c]``.
+
+    Query head ``n`` (group member ``g = n % G`` of KV head ``n // G``) carries ones in the
+    ``c`` channels of its own slope block ``g`` and zeros in the other ``G - 1`` blocks, so each
+    query head picks its own slope from a key shared by its GQA group.
+
+    Args:
+      q: [B, T, N, H] raw queries.
+    Returns:
+      [B, T, N, H + G c] in ``dtype`` (use with attention scale 1).
+    """
+    b, t, n, h = q.shape
+    # 1/sqrt(H) folded in float32 before the cast, as in attention.pack_query.
+    scaled = (q.astype(jnp.float32) / math.sqrt(h)).astype(dtype)
+    onehot = jnp.repeat(jnp.eye(group_size, dtype=dtype), channels, axis=-1)  # [G, G c]
+    select = jnp.tile(onehot, (n // group_size, 1))  # [N, G c]; row n -> block n % G
+    return jnp.concatenate([scaled, jnp.broadcast_to(select, (b, t, n, select.shape[-1]))], axis=-1)
+
+
+def pack_alibi_key(k: Array, k_positions: Array, num_heads: int, channels: int, dtype: Dtype) -> Array:
+    """Keys for packed causal ALiBi: ``[k, split(m_g p_j) for g in group]``.
+
+    ``q~ . k~ = q . k / sqrt(H) + m_n p_j``, which is ALiBi's ``-m_n (p_i - p_j)`` up to the
+    row constant ``m_n p_i`` that softmax ignores: valid under a causal mask with positions
+    increasing along the sequence. ``m p_j`` grows with position, so it is split exactly into
+    ``c`` parts of ``dtype`` (``attention.split_exact``, as GOAT's sink): bf16 inputs multiply
+    exactly and accumulate in float32, so the slope reaches the logits at float32 accuracy.
+
+    Args:
+      k: [B, S, K, H]; k_positions: [S] or [B, S].
+    Returns:
+      [B, S, K, H + G c] in ``dtype``.
+    """
+    b, s, kh, h = k.shape
+    g = num_heads // kh
+    slopes = jnp.asarray(prior_lib.alibi_slopes(num_heads), jnp.float32).reshape(kh, g)  # [K, G]
+    u = _as_batched(k_positions)[:, :, None, None] * slopes  # [B|1, S, K, G]
+    parts = split_exact(u, channels, dtype).reshape(u.shape[:3] + (g * channels,))  # [B|1, S, K, G c]
+    return jnp.concatenate([k.astype(dtype), jnp.broadcast_to(parts, (b, s, kh, g * channels))], axis=-1)
+
+
+def naive_prior_bias(table: Array, q_positions: Array, k_positions: Array) -> Array:
+    """Gathers the learned dense log-prior ``table[h, p_i, p_j]``.
+
+    Args:
+      table: [N, max_len, max_len]; q_positions: [T] or [B, T]; k_positions: [S] or [B, S]
+        (integer-valued).
+    Returns:
+      [1 or B, N, T, S] float32. Out-of-range positions give NaN (reachable only with traced
+      positions, whose range cannot be checked at trace time): loud, never a silent clamp.
+    """
+    qi = _as_batched(q_positions).astype(jnp.int32)[:, :, None]  # [B|1, T, 1]
+    ki = _as_batched(k_positions).astype(jnp.int32)[:, None, :]  # [B|1, 1, S]
+    bias = table.astype(jnp.float32).at[:, qi, ki].get(mode="fill", fill_value=jnp.nan)  # [N, B|1, T, S]
+    return jnp.moveaxis(bias, 0, 1)
+
+
+def sinusoidal_embedding(positions: Array, dim: int, base: float = 10_000.0) -> Array:
+    """Vaswani et al. (2017) absolute encoding: ``PE[p, 2i] = sin(p / base**(2i/dim))``,
+    ``PE[p, 2i+1] = cos(p / base**(2i/dim))`` (interleaved, as in the paper).
+
+    Args:
+      positions: [...] integer or float positions.
+    Returns:
+      [..., dim] float32, added to the token embeddings (attention then uses 'nope').
+    """
+    angle = jnp.asarray(positions, jnp.float32)[..., None] * rope_frequencies(dim, base)  # [..., dim/2]
+    return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(angle.shape[:-1] + (dim,))
+
+
+def _concrete_max(x: Any) -> Optional[int]:
+    """``max(x)`` as a Python int when ``x`` is known at trace time, else None."""
+    try:
+        return int(np.max(np.asarray(x)))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_max_len(max_len: int, largest: Optional[int], what: str) -> None:
+    if largest is not None and largest >= max_len:
+        raise ValueError(
+            f"{what}: position {largest} is beyond max_len={max_len} (positions must be < max_len). "
+            "Increase max_len or use a relative encoding that extrapolates.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Absolute position embeddings (applied to token embeddings)
+# ----------------------------------------------------------------------------------------------
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """A learned absolute position table (GPT-2 / BERT style), added to token embeddings.
+
+    ``module(positions)`` with integer ``positions`` [...] (e.g. ``arange(T)``) returns
+    [..., features]. Positions >= ``max_len`` raise ValueError when known at trace time and give
+    NaN when traced (no silent clamping). Attention then uses ``position_encoding='nope'``.
+    """
+
+    max_len: int
+    features: int
+    dtype: Optional[Dtype] = None
+    param_dtype: Dtype = jnp.float32
+    embedding_init: Any = nn.initializers.normal(stddev=0.02)
+
+    @nn.compact
+    def __call__(self, positions: Array) -> Array:
+        _check_max_len(self.max_len, _concrete_max(positions), "LearnedPositionEmbedding")
+        table = self.param(
+            "embedding", nn.with_logical_partitioning(self.embedding_init, (None, "embed")),
+            (self.max_len, self.features), self.param_dtype)
+        idx = jnp.asarray(positions).astype(jnp.int32)
+        out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan)  # [..., features]
+        return out.astype(self.dtype or self.param_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer pieces shared with GoatAttention (see the module's report: candidates for attention.py)
+# ----------------------------------------------------------------------------------------------
+
+# Same initializer as GoatAttention (official: xavier-uniform over the whole [in, out] matrix).
+_xavier = nn.initializers.xavier_uniform()
+
+
+def _project(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str], use_bias: bool,
+             dtype: Dtype, param_dtype: Dtype) -> Array:
+    """[B, L, E] -> [B, L, heads, head_dim]; same parameter names/axes as GoatAttention."""
+    return nn.DenseGeneral(
+        (heads, head_dim), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes), name=name)(x)
+
+
+def _out_project(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
+    """[B, T, N, H] -> [B, T, features] (``out_proj``, as GoatAttention)."""
+    return nn.DenseGeneral(
+        features, axis=(-2, -1), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        name="out_proj")(out.astype(dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# PositionalAttention
+# ----------------------------------------------------------------------------------------------
+
+
+class PositionalAttention(nn.Module):
+    """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
+
+    Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
+    spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
+    q_positions=None, k_positions=None)``; ``query`` [B, T, E], ``key``/``value`` [B, S, E']
+    (default ``query``). Returns [B, T, out_features or E]. Conventions as GoatAttention:
+    ``key_padding_mask`` [B, S] True = padding; positions ``arange + position_offset_*`` or
+    explicit ``q_positions``/``k_positions`` ([T] / [B, T]; they move the encoding only, causal
+    masking is by sequence index). Positions are 1D: ``spatial_shape`` is accepted (and ignored)
+    only with 'nope', the choice for ViTs with absolute embeddings.
+
+    ``decode=True``: KV-cache decoding in the 'cache' collection (``cached_key``,
+    ``cached_value``, ``cache_index``), as GoatAttention: ``init`` with a full-length input
+    sizes the cache; each ``apply(..., mutable=['cache'])`` appends the new tokens and attends
+    causally over the cache. The cache holds keys as the kernel sees them (rotated for RoPE,
+    packed for 'alibi_packed'). 'rope_pi' scales by the cache length while decoding, i.e. by
+    the length of the full forward it reproduces.
+
+    Variant-specific fields: ``rope_base``; ``training_seq_len`` ('rope_pi', required);
+    ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
+    """
+
+    num_heads: int
+    kv_num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    out_features: Optional[int] = None
+    position_encoding: str = "rope"
+    rope_base: float = 10_000.0
+    training_seq_len: Optional[int] = None
+    max_len: Optional[int] = None
+    use_bias: bool = True
+    dtype: Optional[Dtype] = None
+    param_dtype: Dtype = jnp.float32
+    implementation: Optional[str] = None
+    decode: bool = False
+
+    def _validate(self) -> None:
+        enc = self.position_encoding
+        if enc not in POSITION_ENCODINGS:
+            raise ValueError(
+                f"Unknown position_encoding={enc!r}; choose one of {POSITION_ENCODINGS} (absolute "
+                "'sinusoidal'/'learned' encodings go on the embeddings, with 'nope' here).")
+        if enc == "rope_pi" and self.training_seq_len is None:
+            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
+                             "positions are interpolated back to).")
+        if enc == "naive_prior" and (self.max_len is None or self.max_len < 1):
+            raise ValueError("position_encoding='naive_prior' needs max_len >= 1 (the learned "
+                             f"prior table is [num_heads, max_len, max_len]); got {self.max_len}.")
+
+    def _implementation(self, dtype: Dtype, qk_dim: int) -> str:
+        """Kernel choice; bias-based encodings need a kernel that takes an additive bias."""
+        impl = self.implementation
+        if self.position_encoding not in _BIAS_ENCODINGS:
+            return kernels.resolve_implementation(impl, dtype, qk_dim)
+        if impl is None or impl == "auto":
+            kernels.log_once(f"goat_jax: position_encoding={self.position_encoding!r} uses "
+                             "implementation 'xla' (it needs an additive bias).")
+            return "xla"
+        if impl in kernels.IMPLEMENTATIONS and impl not in ("xla", "dense"):
+            raise ValueError(
+                f"position_encoding={self.position_encoding!r} adds a materialized [N, T, S] bias, "
+                f"which implementation={impl!r} (a flash kernel) does not take; use 'xla' or "
+                "'dense'" + (", or position_encoding='alibi_packed' (causal)."
+                             if self.position_encoding == "alibi" else "."))
+        return kernels.resolve_implementation(impl, dtype, qk_dim)
+
+    @nn.compact
+    def __call__(
+        self,
+        query: Array,
+        key: Optional[Array] = None,
+        value: Optional[Array] = None,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: Optional[Array] = None,
+        spatial_shape: Optional[Sequence[int]] = None,
+        has_cls_token: Optional[bool] = None,
+        position_offset_q: Offset = None,
+        position_offset_k: Offset = None,
+        q_positions: Optional[Array] = None,
+        k_positions: Optional[Array] = None,
+    ) -> Array:
+        del has_cls_token  # 1D encodings: a CLS token is just position 0
+        self._validate()
+        enc = self.position_encoding
+        key = query if key is None else key
+        value = key if value is None else value
+        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+            raise ValueError(
+                f"query/key/value must be [batch, length, features]; got {query.shape}, "
+                f"{key.shape}, {value.shape}.")
+        if spatial_shape is not None and enc != "nope":
+            raise ValueError(
+                f"position_encoding={enc!r} is 1D; for 2D inputs use GoatAttention, or 'nope' with "
+                "absolute position embeddings on the patches.")
+        if enc == "alibi_packed" and not is_causal:
+            raise ValueError(
+                "position_encoding='alibi_packed' needs is_causal=True: it drops ALiBi's row "
+                "constant m * p_i, which is exact only when every visible key precedes the query. "
+                "Use 'alibi' (materialized bias) for bidirectional attention.")
+
+        embed_dim = query.shape[-1]
+        n = self.num_heads
+        kv_heads = self.kv_num_heads or n
+        if n < 1 or kv_heads < 1 or n % kv_heads:
+            raise ValueError(f"num_heads={n} must be a positive multiple of kv_num_heads={kv_heads}.")
+        head_dim = self.head_dim
+        if head_dim is None:
+            if embed_dim % n:
+                raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={n}; set "
+                                 "head_dim explicitly or change num_heads.")
+            head_dim = embed_dim // n
+        dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
+        group = n // kv_heads
+        channels = default_sink_channels(dtype)
+        qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
+        impl = self._implementation(dtype, qk_dim)
+
+        q = _project(query, "q_proj", n, head_dim, ("heads", "kv"), self.use_bias, dtype, self.param_dtype)
+        k = _project(key, "k_proj", kv_heads, head_dim, ("kv_heads", "kv"), self.use_bias, dtype, self.param_dtype)
+        v = _project(value, "v_proj", kv_heads, head_dim, ("kv_heads", "kv"), self.use_bias, dtype, self.param_dtype)
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]  # q [B, T, N, H], k/v [B, S, K, H]
+
+        cache_index = None
+        if self.decode:
+            if query is not key or not is_causal:
+                raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
+            if q_positions is not None or position_offset_q is not None:
+                raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+            if key_padding_mask is not None:
+                raise ValueError("key_padding_mask is not supported while decoding.")
+            is_init = not self.has_variable("cache", "cached_key")
+            cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, s, kv_heads, qk_dim), dtype)
+            cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, s, kv_heads, head_dim), dtype)
+            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+            if not is_init:
+                cache_index = index.value
+                position_offset_q = position_offset_k = cache_index
+        for name, offset in (("position_offset_q", position_offset_q), ("position_offset_k", position_offset_k)):
+            if isinstance(offset, (tuple, list)):
+                raise ValueError(f"{name} must be an integer (1D positions), got {offset}.")
+        q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions).index
+        k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions).index
+        key_len = s if cache_index is None else cached_k.value.shape[1]  # the cache while decoding
+
+        # --- the encoding on q/k (what the cache stores) ----------------------------------------
+        scale = 1.0 / math.sqrt(head_dim)
+        if enc in ("rope", "rope_pi"):
+            pi = max(1.0, key_len / self.training_seq_len) if enc == "rope_pi" else 1.0
+            q = apply_rope(q, q_pos, self.rope_base, pi)
+            k = apply_rope(k, k_pos, self.rope_base, pi)
+        elif enc == "alibi_packed":
+            q = pack_alibi_query(q, group, channels, dtype)  # [B, T, N, H + G c], scale folded in
+            k = pack_alibi_key(k, k_pos, n, channels, dtype)  # [B, S, K, H + G c]
+            scale = 1.0
+
+        causal_offset, kv_lengths = 0, None
+        if cache_index is not None:
+            k = jax.lax.dynamic_update_slice(cached_k.value, k.astype(dtype), (0, cache_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cached_v.value, v, (0, cache_index, 0, 0))
+            cached_k.value, cached_v.value = k, v
+            index.value = cache_index + t
+            k_pos = jnp.arange(key_len, dtype=jnp.float32)  # the whole cache, from position 0
+            causal_offset = cache_index  # keys past the last written slot are masked by it
+            if t == 1:  # one token: causal == "keys up to the index", native on cuDNN
+                kv_lengths = jnp.full((b,), cache_index + 1, jnp.int32)
+                is_causal = False
+
+        # --- materialized biases ---------------------------------------------------------------
+        bias = None
+        if enc == "alibi":
+            bias = alibi_bias(n, q_pos, k_pos)  # [B|1, N, T, S] float32
+        elif enc == "naive_prior":
+            if cache_index is None:  # while decoding, the cache length was checked at init
+                for what, pos, explicit, offset, length in (
+                        ("queries", q_pos, q_positions, position_offset_q, t),
+                        ("keys", k_pos, k_positions, position_offset_k, s)):
+                    static = (None if not isinstance(offset, (type(None), int, np.integer))
+                              else (offset or 0) + length - 1)
+                    largest = _concrete_max(explicit) if explicit is not None else static
+                    _check_max_len(self.max_len, largest, f"naive_prior {what}")
+            table = self.param(
+                "naive_prior", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
+                (n, self.max_len, self.max_len), self.param_dtype)
+            bias = naive_prior_bias(jnp.asarray(table), q_pos, k_pos)  # [B|1, N, T, S] float32
+
+        out = kernels.attend(q, k, v, implementation=impl, scale=scale, is_causal=is_causal,
+                             causal_offset=causal_offset, key_padding_mask=key_padding_mask,
+                             kv_lengths=kv_lengths, bias=bias)  # [B, T, N, H]
+        return _out_project(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
