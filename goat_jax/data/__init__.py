@@ -1,0 +1,15 @@
+"""Input pipelines. Language-model text: :mod:`goat_jax.data.text` (sources, packing,
+resumable host-sharded batches) and :mod:`goat_jax.data.tokenizers` (bytes, SentencePiece).
+"""
+
+from goat_jax.data.text import default_data_config, make_lm_datasets, to_global_array
+from goat_jax.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, make_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "SentencePieceTokenizer",
+    "default_data_config",
+    "make_lm_datasets",
+    "make_tokenizer",
+    "to_global_array",
+]

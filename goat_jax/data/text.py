@@ -1,0 +1,592 @@
+"""The language-model text pipeline: documents -> tokens -> packed windows -> host batches.
+
+    documents (local text files | TFDS | parquet | jsonl)
+      -> this host's shard -> shuffle (a new order every epoch) -> tokens, BOS ... EOS
+      -> concatenated and cut into windows of seq_len + 1 tokens (documents may straddle)
+      -> {'inputs': w[:-1], 'targets': w[1:], 'weights'} -> local batch
+
+Entry point: ``make_lm_datasets(data_config, seq_len=, global_batch_size=, seed=)`` returns
+``(train_iter, make_eval_iter, tokenizer)``. Batches are dicts of numpy arrays, with
+b = global_batch_size // process_count examples per host:
+
+    inputs  int32   [b, seq_len]   token ids
+    targets int32   [b, seq_len]   inputs shifted left by one (the next token)
+    weights float32 [b, seq_len]   1 on real targets, 0 on padding (only in eval)
+
+* ``train_iter`` repeats forever. ``train_iter.get_state()`` is a small JSON-serializable dict
+  (a few integers); ``set_state(state)`` on an iterator built with the same config, seed and
+  process layout continues with exactly the batches the uninterrupted one would have given.
+* ``make_eval_iter()`` returns a fresh, finite, never-shuffled iterator over the held-out
+  split each time it is called: exactly ``num_eval_batches`` batches on every host (padded
+  with weight-0 windows if the split runs out, so all hosts run the same number of steps).
+* ``tokenizer``: see ``goat_jax.data.tokenizers``; build the model with ``tokenizer.vocab_size``.
+
+Multi-host: each process reads a disjoint shard of the documents (of the blocks, for
+parquet/jsonl) and yields only its local batch; ``to_global_array`` assembles the global one.
+
+Data config fields (``default_data_config()`` is the Jargon File with bytes):
+  source                 'text_files' | 'tfds' | 'parquet' | 'jsonl'
+  paths                  files or glob patterns (a str or a list) for the file sources
+  eval_paths             optional held-out files; if empty, ``eval_fraction`` is held out
+  eval_fraction          fraction of documents (text_files) or blocks (parquet/jsonl) held
+                         out for eval, chosen by content hash, independent of the seed
+  doc_split              text_files only: 'entries' (a document starts at each unindented
+                         heading line and each Jargon-style ':headword:' line), 'paragraphs'
+                         (blank-line separated) or 'files' (one document per file)
+  text_key               the text field of a TFDS / parquet / jsonl record ('text')
+  tfds_name              e.g. 'c4/en'; must already be prepared as array_record in
+                         tfds_data_dir (read with tfds.data_source: random access, no TF)
+  tfds_data_dir          '' means the TFDS default
+  tfds_train_split, tfds_eval_split   e.g. 'train', 'validation'
+  jsonl_block_bytes      jsonl files are read in blocks of about this many bytes, the unit
+                         of sharding and of shuffling; .jsonl.gz files are one block each
+  tokenizer              'byte' | 'sentencepiece'
+  spm_model_path         SentencePiece model to load, or where to save the trained one
+  spm_vocab_size         vocabulary size when training SentencePiece
+  spm_train_max_sentences  lines of the training split used to train SentencePiece
+  num_eval_batches       eval batches per call of make_eval_iter; <= 0 means the whole
+                         split (single process only)
+  read_threads           threads reading and tokenizing documents ahead of packing
+
+Shuffling: random-access sources (text files, TFDS) get a full per-epoch permutation of
+documents. Parquet and jsonl are read a block at a time (a row group, or a byte range of
+lines), because random access to single rows would re-read a block per document; their
+order is a per-epoch permutation of blocks and of the documents within each block.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import functools
+import glob
+import gzip
+import json
+import os
+import re
+import textwrap
+import weakref
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+
+from goat_jax.data import tokenizers as tokenizers_lib
+
+JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
+SOURCES = ("text_files", "tfds", "parquet", "jsonl")
+DOC_SPLITS = ("entries", "paragraphs", "files")
+Batch = dict[str, np.ndarray]
+_PREFETCH_BATCHES = 2
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """Defaults: the Jargon File (Debian ``jargon-text``) with the byte tokenizer."""
+    c = ml_collections.ConfigDict()
+    c.source = "text_files"  # 'text_files' | 'tfds' | 'parquet' | 'jsonl'.
+    c.paths = [JARGON_FILE]  # Files or globs for the file sources; .gz is read transparently.
+    c.eval_paths = []  # Held-out files; empty: hold out eval_fraction of the data instead.
+    c.eval_fraction = 0.02  # 47 of 2356 Jargon documents; by content hash, not seed.
+    c.doc_split = "entries"  # 'entries' | 'paragraphs' | 'files' (text_files only).
+    c.text_key = "text"  # Text field of TFDS / parquet / jsonl records.
+    c.tfds_name = "c4/en"  # Used when source='tfds'; must be prepared as array_record.
+    c.tfds_data_dir = ""  # '' = TFDS default data dir.
+    c.tfds_train_split = "train"
+    c.tfds_eval_split = "validation"
+    c.jsonl_block_bytes = 8 << 20  # Unit of jsonl sharding/shuffling (~thousands of docs).
+    c.tokenizer = "byte"  # 'byte' (vocab 259) | 'sentencepiece'.
+    c.spm_model_path = ""  # Loaded if it exists, else trained on the train split and saved.
+    c.spm_vocab_size = 32000  # Only used when training SentencePiece.
+    c.spm_train_max_sentences = 200_000  # Lines used to train SentencePiece.
+    c.num_eval_batches = 16  # Per make_eval_iter() call; <= 0: whole split (1 process only).
+    c.read_threads = 4  # Threads reading + tokenizing ahead of packing.
+    return c
+
+
+# ----------------------------------------------------------------------------------------
+# Documents.
+
+
+def split_documents(text: str, doc_split: str = "entries") -> list[str]:
+    """Splits one file's text into documents (dedented, stripped, empty ones dropped).
+
+    'entries' suits the Jargon File and most structured plain text: a document starts at
+    every unindented line that begins with a letter or digit (chapter and section headings;
+    not table borders) and at every ':headword:' line of the lexicon, so each glossary
+    entry is one document. 'paragraphs' splits at blank lines; 'files' keeps the whole text
+    as one document.
+    """
+    if doc_split == "files":
+        pieces = [text]
+    elif doc_split == "paragraphs":
+        pieces = re.split(r"\n[ \t]*\n", text)
+    elif doc_split == "entries":
+        starts = [m.start() for m in re.finditer(r"^(?:\w|[ \t]*:[^:\s][^:\n]*:)", text, re.M)]
+        bounds = [0, *starts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    else:
+        raise ValueError(f"data.doc_split={doc_split!r} is unknown: use one of {DOC_SPLITS}.")
+    docs = (_dedent_body(p) for p in pieces)
+    return [d for d in docs if d]
+
+
+def _dedent_body(piece: str) -> str:
+    # The Jargon File indents its body by 3 spaces under unindented headings: layout, not
+    # content worth tokens.
+    head, _, body = piece.strip("\n").partition("\n")
+    return f"{head.strip()}\n{textwrap.dedent(body)}".strip()
+
+
+def _read_text(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _expand_paths(patterns: str | Sequence[str], field: str) -> list[str]:
+    """Globs -> sorted, de-duplicated files; sorted so every host sees the same list."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files = sorted({f for p in patterns for f in glob.glob(p)})
+    if not files:
+        raise ValueError(
+            f"data.{field}={list(patterns)!r} matches no files: fix the path or glob pattern.")
+    return files
+
+
+def _hold_out(items: Sequence[Any], keys: Sequence[str], fraction: float) -> tuple[list, list]:
+    """(train, eval): eval is the round(fraction * n) (at least 1) items of smallest CRC32 key.
+
+    By content rather than position or seed: the eval set stays fixed across seeds, and
+    duplicates of a held-out document are held out too. Both keep the input order.
+    """
+    n_eval = max(1, round(fraction * len(keys)))
+    order = np.argsort(np.array([zlib.crc32(k.encode("utf-8")) for k in keys]), kind="stable")
+    held_out = set(order[:n_eval].tolist())
+    return ([x for i, x in enumerate(items) if i not in held_out],
+            [x for i, x in enumerate(items) if i in held_out])
+
+
+# A block is read whole: (path, a, b) = a parquet row group (a, -1), or the jsonl lines that
+# start in bytes [a, b) of the file (b = -1: the whole file, for .gz).
+_Block = tuple[str, int, int]
+
+
+def _list_blocks(files: Sequence[str], cfg: ml_collections.ConfigDict) -> list[_Block]:
+    blocks = []
+    for path in files:
+        if cfg.source == "parquet":
+            import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+            pf = pq.ParquetFile(path)
+            if cfg.text_key not in pf.schema_arrow.names:
+                raise ValueError(f"data.text_key={cfg.text_key!r} is not a column of {path} "
+                                 f"(columns: {pf.schema_arrow.names}).")
+            blocks += [(path, g, -1) for g in range(pf.num_row_groups)]
+        elif path.endswith(".gz"):
+            blocks.append((path, 0, -1))  # gzip has no random access.
+        else:
+            size, step = os.path.getsize(path), cfg.jsonl_block_bytes
+            blocks += [(path, a, min(a + step, size)) for a in range(0, size, step)]
+    return blocks
+
+
+def _read_block(block: _Block, *, source: str, text_key: str) -> list[str]:
+    """The documents of one block, in file order."""
+    path, a, b = block
+    if source == "parquet":
+        import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+        column = pq.ParquetFile(path).read_row_group(a, columns=[text_key]).column(0)
+        return [_as_str(t) for t in column.to_pylist()]
+    docs = []
+    with (gzip.open(path, "rb") if b < 0 else open(path, "rb")) as f:
+        if a > 0:
+            # A line belongs to the block holding its first byte: skip the tail of the line that
+            # started in the previous block (a no-op when byte a-1 is the newline itself).
+            f.seek(a - 1)
+            f.readline()
+        while b < 0 or f.tell() < b:
+            line = f.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if text_key not in record:
+                raise ValueError(f"data.text_key={text_key!r} is not a field of the records in "
+                                 f"{path} (fields: {sorted(record)}).")
+            docs.append(_as_str(record[text_key]))
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """One split of the corpus: random access (``docs``) or whole-block reads (``blocks``)."""
+
+    docs: grain.MapDataset | None = None
+    blocks: tuple[_Block, ...] = ()
+    read_block: Callable[[_Block], list[str]] | None = None
+
+    def texts(self) -> Iterator[str]:
+        """All documents in storage order, lazily (to train a tokenizer on a prefix)."""
+        if self.docs is not None:
+            yield from (self.docs[i] for i in range(len(self.docs)))
+        else:
+            for block in self.blocks:
+                yield from self.read_block(block)
+
+
+def _text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[_Split, _Split]:
+    def load(files):
+        return [d for f in files for d in split_documents(_read_text(f), cfg.doc_split)]
+
+    train_docs = load(_expand_paths(cfg.paths, "paths"))
+    if cfg.eval_paths:
+        eval_docs = load(_expand_paths(cfg.eval_paths, "eval_paths"))
+    else:
+        train_docs, eval_docs = _hold_out(train_docs, train_docs, cfg.eval_fraction)
+    return (_Split(docs=grain.MapDataset.source(train_docs)),
+            _Split(docs=grain.MapDataset.source(eval_docs)))
+
+
+def _tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> _Split:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+    try:
+        # download=False: preparing C4-sized data is a separate, offline job, never a side
+        # effect of starting training.
+        source = tfds.data_source(cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None,
+                                  download=False)
+    except Exception as e:  # tfds raises many types; all mean "not found / not prepared".
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ValueError(
+            f"data.tfds_name={cfg.tfds_name!r} split data.{field}={split!r} could not be opened "
+            f"from data.tfds_data_dir={cfg.tfds_data_dir!r} ({reason}). Prepare it as "
+            "array_record (`tfds build --file_format=array_record`) or fix these fields."
+        ) from e
+    if len(source) and cfg.text_key not in source[0]:
+        raise ValueError(f"data.text_key={cfg.text_key!r} is not a feature of {cfg.tfds_name} "
+                         f"(features: {sorted(source[0])}).")
+    key = cfg.text_key
+    return _Split(docs=grain.MapDataset.source(source).map(lambda r: _as_str(r[key])))
+
+
+def _block_splits(cfg: ml_collections.ConfigDict) -> tuple[_Split, _Split]:
+    read = functools.partial(_read_block, source=cfg.source, text_key=cfg.text_key)
+    train_blocks = _list_blocks(_expand_paths(cfg.paths, "paths"), cfg)
+    if cfg.eval_paths:
+        eval_blocks = _list_blocks(_expand_paths(cfg.eval_paths, "eval_paths"), cfg)
+    else:
+        keys = [f"{os.path.basename(p)}:{a}:{b}" for p, a, b in train_blocks]
+        train_blocks, eval_blocks = _hold_out(train_blocks, keys, cfg.eval_fraction)
+    return (_Split(blocks=tuple(train_blocks), read_block=read),
+            _Split(blocks=tuple(eval_blocks), read_block=read))
+
+
+# ----------------------------------------------------------------------------------------
+# Streams of documents, with small checkpointable state.
+
+
+class _BlockDocsIterDataset(grain.IterDataset):
+    """Documents of ``blocks``, block by block; shuffled per epoch at both levels if ``shuffle``.
+
+    State: {'epoch', 'block' (position in the epoch's block order), 'doc' (position in the
+    block's document order)}. Restoring re-reads one block.
+    """
+
+    def __init__(self, blocks, read_block, *, seed: int, shuffle: bool):
+        super().__init__()
+        self._blocks, self._read_block = tuple(blocks), read_block
+        self._seed, self._shuffle = seed, shuffle
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _BlockDocsIterator(self._blocks, self._read_block, self._seed, self._shuffle)
+
+
+class _BlockDocsIterator(grain.DatasetIterator):
+    """See ``_BlockDocsIterDataset``; repeats forever when shuffling (training)."""
+
+    def __init__(self, blocks, read_block, seed, shuffle):
+        super().__init__()
+        self._blocks, self._read_block = blocks, read_block
+        self._seed, self._shuffle = seed, shuffle
+        self._epoch = self._block = self._doc = 0
+        self._loaded_key, self._loaded_docs = None, []
+        self._epoch_was_empty = True
+
+    def _block_order(self, epoch: int) -> np.ndarray:
+        if not self._shuffle:
+            return np.arange(len(self._blocks))
+        return np.random.default_rng([self._seed, epoch]).permutation(len(self._blocks))
+
+    def _docs(self) -> list[str]:
+        key = (self._epoch, self._block)
+        if key != self._loaded_key:
+            block_id = int(self._block_order(self._epoch)[self._block])
+            docs = self._read_block(self._blocks[block_id])
+            if self._shuffle:
+                rng = np.random.default_rng([self._seed, self._epoch, block_id])
+                perm = rng.permutation(len(docs))
+                docs = [docs[i] for i in perm]
+            self._loaded_key, self._loaded_docs = key, docs
+        return self._loaded_docs
+
+    def __next__(self) -> str:
+        while True:
+            if self._block >= len(self._blocks):
+                if not self._shuffle or self._epoch_was_empty:
+                    raise StopIteration  # Eval is one pass; an empty shard must not spin forever.
+                self._epoch, self._block, self._doc = self._epoch + 1, 0, 0
+                self._epoch_was_empty = True
+                continue
+            docs = self._docs()
+            if self._doc < len(docs):
+                self._doc += 1
+                self._epoch_was_empty = False
+                return docs[self._doc - 1]
+            self._block, self._doc = self._block + 1, 0
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "block": self._block, "doc": self._doc}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._epoch, self._block, self._doc = state["epoch"], state["block"], state["doc"]
+        self._epoch_was_empty = self._block == 0 and self._doc == 0
+
+
+class _PackedWindowsIterDataset(grain.IterDataset):
+    """Concatenates token arrays and cuts the stream into windows of ``window_len`` tokens.
+
+    Consecutive windows do not overlap, so with window_len = seq_len + 1 every token is a
+    target exactly once except the last of each window. A final partial window (finite
+    parents only) is padded with ``pad_id``. State: where the next window starts, i.e. the
+    parent's state before the document it starts in, plus the token offset into it.
+    """
+
+    def __init__(self, parent: grain.IterDataset, *, window_len: int, pad_id: int):
+        super().__init__(parent)
+        self._window_len, self._pad_id = window_len, pad_id
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _PackedWindowsIterator(self._parent.__iter__(), self._window_len, self._pad_id)
+
+
+class _PackedWindowsIterator(grain.DatasetIterator):
+    """See ``_PackedWindowsIterDataset``."""
+
+    def __init__(self, parent: grain.DatasetIterator, window_len: int, pad_id: int):
+        super().__init__(parent)
+        self._window_len, self._pad_id = window_len, pad_id
+        self._doc: np.ndarray | None = None  # The document the next window starts in ...
+        self._doc_state: dict[str, Any] | None = None  # ... the parent's state before it ...
+        self._offset = 0  # ... and how many of its tokens are already in earlier windows.
+
+    def __next__(self) -> Batch:
+        window = np.full(self._window_len, self._pad_id, np.int32)
+        filled = 0
+        while filled < self._window_len:
+            if self._doc is None or self._offset == len(self._doc):
+                self._doc_state = copy.deepcopy(self._parent.get_state())
+                try:
+                    self._doc, self._offset = next(self._parent), 0
+                except StopIteration:
+                    self._doc = None
+                    break
+            take = min(self._window_len - filled, len(self._doc) - self._offset)
+            window[filled:filled + take] = self._doc[self._offset:self._offset + take]
+            filled, self._offset = filled + take, self._offset + take
+        if filled == 0:
+            raise StopIteration
+        return _window_example(window, filled)
+
+    def get_state(self) -> dict[str, Any]:
+        if self._doc is not None and self._offset < len(self._doc):
+            return {"parent": copy.deepcopy(self._doc_state), "offset": self._offset}
+        return {"parent": self._parent.get_state(), "offset": 0}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._doc_state, self._doc, self._offset = copy.deepcopy(state["parent"]), None, 0
+        if state["offset"]:
+            self._doc, self._offset = next(self._parent), state["offset"]
+
+
+def _window_example(window: np.ndarray, filled: int) -> Batch:
+    """A window of seq_len + 1 tokens (the first ``filled`` real) -> one training example."""
+    seq_len = len(window) - 1
+    return {
+        "inputs": window[:-1],
+        "targets": window[1:],
+        "weights": (np.arange(1, seq_len + 1) < filled).astype(np.float32),
+    }
+
+
+def _token_stream(split: _Split, tokenizer: tokenizers_lib.Tokenizer, *, train: bool,
+                  seed: int, process_index: int, process_count: int,
+                  read_threads: int) -> grain.IterDataset:
+    """This host's shard of ``split`` as int32 token arrays [BOS, ..., EOS]."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+
+    def tokenize(text: str) -> np.ndarray:
+        return np.asarray([bos, *tokenizer.encode(text), eos], np.int32)
+
+    if split.docs is not None:
+        # Shard before shuffling so that each host's documents are fixed across epochs and
+        # disjoint from the others'.
+        docs = split.docs[process_index::process_count]
+        if train:
+            # grain reseeds each epoch with seed + epoch; hashing the seed first keeps runs
+            # with seeds s and s + 1 from replaying each other's orders one epoch apart.
+            docs = docs.shuffle(int(np.random.SeedSequence(seed).generate_state(1)[0])).repeat()
+        return docs.map(tokenize).to_iter_dataset(grain.ReadOptions(num_threads=read_threads))
+    blocks = split.blocks[process_index::process_count]
+    return _BlockDocsIterDataset(blocks, split.read_block, seed=seed, shuffle=train).map(tokenize)
+
+
+# ----------------------------------------------------------------------------------------
+# Entry points.
+
+
+def _check_config(cfg: ml_collections.ConfigDict) -> None:
+    if cfg.source not in SOURCES:
+        raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
+    if cfg.tokenizer not in ("byte", "sentencepiece"):
+        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown: use 'byte' or "
+                         "'sentencepiece'.")
+    if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
+                         "data.eval_paths to held-out files.")
+    if cfg.source == "jsonl" and cfg.jsonl_block_bytes < 1:
+        raise ValueError(f"data.jsonl_block_bytes={cfg.jsonl_block_bytes} must be positive.")
+    if cfg.read_threads < 0:
+        raise ValueError(f"data.read_threads={cfg.read_threads} must be >= 0.")
+
+
+def make_lm_datasets(
+    data_config: ml_collections.ConfigDict,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> tuple[grain.DatasetIterator, Callable[[], Iterator[Batch]], tokenizers_lib.Tokenizer]:
+    """Builds the training iterator, the eval-iterator factory and the tokenizer.
+
+    See the module docstring for the batch format, the state and the config fields.
+
+    Args:
+      data_config: the data config (``default_data_config()`` and overrides).
+      seq_len: tokens per example (windows hold seq_len + 1 tokens).
+      global_batch_size: examples per step over all processes.
+      seed: shuffle seed in [0, 2**32); the eval split does not depend on it.
+      process_index: this host's index; default ``jax.process_index()``.
+      process_count: number of hosts; default ``jax.process_count()``.
+
+    Returns:
+      (train_iter, make_eval_iter, tokenizer): ``train_iter`` yields this host's batches of
+      global_batch_size // process_count examples forever and has get_state/set_state;
+      ``make_eval_iter()`` returns a fresh finite iterator of eval batches of the same size.
+    """
+    cfg = data_config
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1.")
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} must be in [0, process_count="
+                         f"{process_count}).")
+    if global_batch_size < 1 or global_batch_size % process_count:
+        raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
+                         f"process_count={process_count}: change the batch size.")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} must be in [0, 2**32).")
+    _check_config(cfg)
+    if cfg.num_eval_batches <= 0 and process_count > 1:
+        raise ValueError(f"data.num_eval_batches={cfg.num_eval_batches}: a whole-split eval "
+                         "needs a single process; set a positive number so all hosts agree.")
+    local_batch = global_batch_size // process_count
+
+    if cfg.source == "text_files":
+        train_split, eval_split = _text_file_splits(cfg)
+    elif cfg.source == "tfds":
+        train_split = _tfds_split(cfg, cfg.tfds_train_split, "tfds_train_split")
+        eval_split = _tfds_split(cfg, cfg.tfds_eval_split, "tfds_eval_split")
+    else:
+        train_split, eval_split = _block_splits(cfg)
+    n_train = len(train_split.docs) if train_split.docs is not None else len(train_split.blocks)
+    if n_train < process_count:
+        field = "data.tfds_train_split" if cfg.source == "tfds" else "data.paths"
+        raise ValueError(
+            f"{field}: the training split has {n_train} "
+            f"{'documents' if train_split.docs is not None else 'blocks'} for process_count="
+            f"{process_count} hosts; add data (or, for jsonl, lower data.jsonl_block_bytes).")
+
+    tokenizer = tokenizers_lib.make_tokenizer(
+        cfg, texts=train_split.texts(), allow_training=process_count == 1)
+    stream = functools.partial(
+        _token_stream, tokenizer=tokenizer, seed=seed, process_index=process_index,
+        process_count=process_count, read_threads=cfg.read_threads)
+    pack = functools.partial(
+        _PackedWindowsIterDataset, window_len=seq_len + 1, pad_id=tokenizer.pad_id)
+
+    train_ds = pack(stream(train_split, train=True)).batch(local_batch, drop_remainder=True)
+    # A background thread packs the next batches while the trainer runs a step; its state is
+    # that of the last batch handed out, so prefetching does not change what resumes.
+    train_iter = iter(grain.experimental.ThreadPrefetchIterDataset(
+        train_ds, prefetch_buffer_size=_PREFETCH_BATCHES))
+    # grain closes that thread in __del__, which for an iterator alive at interpreter exit runs
+    # after grain's modules are torn down and prints a traceback: close it at exit instead.
+    atexit.register(_close_at_exit, weakref.ref(train_iter))
+
+    def make_eval_iter() -> Iterator[Batch]:
+        windows = iter(pack(stream(eval_split, train=False)))
+        return _eval_batches(windows, local_batch, cfg.num_eval_batches,
+                             _window_example(np.full(seq_len + 1, tokenizer.pad_id, np.int32), 0))
+
+    return train_iter, make_eval_iter, tokenizer
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    if (iterator := ref()) is not None:
+        iterator.close()
+        iterator.close = lambda: None  # What __del__ calls, later, when close can no longer run.
+
+
+def _eval_batches(windows: Iterator[Batch], batch_size: int, num_batches: int,
+                  padding: Batch) -> Iterator[Batch]:
+    """Stacks windows into batches; pads with ``padding`` (weight 0) once they run out."""
+    exhausted, produced = False, 0
+    while num_batches <= 0 or produced < num_batches:
+        examples = []
+        for _ in range(batch_size):
+            example = None if exhausted else next(windows, None)
+            exhausted = example is None
+            examples.append(padding if exhausted else example)
+        if exhausted and num_batches <= 0 and examples[0] is padding:
+            return
+        yield {k: np.stack([e[k] for e in examples]) for k in padding}
+        produced += 1
+
+
+def to_global_array(local_batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Assembles each host's local batch into global arrays sharded by ``sharding``.
+
+    Each host's rows land where ``sharding`` puts that process's devices along axis 0 (so in
+    process order for a mesh over ``jax.devices()``), as
+    ``jax.make_array_from_process_local_data`` infers the global shape.
+    """
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
