@@ -62,11 +62,11 @@ def split_exact(x: Array, parts: int, dtype: Dtype) -> Array:
 
     Returns [..., parts] in ``dtype``.
     """
-    out, rest = [], x.astype(jnp.float32)
+    out, rest = [], x.astype(prior_lib.real_dtype())
     for _ in range(parts):
         piece = rest.astype(dtype)
         out.append(piece)
-        rest = rest - piece.astype(jnp.float32)
+        rest = rest - piece.astype(rest.dtype)
     return jnp.stack(out, axis=-1)
 
 
@@ -81,7 +81,7 @@ def pack_query(q_content: Array, q_rel: Array, q_sink: Array, sink_channels: int
     """
     b, t, n, d_c = q_content.shape
     # The 1/sqrt(d_c) scale is folded in float32 before the cast so the kernel runs at scale 1.
-    parts = [(q_content.astype(jnp.float32) / math.sqrt(d_c)).astype(dtype),
+    parts = [(q_content.astype(prior_lib.real_dtype()) / math.sqrt(d_c)).astype(dtype),
              jnp.broadcast_to(q_rel, (b, t, n, q_rel.shape[-1])).astype(dtype)]
     if sink_channels:
         coef = jnp.broadcast_to(q_sink, (b, t, n))[..., None]
@@ -220,6 +220,16 @@ Offset = Union[None, int, Array, Tuple[int, int]]
 _xavier = nn.initializers.xavier_uniform()
 
 
+def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int]]:
+    """Official ``pos_encoding='auto'`` rule: a square grid from the key length, if the query
+    length fits the same grid; else None (1D)."""
+    n = s - int(has_cls)
+    side = int(round(math.sqrt(max(n, 0))))
+    if n > 0 and side * side == n and t == s:
+        return (side, side)
+    return None
+
+
 class GoatAttention(nn.Module):
     """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
 
@@ -349,11 +359,17 @@ class GoatAttention(nn.Module):
         has_cls = self.has_cls_token_default if has_cls_token is None else bool(has_cls_token)
         if self.pos_encoding not in ("1d", "2d", "auto"):
             raise ValueError(f"pos_encoding must be '1d', '2d' or 'auto', got {self.pos_encoding!r}.")
+        if self.pos_encoding == "auto" and spatial_shape is None:
+            spatial_shape = _infer_square_grid(s, t, has_cls)  # official 'auto' rule
         use_2d = self.pos_encoding == "2d" or (self.pos_encoding == "auto" and spatial_shape is not None)
         if use_2d and spatial_shape is None:
             raise ValueError("pos_encoding='2d' needs spatial_shape=(rows, cols) of the patch grid.")
-        if use_2d and (self.decode or is_causal):
-            raise ValueError("2D positions support bidirectional, non-decoding attention only.")
+        if not use_2d and spatial_shape is not None:
+            raise ValueError(
+                "spatial_shape was given but pos_encoding='1d'; use pos_encoding='2d' (or 'auto') "
+                "for (row, col) positions.")
+        if use_2d and self.decode:
+            raise ValueError("KV-cache decoding supports 1D positions only.")
 
         cache_index = None
         if self.decode:
@@ -377,18 +393,25 @@ class GoatAttention(nn.Module):
         q_pos = self._positions(t, position_offset_q, q_positions, spatial_shape, has_cls, use_2d, "position_offset_q")
         k_pos = self._positions(s, position_offset_k, k_positions, spatial_shape, has_cls, use_2d, "position_offset_k")
 
+        # Causal masking is by sequence index, shifted by the 1D offsets (official semantics).
+        causal_offset = 0
+        if not use_2d:
+            causal_offset = (0 if position_offset_q is None else position_offset_q) - (
+                0 if position_offset_k is None else position_offset_k)
+
         q_content, k_content = q[..., :d_c], k[..., :d_c]
         if impl == "dense" and cache_index is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior.log_prior(q_pos, k_pos, is_causal, q_content=q_content)  # [B|1, N, T, S]
             out = kernels.attend(q_content, k_content, v, implementation="dense", scale=1.0 / math.sqrt(d_c),
-                                 is_causal=is_causal, key_padding_mask=key_padding_mask, bias=bias)
+                                 is_causal=is_causal, causal_offset=causal_offset,
+                                 key_padding_mask=key_padding_mask, bias=bias)
         else:
             q_rel, q_sink, _ = prior.query(q_pos, q_content)
             k_rel, u = prior.key(k_pos, is_causal)
             q_packed = pack_query(q_content, q_rel, q_sink, sink_channels, dtype)  # [B, T, N, qk_dim]
             k_packed = pack_key(k_content, k_rel, u, sink_channels, dtype)  # [B, S, K, qk_dim]
-            causal_offset, kv_lengths = 0, None
+            kv_lengths = None
             if cache_index is not None:
                 # Append the new tokens and attend over the whole cache; keys past the last
                 # written slot are masked by the causal offset (= cache index).
@@ -405,6 +428,10 @@ class GoatAttention(nn.Module):
             out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
                                  is_causal=is_causal, causal_offset=causal_offset,
                                  key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
+            if cache_index is not None:
+                # Writing past the cache would be clamped silently by dynamic_update_slice;
+                # poison the output instead so an overflow cannot go unnoticed.
+                out = jnp.where(cache_index + t > cached_k.value.shape[1], jnp.nan, out)
         features = self.out_features or embed_dim
         return nn.DenseGeneral(
             features, axis=(-2, -1), use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,

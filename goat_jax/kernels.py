@@ -208,14 +208,15 @@ def _dense(q, k, v, scale, bias, mask) -> Array:
     g = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
     v = jnp.repeat(v, g, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32),
+    real = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("btnh,bsnh->bnts", q.astype(real), k.astype(real),
                         precision=jax.lax.Precision.HIGHEST) * scale
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
+        logits = logits + bias.astype(real)
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(real), precision=jax.lax.Precision.HIGHEST)
     return out.astype(v.dtype)
 
 

@@ -140,13 +140,19 @@ class PriorSpec:
         return d_c
 
 
+def real_dtype():
+    """float32, or float64 when JAX runs with x64 enabled (float64 gradient checks). The prior is
+    never computed below float32: positions times frequencies need the mantissa."""
+    return jnp.result_type(float)
+
+
 def frequencies(rank: int, base: float) -> Array:
     """Geometric frequencies ``w_r = base ** (-r / max(rank - 1, 1))``, r = 0..rank-1; [rank] f32.
 
     Note the ``rank - 1`` denominator (official convention): the lowest frequency is ``1/base``.
     """
     r = np.arange(rank, dtype=np.float64)
-    return jnp.asarray(base ** (-r / max(rank - 1, 1)), jnp.float32)
+    return jnp.asarray(base ** (-r / max(rank - 1, 1)), real_dtype())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,9 +189,9 @@ def positions_1d(length: int, offset: Any = 0, positions: Optional[Array] = None
     float32 up to 2**24.
     """
     if positions is None:
-        pos = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+        pos = jnp.arange(length, dtype=real_dtype()) + jnp.asarray(offset, real_dtype())
     else:
-        pos = jnp.asarray(positions).astype(jnp.float32)
+        pos = jnp.asarray(positions).astype(real_dtype())
         if pos.shape[-1] != length:
             raise ValueError(
                 f"positions has length {pos.shape[-1]} but the sequence has {length} tokens."
@@ -223,8 +229,8 @@ def positions_2d(
         is_cls = np.concatenate([[True], is_cls])
     length = coords.shape[0]
     return Positions(
-        index=jnp.arange(length, dtype=jnp.float32),
-        coords=jnp.asarray(coords),
+        index=jnp.arange(length, dtype=real_dtype()),
+        coords=jnp.asarray(coords, real_dtype()),
         is_cls=jnp.asarray(is_cls),
     )
 
@@ -266,7 +272,7 @@ def kappa(delta: Array, lam_sym: Array, lam_asym: Array, freqs: Array) -> Array:
     Returns:
       [H, ...] float32.
     """
-    phase = jnp.asarray(delta, jnp.float32)[..., None] * freqs  # [..., R]
+    phase = jnp.asarray(delta, real_dtype())[..., None] * freqs  # [..., R]
     out = jnp.einsum("...r,hr->h...", jnp.cos(phase), lam_sym) + jnp.einsum(
         "...r,hr->h...", jnp.sin(phase), lam_asym
     )
@@ -295,9 +301,9 @@ def query_gate(spec: PriorSpec, params: Params, q_content: Optional[Array]) -> O
         return None
     if q_content is None:
         raise ValueError("prior_gate='query_norm' needs the query content (q_content).")
-    norm = jnp.sqrt(jnp.sum(jnp.square(q_content.astype(jnp.float32)), axis=-1))
-    scale = jax.nn.softplus(params["prior_gate_scale_raw"].astype(jnp.float32))
-    return jax.nn.sigmoid(params["prior_gate_bias"].astype(jnp.float32) - scale * norm)
+    norm = jnp.sqrt(jnp.sum(jnp.square(q_content.astype(real_dtype())), axis=-1))
+    scale = jax.nn.softplus(params["prior_gate_scale_raw"].astype(real_dtype()))
+    return jax.nn.sigmoid(params["prior_gate_bias"].astype(real_dtype()) - scale * norm)
 
 
 def query_features(
@@ -314,13 +320,13 @@ def query_features(
     r = spec.pos_rank
     feats = fourier_features(q_pos, frequencies(r, spec.pos_base))  # [..., T, 2R]
     cos, sin = feats[..., None, :r], feats[..., None, r:]  # [..., T, 1, R]
-    a = _per_query_head(params["lambda_sym"], spec).astype(jnp.float32) if r else None
-    b = _per_query_head(params["lambda_asym"], spec).astype(jnp.float32) if r else None
+    a = _per_query_head(params["lambda_sym"], spec).astype(real_dtype()) if r else None
+    b = _per_query_head(params["lambda_asym"], spec).astype(real_dtype()) if r else None
     if r:
         q_rel = jnp.concatenate([a * cos + b * sin, a * sin - b * cos], axis=-1)  # [..., T, N, 2R]
     else:
-        q_rel = jnp.zeros(feats.shape[:-1] + (spec.num_heads, 0), jnp.float32)
-    q_sink = jnp.ones(q_rel.shape[:-1], jnp.float32)
+        q_rel = jnp.zeros(feats.shape[:-1] + (spec.num_heads, 0), real_dtype())
+    q_sink = jnp.ones(q_rel.shape[:-1], real_dtype())
     if gate is not None:
         q_rel = q_rel * gate[..., None]
         q_sink = q_sink * gate
@@ -335,7 +341,7 @@ def sink_mlp_inputs(spec: PriorSpec, k_pos: Positions) -> Array:
     """
     s = k_pos.index.shape[-1]
     denom = float(spec.training_seq_len if spec.training_seq_len is not None else max(s - 1, 1))
-    t = k_pos.index.astype(jnp.float32)[..., None]
+    t = k_pos.index.astype(real_dtype())[..., None]
     extra = jnp.concatenate([t / denom, jnp.log1p(t) / math.log1p(denom)], axis=-1)
     abs_feats = fourier_features(k_pos, frequencies(spec.abs_rank, spec.abs_base))
     abs_feats = jnp.broadcast_to(abs_feats, extra.shape[:-1] + abs_feats.shape[-1:])
@@ -344,9 +350,9 @@ def sink_mlp_inputs(spec: PriorSpec, k_pos: Positions) -> Array:
 
 def sink_mlp(mlp_params: Params, x: Array) -> Array:
     """The sink MLP ``fc2(silu(fc1(x)))`` in float32; [..., in] -> [...]."""
-    h = x @ mlp_params["fc1"]["kernel"].astype(jnp.float32) + mlp_params["fc1"]["bias"].astype(jnp.float32)
+    h = x @ mlp_params["fc1"]["kernel"].astype(real_dtype()) + mlp_params["fc1"]["bias"].astype(real_dtype())
     h = jax.nn.silu(h)
-    out = h @ mlp_params["fc2"]["kernel"].astype(jnp.float32) + mlp_params["fc2"]["bias"].astype(jnp.float32)
+    out = h @ mlp_params["fc2"]["kernel"].astype(real_dtype()) + mlp_params["fc2"]["bias"].astype(real_dtype())
     return out[..., 0]
 
 
@@ -358,14 +364,14 @@ def sink(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> 
     ALiBi penalty ``-slope * (t_i - t_j)`` up to a per-row constant that softmax ignores.
     """
     if not spec.enable_key_bias:
-        return jnp.zeros(k_pos.index.shape + (0,), jnp.float32)
+        return jnp.zeros(k_pos.index.shape + (0,), real_dtype())
     m = sink_mlp(params["key_bias"], sink_mlp_inputs(spec, k_pos))[..., None]  # [..., S, 1]
-    t = k_pos.index.astype(jnp.float32)[..., None]  # [..., S, 1]
-    u = params["sink_gain"].astype(jnp.float32) * m + params["sink_bump"].astype(jnp.float32) * (
+    t = k_pos.index.astype(real_dtype())[..., None]  # [..., S, 1]
+    u = params["sink_gain"].astype(real_dtype()) * m + params["sink_bump"].astype(real_dtype()) * (
         t == 0
-    ).astype(jnp.float32)
+    ).astype(real_dtype())
     if is_causal:
-        u = u + jax.nn.softplus(params["recency_slope_raw"].astype(jnp.float32)) * t
+        u = u + jax.nn.softplus(params["recency_slope_raw"].astype(real_dtype())) * t
     return u
 
 
@@ -403,15 +409,15 @@ def log_prior(
     """
     r = spec.pos_rank
     freqs = frequencies(r, spec.pos_base)
-    a = _per_query_head(params["lambda_sym"], spec).astype(jnp.float32) if r else None
-    b = _per_query_head(params["lambda_asym"], spec).astype(jnp.float32) if r else None
+    a = _per_query_head(params["lambda_sym"], spec).astype(real_dtype()) if r else None
+    b = _per_query_head(params["lambda_asym"], spec).astype(real_dtype()) if r else None
     qc, kc = q_pos.coords, k_pos.coords
     if qc.ndim == (2 if q_pos.is_2d else 1):
         qc = qc[None]
     if kc.ndim == (2 if k_pos.is_2d else 1):
         kc = kc[None]
     if r == 0:
-        rel = jnp.zeros((1, spec.num_heads, qc.shape[1], kc.shape[1]), jnp.float32)
+        rel = jnp.zeros((1, spec.num_heads, qc.shape[1], kc.shape[1]), real_dtype())
     elif not q_pos.is_2d:
         delta = qc[:, :, None] - kc[:, None, :]  # [B, T, S]
         rel = jnp.moveaxis(kappa(delta, a, b, freqs), 0, 1)  # [B, N, T, S]

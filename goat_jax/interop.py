@@ -1,0 +1,181 @@
+"""Weights to and from the official PyTorch package ``goat-attention`` (import name ``goat``).
+
+``from_official(m)`` turns a ``goat.GoatAttention`` into ``(module, params)`` such that::
+
+    module.apply(params, query, key, value, is_causal=..., key_padding_mask=...,
+                 spatial_shape=..., has_cls_token=..., position_offset_q=..., position_offset_k=...)
+
+with batch-first ``[B, L, E]`` inputs returns ``m(query, key, value, ...)[0]`` (for a module
+built with ``batch_first=True``; otherwise transpose the torch inputs). ``to_official`` goes
+the other way. PyTorch is imported lazily: it is only needed here, never by the rest of
+goat_jax.
+
+One deliberate difference: with ``is_causal`` and *unequal* ``position_offset_q/k`` the
+official module shifts its causal diagonal by the offset difference only when another mask is
+present (otherwise SDPA's unshifted ``is_causal`` is used); goat_jax always shifts it (query
+``i`` sees key ``j`` iff ``j <= i + offset_q - offset_k``).
+
+Parameter mapping (torch ``nn.Linear`` weight is ``[out, in]``; Flax kernels are ``[in, ...]``):
+
+=====================================  ==============================================
+official                               goat_jax
+=====================================  ==============================================
+q_proj.weight [N*H, E] (or in_proj)    q_proj.kernel [E, N, H]
+k_proj.weight / v_proj.weight          k_proj.kernel / v_proj.kernel [E, K, H]
+out_proj.weight [E, N*H]               out_proj.kernel [N, H, E]
+lambda_sym, lambda_asym [K, R]         prior.lambda_sym, prior.lambda_asym
+key_bias.fc{1,2}.weight [out, in]      prior.key_bias.fc{1,2}.kernel [in, out]
+sink_gain, sink_bump, recency_slope_raw prior.* [K]
+prior_gate_scale_raw, prior_gate_bias   prior.* [N]
+=====================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Tuple
+
+import flax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax.attention import GoatAttention
+
+_PRIOR_VECTORS = ("lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias")
+_SINK_VECTORS = ("sink_gain", "sink_bump", "recency_slope_raw")
+
+
+def _base_from_freqs(freqs: np.ndarray) -> float:
+    """Recovers ``base`` from ``w_r = base ** (-r / (R - 1))`` (the official module stores only
+    the frequencies). With R <= 1 the only frequency is 1 and any base gives it."""
+    if freqs.size <= 1:
+        return 10_000.0
+    base = float(1.0 / np.float64(freqs[-1]))
+    rounded = float(round(base))
+    return rounded if abs(rounded - base) <= 1e-3 * base else base
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().cpu().to(dtype=__import__("torch").float64).numpy()
+
+
+def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
+    """Converts an official ``goat.GoatAttention`` into ``(GoatAttention module, params)``.
+
+    Args:
+      m: the PyTorch module.
+      **overrides: extra GoatAttention fields (e.g. ``implementation='xla'``,
+        ``dtype=jnp.bfloat16``); ``module.clone(dtype=jnp.bfloat16)`` works as well.
+    Raises:
+      ValueError: for official features without an equivalent here (``add_bias_kv``,
+        ``add_zero_attn``, a goat_prior_scale other than 1).
+    """
+    if getattr(m, "add_bias_kv", False) or getattr(m, "add_zero_attn", False):
+        raise ValueError("from_official: add_bias_kv / add_zero_attn are not supported by goat_jax.")
+    if float(m.goat_prior_scale) != 1.0:
+        raise ValueError(
+            f"from_official: goat_prior_scale={float(m.goat_prior_scale)} (set_goat_prior_scale) is "
+            "not supported; reset it to 1.0 before converting.")
+    e, n, kv, h = m.embed_dim, m.num_heads, m.kv_num_heads, m.head_dim
+    linear = m.q_proj if m.in_proj is None else m.in_proj
+    module = GoatAttention(
+        num_heads=n, kv_num_heads=kv, head_dim=h, pos_rank=m.R, abs_rank=m.M,
+        pos_base=_base_from_freqs(_np(m.rel_freqs_base)), abs_base=_base_from_freqs(_np(m.abs_freqs_base)),
+        enable_key_bias=m.enable_key_bias, init_scale_prior=m.init_scale_prior,
+        training_seq_len=m.training_seq_len, prior_init=m.prior_init, prior_gate=m.prior_gate,
+        pos_encoding=m.pos_encoding, has_cls_token_default=m.has_cls_token_default,
+        use_bias=linear.bias is not None, **overrides)
+
+    if m.in_proj is not None:
+        w = _np(m.in_proj.weight)
+        b = _np(m.in_proj.bias) if m.in_proj.bias is not None else None
+        cuts = [e, e + kv * h]
+        ws = np.split(w, cuts, axis=0)
+        bs = np.split(b, cuts) if b is not None else [None] * 3
+    else:
+        lins = (m.q_proj, m.k_proj, m.v_proj)
+        ws = [_np(l.weight) for l in lins]
+        bs = [_np(l.bias) if l.bias is not None else None for l in lins]
+
+    params: dict = {}
+    for name, heads, w, b in zip(("q_proj", "k_proj", "v_proj"), (n, kv, kv), ws, bs):
+        params[name] = {"kernel": w.T.reshape(w.shape[1], heads, h)}
+        if b is not None:
+            params[name]["bias"] = b.reshape(heads, h)
+    params["out_proj"] = {"kernel": _np(m.out_proj.weight).T.reshape(n, h, e)}
+    if m.out_proj.bias is not None:
+        params["out_proj"]["bias"] = _np(m.out_proj.bias)
+
+    prior = {name: _np(getattr(m, name)) for name in _PRIOR_VECTORS}
+    if m.enable_key_bias:
+        prior.update({name: _np(getattr(m, name)) for name in _SINK_VECTORS})
+        prior["key_bias"] = {
+            fc: {"kernel": _np(getattr(m.key_bias, fc).weight).T, "bias": _np(getattr(m.key_bias, fc).bias)}
+            for fc in ("fc1", "fc2")}
+    params["prior"] = prior
+
+    param_dtype = jnp.dtype(module.param_dtype)
+
+    def cast(path, x):
+        # Prior parameters stay float32 whatever param_dtype is (see GoatPrior).
+        dtype = jnp.float32 if path and getattr(path[0], "key", None) == "prior" else param_dtype
+        return jnp.asarray(x, dtype)
+
+    import jax
+
+    return module, {"params": jax.tree_util.tree_map_with_path(cast, params)}
+
+
+def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None) -> Any:
+    """Builds a ``goat.GoatAttention`` (batch_first=True, float32) holding ``params``.
+
+    Args:
+      module: the GoatAttention whose hyper-parameters are copied.
+      params: its variables (``{'params': ...}``, boxed or unboxed).
+      embed_dim: model width; inferred from ``q_proj`` when omitted.
+    """
+    import torch
+    import goat
+
+    p = flax.core.meta.unbox(params)
+    p = p.get("params", p)
+    q_kernel = np.asarray(p["q_proj"]["kernel"], np.float32)  # [E, N, H]
+    e = embed_dim or q_kernel.shape[0]
+    n, h = q_kernel.shape[1], q_kernel.shape[2]
+    if module.head_dim not in (None, h) or e != n * h:
+        raise ValueError(
+            f"to_official: the official module needs head_dim = embed_dim / num_heads; got "
+            f"embed_dim={e}, num_heads={n}, head_dim={h}.")
+    if module.out_features not in (None, e):
+        raise ValueError("to_official: out_features must equal embed_dim for the official module.")
+    kv = module.kv_num_heads or module.num_heads
+    m = goat.GoatAttention(
+        embed_dim=e, num_heads=n, kv_num_heads=kv, batch_first=True, bias=module.use_bias,
+        pos_rank=module.pos_rank, abs_rank=module.abs_rank, pos_base=module.pos_base,
+        abs_base=module.abs_base, enable_key_bias=module.enable_key_bias,
+        init_scale_prior=module.init_scale_prior, training_seq_len=module.training_seq_len,
+        prior_init=module.prior_init, prior_gate=module.prior_gate, pos_encoding=module.pos_encoding,
+        has_cls_token_default=module.has_cls_token_default, fuse_qkv=False)
+    t = lambda x: torch.tensor(np.asarray(x, np.float32))
+    state = {}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        kernel = np.asarray(p[name]["kernel"], np.float32)
+        state[f"{name}.weight"] = t(kernel.reshape(kernel.shape[0], -1).T)
+        if module.use_bias:
+            state[f"{name}.bias"] = t(np.asarray(p[name]["bias"]).reshape(-1))
+    out_kernel = np.asarray(p["out_proj"]["kernel"], np.float32)
+    state["out_proj.weight"] = t(out_kernel.reshape(-1, out_kernel.shape[-1]).T)
+    if module.use_bias:
+        state["out_proj.bias"] = t(p["out_proj"]["bias"])
+    prior = p["prior"]
+    for name in _PRIOR_VECTORS + (_SINK_VECTORS if module.enable_key_bias else ()):
+        state[name] = t(prior[name])
+    if module.enable_key_bias:
+        for fc in ("fc1", "fc2"):
+            state[f"key_bias.{fc}.weight"] = t(np.asarray(prior["key_bias"][fc]["kernel"]).T)
+            state[f"key_bias.{fc}.bias"] = t(prior["key_bias"][fc]["bias"])
+    missing, unexpected = m.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in ("rel_freqs_base", "abs_freqs_base")]
+    if missing or unexpected:
+        raise ValueError(f"to_official: state mismatch, missing={missing}, unexpected={unexpected}.")
+    return m

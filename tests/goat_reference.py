@@ -1,0 +1,136 @@
+"""An independent float64 NumPy reference of GOAT attention, written from the paper's formula.
+
+It never touches goat_jax.prior or the packing: the relative prior is evaluated as
+``sum_r A cos(w_r (p_i - p_j)) + B sin(w_r (p_i - p_j))`` on position differences, the sink
+MLP is written out, and attention is a dense softmax over materialized logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(tree):
+    if isinstance(tree, dict):
+        return {k: _f64(v) for k, v in tree.items()}
+    return np.asarray(getattr(tree, "value", tree), np.float64)
+
+
+def unboxed(params) -> dict:
+    """``{'params': ...}`` from Flax (possibly LogicallyPartitioned) -> float64 numpy tree."""
+    import flax
+
+    p = flax.core.meta.unbox(params)
+    return _f64(p.get("params", p))
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _freqs(rank, base):
+    return base ** (-np.arange(rank, dtype=np.float64) / max(rank - 1, 1))
+
+
+def _positions(length, offset, grid, has_cls):
+    """Returns (index t [L], coords [L] or [L, 2], is_cls [L])."""
+    if grid is None:
+        pos = np.arange(length, dtype=np.float64) + offset
+        return pos, pos, np.zeros(length, bool)
+    h, w = grid
+    tokens = [(0.0, 0.0, True)] if has_cls else []
+    tokens += [(r + offset[0], c + offset[1], False) for r in range(h) for c in range(w)]
+    coords = np.array([[a, b] for a, b, _ in tokens], np.float64)
+    return np.arange(length, dtype=np.float64), coords, np.array([c for _, _, c in tokens])
+
+
+def relative_prior(p, cfg, q_coords, k_coords, q_cls, k_cls, grid):
+    """kappa_h(p_i - p_j) [N, T, S] from position differences."""
+    n, g, r = cfg["num_heads"], cfg["num_heads"] // cfg["kv_num_heads"], cfg["pos_rank"]
+    a = np.repeat(p["lambda_sym"], g, axis=0)  # [N, R]
+    b = np.repeat(p["lambda_asym"], g, axis=0)
+    w = _freqs(r, cfg.get("pos_base", 1e4))
+    if grid is None:
+        d = q_coords[:, None] - k_coords[None, :]  # [T, S]
+        ph = d[..., None] * w  # [T, S, R]
+        return np.einsum("tsr,nr->nts", np.cos(ph), a) + np.einsum("tsr,nr->nts", np.sin(ph), b)
+    r_row = r - r // 2
+    out = 0.0
+    for axis, sl in ((0, slice(0, r_row)), (1, slice(r_row, r))):
+        d = q_coords[:, None, axis] - k_coords[None, :, axis]
+        ph = d[..., None] * w[sl]
+        out = out + np.einsum("tsr,nr->nts", np.cos(ph), a[:, sl]) + np.einsum("tsr,nr->nts", np.sin(ph), b[:, sl])
+    keep = ~(q_cls[:, None] | k_cls[None, :])
+    return out * keep
+
+
+def sink_prior(p, cfg, k_index, k_coords, k_cls, grid, is_causal):
+    """u_h(j) [K, S]."""
+    m = cfg["abs_rank"]
+    wa = _freqs(m, cfg.get("abs_base", 1e4))
+    s = k_index.shape[0]
+    if grid is None:
+        ph = k_index[:, None] * wa
+    else:
+        m_row = m - m // 2
+        ph = np.concatenate([k_coords[:, :1] * wa[:m_row], k_coords[:, 1:] * wa[m_row:]], axis=1)
+    feats = np.concatenate([np.cos(ph), np.sin(ph)], axis=1) * ~k_cls[:, None]
+    ln = cfg.get("training_seq_len") or max(s - 1, 1)
+    x = np.concatenate([feats, k_index[:, None] / ln, np.log1p(k_index)[:, None] / np.log1p(ln)], axis=1)
+    kb = p["key_bias"]
+    hdn = x @ kb["fc1"]["kernel"] + kb["fc1"]["bias"]
+    hdn = hdn / (1.0 + np.exp(-hdn))  # SiLU
+    mlp = (hdn @ kb["fc2"]["kernel"] + kb["fc2"]["bias"])[:, 0]  # [S]
+    u = p["sink_gain"][:, None] * mlp[None] + p["sink_bump"][:, None] * (k_index == 0)[None]
+    if is_causal:
+        u = u + _softplus(p["recency_slope_raw"])[:, None] * k_index[None]
+    return u
+
+
+def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask=None,
+                   offset_q=0, offset_k=0, grid=None, has_cls=False, return_logits=False):
+    """Reference GoatAttention forward. ``cfg``: num_heads, kv_num_heads, head_dim, pos_rank,
+    abs_rank, [pos_base, abs_base, training_seq_len, prior_gate, enable_key_bias]."""
+    p = unboxed(params)
+    xq, xk, xv = (np.asarray(x, np.float64) for x in (xq, xk, xv))
+    n, kv, h = cfg["num_heads"], cfg["kv_num_heads"], cfg["head_dim"]
+    g = n // kv
+    key_bias = cfg.get("enable_key_bias", True)
+    d_c = h - 2 * cfg["pos_rank"] - int(key_bias)
+
+    def proj(name, x):
+        y = np.einsum("bte,enh->btnh", x, p[name]["kernel"])
+        return y + p[name]["bias"] if "bias" in p[name] else y
+
+    q, k, v = proj("q_proj", xq), proj("k_proj", xk), proj("v_proj", xv)
+    k = np.repeat(k, g, axis=2)
+    v = np.repeat(v, g, axis=2)
+    t, s = q.shape[1], k.shape[1]
+    logits = np.einsum("btnh,bsnh->bnts", q[..., :d_c], k[..., :d_c]) / np.sqrt(d_c)
+
+    qi, qc, qcls = _positions(t, offset_q, grid, has_cls)
+    ki, kc, kcls = _positions(s, offset_k, grid, has_cls)
+    prior = relative_prior(p["prior"], cfg, qc, kc, qcls, kcls, grid)[None]  # [1, N, T, S]
+    if key_bias:
+        u = sink_prior(p["prior"], cfg, ki, kc, kcls, grid, is_causal)  # [K, S]
+        prior = prior + np.repeat(u, g, axis=0)[None, :, None, :]
+    if cfg.get("prior_gate", "none") == "query_norm":
+        norm = np.linalg.norm(q[..., :d_c], axis=-1)  # [B, T, N]
+        gate = 1.0 / (1.0 + np.exp(-(p["prior"]["prior_gate_bias"] - _softplus(p["prior"]["prior_gate_scale_raw"]) * norm)))
+        prior = prior * np.moveaxis(gate, -1, 1)[..., None]
+    logits = logits + prior
+
+    mask = np.ones((1, 1, t, s), bool)
+    if is_causal:
+        off = 0 if grid is not None else offset_q - offset_k
+        mask = mask & (np.arange(s)[None, :] <= np.arange(t)[:, None] + off)
+    if key_padding_mask is not None:
+        mask = mask & ~np.asarray(key_padding_mask, bool)[:, None, None, :]
+    logits = np.where(mask, logits, -np.inf)
+    if return_logits:
+        return logits
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    o = np.einsum("bnts,bsnh->btnh", w, v)
+    out = np.einsum("btnh,nhe->bte", o, p["out_proj"]["kernel"])
+    return out + p["out_proj"]["bias"] if "bias" in p["out_proj"] else out

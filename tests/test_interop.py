@@ -1,0 +1,87 @@
+"""goat_jax.interop against the official PyTorch package goat-attention 0.1.1 (float32, CPU)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+goat = pytest.importorskip("goat")
+
+from goat_jax.interop import from_official, to_official  # noqa: E402
+
+E = 64
+
+CASES = {
+    # name: (official constructor kwargs, call kwargs, length)
+    "causal_1d": (dict(num_heads=4, pos_rank=4, abs_rank=4), dict(is_causal=True), 24),
+    "bidirectional_1d": (dict(num_heads=4, pos_rank=3, abs_rank=5, training_seq_len=32), dict(is_causal=False), 24),
+    "gqa_fused": (dict(num_heads=8, kv_num_heads=2, pos_rank=1, abs_rank=2, fuse_qkv=True), dict(is_causal=True), 20),
+    "query_norm_gate": (dict(num_heads=4, pos_rank=4, abs_rank=4, prior_gate="query_norm"), dict(is_causal=False), 24),
+    "grid_2d_cls": (dict(num_heads=4, pos_rank=5, abs_rank=3, pos_encoding="2d", has_cls_token_default=True),
+                    dict(spatial_shape=(4, 5), has_cls_token=True), 21),
+    # Causal with equal offsets (a chunk of a long sequence). With *unequal* causal offsets the
+    # official module is inconsistent: without another mask it ignores the offsets in its causal
+    # mask (SDPA is_causal), with one it shifts the diagonal; goat_jax always shifts it.
+    "offsets_1d_causal": (dict(num_heads=4, kv_num_heads=1, pos_rank=4, abs_rank=4, training_seq_len=64),
+                          dict(is_causal=True, position_offset_q=37, position_offset_k=37), 16),
+    "offsets_1d_cross": (dict(num_heads=4, kv_num_heads=2, pos_rank=4, abs_rank=4),
+                         dict(is_causal=False, position_offset_q=37, position_offset_k=5), 16),
+    "offsets_2d": (dict(num_heads=4, pos_rank=4, abs_rank=4, pos_encoding="2d"),
+                   dict(spatial_shape=(3, 4), position_offset_q=(2, 1), position_offset_k=(0, 3)), 12),
+}
+
+
+def _official(kwargs, gen):
+    m = goat.GoatAttention(embed_dim=E, batch_first=True, **kwargs).eval()
+    with torch.no_grad():  # move every prior parameter away from its near-neutral init
+        for name, p in m.named_parameters():
+            if not any(name.startswith(s) for s in ("q_proj", "k_proj", "v_proj", "in_proj", "out_proj")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return m
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_from_official_matches_official_outputs(name, rng):
+    kwargs, call, length = CASES[name]
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    m = _official(kwargs, gen)
+    x = torch.randn(2, length, E, generator=gen)
+    kpm = None
+    if name == "bidirectional_1d":
+        kpm = torch.zeros(2, length, dtype=torch.bool)
+        kpm[1, -5:] = True
+    with torch.no_grad():
+        want = m(x, x, x, key_padding_mask=kpm, need_weights=False, **call)[0].numpy()
+    module, params = from_official(m)
+    xj = jnp.asarray(x.numpy())
+    got = module.apply(params, xj, xj, xj, key_padding_mask=None if kpm is None else jnp.asarray(kpm.numpy()), **call)
+    err = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
+    assert err <= 1e-5, err
+
+    # And back: to_official reproduces the original module's outputs exactly.
+    m2 = to_official(module, params)
+    with torch.no_grad():
+        back = m2(x, x, x, key_padding_mask=kpm, need_weights=False, **call)[0].numpy()
+    np.testing.assert_allclose(back, want, rtol=0, atol=1e-6)
+
+
+def test_bf16_clone_runs_and_stays_close(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    m = _official(dict(num_heads=4, pos_rank=4, abs_rank=4), gen)
+    module, params = from_official(m)
+    x = jnp.asarray(torch.randn(1, 32, E, generator=gen).numpy())
+    full = module.apply(params, x, is_causal=True)
+    half = module.clone(dtype=jnp.bfloat16).apply(params, x, is_causal=True)
+    assert half.dtype == jnp.bfloat16
+    err = float(jnp.linalg.norm(half.astype(jnp.float32) - full) / jnp.linalg.norm(full))
+    assert err < 2e-2, err
+
+
+def test_unsupported_official_features_raise():
+    m = goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, batch_first=True, add_bias_kv=True)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        from_official(m)
+    m = goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, batch_first=True)
+    m.set_goat_prior_scale(0.5)
+    with pytest.raises(ValueError, match="goat_prior_scale"):
+        from_official(m)
