@@ -1,0 +1,111 @@
+"""Tiny byte-level GOAT language model on the Jargon File: trains on a 2-core CPU in minutes.
+
+      python -m experiments.train --config configs/lm_tiny.py --workdir runs/tiny
+      python -m experiments.train --config configs/lm_tiny.py:rope --workdir runs/tiny_rope
+
+The argument names the position encoding (default 'goat'; any of
+goat_jax.models.lm.POSITION_ENCODINGS), optionally followed by ',smoke': a seconds-long variant
+(1 layer, 64 wide, 64 bytes, batch 8) for tests, e.g. ``configs/lm_tiny.py:rope,smoke``.
+Everything else is identical across encodings.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from goat_jax.data import text
+
+# Logical axis -> mesh axis. Unlisted names ('length', 'kv', 'layers') are replicated; a mesh
+# axis that does not divide a dimension is dropped for that array (vocab 259 over tensor=2).
+SHARDING_RULES = (
+    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
+    ("embed", "fsdp"),  # parameters: FSDP shards the model dimension
+    ("mlp", "tensor"),  # Megatron: MLP hidden
+    ("heads", "tensor"),  # Megatron: query heads
+    ("kv_heads", "tensor"),  # Megatron: key/value heads
+    ("vocab", "tensor"),  # embedding / logits over the vocabulary
+)
+
+
+def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
+    """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
+    parts = [p for p in (arg or "").split(",") if p]
+    smoke = "smoke" in parts
+    encoding = next((p for p in parts if p != "smoke"), "goat")
+    c = ml_collections.ConfigDict()
+    c.task = "lm"  # next-token prediction (goat_jax.train.tasks)
+    c.seed = 0  # parameter init and data shuffling
+    c.seq_len = 128  # training context (bytes)
+
+    c.num_train_steps = 600  # ~3 min on 2 CPU cores
+    c.global_batch_size = 16  # sequences per step (2k tokens)
+    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
+    c.grad_accum_steps = 1  # microbatches per step
+    c.log_every_steps = 10  # metrics.jsonl / TensorBoard cadence
+    c.eval_every_steps = 200  # held-out loss cadence (0: never)
+    c.checkpoint_every_steps = 200  # checkpoint cadence (also at the end and on SIGTERM)
+    c.keep_checkpoints = 2  # keep the newest N checkpoints
+    c.progress_bar = True  # tqdm bar on stderr
+    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind (unknown on CPU)
+    c.distributed = False  # call jax.distributed.initialize() (multi-host)
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel replicas (-1: all remaining devices)
+    c.mesh.fsdp = 1  # parameter/optimizer-state shards
+    c.mesh.tensor = 1  # tensor-parallel shards
+    c.sharding_rules = SHARDING_RULES  # logical axis -> mesh axis
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 3e-3  # peak; small models take large steps
+    c.optimizer.warmup_steps = 50  # linear warmup
+    c.optimizer.min_lr_ratio = 0.1  # cosine floor as a fraction of the peak
+    c.optimizer.b1 = 0.9  # Adam first moment
+    c.optimizer.b2 = 0.95  # Adam second moment (LLM default)
+    c.optimizer.eps = 1e-8  # Adam epsilon
+    c.optimizer.weight_decay = 0.1  # decoupled; not on biases, norms, 1-D or GOAT prior params
+    c.optimizer.grad_clip = 1.0  # global-norm clip (0: off)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "lm"  # goat_jax.models registry
+    c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad/BOS/EOS
+    c.model.num_layers = 2  # decoder blocks
+    c.model.embed_dim = 128  # residual width
+    c.model.num_heads = 4  # query heads (head_dim 32)
+    c.model.kv_num_heads = 2  # GQA: two query heads per KV head
+    c.model.head_dim = config_dict.placeholder(int)  # None: embed_dim // num_heads
+    c.model.mlp_dim = 384  # SwiGLU hidden
+    c.model.position_encoding = encoding  # 'goat' | 'rope' | 'nope' | ... (the config argument)
+    c.model.tie_embeddings = True  # output projection = input embedding
+    c.model.max_len = 1024  # table size for 'learned' / 'naive_prior'
+    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale
+    c.model.rope_base = 10_000.0  # RoPE frequency base
+    c.model.pos_rank = 4  # GOAT relative Fourier rank R (2R of the 32 head dims)
+    c.model.abs_rank = 4  # GOAT absolute rank M of the sink MLP
+    c.model.prior_init = "seeded"  # ALiBi-like start
+    c.model.prior_gate = "none"  # no query-norm gate
+    c.model.enable_key_bias = True  # learned sink u(j)
+    c.model.norm_eps = 1e-6  # RMSNorm epsilon
+    c.model.dtype = "float32"  # compute dtype (CPU: float32)
+    c.model.param_dtype = "float32"  # parameter dtype
+    c.model.remat = False  # no rematerialization needed at this size
+    c.model.scan_layers = False  # two layers: unrolled
+    c.model.implementation = config_dict.placeholder(str)  # attention kernel; None: auto (XLA on CPU)
+
+    c.data = text.default_data_config()  # Jargon File, byte tokenizer
+    c.data.num_eval_batches = 8  # 8 x 16 x 128 = 16k held-out bytes
+    c.data.read_threads = 1  # 2-core machine
+
+    if smoke:  # seconds per run: engine tests (resume, sharding, config errors)
+        c.seq_len = 64
+        c.num_train_steps = 20
+        c.global_batch_size = 8
+        c.log_every_steps = 1
+        c.eval_every_steps = 0
+        c.checkpoint_every_steps = 5
+        c.optimizer.warmup_steps = 5
+        c.model.num_layers = 1
+        c.model.embed_dim = 64
+        c.model.mlp_dim = 128
+        c.model.pos_rank = 2
+        c.model.abs_rank = 2
+        c.data.num_eval_batches = 2
+    return c

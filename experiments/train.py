@@ -1,0 +1,44 @@
+"""Train (or resume) a model from a config file.
+
+    python -m experiments.train --config configs/lm_tiny.py[:arg] --workdir DIR [--config.x=y ...]
+
+Re-running the same command resumes from DIR's latest checkpoint. See goat_jax/train/trainer.py.
+"""
+
+import logging as py_logging
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from goat_jax.train import trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_tiny.py:rope.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config.json).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+class _QuietLibraries(py_logging.Filter):
+    """Drops INFO records of orbax and etils (dozens per checkpoint) so the progress bar and the
+    trainer's own messages stay readable; their warnings and errors pass."""
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        path = record.pathname.replace(os.sep, "/")
+        return record.levelno >= py_logging.WARNING or not ("/orbax/" in path or "/etils/" in path)
+
+
+def main(argv):
+    """Entry point: trains ``--config`` in ``--workdir``."""
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(_QuietLibraries())
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    summary = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    logging.info("done: %s", summary)
+
+
+if __name__ == "__main__":
+    app.run(main)

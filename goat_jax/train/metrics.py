@@ -1,0 +1,167 @@
+"""Training metrics: ``metrics.jsonl``, TensorBoard events and a tqdm progress bar.
+
+``WORKDIR/metrics.jsonl`` holds one JSON object per line. Training rows have ``step``,
+``train_loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec``, ``mfu`` (null where the
+accelerator's peak FLOP/s is unknown, e.g. on CPU) and ``elapsed_s``; eval rows have ``step`` and
+``eval_*`` keys. Non-finite numbers are written as null so every line is strict JSON. On resume
+the rows after the restored step are dropped, so the file always reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+# Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
+# (vendor datasheets). First match wins, so more specific names come first.
+PEAK_FLOPS = (
+    ("v6 lite", 918e12), ("v6e", 918e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
+    ("v5", 459e12), ("v4", 275e12), ("v3", 61.5e12),  # v3: per core (one JAX device per core)
+    ("B200", 2250e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12),
+)
+
+
+def peak_flops_per_device(device_kind: str, override: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s of one device: ``override`` if positive, else the table, else None."""
+    if override:
+        return float(override)
+    for key, flops in PEAK_FLOPS:
+        if key.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+def _clean(value: Any) -> Any:
+    """numpy/jax scalars -> Python; non-finite floats -> None (strict JSON)."""
+    if isinstance(value, (np.generic, np.ndarray)) or hasattr(value, "item"):
+        value = np.asarray(value).item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Drops rows with ``step > last_step`` from ``path`` (atomically); the rows a resumed run
+    is about to log again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            pass  # a line torn by a kill mid-write
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class Throughput:
+    """Tokens/s and MFU between consecutive :meth:`update` calls.
+
+    Args:
+      tokens_per_step: tokens in one global batch.
+      flops_per_token: training FLOPs per token (forward + backward), or None.
+      peak_flops: summed peak FLOP/s of all devices, or None (then ``mfu`` is None).
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_token: Optional[float], peak_flops: Optional[float]):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._last: Optional[tuple] = None
+
+    def reset(self, step: int) -> None:
+        """Starts timing at ``step`` (e.g. after compilation, or after an eval pause)."""
+        self._last = (step, time.perf_counter())
+
+    def update(self, step: int) -> Dict[str, Optional[float]]:
+        """``{'tokens_per_sec', 'mfu'}`` since the previous call (None for the first)."""
+        now = time.perf_counter()
+        out = {"tokens_per_sec": None, "mfu": None}
+        if self._last is not None and step > self._last[0] and now > self._last[1]:
+            tok_s = (step - self._last[0]) * self.tokens_per_step / (now - self._last[1])
+            out["tokens_per_sec"] = tok_s
+            if self.flops_per_token and self.peak_flops:
+                out["mfu"] = tok_s * self.flops_per_token / self.peak_flops
+        self._last = (step, now)
+        return out
+
+
+class MetricsWriter:
+    """Writes rows to ``metrics.jsonl`` and TensorBoard, and drives the progress bar.
+
+    Only the primary host should create one with ``enabled=True``; others get no-ops.
+
+    Args:
+      workdir: run directory.
+      total_steps, initial_step: progress-bar range.
+      enabled: write anything at all (False on non-primary hosts).
+      progress_bar: show a tqdm bar (stderr).
+    """
+
+    def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 progress_bar: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._start = time.perf_counter()
+        self._file = self._tb = self._bar = None
+        if not enabled:
+            return
+        truncate_jsonl(self.path, initial_step)
+        self._file = open(self.path, "a")
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                             smoothing=0.1)
+        self._bar_step = initial_step
+
+    def write(self, step: int, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """Appends ``{'step': step, **metrics, 'elapsed_s'}`` (flushed: a killed run keeps it)
+        and logs the numeric values to TensorBoard. Returns the cleaned row."""
+        row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()},
+               "elapsed_s": round(time.perf_counter() - self._start, 4)}
+        if not self.enabled:
+            return row
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(key, value, step)
+        return row
+
+    def progress(self, step: int, loss: Optional[float] = None, lr: Optional[float] = None,
+                 tokens_per_sec: Optional[float] = None) -> None:
+        """Moves the bar to ``step``; updates its loss / lr / tok/s readout when given."""
+        if self._bar is None:
+            return
+        if loss is not None:
+            post = {"loss": f"{loss:.4f}"}
+            if lr is not None:
+                post["lr"] = f"{lr:.2e}"
+            if tokens_per_sec:
+                post["tok/s"] = f"{tokens_per_sec:,.0f}"
+            self._bar.set_postfix(post, refresh=False)
+        self._bar.update(step - self._bar_step)
+        self._bar_step = step
+
+    def close(self) -> None:
+        """Flushes and closes the file, the TensorBoard writer and the bar."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._tb = self._bar = None

@@ -1,0 +1,111 @@
+"""Optimizer: AdamW, linear warmup + cosine decay, global-norm clipping, a weight-decay mask,
+and gradient accumulation over microbatches.
+
+Config (``config.optimizer``): ``learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps,
+weight_decay, grad_clip``; the decay horizon is ``config.num_train_steps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# Leaves and subtrees never decayed. Biases and norm scales are the usual AdamW exclusions (decay
+# would pull LayerNorm gains to 0 and biases carry no capacity to regularize). The GOAT prior
+# parameters are a handful of numbers per head whose scale *is* the prior (Fourier coefficients,
+# sink gain and bump, ALiBi-like recency slope): decaying them biases the learned prior towards
+# uniform attention rather than regularizing the model. 'prior' is the GoatPrior module name.
+NO_DECAY_NAMES = frozenset({
+    "bias", "scale", "prior", "lambda_sym", "lambda_asym", "key_bias", "sink_gain", "sink_bump",
+    "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias",
+})
+
+
+def learning_rate_schedule(opt_config: Any, num_train_steps: int) -> optax.Schedule:
+    """``lr(count)`` for the update with 0-based index ``count``: linear warmup reaching the
+    peak at update ``warmup_steps`` (the first update already moves, unlike optax's warmup from
+    0), then cosine decay to ``min_lr_ratio * peak`` at ``num_train_steps``."""
+    peak = float(opt_config.learning_rate)
+    warmup = int(opt_config.warmup_steps)
+    floor = peak * float(opt_config.min_lr_ratio)
+    decay_steps = max(num_train_steps - warmup, 1)
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0  # 1-based: the update being made
+        warm = peak * step / max(warmup, 1)
+        frac = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
+        cosine = floor + 0.5 * (peak - floor) * (1.0 + jnp.cos(jnp.pi * frac))
+        return jnp.where(step <= warmup, warm, cosine)
+
+    return schedule
+
+
+def decay_mask(params: Any) -> Any:
+    """True for parameters that get weight decay: arrays with >= 2 dims outside
+    :data:`NO_DECAY_NAMES` (so 1-D params, biases of any rank, norm scales and the GOAT prior
+    are excluded)."""
+    def one(path, leaf):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return bool(jnp.ndim(leaf) >= 2 and not names & NO_DECAY_NAMES)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def make_optimizer(opt_config: Any, num_train_steps: int) -> Tuple[optax.GradientTransformation, optax.Schedule]:
+    """Returns ``(tx, schedule)``: clip-by-global-norm (if ``grad_clip > 0``) then AdamW with
+    the masked decoupled weight decay."""
+    schedule = learning_rate_schedule(opt_config, num_train_steps)
+    parts = []
+    if opt_config.grad_clip and float(opt_config.grad_clip) > 0:
+        parts.append(optax.clip_by_global_norm(float(opt_config.grad_clip)))
+    parts.append(optax.adamw(
+        learning_rate=schedule, b1=float(opt_config.b1), b2=float(opt_config.b2),
+        eps=float(opt_config.eps), weight_decay=float(opt_config.weight_decay), mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
+    """``[B, ...] -> [n, B / n, ...]`` with microbatch ``i`` = rows ``i, i + n, ...`` (see
+    :func:`accumulate_gradients` for why strided)."""
+    b = x.shape[0]
+    if b % num_microbatches:
+        raise ValueError(f"batch of {b} does not split into grad_accum_steps={num_microbatches} microbatches.")
+    return jnp.swapaxes(x.reshape((b // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any], Tuple[jax.Array, Tuple[jax.Array, Any]]],
+    params: Any,
+    batch: Any,
+    num_microbatches: int,
+) -> Tuple[jax.Array, jax.Array, Any]:
+    """Sums ``loss_fn``'s value and gradient over ``num_microbatches`` slices of ``batch``.
+
+    ``loss_fn(params, batch) -> (loss_sum, (weight_sum, aux))`` must return an *unnormalized*
+    sum (e.g. of token losses); the caller divides by the total weight, so the result equals the
+    full-batch loss exactly (up to float summation order) whatever the microbatch count.
+    Microbatch ``i`` takes rows ``i, i + n, i + 2n, ...``: with the batch sharded in contiguous
+    blocks over devices, every device then holds its share of every microbatch, so the loop needs
+    no resharding.
+
+    Returns ``(loss_sum, weight_sum, grad_sum)``; ``aux`` is dropped when accumulating.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_microbatches == 1:
+        (loss, (weight, _)), grads = grad_fn(params, batch)
+        return loss, weight, grads
+
+    micro = jax.tree.map(lambda x: split_microbatches(x, num_microbatches), batch)
+
+    def body(carry, mb):
+        loss, weight, grads = carry
+        (l, (w, _)), g = grad_fn(params, mb)
+        return (loss + l, weight + w, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+    (loss, weight, grads), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, weight, grads

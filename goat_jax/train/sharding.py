@@ -1,0 +1,175 @@
+"""Device mesh and logical-axis sharding (the Flax lm1b / T5X / MaxText scheme).
+
+Parameters carry *logical* axis names (``'embed'``, ``'mlp'``, ``'heads'``, ...) from
+``nn.with_logical_partitioning``; a short list of ``(logical, mesh_axis)`` rules in the config
+maps them onto the three mesh axes:
+
+* ``data``   -- pure data parallelism: batch split, parameters replicated.
+* ``fsdp``   -- batch split *and* parameters/optimizer state split (ZeRO-3 style): weights are
+  all-gathered per layer in the forward pass and gradients reduce-scattered.
+* ``tensor`` -- Megatron-style tensor parallelism over heads / MLP hidden / vocab.
+
+Rules follow Flax semantics: for each logical name, the first rule whose mesh axis is not
+already used by another dimension of the same array wins; ``None`` means replicated. A mesh
+axis that does not divide the dimension is dropped for that array (e.g. the byte vocab of 259
+over ``tensor=2``): XLA requires even shards, and replicating one small array is better than
+refusing to run. Parameters without logical names (e.g. the tiny GOAT prior tensors) are
+replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# The mesh axes a batch dimension is split over: every replica of the model sees a different
+# slice; ``tensor`` shards see the same examples.
+BATCH_AXES = ("data", "fsdp")
+
+Rules = Sequence[Tuple[str, Any]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh
+# ----------------------------------------------------------------------------------------------
+
+
+def mesh_shape(mesh_config: Any, num_devices: int) -> Tuple[int, int, int]:
+    """Resolves ``mesh.{data,fsdp,tensor}`` (at most one may be -1: "the rest") to sizes whose
+    product is ``num_devices``; raises ValueError naming the field otherwise."""
+    sizes = {name: int(mesh_config[name]) for name in MESH_AXES}
+    fill = [name for name, size in sizes.items() if size == -1]
+    bad = [name for name, size in sizes.items() if size == 0 or size < -1]
+    if bad:
+        raise ValueError(f"mesh.{bad[0]}={sizes[bad[0]]} must be a positive size or -1 (fill the "
+                         "remaining devices).")
+    if len(fill) > 1:
+        raise ValueError(f"Only one of mesh.{{data,fsdp,tensor}} may be -1; got -1 for "
+                         f"{', '.join('mesh.' + f for f in fill)}. Set all but one explicitly.")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other mesh axes "
+                f"multiply to {fixed}, which does not divide {num_devices}. Change "
+                f"{', '.join(f'mesh.{n}' for n in MESH_AXES if n != fill[0])}.")
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"mesh.data * mesh.fsdp * mesh.tensor = {sizes['data']} * {sizes['fsdp']} * "
+            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices. Make the product "
+            f"{num_devices}, or set one of mesh.data/mesh.fsdp/mesh.tensor to -1.")
+    return tuple(sizes[name] for name in MESH_AXES)
+
+
+def make_mesh(mesh_config: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` over ``devices`` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(mesh_config, len(devices))
+    try:
+        # Topology-aware placement on TPU/GPU (tensor axis on the fastest links).
+        from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+        array = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        array = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(array, MESH_AXES)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Number of batch shards (``data * fsdp``)."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logical names -> shardings
+# ----------------------------------------------------------------------------------------------
+
+
+def rules_from_config(rules: Rules) -> Tuple[Tuple[str, Any], ...]:
+    """Normalizes config rules (lists from JSON or the command line) to a tuple of pairs, and
+    checks they only name mesh axes that exist."""
+    out = []
+    for i, pair in enumerate(rules):
+        if len(pair) != 2:
+            raise ValueError(f"sharding_rules[{i}]={pair!r} must be a (logical_name, mesh_axis) pair.")
+        logical, target = pair
+        if isinstance(target, (list, tuple)):
+            target = tuple(target)
+            axes = target
+        else:
+            axes = () if target is None else (target,)
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"sharding_rules[{i}] maps {logical!r} to unknown mesh axis "
+                             f"{unknown[0]!r}; mesh axes are {MESH_AXES}.")
+        out.append((str(logical), target))
+    return tuple(out)
+
+
+def _resolve(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh, rules: Rules) -> P:
+    """PartitionSpec for one array with logical ``names`` (Flax rule semantics + divisibility)."""
+    used, spec = set(), []
+    for name, dim in zip(names, shape):
+        chosen = None
+        for logical, target in rules:
+            if logical != name:
+                continue
+            axes = () if target is None else (tuple(target) if isinstance(target, tuple) else (target,))
+            if any(a in used for a in axes):
+                continue
+            # Keep only the mesh axes (in order) whose product still divides the dimension.
+            kept, size = [], 1
+            for a in axes:
+                if dim % (size * mesh.shape[a]) == 0:
+                    kept.append(a)
+                    size *= mesh.shape[a]
+            if len(kept) < len(axes):
+                logging.info("sharding: %s (size %d) not divisible over %s; using %s.", name, dim, axes, kept)
+            chosen = tuple(kept)
+            break
+        if not chosen:
+            spec.append(None)
+        else:
+            used.update(chosen)
+            spec.append(chosen[0] if len(chosen) == 1 else chosen)
+    return P(*spec)
+
+
+def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a tree that may hold ``nn.LogicallyPartitioned`` boxes (e.g. the
+    ``jax.eval_shape`` of ``model.init``). Unboxed leaves are replicated. The result has the
+    *unboxed* tree structure."""
+    def one(leaf):
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            names = tuple(leaf.names)
+            shape = leaf.value.shape
+            return NamedSharding(mesh, _resolve(names, shape, mesh, rules))
+        return NamedSharding(mesh, P())
+    return jax.tree.map(one, abstract_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on ``mesh``."""
+    return NamedSharding(mesh, P())
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,
+                        param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: every params-shaped subtree (Adam's mu, nu, ...) gets
+    the parameters' shardings; everything else (counts, schedule state) is replicated."""
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt_state, param_shardings,
+        transform_non_params=lambda _: replicated(mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a ``[batch, ...]`` array: batch over ``data x fsdp``, the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

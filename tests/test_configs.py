@@ -1,0 +1,143 @@
+"""The experiment configs: they load and validate, parameter counts of the paper shapes (via
+jax.eval_shape: nothing allocated), and bad values fail before training, naming the field."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import lm_c4_125m, lm_fineweb_1b, lm_tiny
+from goat_jax.models import count_params
+from goat_jax.models.lm import POSITION_ENCODINGS
+from goat_jax.train import tasks
+from goat_jax.train import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {"lm_tiny": lm_tiny, "lm_c4_125m": lm_c4_125m, "lm_fineweb_1b": lm_fineweb_1b}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("encoding", ["goat", "rope", "nope", "alibi", "learned"])
+def test_configs_validate(name, encoding):
+    config = CONFIGS[name].get_config(encoding)
+    assert config.model.position_encoding == encoding
+    assert trainer.validate_config(config, num_devices=8) == config.global_batch_size
+    assert config.model.training_seq_len == config.seq_len
+    assert tasks.get_task(config.task).flops_per_token(config) > 0
+
+
+def test_tiny_smoke_variant():
+    config = lm_tiny.get_config("rope,smoke")
+    assert config.model.position_encoding == "rope" and config.seq_len == 64
+    assert config.model.training_seq_len == 64  # follows seq_len through the FieldReference
+    trainer.validate_config(config, num_devices=1)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_field_has_a_comment(name):
+    """Configs read like a paper appendix: each top-level assignment in get_config says why."""
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    source = open(path).read().splitlines()
+    tree = ast.parse("\n".join(source))
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_config")
+    for node in func.body:  # the smoke block of lm_tiny overrides already-commented fields
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]).count(".") >= 1:
+            line = source[node.lineno - 1]
+            if ast.unparse(node.value).startswith("ml_collections.ConfigDict"):
+                continue
+            assert "#" in line, f"{path}:{node.lineno} has no comment: {line.strip()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter counts of the paper shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def _params(config):
+    model = tasks.get_task("lm").build_model(config)
+    return count_params(model, (1, 16))
+
+
+def test_125m_param_count():
+    """All parameters, the tied token embedding counted once, GOAT prior included:
+    12 x (4 x 768^2 + 3 x 768 x 2560 + 2 x 768) + 32000 x 768 + 768 + prior = 123.69M."""
+    config = lm_c4_125m.get_config()
+    n = _params(config)
+    e, f, v, layers = 768, 2560, 32_000, 12
+    dense = layers * (4 * e * e + 3 * e * f + 2 * e) + v * e + e
+    assert 0 < n - dense < 10_000  # the GOAT prior: a few hundred numbers per layer
+    assert n == pytest.approx(125e6, rel=0.02)
+    assert abs(_params(lm_c4_125m.get_config("rope")) - dense) == 0
+
+
+def test_1b_param_count_matches_llama_3_2_1b():
+    """Llama 3.2 1B: 1,235,814,400 parameters (tied embeddings); GOAT adds its prior only."""
+    n_rope = _params(lm_fineweb_1b.get_config("rope"))
+    n_goat = _params(lm_fineweb_1b.get_config("goat"))
+    assert n_rope == 1_235_814_400
+    assert n_goat == pytest.approx(1.23e9, rel=0.01) and 0 < n_goat - n_rope < 10_000
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad values fail before training, naming the field
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiny(**changes):
+    config = lm_tiny.get_config()
+    for key, value in changes.items():
+        node = config
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+@pytest.mark.parametrize("mutate,devices,pattern", [
+    (lambda c: c.__setattr__("num_trian_steps", 5), 1, r"Unknown config field num_trian_steps\. Did you mean num_train_steps"),
+    (lambda c: c.model.__setattr__("embed_dims", 5), 1, r"Unknown config field model\.embed_dims\. Did you mean model\.embed_dim"),
+    (lambda c: c.data.__setattr__("tokeniser", "byte"), 1, r"Unknown config field data\.tokeniser"),
+    (lambda c: c.optimizer.__delattr__("grad_clip"), 1, r"missing field\(s\) \['optimizer\.grad_clip'\]"),
+    (lambda c: c.mesh.__setattr__("data", 3), 8, r"mesh\.data \* mesh\.fsdp \* mesh\.tensor = 3 \* 1 \* 1 = 3, but there are 8 devices"),
+    (lambda c: (c.mesh.__setattr__("data", 8), c.__setattr__("global_batch_size", 12)), 8,
+     r"global_batch_size=12 .* divisible by mesh\.data \* mesh\.fsdp \* grad_accum_steps"),
+    (lambda c: c.__setattr__("grad_accum_steps", 3), 1, r"global_batch_size=16 .* grad_accum_steps = 1 \* 1 \* 3"),
+    (lambda c: c.__setattr__("per_device_batch_size", 2), 1, r"exactly one of global_batch_size and per_device_batch_size"),
+    (lambda c: (c.model.__setattr__("position_encoding", "learned"), c.model.__setattr__("max_len", 64)), 1,
+     r"seq_len=128 exceeds model\.max_len=64"),
+    (lambda c: c.__setattr__("task", "lm2"), 1, r"config\.task='lm2' is not a registered task"),
+    (lambda c: c.__setattr__("log_every_steps", 0), 1, r"log_every_steps=0 must be a positive integer"),
+])
+def test_bad_values_raise_naming_the_field(mutate, devices, pattern):
+    config = lm_tiny.get_config()
+    mutate(config)
+    with pytest.raises(ValueError, match=pattern):
+        trainer.validate_config(config, num_devices=devices)
+
+
+def test_per_device_batch_size_resolves():
+    config = _tiny(global_batch_size=None, per_device_batch_size=4)
+    config.mesh.data = 8
+    assert trainer.validate_config(config, num_devices=8) == 32
+
+
+def _train(workdir, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
+         "--workdir", str(workdir), "--config.progress_bar=False", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_command_line_errors_stop_before_training(tmp_path):
+    proc = _train(tmp_path / "mesh", "--config.mesh.data=3")
+    assert proc.returncode != 0 and "mesh.data * mesh.fsdp * mesh.tensor = 3" in proc.stderr
+    assert not (tmp_path / "mesh").exists() or not os.listdir(tmp_path / "mesh")
+    proc = _train(tmp_path / "typo", "--config.model.embed_dims=32")
+    assert proc.returncode != 0 and "embed_dims" in proc.stderr
+    assert not (tmp_path / "typo").exists()
