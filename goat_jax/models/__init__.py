@@ -1,0 +1,61 @@
+"""Models, built from a config by name: the trainer calls :func:`build_model` and nothing else.
+
+``build_model(config.model)`` looks up ``config.model.name`` (e.g. 'lm') in a small registry and
+hands the remaining fields to that model's config class, which rejects unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax.models.lm import LMConfig, TransformerLM, lm_flops_per_token
+
+_REGISTRY: Dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {}
+
+
+def register_model(name: str):
+    """Decorator registering ``builder(fields) -> nn.Module`` under ``name``."""
+    def wrap(builder):
+        if name in _REGISTRY:
+            raise ValueError(f"Model {name!r} is already registered.")
+        _REGISTRY[name] = builder
+        return builder
+    return wrap
+
+
+@register_model("lm")
+def _build_lm(fields: Mapping[str, Any]) -> nn.Module:
+    return TransformerLM(LMConfig.from_config(fields))
+
+
+def build_model(model_config: Mapping[str, Any]) -> nn.Module:
+    """Builds the model named by ``model_config.name`` from the other fields.
+
+    Args:
+      model_config: an ``ml_collections.ConfigDict`` (or mapping) with ``name`` plus the fields
+        of that model's config (for 'lm': :class:`LMConfig`).
+    Raises:
+      ValueError: missing or unknown ``name``, or unknown fields for that model.
+    """
+    values = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
+    name = values.pop("name", None)
+    if name not in _REGISTRY:
+        raise ValueError(f"model name {name!r} is not registered; choose one of {sorted(_REGISTRY)}.")
+    return _REGISTRY[name](values)
+
+
+def count_params(model: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.int32) -> int:
+    """Number of parameters of ``model`` for an input of ``input_shape`` (via ``jax.eval_shape``:
+    nothing is allocated, so it works for models that do not fit in memory)."""
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct(tuple(input_shape), dtype))
+    # Leaves of partitioned (boxed) params are ShapeDtypeStructs too: the boxes are pytree nodes.
+    return int(sum(np.prod(leaf.shape, dtype=np.int64) for leaf in jax.tree_util.tree_leaves(shapes["params"])))
+
+
+__all__ = ["LMConfig", "TransformerLM", "build_model", "count_params", "lm_flops_per_token",
+           "register_model"]

@@ -1,0 +1,332 @@
+"""A Llama-style decoder-only language model whose attention is GOAT or a positional baseline.
+
+Architecture (Llama / MaxText): token embedding -> ``num_layers`` x [RMSNorm -> causal
+attention (GQA) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits (tied or
+untied output embedding). Only the attention module (and, for 'sinusoidal' / 'learned', an
+absolute embedding added to the token embeddings) changes with ``position_encoding``;
+everything else -- widths, norms, MLP, initialization -- is identical, so comparisons between
+encodings are fair.
+
+Sharding: every parameter carries logical axis names (``nn.with_logical_partitioning``) and the
+residual stream, MLP hidden and logits carry ``nn.with_logical_constraint`` names; a trainer
+maps them to mesh axes with ~10 lines of rules. Names used: 'batch', 'length', 'embed', 'mlp',
+'heads', 'kv_heads', 'kv', 'vocab', and 'layers' (the stacked axis under ``scan_layers``).
+
+Shape legend: B batch, T length, E embed_dim, F mlp_dim, V vocab_size, L num_layers,
+N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from goat_jax.attention import GoatAttention
+
+Array = jax.Array
+
+POSITION_ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "alibi_packed", "sinusoidal", "learned",
+                      "nope", "naive_prior")
+# Encodings that add an absolute embedding to the token embeddings and use position-free attention.
+ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
+# Encodings with a position table of size max_len: longer sequences cannot be represented.
+_TABLE_ENCODINGS = ("learned", "naive_prior")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Hyper-parameters of :class:`TransformerLM` (build from ml_collections with
+    :meth:`from_config`). Dtypes may be given as strings ('bfloat16') or dtypes."""
+
+    vocab_size: int = 259  # tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)
+    num_layers: int = 2  # decoder blocks
+    embed_dim: int = 64  # residual stream width E
+    num_heads: int = 4  # query heads N
+    kv_num_heads: Optional[int] = None  # key/value heads K (GQA/MQA); None = num_heads
+    head_dim: Optional[int] = None  # per-head dim H; None = embed_dim // num_heads
+    mlp_dim: int = 256  # SwiGLU hidden width F
+    position_encoding: str = "goat"  # one of POSITION_ENCODINGS
+    tie_embeddings: bool = True  # output projection = token embedding transposed (Llama 3.2 1B)
+    max_len: int = 2048  # position-table size for 'learned' and 'naive_prior'
+    training_seq_len: Optional[int] = None  # training context: GOAT sink normalization, RoPE-PI scale
+    rope_base: float = 10_000.0  # RoPE / RoPE-PI frequency base
+    pos_rank: int = 8  # GOAT: relative Fourier rank R (uses 2R head dims)
+    abs_rank: int = 8  # GOAT: absolute rank M of the sink MLP's features
+    prior_init: str = "seeded"  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
+    prior_gate: str = "none"  # GOAT: 'none' or 'query_norm'
+    enable_key_bias: bool = True  # GOAT: the learned key-only sink u(j)
+    use_bias: bool = False  # biases in the attention projections (Llama has none)
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    dtype: Any = "float32"  # compute dtype of activations
+    param_dtype: Any = "float32"  # storage dtype of parameters
+    remat: bool = False  # rematerialize each block in the backward pass (saves activation memory)
+    scan_layers: bool = False  # nn.scan over blocks: params stacked on a 'layers' axis, one compile
+    implementation: Optional[str] = None  # attention kernel: None (auto) | 'xla' | 'cudnn' | 'splash' | 'dense'
+    init_std: float = 0.02  # std of the normal init of embeddings and MLP kernels
+
+    def __post_init__(self):
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(
+                f"position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}.")
+        for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "mlp_dim", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LMConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of kv_num_heads={self.kv_num_heads}.")
+        if self.head_dim is None and self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
+                "head_dim explicitly.")
+        if self.position_encoding == "rope_pi" and self.training_seq_len is None:
+            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length "
+                             "positions are interpolated back to).")
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError as e:
+                raise ValueError(f"LMConfig.{name}={getattr(self, name)!r} is not a dtype.") from e
+
+    @property
+    def kv_heads(self) -> int:
+        """K, the number of key/value heads."""
+        return self.kv_num_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        """H, the resolved per-head dim."""
+        return self.head_dim or self.embed_dim // self.num_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """``dtype`` as a numpy dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        """``param_dtype`` as a numpy dtype."""
+        return jnp.dtype(self.param_dtype)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "LMConfig":
+        """Builds an LMConfig from an ``ml_collections.ConfigDict`` (or any mapping).
+
+        Raises ValueError naming every key that is not a field, so a typo in a config file or a
+        ``--config.model.x=y`` override fails loudly instead of being ignored.
+        """
+        values = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"Unknown LMConfig field(s): {unknown}. Known fields: {sorted(fields)}.")
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def _normal(std: float, axes):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _rms_norm(cfg: LMConfig, name: str) -> nn.Module:
+    # RMSNorm reduces in float32 whatever the compute dtype (force_float32_reductions).
+    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                      name=name)
+
+
+class SwiGLU(nn.Module):
+    """``wo(silu(x wi_0) * (x wi_1))`` (Shazeer 2020, as in Llama): [B, T, E] -> [B, T, E]."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+
+        def dense(features, axes, std, name):
+            return nn.DenseGeneral(features, use_bias=False, dtype=cfg.compute_dtype,
+                                   param_dtype=cfg.weight_dtype, kernel_init=_normal(std, axes),
+                                   name=name)
+
+        gate = dense(cfg.mlp_dim, ("embed", "mlp"), cfg.init_std, "wi_0")(x)  # [B, T, F]
+        up = dense(cfg.mlp_dim, ("embed", "mlp"), cfg.init_std, "wi_1")(x)  # [B, T, F]
+        h = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        # GPT-2 residual scaling: each block adds two branches, so shrinking the output
+        # projections by sqrt(2 L) keeps the residual stream's variance O(1) at init.
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        return dense(cfg.embed_dim, ("mlp", "embed"), out_std, "wo")(h)
+
+
+def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.Module:
+    """The attention module for ``cfg.position_encoding``: GoatAttention for 'goat', otherwise
+    PositionalAttention ('sinusoidal'/'learned' use its 'nope' mode, their positions being in the
+    embeddings). Shared knobs (heads, GQA, dtypes, kernel, bias) are passed identically."""
+    common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
+                  out_features=cfg.embed_dim, training_seq_len=cfg.training_seq_len,
+                  use_bias=cfg.use_bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                  implementation=cfg.implementation, decode=decode, name=name)
+    if cfg.position_encoding == "goat":
+        return GoatAttention(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank,
+                             enable_key_bias=cfg.enable_key_bias, prior_init=cfg.prior_init,
+                             prior_gate=cfg.prior_gate, **common)
+    from goat_jax.positional import PositionalAttention  # baselines live in their own module
+
+    encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
+    return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
+                               max_len=cfg.max_len, **common)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block ``x + attn(norm(x))``, then ``x + mlp(norm(x))``: [B, T, E] -> [B, T, E].
+
+    ``positions`` (None or [T] / [B, T] int) move the attention's notion of position; they must
+    be None while decoding (the attention reads them from its cache index). Under ``nn.scan``
+    (``scanned=True``) the block returns ``(x, None)``, scan's (carry, output) convention.
+    """
+
+    config: LMConfig
+    decode: bool = False
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Optional[Array]):
+        cfg = self.config
+        h = _rms_norm(cfg, "attn_norm")(x)
+        h = make_attention(cfg, self.decode)(h, is_causal=True, q_positions=positions,
+                                             k_positions=positions)
+        x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+        h = SwiGLU(cfg, name="mlp")(_rms_norm(cfg, "mlp_norm")(x))
+        x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+        return (x, None) if self.scanned else x
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: ``tokens [B, T] int32 -> logits [B, T, V] float32``.
+
+    Call: ``model.apply(variables, tokens, positions=None)``. ``positions`` ([T] or [B, T] int)
+    default to ``arange(T)``; they drive the attention prior / rotation and, for 'sinusoidal' /
+    'learned', the absolute embedding.
+
+    KV-cache decoding: ``dm = model.clone(decode=True)``; ``dm.init(rng, tokens_of_full_length)``
+    sizes the 'cache' collection for that length; then each
+    ``dm.apply({'params': p, 'cache': c}, chunk, mutable=['cache'])`` appends ``chunk``
+    ([B, t], t >= 1) and returns its logits. Positions then come from the cache index, so
+    ``positions`` must be None. Works with ``scan_layers`` (the cache is stacked per layer).
+    """
+
+    config: LMConfig
+    decode: bool = False
+
+    def _decode_offset(self, length: int) -> Optional[Array]:
+        """Position of the first token of this call while decoding (absolute encodings only:
+        attention modules keep their own index)."""
+        is_init = not self.has_variable("cache", "position_index")
+        index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+        if is_init:
+            return jnp.array(0, jnp.int32)
+        offset = index.value
+        index.value = offset + length
+        return offset
+
+    @nn.compact
+    def __call__(self, tokens: Array, *, positions: Optional[Array] = None) -> Array:
+        cfg = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be [batch, length] integers, got {tokens.shape} {tokens.dtype}.")
+        t = tokens.shape[1]
+        if cfg.position_encoding in _TABLE_ENCODINGS and t > cfg.max_len:
+            raise ValueError(
+                f"position_encoding={cfg.position_encoding!r} has a table of max_len={cfg.max_len} "
+                f"positions; got {t} tokens. Raise max_len or shorten the sequence.")
+        if self.decode and positions is not None:
+            raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+
+        embed = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
+                         param_dtype=cfg.weight_dtype,
+                         embedding_init=_normal(cfg.init_std, ("vocab", "embed")), name="embed")
+        x = embed(tokens.astype(jnp.int32))  # [B, T, E]
+
+        if cfg.position_encoding in ABSOLUTE_ENCODINGS:
+            from goat_jax.positional import LearnedPositionEmbedding, sinusoidal_embedding
+
+            abs_pos = positions
+            if abs_pos is None:
+                start = self._decode_offset(t) if self.decode else 0
+                abs_pos = start + jnp.arange(t, dtype=jnp.int32)[None]  # [1, T]
+            if cfg.position_encoding == "sinusoidal":
+                pe = sinusoidal_embedding(abs_pos, cfg.embed_dim)
+            else:
+                pe = LearnedPositionEmbedding(
+                    max_len=cfg.max_len, features=cfg.embed_dim, dtype=cfg.compute_dtype,
+                    param_dtype=cfg.weight_dtype,
+                    embedding_init=nn.initializers.normal(cfg.init_std), name="pos_embed")(abs_pos)
+            x = x + pe.astype(x.dtype)  # [B or 1, T, E] broadcasts over the batch
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+        block = DecoderBlock
+        if cfg.remat:
+            # prevent_cse=False is safe (and faster) under scan, which already blocks CSE.
+            block = nn.remat(block, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
+                            split_rngs={"params": True}, in_axes=(nn.broadcast,),
+                            length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(cfg, decode=self.decode, scanned=True, name="layers")(x, positions)
+        else:
+            for i in range(cfg.num_layers):
+                x = block(cfg, decode=self.decode, name=f"layer_{i}")(x, positions)
+
+        x = _rms_norm(cfg, "final_norm")(x)
+        if cfg.tie_embeddings:
+            w = embed.embedding.T  # [E, V]
+        else:
+            w = self.param("lm_head", _normal(cfg.init_std, ("embed", "vocab")),
+                           (cfg.embed_dim, cfg.vocab_size), cfg.weight_dtype)
+        # Inputs in the compute dtype (fast matmul), accumulation and result in float32: the
+        # softmax over a large vocabulary and the loss need float32 logits.
+        logits = jnp.einsum("bte,ev->btv", x, w.astype(cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs (for MFU)
+# ----------------------------------------------------------------------------------------------
+
+
+def matmul_params(cfg: LMConfig) -> int:
+    """Parameters that take part in a matmul per token: attention projections, MLP and the
+    output projection (the input embedding is a lookup, norms and the GOAT prior are negligible).
+    """
+    e, h, n, k = cfg.embed_dim, cfg.head_size, cfg.num_heads, cfg.kv_heads
+    attn = e * n * h + 2 * e * k * h + n * h * e  # q, k, v, out
+    mlp = 3 * e * cfg.mlp_dim  # wi_0, wi_1, wo
+    return cfg.num_layers * (attn + mlp) + e * cfg.vocab_size
+
+
+def lm_flops_per_token(cfg: LMConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B counting:
+    ``6 N + 12 L N_heads H T`` with N the matmul parameters (:func:`matmul_params`).
+
+    The attention term counts the full T x T score and value products (no causal halving), as
+    PaLM and MaxText do, so MFU numbers are comparable across codebases. GOAT's few extra packed
+    q/k channels (``2R + sink`` of them, already inside H) are not counted separately.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}.")
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
+    return float(6 * matmul_params(cfg) + attention)
