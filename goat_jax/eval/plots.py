@@ -1,0 +1,195 @@
+"""Figures of the language experiments (matplotlib, Agg; each function writes one PNG).
+
+* :func:`plot_toy_prior` -- the toy prior figure (paper Figure 1) for one layer/head: the
+  learned key-only sink ``u(j)``, the relative prior ``kappa(lag)``, the row-centred causal
+  log-prior matrix and the causal prior probabilities; :func:`plot_prior_grid` shows one of
+  those panels for every layer/head.
+* :func:`plot_perplexity_vs_length` -- perplexity against evaluation length, one line per
+  position encoding (log y), from ``extrapolation.perplexity_by_length`` results.
+* :func:`plot_passkey_accuracy` -- passkey accuracy against length, one line per model.
+* :func:`plot_niah_heatmap` -- NIAH accuracy over (length x depth).
+
+Figures are built on ``matplotlib.figure.Figure`` (no pyplot): no global state and no
+interactive backend, so they work in headless jobs and threads. Every function returns the
+path it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from goat_jax.eval import sinks
+
+PANELS = ("sink", "kappa", "centred", "probs")
+_TITLES = {"sink": "key-only sink u(j)", "kappa": "relative prior kappa(lag)",
+           "centred": "row-centred log-prior", "probs": "causal prior probabilities"}
+
+
+def _save(fig: Figure, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def row_centred(log_prior: np.ndarray) -> np.ndarray:
+    """[..., T, S] causal log-prior minus each row's mean over its visible keys ``j <= i``;
+    NaN above the diagonal. Softmax ignores row constants, so this is what a row "means"."""
+    lp = np.asarray(log_prior, np.float64)
+    t = lp.shape[-2]
+    visible = np.tril(np.ones((t, t), bool))
+    masked = np.where(visible, lp[..., :t], np.nan)
+    return masked - np.nanmean(masked, axis=-1, keepdims=True)
+
+
+def _draw_panel(ax, fig: Figure, comp: Mapping[str, np.ndarray], head: int, panel: str,
+                small: bool = False) -> None:
+    """Draws one panel of :func:`plot_toy_prior` for ``head`` on ``ax``."""
+    s = comp["u"].shape[-1]
+    if panel == "sink":
+        ax.plot(np.arange(s), comp["u"][head], marker="." if s <= 64 else None)
+        ax.set_xlabel("key position j")
+        ax.set_ylabel("u(j) [nats]")
+    elif panel == "kappa":
+        kap = comp["kappa"][head]
+        ax.plot(np.arange(s), kap, marker="." if s <= 64 else None)
+        peak = int(np.argmax(kap))
+        ax.axvline(peak, color="tab:red", lw=0.8, ls="--")
+        ax.set_xlabel(f"lag i - j (peak {peak})")
+        ax.set_ylabel("kappa [nats]")
+    elif panel in ("centred", "probs"):
+        if panel == "centred":
+            data = row_centred(comp["log_prior"][head])
+            lim = np.nanmax(np.abs(data)) or 1.0
+            im = ax.imshow(data, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        else:
+            data = np.where(np.tril(np.ones((s, s), bool)), comp["probs"][head], np.nan)
+            im = ax.imshow(data, cmap="viridis", vmin=0.0, interpolation="nearest")
+        ax.set_xlabel("key j")
+        ax.set_ylabel("query i")
+        if not small:
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    else:
+        raise ValueError(f"panel={panel!r} must be one of {PANELS}.")
+
+
+def plot_toy_prior(model, params: Any, path: str, *, layer: int = 0, head: int = 0,
+                   seq_len: int = 32, title: Optional[str] = None) -> str:
+    """The four-panel prior figure of one GOAT layer/head at positions ``0..seq_len-1``.
+
+    Args:
+      model: a GOAT ``TransformerLM`` (its config names the prior's shape).
+      params: its params (``{'params': ...}`` or the inner dict; scanned layers work too).
+    """
+    comp = sinks.prior_components(model, params, layer, seq_len)
+    if not 0 <= head < comp["u"].shape[0]:
+        raise ValueError(f"head={head} is out of range for {comp['u'].shape[0]} heads.")
+    fig = Figure(figsize=(16, 3.8))
+    axes = fig.subplots(1, 4)
+    for ax, panel in zip(axes, PANELS):
+        _draw_panel(ax, fig, comp, head, panel)
+        ax.set_title(_TITLES[panel])
+    fig.suptitle(title or f"GOAT prior, layer {layer}, head {head}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_prior_grid(model, params: Any, path: str, *, panel: str = "probs",
+                    seq_len: int = 32, title: Optional[str] = None) -> str:
+    """One ``panel`` (one of :data:`PANELS`) for every layer (rows) and head (columns)."""
+    if panel not in PANELS:
+        raise ValueError(f"panel={panel!r} must be one of {PANELS}.")
+    cfg = model.config
+    rows, cols = cfg.num_layers, cfg.num_heads
+    fig = Figure(figsize=(2.4 * cols + 0.5, 2.3 * rows + 0.6))
+    axes = np.asarray(fig.subplots(rows, cols, squeeze=False))
+    for layer in range(rows):
+        comp = sinks.prior_components(model, params, layer, seq_len)
+        for head in range(cols):
+            ax = axes[layer, head]
+            _draw_panel(ax, fig, comp, head, panel, small=True)
+            ax.set_title(f"L{layer} H{head}", fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.xaxis.label.set_visible(layer == rows - 1)
+            ax.yaxis.label.set_visible(head == 0)
+    fig.suptitle(title or f"GOAT prior: {_TITLES[panel]}, every layer/head")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(lengths))
+    ax.set_xticklabels([str(int(x)) for x in lengths], rotation=0)
+    ax.minorticks_off()
+    if train_len:
+        ax.axvline(train_len, color="gray", lw=0.8, ls=":", label=f"train length {train_len}")
+    ax.set_xlabel("evaluation length (tokens)")
+
+
+def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: str, *,
+                              train_len: Optional[int] = None, title: str = "Length extrapolation") -> str:
+    """Perplexity vs evaluation length, one line per position encoding, log y.
+
+    Args:
+      results: ``{label: {length: PerplexityResult or ppl float}}`` (e.g. one
+        ``perplexity_by_length`` result per encoding).
+    """
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    all_lengths = sorted({int(n) for r in results.values() for n in r})
+    for label, by_len in results.items():
+        lengths = sorted(by_len)
+        ppl = [getattr(by_len[n], "ppl", by_len[n]) for n in lengths]
+        ax.plot(lengths, ppl, marker="o", label=label)
+    ax.set_yscale("log")
+    _log2_length_axis(ax, all_lengths, train_len)
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_passkey_accuracy(results: Mapping[str, Mapping[int, float]], path: str, *,
+                          train_len: Optional[int] = None, title: str = "Passkey retrieval") -> str:
+    """Passkey accuracy vs length, one line per model: ``{label: {length: accuracy}}``."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    all_lengths = sorted({int(n) for r in results.values() for n in r})
+    for label, by_len in results.items():
+        lengths = sorted(by_len)
+        ax.plot(lengths, [100.0 * by_len[n] for n in lengths], marker="o", label=label)
+    _log2_length_axis(ax, all_lengths, train_len)
+    ax.set_ylim(-3, 103)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_niah_heatmap(grid: Mapping[str, np.ndarray], path: str, *,
+                      metric: str = "token_accuracy", title: str = "Needle in a haystack") -> str:
+    """Heatmap of a ``retrieval.niah_accuracy_grid`` result: depth (rows) x length (columns),
+    each cell annotated with its accuracy in %."""
+    acc = np.asarray(grid[metric], np.float64).T  # [nD, nL]
+    lengths, depths = np.asarray(grid["lengths"]), np.asarray(grid["depths"])
+    fig = Figure(figsize=(1.0 * len(lengths) + 2.5, 0.55 * len(depths) + 1.8))
+    ax = fig.subplots()
+    im = ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(len(lengths)))
+    ax.set_xticklabels([str(int(n)) for n in lengths])
+    ax.set_yticks(range(len(depths)))
+    ax.set_yticklabels([f"{d:.0%}" for d in depths])
+    for (r, c), value in np.ndenumerate(acc):
+        ax.text(c, r, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{title} ({metric.replace('_', ' ')})")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return _save(fig, path)
