@@ -115,8 +115,11 @@ def _lm_build_model(config):
 
 
 def _lm_make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> Datasets:
-    from goat_jax.data import text  # pylint: disable=g-import-not-at-top
-    train, make_eval, tokenizer = text.make_lm_datasets(
+    from goat_jax.data import synthetic, text  # pylint: disable=g-import-not-at-top
+    # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
+    # in the text pipeline's batch format, so the same task, model and loss train on them.
+    make = synthetic.make_synthetic_datasets if _is_synthetic(config) else text.make_lm_datasets
+    train, make_eval, tokenizer = make(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
         process_index=process_index, process_count=process_count)
     if tokenizer.vocab_size > config.model.vocab_size:
@@ -148,8 +151,20 @@ def _lm_flops(config) -> float:
 def _lm_schema() -> Dict[str, set]:
     from goat_jax.data import text  # pylint: disable=g-import-not-at-top
     from goat_jax.models import lm  # pylint: disable=g-import-not-at-top
+    # The union of both sources' fields; _lm_validate then checks them against data.source.
     return {"model": {"name"} | {f.name for f in dataclasses.fields(lm.LMConfig)},
-            "data": set(text.default_data_config().keys())}
+            "data": set(text.default_data_config().keys()) | _synthetic_data_fields()}
+
+
+# Synthetic data (``data.source == 'synthetic'``): the data section is
+# ``synthetic.default_synthetic_config(kind)`` plus ``source``; everything else is the LM task.
+def _is_synthetic(config) -> bool:
+    return config.data.get("source") == "synthetic"
+
+
+def _synthetic_data_fields() -> set:
+    from goat_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+    return set(synthetic.default_synthetic_config().keys()) | {"source"}
 
 
 def _lm_validate(config) -> None:
@@ -161,6 +176,14 @@ def _lm_validate(config) -> None:
         raise ValueError(f"model.name={config.model.get('name')!r}: task 'lm' trains model 'lm'.")
     enc = config.model.get("position_encoding", "goat")
     max_len = config.model.get("max_len", 2048)
+    # The schema admits both sources' data fields; here they must match the chosen source.
+    from goat_jax.data import text  # pylint: disable=g-import-not-at-top
+    allowed = (_synthetic_data_fields() if _is_synthetic(config)
+               else set(text.default_data_config().keys()))
+    stray = sorted(set(config.data.keys()) - allowed)
+    if stray:
+        raise ValueError(f"data.source={config.data.get('source')!r} does not use data field(s) "
+                         f"{['data.' + f for f in stray]}; remove them or change data.source.")
     if enc in lm._TABLE_ENCODINGS and seq_len > max_len:  # pylint: disable=protected-access
         raise ValueError(
             f"seq_len={seq_len} exceeds model.max_len={max_len}, the size of the "
