@@ -160,7 +160,8 @@ def naive_prior_bias(table: Array, q_positions: Array, k_positions: Array) -> Ar
     """
     qi = _as_batched(q_positions).astype(jnp.int32)[:, :, None]  # [B|1, T, 1]
     ki = _as_batched(k_positions).astype(jnp.int32)[:, None, :]  # [B|1, 1, S]
-    bias = table.astype(jnp.float32).at[:, qi, ki].get(mode="fill", fill_value=jnp.nan)  # [N, B|1, T, S]
+    bias = table.astype(jnp.float32).at[:, qi, ki].get(
+        mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)  # [N, B|1, T, S]
     return jnp.moveaxis(bias, 0, 1)
 
 
@@ -177,18 +178,20 @@ def sinusoidal_embedding(positions: Array, dim: int, base: float = 10_000.0) -> 
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(angle.shape[:-1] + (dim,))
 
 
-def _concrete_max(x: Any) -> Optional[int]:
-    """``max(x)`` as a Python int when ``x`` is known at trace time, else None."""
+def _concrete_range(x: Any) -> Optional[Tuple[int, int]]:
+    """``(min(x), max(x))`` as Python ints when ``x`` is known at trace time, else None."""
     try:
-        return int(np.max(np.asarray(x)))
+        arr = np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
+    return int(np.min(arr)), int(np.max(arr))
 
 
-def _check_max_len(max_len: int, largest: Optional[int], what: str) -> None:
-    if largest is not None and largest >= max_len:
+def _check_max_len(max_len: int, span: Optional[Tuple[int, int]], what: str) -> None:
+    """Raises ValueError naming ``max_len`` unless ``0 <= positions < max_len`` (when known)."""
+    if span is not None and (span[0] < 0 or span[1] >= max_len):
         raise ValueError(
-            f"{what}: position {largest} is beyond max_len={max_len} (positions must be < max_len). "
+            f"{what}: positions span [{span[0]}, {span[1]}], beyond [0, max_len={max_len}). "
             "Increase max_len or use a relative encoding that extrapolates.")
 
 
@@ -213,12 +216,12 @@ class LearnedPositionEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, positions: Array) -> Array:
-        _check_max_len(self.max_len, _concrete_max(positions), "LearnedPositionEmbedding")
+        _check_max_len(self.max_len, _concrete_range(positions), "LearnedPositionEmbedding")
         table = self.param(
             "embedding", nn.with_logical_partitioning(self.embedding_init, (None, "embed")),
             (self.max_len, self.features), self.param_dtype)
         idx = jnp.asarray(positions).astype(jnp.int32)
-        out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan)  # [..., features]
+        out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
         return out.astype(self.dtype or self.param_dtype)
 
 
@@ -428,13 +431,14 @@ class PositionalAttention(nn.Module):
             bias = alibi_bias(n, q_pos, k_pos)  # [B|1, N, T, S] float32
         elif enc == "naive_prior":
             if cache_index is None:  # while decoding, the cache length was checked at init
-                for what, pos, explicit, offset, length in (
+                for what, p, explicit, offset, length in (
                         ("queries", q_pos, q_positions, position_offset_q, t),
                         ("keys", k_pos, k_positions, position_offset_k, s)):
-                    static = (None if not isinstance(offset, (type(None), int, np.integer))
-                              else (offset or 0) + length - 1)
-                    largest = _concrete_max(explicit) if explicit is not None else static
-                    _check_max_len(self.max_len, largest, f"naive_prior {what}")
+                    if explicit is None and isinstance(offset, (type(None), int, np.integer)):
+                        span = (int(offset or 0), int(offset or 0) + length - 1)  # static, even under jit
+                    else:
+                        span = _concrete_range(p)
+                    _check_max_len(self.max_len, span, f"naive_prior {what}")
             table = self.param(
                 "naive_prior", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
                 (n, self.max_len, self.max_len), self.param_dtype)

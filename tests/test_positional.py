@@ -260,8 +260,12 @@ def test_learned_position_embedding(rng):
     np.testing.assert_array_equal(emb.apply(params, jnp.asarray(p)), table[p])
     with pytest.raises(ValueError, match="max_len=16"):
         emb.apply(params, jnp.arange(17))
-    traced = jax.jit(lambda p: emb.apply(params, p))(jnp.arange(14, 18))
-    assert np.isnan(np.asarray(traced[2:])).all() and not np.isnan(np.asarray(traced[:2])).any()
+    with pytest.raises(ValueError, match="max_len=16"):
+        emb.apply(params, jnp.arange(-1, 3))
+    # Traced positions cannot be checked: out of range gives NaN, never a clamped row.
+    traced = jax.jit(lambda p: emb.apply(params, p))(jnp.array([-1, 14, 15, 16]))
+    traced = np.asarray(traced)
+    assert np.isnan(traced[[0, 3]]).all() and not np.isnan(traced[1:3]).any()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +283,8 @@ def test_errors():
         make("naive_prior").apply(params, x, position_offset_q=MAX_LEN - 4, position_offset_k=0)
     with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):
         make("naive_prior").apply(params, x, k_positions=jnp.arange(8) + MAX_LEN)
+    with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):
+        make("naive_prior").apply(params, x, q_positions=jnp.arange(8) - 1)
     with pytest.raises(ValueError, match="is_causal=True"):
         make("alibi_packed").init(key, x, is_causal=False)
     with pytest.raises(ValueError, match="'nope', 'rope', 'rope_pi', 'alibi', 'alibi_packed', 'naive_prior'"):
