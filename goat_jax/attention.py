@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax import layers
 from goat_jax import prior as prior_lib
 
 Array = jax.Array
@@ -215,11 +216,6 @@ class GoatPrior(nn.Module):
 Offset = Union[None, int, Array, Tuple[int, int]]
 
 
-# The official module initializes each projection xavier-uniform over the whole [in, out]
-# matrix; DenseGeneral hands its initializer the flattened 2D kernel shape, so this matches.
-_xavier = nn.initializers.xavier_uniform()
-
-
 def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int]]:
     """Official ``pos_encoding='auto'`` rule: a square grid from the key length, if the query
     length fits the same grid; else None (1D)."""
@@ -276,20 +272,6 @@ class GoatAttention(nn.Module):
     sink_channels: Optional[int] = None
     decode: bool = False
 
-    def _dims(self, embed_dim: int) -> Tuple[int, int, int]:
-        kv = self.kv_num_heads or self.num_heads
-        if self.num_heads < 1 or kv < 1 or self.num_heads % kv:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a positive multiple of kv_num_heads={kv}.")
-        head_dim = self.head_dim
-        if head_dim is None:
-            if embed_dim % self.num_heads:
-                raise ValueError(
-                    f"embed_dim={embed_dim} is not divisible by num_heads={self.num_heads}; set "
-                    "head_dim explicitly or change num_heads.")
-            head_dim = embed_dim // self.num_heads
-        return kv, head_dim, head_dim
-
     def _positions(self, length, offset, explicit, spatial_shape, has_cls, use_2d, name):
         if use_2d:
             prior_lib.check_grid(length, spatial_shape, has_cls)
@@ -322,12 +304,9 @@ class GoatAttention(nn.Module):
     ) -> Array:
         key = query if key is None else key
         value = key if value is None else value
-        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
-            raise ValueError(
-                f"query/key/value must be [batch, length, features]; got {query.shape}, "
-                f"{key.shape}, {value.shape}.")
+        layers.check_qkv(query, key, value)
         embed_dim = query.shape[-1]
-        kv_heads, head_dim, _ = self._dims(embed_dim)
+        kv_heads, head_dim = layers.head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
         dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
         prior = GoatPrior(
             num_heads=self.num_heads, kv_num_heads=kv_heads, pos_rank=self.pos_rank,
@@ -343,16 +322,11 @@ class GoatAttention(nn.Module):
         qk_dim = d_c + 2 * self.pos_rank + sink_channels
         impl = kernels.resolve_implementation(self.implementation, dtype, qk_dim)
 
-        def proj(name, heads, x, axes):
-            return nn.DenseGeneral(
-                (heads, head_dim), use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,
-                kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                name=name)(x)
-
-        q = proj("q_proj", self.num_heads, query, ("heads", "kv"))  # [B, T, N, H]
-        k = proj("k_proj", kv_heads, key, ("kv_heads", "kv"))  # [B, S, K, H]
-        v = proj("v_proj", kv_heads, value, ("kv_heads", "kv"))  # [B, S, K, H]
+        proj = lambda x, name, heads, axes: layers.project_heads(
+            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
+        q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
+        k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
+        v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
         b, t, s = q.shape[0], q.shape[1], k.shape[1]
 
         # --- positions -------------------------------------------------------------------------
@@ -371,24 +345,20 @@ class GoatAttention(nn.Module):
         if use_2d and self.decode:
             raise ValueError("KV-cache decoding supports 1D positions only.")
 
-        cache_index = None
+        cache = None
         if self.decode:
             if self.enable_key_bias and self.training_seq_len is None:
                 raise ValueError(
                     "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
                     "it; without it the normalization follows the key length, which grows while "
                     "decoding). Set training_seq_len to the training context length.")
-            if query is not key or not is_causal:
-                raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
-            if q_positions is not None or position_offset_q is not None:
-                raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
-            is_init = not self.has_variable("cache", "cached_key")
-            cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, s, kv_heads, qk_dim), dtype)
-            cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, s, kv_heads, head_dim), dtype)
-            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-            if not is_init:
-                cache_index = index.value
-                position_offset_q = position_offset_k = cache_index
+            cache = layers.open_decode_cache(
+                self, query=query, key=key, is_causal=is_causal,
+                positions_given=q_positions is not None or position_offset_q is not None,
+                key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, qk_dim),
+                value_shape=(b, s, kv_heads, head_dim), dtype=dtype)
+            if cache is not None:
+                position_offset_q = position_offset_k = cache.start
 
         q_pos = self._positions(t, position_offset_q, q_positions, spatial_shape, has_cls, use_2d, "position_offset_q")
         k_pos = self._positions(s, position_offset_k, k_positions, spatial_shape, has_cls, use_2d, "position_offset_k")
@@ -400,7 +370,7 @@ class GoatAttention(nn.Module):
                 0 if position_offset_k is None else position_offset_k)
 
         q_content, k_content = q[..., :d_c], k[..., :d_c]
-        if impl == "dense" and cache_index is None:
+        if impl == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior.log_prior(q_pos, k_pos, is_causal, q_content=q_content)  # [B|1, N, T, S]
             out = kernels.attend(q_content, k_content, v, implementation="dense", scale=1.0 / math.sqrt(d_c),
@@ -412,29 +382,11 @@ class GoatAttention(nn.Module):
             q_packed = pack_query(q_content, q_rel, q_sink, sink_channels, dtype)  # [B, T, N, qk_dim]
             k_packed = pack_key(k_content, k_rel, u, sink_channels, dtype)  # [B, S, K, qk_dim]
             kv_lengths = None
-            if cache_index is not None:
-                # Append the new tokens and attend over the whole cache; keys past the last
-                # written slot are masked by the causal offset (= cache index).
-                k_packed = jax.lax.dynamic_update_slice(cached_k.value, k_packed, (0, cache_index, 0, 0))
-                v = jax.lax.dynamic_update_slice(cached_v.value, v, (0, cache_index, 0, 0))
-                cached_k.value, cached_v.value = k_packed, v
-                index.value = cache_index + t
-                causal_offset = cache_index
-                if t == 1:  # one token: causal == "keys up to the index", native on cuDNN
-                    kv_lengths = jnp.full((b,), cache_index + 1, jnp.int32)
-                    is_causal = False
-                if key_padding_mask is not None:
-                    raise ValueError("key_padding_mask is not supported while decoding.")
+            if cache is not None:
+                k_packed, v, causal_offset, kv_lengths, is_causal = layers.append_to_cache(cache, k_packed, v)
             out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
                                  is_causal=is_causal, causal_offset=causal_offset,
                                  key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
-            if cache_index is not None:
-                # Writing past the cache would be clamped silently by dynamic_update_slice;
-                # poison the output instead so an overflow cannot go unnoticed.
-                out = jnp.where(cache_index + t > cached_k.value.shape[1], jnp.nan, out)
-        features = self.out_features or embed_dim
-        return nn.DenseGeneral(
-            features, axis=(-2, -1), use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,
-            kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-            name="out_proj")(out.astype(dtype))
+            if cache is not None:
+                out = layers.poison_overflow(cache, t, out)
+        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)

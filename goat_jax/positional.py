@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax import layers
 from goat_jax import prior as prior_lib
 from goat_jax.attention import Offset, default_sink_channels, split_exact
 
@@ -226,32 +227,6 @@ class LearnedPositionEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Layer pieces shared with GoatAttention (see the module's report: candidates for attention.py)
-# ----------------------------------------------------------------------------------------------
-
-# Same initializer as GoatAttention (official: xavier-uniform over the whole [in, out] matrix).
-_xavier = nn.initializers.xavier_uniform()
-
-
-def _project(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str], use_bias: bool,
-             dtype: Dtype, param_dtype: Dtype) -> Array:
-    """[B, L, E] -> [B, L, heads, head_dim]; same parameter names/axes as GoatAttention."""
-    return nn.DenseGeneral(
-        (heads, head_dim), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes), name=name)(x)
-
-
-def _out_project(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
-    """[B, T, N, H] -> [B, T, features] (``out_proj``, as GoatAttention)."""
-    return nn.DenseGeneral(
-        features, axis=(-2, -1), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        name="out_proj")(out.astype(dtype))
-
-
-# ----------------------------------------------------------------------------------------------
 # PositionalAttention
 # ----------------------------------------------------------------------------------------------
 
@@ -344,10 +319,7 @@ class PositionalAttention(nn.Module):
         enc = self.position_encoding
         key = query if key is None else key
         value = key if value is None else value
-        if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
-            raise ValueError(
-                f"query/key/value must be [batch, length, features]; got {query.shape}, "
-                f"{key.shape}, {value.shape}.")
+        layers.check_qkv(query, key, value)
         if spatial_shape is not None and enc != "nope":
             raise ValueError(
                 f"position_encoding={enc!r} is 1D; for 2D inputs use GoatAttention, or 'nope' with "
@@ -360,47 +332,35 @@ class PositionalAttention(nn.Module):
 
         embed_dim = query.shape[-1]
         n = self.num_heads
-        kv_heads = self.kv_num_heads or n
-        if n < 1 or kv_heads < 1 or n % kv_heads:
-            raise ValueError(f"num_heads={n} must be a positive multiple of kv_num_heads={kv_heads}.")
-        head_dim = self.head_dim
-        if head_dim is None:
-            if embed_dim % n:
-                raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={n}; set "
-                                 "head_dim explicitly or change num_heads.")
-            head_dim = embed_dim // n
+        kv_heads, head_dim = layers.head_dims(n, self.kv_num_heads, self.head_dim, embed_dim)
         dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
         group = n // kv_heads
         channels = default_sink_channels(dtype)
         qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
         impl = self._implementation(dtype, qk_dim)
 
-        q = _project(query, "q_proj", n, head_dim, ("heads", "kv"), self.use_bias, dtype, self.param_dtype)
-        k = _project(key, "k_proj", kv_heads, head_dim, ("kv_heads", "kv"), self.use_bias, dtype, self.param_dtype)
-        v = _project(value, "v_proj", kv_heads, head_dim, ("kv_heads", "kv"), self.use_bias, dtype, self.param_dtype)
+        proj = lambda x, name, heads, axes: layers.project_heads(
+            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
+        q = proj(query, "q_proj", n, ("heads", "kv"))
+        k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))
+        v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))
         b, t, s = q.shape[0], q.shape[1], k.shape[1]  # q [B, T, N, H], k/v [B, S, K, H]
 
-        cache_index = None
+        cache = None
         if self.decode:
-            if query is not key or not is_causal:
-                raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
-            if q_positions is not None or position_offset_q is not None:
-                raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
-            if key_padding_mask is not None:
-                raise ValueError("key_padding_mask is not supported while decoding.")
-            is_init = not self.has_variable("cache", "cached_key")
-            cached_k = self.variable("cache", "cached_key", jnp.zeros, (b, s, kv_heads, qk_dim), dtype)
-            cached_v = self.variable("cache", "cached_value", jnp.zeros, (b, s, kv_heads, head_dim), dtype)
-            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-            if not is_init:
-                cache_index = index.value
-                position_offset_q = position_offset_k = cache_index
+            cache = layers.open_decode_cache(
+                self, query=query, key=key, is_causal=is_causal,
+                positions_given=q_positions is not None or position_offset_q is not None,
+                key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, qk_dim),
+                value_shape=(b, s, kv_heads, head_dim), dtype=dtype)
+            if cache is not None:
+                position_offset_q = position_offset_k = cache.start
         for name, offset in (("position_offset_q", position_offset_q), ("position_offset_k", position_offset_k)):
             if isinstance(offset, (tuple, list)):
                 raise ValueError(f"{name} must be an integer (1D positions), got {offset}.")
         q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions).index
         k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions).index
-        key_len = s if cache_index is None else cached_k.value.shape[1]  # the cache while decoding
+        key_len = s if cache is None else cache.length  # the cache while decoding
 
         # --- the encoding on q/k (what the cache stores) ----------------------------------------
         scale = 1.0 / math.sqrt(head_dim)
@@ -414,23 +374,16 @@ class PositionalAttention(nn.Module):
             scale = 1.0
 
         causal_offset, kv_lengths = 0, None
-        if cache_index is not None:
-            k = jax.lax.dynamic_update_slice(cached_k.value, k.astype(dtype), (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cached_v.value, v, (0, cache_index, 0, 0))
-            cached_k.value, cached_v.value = k, v
-            index.value = cache_index + t
+        if cache is not None:
+            k, v, causal_offset, kv_lengths, is_causal = layers.append_to_cache(cache, k, v)
             k_pos = jnp.arange(key_len, dtype=jnp.float32)  # the whole cache, from position 0
-            causal_offset = cache_index  # keys past the last written slot are masked by it
-            if t == 1:  # one token: causal == "keys up to the index", native on cuDNN
-                kv_lengths = jnp.full((b,), cache_index + 1, jnp.int32)
-                is_causal = False
 
         # --- materialized biases ---------------------------------------------------------------
         bias = None
         if enc == "alibi":
             bias = alibi_bias(n, q_pos, k_pos)  # [B|1, N, T, S] float32
         elif enc == "naive_prior":
-            if cache_index is None:  # while decoding, the cache length was checked at init
+            if cache is None:  # while decoding, the cache length was checked at init
                 for what, p, explicit, offset, length in (
                         ("queries", q_pos, q_positions, position_offset_q, t),
                         ("keys", k_pos, k_positions, position_offset_k, s)):
@@ -447,4 +400,6 @@ class PositionalAttention(nn.Module):
         out = kernels.attend(q, k, v, implementation=impl, scale=scale, is_causal=is_causal,
                              causal_offset=causal_offset, key_padding_mask=key_padding_mask,
                              kv_lengths=kv_lengths, bias=bias)  # [B, T, N, H]
-        return _out_project(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
+        if cache is not None:
+            out = layers.poison_overflow(cache, t, out)
+        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)

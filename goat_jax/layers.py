@@ -1,0 +1,121 @@
+"""Pieces every attention layer shares: head bookkeeping, projections, the KV cache.
+
+:class:`goat_jax.attention.GoatAttention` and :class:`goat_jax.positional.PositionalAttention`
+use these so that they have the same parameter names, logical axes and cache collection and a
+model can swap one for the other. Shape legend: B batch, T new tokens, S keys, E model dim,
+N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Dtype = Any
+
+# The official module initializes each projection xavier-uniform over the whole [in, out]
+# matrix; DenseGeneral hands its initializer the flattened 2D kernel shape, so this matches.
+_xavier = nn.initializers.xavier_uniform()
+
+
+def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:
+    """Validated ``(kv_heads, head_dim)``; ``head_dim`` defaults to ``embed_dim / num_heads``."""
+    kv = kv_num_heads or num_heads
+    if num_heads < 1 or kv < 1 or num_heads % kv:
+        raise ValueError(f"num_heads={num_heads} must be a positive multiple of kv_num_heads={kv}.")
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; set "
+                             "head_dim explicitly or change num_heads.")
+        head_dim = embed_dim // num_heads
+    return kv, head_dim
+
+
+def check_qkv(query: Array, key: Array, value: Array) -> None:
+    """Raises unless query/key/value are rank-3 ``[batch, length, features]``."""
+    if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+        raise ValueError(f"query/key/value must be [batch, length, features]; got {query.shape}, "
+                         f"{key.shape}, {value.shape}.")
+
+
+def project_heads(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str],
+                  use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
+    """``[B, L, E] -> [B, L, heads, head_dim]`` (``q_proj``/``k_proj``/``v_proj``); ``axes`` are
+    the logical names of the two output dims, e.g. ``('heads', 'kv')``."""
+    return nn.DenseGeneral(
+        (heads, head_dim), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes), name=name)(x)
+
+
+def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
+    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``)."""
+    return nn.DenseGeneral(
+        features, axis=(-2, -1), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        name="out_proj")(out.astype(dtype))
+
+
+class DecodeCache(NamedTuple):
+    """The 'cache' collection of a decoding layer (Flax variables) and the index before this
+    call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""
+
+    keys: Any
+    values: Any
+    index: Any
+    start: Array
+
+    @property
+    def length(self) -> int:
+        return self.keys.value.shape[1]
+
+
+def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal: bool,
+                      positions_given: bool, key_padding_mask: Optional[Array],
+                      key_shape: Tuple[int, ...], value_shape: Tuple[int, ...], dtype: Dtype
+                      ) -> Optional[DecodeCache]:
+    """Validates a ``decode=True`` call and creates/reads the cache variables of ``module``.
+
+    ``init`` with a full-length input sizes the cache (``key_shape`` [B, S, K, Hqk],
+    ``value_shape`` [B, S, K, Hv]) and returns None: that call is an ordinary forward pass.
+    Later calls return the cache to append to (:func:`append_to_cache`).
+    """
+    if query is not key or not is_causal:
+        raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
+    if positions_given:
+        raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask is not supported while decoding.")
+    is_init = not module.has_variable("cache", "cached_key")
+    keys = module.variable("cache", "cached_key", jnp.zeros, key_shape, dtype)
+    values = module.variable("cache", "cached_value", jnp.zeros, value_shape, dtype)
+    index = module.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    return None if is_init else DecodeCache(keys, values, index, index.value)
+
+
+def append_to_cache(cache: DecodeCache, k: Array, v: Array):
+    """Writes the new keys/values at the cache index and returns what to attend over.
+
+    Returns ``(keys [B, S, K, Hqk], values [B, S, K, Hv], causal_offset, kv_lengths, is_causal)``:
+    keys past the last written slot are masked by the causal offset (= the index); a single new
+    token becomes "keys up to the index", which cuDNN masks natively via ``kv_lengths``.
+    """
+    t = k.shape[1]
+    keys = jax.lax.dynamic_update_slice(cache.keys.value, k.astype(cache.keys.value.dtype), (0, cache.start, 0, 0))
+    values = jax.lax.dynamic_update_slice(cache.values.value, v.astype(cache.values.value.dtype), (0, cache.start, 0, 0))
+    cache.keys.value, cache.values.value = keys, values
+    cache.index.value = cache.start + t
+    if t == 1:
+        return keys, values, cache.start, jnp.full((k.shape[0],), cache.start + 1, jnp.int32), False
+    return keys, values, cache.start, None, True
+
+
+def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
+    """NaN outputs once the cache overflows: ``dynamic_update_slice`` would clamp the write
+    silently, and an overflow must not go unnoticed."""
+    return jnp.where(cache.start + t > cache.length, jnp.nan, out)
