@@ -6,14 +6,10 @@ import os
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from configs import lm_c4_125m, lm_fineweb_1b, lm_tiny
 from goat_jax.models import count_params
-from goat_jax.models.lm import POSITION_ENCODINGS
 from goat_jax.train import tasks
 from goat_jax.train import trainer
 

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 

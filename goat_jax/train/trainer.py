@@ -29,7 +29,8 @@ import logging
 import math
 import os
 import signal
-from typing import Any, Dict, Optional
+import threading
+from typing import Any, Dict
 
 import flax.linen as nn
 import jax
@@ -182,7 +183,9 @@ class _Preemption:
         self.requested = False
         self._multi = jax.process_count() > 1
         self._previous = None
-        if not self._multi:
+        # Python delivers signals to the main thread only (a trainer run from a worker thread
+        # keeps the default SIGTERM behaviour; the last checkpoint is then the resume point).
+        if not self._multi and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):  # pylint: disable=unused-argument
@@ -265,10 +268,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
 
     # --- Sharded init (or restore) ----------------------------------------------------------------
     # Shardings come from the boxes' logical names (sharding.logical_shardings) and are imposed by
-    # jit's in/out_shardings; activations follow by XLA's sharding propagation. No global mesh is
-    # set: under one, Flax constrains every boxed kernel as its init runs -- also in apply's
-    # parameter-shape check -- which fails for DenseGeneral's flattened [in, heads * dim] init
-    # of the attention projections, and the model's activation constraints would need it.
+    # jit's in/out_shardings; XLA propagates them to the activations. No global mesh is set, so
+    # the model's nn.with_logical_constraint calls are no-ops: under a global mesh Flax also
+    # constrains each boxed kernel while its initializer runs (in init and in apply's shape
+    # check), which fails for DenseGeneral's flattened [E, N * H] init of the attention kernels.
     rng = jax.random.PRNGKey(config.seed)
     param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
     abstract_state = jax.eval_shape(init_state, rng)
@@ -298,6 +301,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                         in_shardings=(param_shardings, batch_shardings), out_shardings=replicated)
 
     def evaluate(params) -> Dict[str, float]:
+        if data.make_eval is None:
+            return {}
         loss_sum, weight_sum = 0.0, 0.0
         for batch in data.make_eval():
             l, w = eval_step(params, to_device(batch))
@@ -329,8 +334,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
             writer.write(step, host)
             raise FloatingPointError(
                 f"Non-finite training at step {step}: train_loss={host['train_loss']}, grad_norm="
-                f"{host['grad_norm']}. Stopped without saving; the last good checkpoint (step "
-                f"{last_saved}) is kept in {checkpointer.directory}. Lower optimizer.learning_rate, "
+                f"{host['grad_norm']}. Stopped without saving; the last good checkpoint "
+                f"({f'step {last_saved}' if last_saved else 'none yet'}) is kept in "
+                f"{checkpointer.directory}. Lower optimizer.learning_rate, "
                 "set optimizer.grad_clip, or use float32 to continue.")
         summary["train_loss"] = host["train_loss"]
         if step == start_step + 1:
