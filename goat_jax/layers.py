@@ -13,12 +13,13 @@ from typing import Any, NamedTuple, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 Dtype = Any
 
 # The official module initializes each projection xavier-uniform over the whole [in, out]
-# matrix; DenseGeneral hands its initializer the flattened 2D kernel shape, so this matches.
+# matrix (fans = E and N * H), which _xavier_over_matrix reproduces.
 _xavier = nn.initializers.xavier_uniform()
 
 
@@ -42,23 +43,55 @@ def check_qkv(query: Array, key: Array, value: Array) -> None:
                          f"{key.shape}, {value.shape}.")
 
 
+def _xavier_over_matrix(fan_in_dims: int):
+    """Xavier-uniform over the [prod(shape[:fan_in_dims]), prod(rest)] matrix, reshaped to the
+    full kernel shape. Initializing at the full shape (rather than DenseGeneral's flattened 2D
+    one) keeps a logical-name box valid under a global mesh, where Flax constrains the boxed
+    value to its names as soon as the initializer returns."""
+    def init(rng, shape, dtype=jnp.float32):
+        rows = int(np.prod(shape[:fan_in_dims]))
+        return _xavier(rng, (rows, int(np.prod(shape)) // rows), dtype).reshape(shape)
+    return init
+
+
+class _Projection(nn.Module):
+    """``y = einsum(spec, x, kernel) + bias`` with a full-rank logically named kernel."""
+
+    spec: str
+    kernel_shape: Tuple[int, ...]
+    kernel_axes: Tuple[str, ...]
+    fan_in_dims: int
+    use_bias: bool
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", nn.with_logical_partitioning(
+            _xavier_over_matrix(self.fan_in_dims), self.kernel_axes), self.kernel_shape, self.param_dtype)
+        bias = None
+        if self.use_bias:
+            out_shape = self.kernel_shape[self.fan_in_dims:]
+            bias = self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, self.kernel_axes[self.fan_in_dims:]), out_shape, self.param_dtype)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = jnp.einsum(self.spec, x, kernel)
+        return y if bias is None else y + bias
+
+
 def project_heads(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str],
                   use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
-    """``[B, L, E] -> [B, L, heads, head_dim]`` (``q_proj``/``k_proj``/``v_proj``); ``axes`` are
-    the logical names of the two output dims, e.g. ``('heads', 'kv')``."""
-    return nn.DenseGeneral(
-        (heads, head_dim), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(_xavier, ("embed",) + axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes), name=name)(x)
+    """``[B, L, E] -> [B, L, heads, head_dim]`` (``q_proj``/``k_proj``/``v_proj``; kernel
+    ``[E, heads, head_dim]``); ``axes`` are the logical names of the two output dims, e.g.
+    ``('heads', 'kv')``."""
+    return _Projection("ble,enh->blnh", (x.shape[-1], heads, head_dim), ("embed",) + tuple(axes), 1,
+                       use_bias, dtype, param_dtype, name=name)(x)
 
 
 def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
-    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``)."""
-    return nn.DenseGeneral(
-        features, axis=(-2, -1), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        name="out_proj")(out.astype(dtype))
+    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``; kernel ``[N, H, features]``)."""
+    return _Projection("btnh,nhe->bte", (out.shape[-2], out.shape[-1], features), ("heads", "kv", "embed"), 2,
+                       use_bias, dtype, param_dtype, name="out_proj")(out.astype(dtype))
 
 
 class DecodeCache(NamedTuple):

@@ -291,3 +291,24 @@ def test_error_splash_on_cpu_and_bad_lengths():
             kernels.resolve_implementation("splash", jnp.float32, 64)
     with pytest.raises(ValueError, match="multiples of 128"):
         _init(GoatAttention(num_heads=4, pos_rank=2, implementation="splash_interpret"), length=100)
+
+
+@pytest.mark.parametrize("layer", ["goat", "rope"])
+def test_layers_init_and_run_under_a_global_mesh_with_logical_rules(layer, rng):
+    # Flax constrains each boxed kernel to its logical names as soon as its initializer returns;
+    # a kernel initialized at a flattened shape (DenseGeneral) fails that under a global mesh.
+    from jax.sharding import Mesh
+    import flax.linen as nn
+    from goat_jax.positional import PositionalAttention
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    rules = (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", None), ("kv", None))
+    module = (GoatAttention(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2) if layer == "goat"
+              else PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="rope"))
+    x = jnp.asarray(rng.normal(size=(2, 16, E)), jnp.float32)
+    plain = module.apply(module.init(jax.random.key(0), x), x, is_causal=True)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        params = jax.jit(module.init)(jax.random.key(0), x)
+        out = jax.jit(lambda p, x: module.apply(p, x, is_causal=True))(params, x)
+    assert params["params"]["q_proj"]["kernel"].names == ("embed", "heads", "kv")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=1e-5, atol=1e-6)
