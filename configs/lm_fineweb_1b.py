@@ -17,15 +17,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from goat_jax.data import text
-
-SHARDING_RULES = (
-    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
-    ("embed", "fsdp"),  # parameters + Adam moments sharded over fsdp (ZeRO-3)
-    ("mlp", "tensor"),  # Megatron: MLP hidden
-    ("heads", "tensor"),  # Megatron: query heads
-    ("kv_heads", "tensor"),  # Megatron: key/value heads
-    ("vocab", "tensor"),  # embedding / logits over the vocabulary
-)
+from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -51,7 +43,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.mesh.data = 1  # pure data-parallel replicas
     c.mesh.fsdp = -1  # FSDP over all devices: 1.23B params + Adam do not fit replicated
     c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = SHARDING_RULES  # logical axis -> mesh axis
+    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-4  # Llama-style 1B peak

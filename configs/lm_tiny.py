@@ -13,17 +13,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from goat_jax.data import text
-
-# Logical axis -> mesh axis. Unlisted names ('length', 'kv', 'layers') are replicated; a mesh
-# axis that does not divide a dimension is dropped for that array (vocab 259 over tensor=2).
-SHARDING_RULES = (
-    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
-    ("embed", "fsdp"),  # parameters: FSDP shards the model dimension
-    ("mlp", "tensor"),  # Megatron: MLP hidden
-    ("heads", "tensor"),  # Megatron: query heads
-    ("kv_heads", "tensor"),  # Megatron: key/value heads
-    ("vocab", "tensor"),  # embedding / logits over the vocabulary
-)
+from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -52,7 +42,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel replicas (-1: all remaining devices)
     c.mesh.fsdp = 1  # parameter/optimizer-state shards
     c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = SHARDING_RULES  # logical axis -> mesh axis
+    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # peak; small models take large steps

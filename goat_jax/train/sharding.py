@@ -36,6 +36,18 @@ BATCH_AXES = ("data", "fsdp")
 
 Rules = Sequence[Tuple[str, Any]]
 
+# Logical axis -> mesh axis, shared by the language configs. Unlisted names ('length', 'kv',
+# 'layers') are replicated; a mesh axis that does not divide a dimension is dropped for that
+# array (e.g. a 259-byte vocabulary over tensor=2).
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
+    ("embed", "fsdp"),  # parameters + Adam moments sharded over fsdp (ZeRO-3)
+    ("mlp", "tensor"),  # Megatron: MLP hidden
+    ("heads", "tensor"),  # Megatron: query heads
+    ("kv_heads", "tensor"),  # Megatron: key/value heads
+    ("vocab", "tensor"),  # embedding / logits over the vocabulary
+)
+
 
 # ----------------------------------------------------------------------------------------------
 # Mesh
