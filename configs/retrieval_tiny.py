@@ -1,0 +1,141 @@
+"""Synthetic retrieval (passkey, needle in a haystack): small byte-level LMs trained from scratch.
+
+    python -m experiments.train --config configs/retrieval_tiny.py:passkey --workdir runs/passkey
+    python -m experiments.train --config configs/retrieval_tiny.py:niah,rope --workdir runs/niah_rope
+    python -m experiments.evaluate --workdir runs/passkey --evals passkey --multipliers 1,2,4,8,16
+
+The official GOAT retrieval experiments (REFERENCE.md section 4): character models trained on
+the synthetic passkey (random a-z filler, "passkey: <8 digits>", teacher-forced exact match of
+the key span) at a short length and tested longer; NIAH likewise ("key=value" needle at a
+depth, value span token accuracy). Here both train at 64 bytes, so 16x is 1024 and the whole
+suite fits a CPU.
+
+Argument: ``'<task>[,<position_encoding>][,smoke|paper]'``; task 'passkey' or 'niah',
+encoding default 'goat'. 'smoke': a seconds-long run for tests. 'paper': the official sizes
+(trained at 1024 for passkey, 256 for NIAH; 8 layers, d 512) for an accelerator.
+Everything except the position encoding is identical across encodings.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from goat_jax.data import synthetic
+
+SHARDING_RULES = (
+    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
+    ("embed", "fsdp"),  # parameters: FSDP shards the model dimension
+    ("mlp", "tensor"),  # Megatron: MLP hidden
+    ("heads", "tensor"),  # Megatron: query heads
+    ("kv_heads", "tensor"),  # Megatron: key/value heads
+    ("vocab", "tensor"),  # embedding / logits over the vocabulary
+)
+TASKS = ("passkey", "niah")
+SIZES = ("smoke", "paper")
+
+
+def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
+    """The retrieval config; ``arg`` = ``'<passkey|niah>[,<encoding>][,smoke|paper]'``."""
+    parts = [p for p in (arg or "passkey").split(",") if p]
+    kind = parts[0] if parts and parts[0] in TASKS else None
+    if kind is None:
+        raise ValueError(f"configs/retrieval_tiny.py:{arg}: the first part must be one of {TASKS}.")
+    size = next((p for p in parts[1:] if p in SIZES), "tiny")
+    encoding = next((p for p in parts[1:] if p not in SIZES), "goat")
+
+    c = ml_collections.ConfigDict()
+    c.task = "lm"  # next-token prediction; only the scored span carries weight
+    c.seed = 0  # init and data
+    c.seq_len = 64  # training length (bytes); evaluated up to 16x
+
+    c.num_train_steps = 600  # the key-span loss is ~0 after ~400 steps (GOAT and RoPE)
+    c.global_batch_size = 32  # windows per step
+    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
+    c.grad_accum_steps = 1  # no accumulation
+    c.log_every_steps = 25  # metrics cadence
+    c.eval_every_steps = 500  # held-out loss of the scored span
+    c.checkpoint_every_steps = 500  # checkpoint cadence (also at the end)
+    c.keep_checkpoints = 1  # newest only
+    c.progress_bar = True  # tqdm bar on stderr
+    c.peak_flops_per_device = 0.0  # MFU lookup (unknown on CPU)
+    c.distributed = False  # single process
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # all devices data parallel
+    c.mesh.fsdp = 1  # no parameter sharding
+    c.mesh.tensor = 1  # no tensor parallelism
+    c.sharding_rules = SHARDING_RULES  # logical axis -> mesh axis
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 3e-3  # small models take large steps (as lm_tiny)
+    c.optimizer.warmup_steps = 100  # linear warmup
+    c.optimizer.min_lr_ratio = 0.1  # cosine floor
+    c.optimizer.b1 = 0.9  # Adam first moment
+    c.optimizer.b2 = 0.95  # Adam second moment
+    c.optimizer.eps = 1e-8  # Adam epsilon
+    c.optimizer.weight_decay = 0.1  # decoupled; not on norms, biases or the GOAT prior
+    c.optimizer.grad_clip = 1.0  # global-norm clip
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "lm"  # goat_jax.models registry
+    c.model.vocab_size = 259  # byte tokenizer
+    c.model.num_layers = 2  # an induction circuit needs two layers (previous token, then match)
+    c.model.embed_dim = 128  # residual width
+    c.model.num_heads = 4  # query heads (head_dim 32)
+    c.model.kv_num_heads = 4  # MHA: GOAT's prior is per KV head, so every head gets its own
+    c.model.head_dim = config_dict.placeholder(int)  # None: embed_dim // num_heads
+    c.model.mlp_dim = 384  # SwiGLU hidden
+    c.model.position_encoding = encoding  # the config argument
+    c.model.tie_embeddings = True  # output projection = input embedding
+    c.model.max_len = 2048  # 'learned' / 'naive_prior' tables cover 32x the training length
+    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / RoPE-PI scale
+    c.model.rope_base = 10_000.0  # RoPE frequency base
+    c.model.pos_rank = 4  # GOAT R (2R of the 32 head dims)
+    c.model.abs_rank = 4  # GOAT M of the sink MLP
+    c.model.prior_init = "seeded"  # ALiBi-like start
+    c.model.prior_gate = "none"  # no query-norm gate
+    c.model.enable_key_bias = True  # learned sink u(j)
+    c.model.norm_eps = 1e-6  # RMSNorm epsilon
+    c.model.dtype = "float32"  # CPU
+    c.model.param_dtype = "float32"  # CPU
+    c.model.remat = False  # small
+    c.model.scan_layers = False  # two layers: unrolled
+    c.model.implementation = config_dict.placeholder(str)  # None: XLA on CPU
+
+    c.data = synthetic.default_synthetic_config(kind)  # passkey: 8-digit key; NIAH: 5-letter key, 6 digits
+    c.data.source = "synthetic"  # goat_jax.train.tasks: synthetic generators instead of text
+    c.data.num_eval_batches = 4  # 128 held-out windows
+
+    if size == "smoke":  # seconds: the reproduce smoke test
+        c.num_train_steps = 6
+        c.global_batch_size = 8
+        c.log_every_steps = 2
+        c.eval_every_steps = 0
+        c.checkpoint_every_steps = 6
+        c.optimizer.warmup_steps = 2
+        c.model.num_layers = 1
+        c.model.embed_dim = 32
+        c.model.mlp_dim = 64
+        c.model.num_heads = 2
+        c.model.kv_num_heads = 2
+        c.model.pos_rank = 2
+        c.model.abs_rank = 2
+        c.data.num_eval_batches = 1
+    elif size == "paper":  # official GOAT char models (REFERENCE.md section 4), on an accelerator
+        c.seq_len = 1024 if kind == "passkey" else 256
+        c.num_train_steps = 20_000
+        c.global_batch_size = 64
+        c.eval_every_steps = 2000
+        c.checkpoint_every_steps = 2000
+        c.keep_checkpoints = 2
+        c.optimizer.learning_rate = 1e-3
+        c.optimizer.warmup_steps = 1000
+        c.model.num_layers = 8
+        c.model.embed_dim = 512
+        c.model.num_heads = 8
+        c.model.kv_num_heads = 8
+        c.model.mlp_dim = 1536
+        c.model.max_len = 32_768
+        c.model.pos_rank = 8
+        c.model.abs_rank = 8
+        c.model.dtype = "bfloat16"
+    return c
