@@ -20,15 +20,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from goat_jax.data import synthetic
-
-SHARDING_RULES = (
-    ("batch", ("data", "fsdp")),  # activations: batch split over every replica
-    ("embed", "fsdp"),  # parameters: FSDP shards the model dimension
-    ("mlp", "tensor"),  # Megatron: MLP hidden
-    ("heads", "tensor"),  # Megatron: query heads
-    ("kv_heads", "tensor"),  # Megatron: key/value heads
-    ("vocab", "tensor"),  # embedding / logits over the vocabulary
-)
+from goat_jax.train import sharding
 TASKS = ("passkey", "niah")
 SIZES = ("smoke", "paper")
 
@@ -63,7 +55,7 @@ def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
     c.mesh.data = -1  # all devices data parallel
     c.mesh.fsdp = 1  # no parameter sharding
     c.mesh.tensor = 1  # no tensor parallelism
-    c.sharding_rules = SHARDING_RULES  # logical axis -> mesh axis
+    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # small models take large steps (as lm_tiny)
