@@ -378,7 +378,6 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     """Writes ``OUT/REPORT.md`` and the figures from the ``results`` of the trained ``jobs``;
     returns the markdown."""
     import numpy as np  # pylint: disable=g-import-not-at-top
-    from experiments.evaluate import table  # pylint: disable=g-import-not-at-top
     from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top
 
     os.makedirs(out, exist_ok=True)

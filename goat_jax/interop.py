@@ -32,10 +32,10 @@ prior_gate_scale_raw, prior_gate_bias   prior.* [N]
 
 from __future__ import annotations
 
-import math
 from typing import Any, Tuple
 
 import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,7 +56,8 @@ def _base_from_freqs(freqs: np.ndarray) -> float:
 
 
 def _np(t) -> np.ndarray:
-    return t.detach().cpu().to(dtype=__import__("torch").float64).numpy()
+    """A torch tensor as a float64 NumPy array (exact for float32 weights)."""
+    return t.detach().cpu().double().numpy()
 
 
 def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
@@ -120,8 +121,6 @@ def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
         # Prior parameters stay float32 whatever param_dtype is (see GoatPrior).
         dtype = jnp.float32 if path and getattr(path[0], "key", None) == "prior" else param_dtype
         return jnp.asarray(x, dtype)
-
-    import jax
 
     return module, {"params": jax.tree_util.tree_map_with_path(cast, params)}
 

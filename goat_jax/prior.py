@@ -350,10 +350,9 @@ def sink_mlp_inputs(spec: PriorSpec, k_pos: Positions) -> Array:
 
 def sink_mlp(mlp_params: Params, x: Array) -> Array:
     """The sink MLP ``fc2(silu(fc1(x)))`` in float32; [..., in] -> [...]."""
-    h = x @ mlp_params["fc1"]["kernel"].astype(real_dtype()) + mlp_params["fc1"]["bias"].astype(real_dtype())
-    h = jax.nn.silu(h)
-    out = h @ mlp_params["fc2"]["kernel"].astype(real_dtype()) + mlp_params["fc2"]["bias"].astype(real_dtype())
-    return out[..., 0]
+    def dense(layer, h):
+        return h @ mlp_params[layer]["kernel"].astype(real_dtype()) + mlp_params[layer]["bias"].astype(real_dtype())
+    return dense("fc2", jax.nn.silu(dense("fc1", x)))[..., 0]
 
 
 def sink(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> Array:

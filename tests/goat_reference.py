@@ -46,7 +46,7 @@ def _positions(length, offset, grid, has_cls):
 
 def relative_prior(p, cfg, q_coords, k_coords, q_cls, k_cls, grid):
     """kappa_h(p_i - p_j) [N, T, S] from position differences."""
-    n, g, r = cfg["num_heads"], cfg["num_heads"] // cfg["kv_num_heads"], cfg["pos_rank"]
+    g, r = cfg["num_heads"] // cfg["kv_num_heads"], cfg["pos_rank"]
     a = np.repeat(p["lambda_sym"], g, axis=0)  # [N, R]
     b = np.repeat(p["lambda_asym"], g, axis=0)
     w = _freqs(r, cfg.get("pos_base", 1e4))

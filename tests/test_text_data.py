@@ -211,7 +211,7 @@ def mock_c4():
     # text package import fails), so `tfds.data_source('c4/en')` would not find the C4
     # builder class that mock_data needs. Its own module imports fine without TF: import it
     # to register it. (Real runs need no class: tfds reads the prepared data_dir metadata.)
-    from tensorflow_datasets.text import c4  # pylint: disable=unused-import
+    from tensorflow_datasets.text import c4  # noqa: F401  (registers the builder)
     # MockPolicy.USE_CODE: random examples from the feature spec, served through the real
     # ArrayRecordDataSource class (the array_record reader itself is mocked).
     with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
