@@ -3,15 +3,16 @@
     config -> validate -> mesh -> data -> model + optimizer -> sharded init (or restore)
            -> jitted train step -> loop { step, log, eval, checkpoint } -> metrics + checkpoints
 
-What is trained is chosen by ``config.task`` (:mod:`goat_jax.train.tasks`): the task supplies the
-model, the data, the loss and its config schema; this file never imports a model or a dataset.
-Helpers live in their own modules: :mod:`~goat_jax.train.sharding` (mesh, logical rules),
-:mod:`~goat_jax.train.optim` (AdamW, schedule, accumulation), :mod:`~goat_jax.train.checkpoint`,
-:mod:`~goat_jax.train.metrics`.
+What is trained is chosen by ``config.task`` (:mod:`goat_jax.train.tasks`, e.g.
+``goat_jax/tasks/lm.py``): the task supplies the model, the data, the loss, its eval metrics and
+its config schema; this file never imports a model or a dataset. Helpers live in their own
+modules: :mod:`~goat_jax.train.sharding` (mesh, logical rules), :mod:`~goat_jax.train.optim`
+(AdamW, schedule, accumulation), :mod:`~goat_jax.train.checkpoint`,
+:mod:`~goat_jax.train.metrics`, :mod:`~goat_jax.train.run` (workdir layout, train state).
 
-Workdir layout: ``config.json`` (the resolved config), ``metrics.jsonl``, ``tensorboard/``,
-``checkpoints/<step>/``. Re-running the same command resumes from the latest checkpoint and
-reproduces the uninterrupted run's per-step losses (data-iterator state is checkpointed too).
+Re-running the same command resumes from the latest checkpoint and reproduces the
+uninterrupted run's per-step losses (data-iterator state is checkpointed, and the step's PRNG
+key is ``fold_in(key(config.seed), step)``, so dropout masks repeat too).
 
 Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``seq_len``):
   seed, task, num_train_steps, global_batch_size | per_device_batch_size (exactly one),
@@ -38,11 +39,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax import struct
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
+from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks as tasks_lib
 
@@ -126,25 +127,35 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 # ----------------------------------------------------------------------------------------------
 
 
-@struct.dataclass
-class TrainState:
-    """Everything a step updates: the update count, the parameters and the optimizer state."""
+TrainState = run_lib.TrainState
 
-    step: jax.Array
-    params: Any
-    opt_state: Any
+# Folded into key(config.seed) to give the training steps' stream, distinct from the init key.
+_TRAIN_STREAM = 1
+
+
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+    """The PRNG key of the update at 0-based ``step``: ``fold_in(fold_in(key(seed), 1), step)``.
+
+    A function of the seed and the step only, so a resumed run draws the same dropout / mixup
+    randomness as an uninterrupted one."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), _TRAIN_STREAM), step)
 
 
 def make_train_step(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum_steps: int):
+                    schedule: optax.Schedule, grad_accum_steps: int, seed: int = 0):
     """``train_step(state, batch) -> (state, metrics)``: loss normalized by the total weight of
     the whole global batch (exact under gradient accumulation), AdamW update, and the metrics
-    ``train_loss``, ``grad_norm`` (before clipping), ``learning_rate`` (of this update)."""
-    def loss_fn(params, batch):
-        return task.loss(model.apply, params, batch)
+    ``train_loss``, ``grad_norm`` (before clipping), ``learning_rate`` (of this update).
+
+    The task's loss gets :func:`step_key` ``(seed, state.step)`` folded with the microbatch
+    index."""
+    def loss_fn(params, batch, rng):
+        return task.loss(model.apply, params, batch, rng)
 
     def train_step(state: TrainState, batch):
-        loss_sum, weight_sum, grads = optim.accumulate_gradients(loss_fn, state.params, batch, grad_accum_steps)
+        rng = step_key(seed, state.step)
+        loss_sum, weight_sum, grads = optim.accumulate_gradients(loss_fn, state.params, batch,
+                                                                 grad_accum_steps, rng)
         denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -157,15 +168,19 @@ def make_train_step(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTr
 
 
 def make_eval_step(task: tasks_lib.Task, model: nn.Module, num_microbatches: int):
-    """``eval_step(params, batch) -> (loss_sum, weight_sum)``, over microbatches like training
+    """``eval_step(params, batch) -> {'loss', 'weight', **aux}``: the task's loss and aux sums
+    (``rng=None``: deterministic) summed over the batch, microbatch by microbatch like training
     so that eval never needs more activation memory than a training microbatch."""
     def eval_step(params, batch):
-        def one(carry, mb):
-            loss, (weight, _) = task.loss(model.apply, params, mb)
-            return (carry[0] + loss, carry[1] + weight), None
+        def one(_, mb):
+            loss, (weight, aux) = task.loss(model.apply, params, mb, None)
+            if {"loss", "weight"} & set(aux or {}):
+                raise ValueError(f"task {task.name!r}: aux sums may not be named 'loss' or 'weight' "
+                                 f"(got {sorted(aux)}); rename them.")
+            return None, {**(aux or {}), "loss": loss, "weight": weight}
         micro = jax.tree.map(lambda x: optim.split_microbatches(x, num_microbatches), batch)
-        zero = jnp.zeros((), jnp.float32)
-        return jax.lax.scan(one, (zero, zero), micro)[0]
+        sums = jax.lax.scan(one, None, micro)[1]  # each [num_microbatches]
+        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32), axis=0), sums)
     return eval_step
 
 
@@ -219,7 +234,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     """
     # --- Setup ----------------------------------------------------------------------------------
     if config.distributed:
-        jax.distributed.initialize()
+        sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
     task = tasks_lib.get_task(config.task)
     resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
@@ -228,11 +243,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     is_primary = jax.process_index() == 0
     accum = config.grad_accum_steps
 
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config_dict,
-                                               keep=config.keep_checkpoints)
+    checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
+                                               keep=config.keep_checkpoints,
+                                               resume_safe_fields=task.resume_safe_fields)
     checkpointer.check_compatible()  # before config.json or metrics are touched
     if is_primary:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
+        with open(run_lib.config_path(workdir), "w") as f:
             json.dump(config_dict, f, indent=2, default=str)
 
     # --- Mesh -----------------------------------------------------------------------------------
@@ -254,24 +270,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
 
     # --- Model + optimizer ----------------------------------------------------------------------
     model = task.build_model(config)
-    tx, schedule = optim.make_optimizer(config.optimizer, config.num_train_steps)
-    # Init traces the model on a batch that splits evenly over the batch shards; XLA drops the
-    # forward pass since only the parameters are returned.
-    init_inputs = task.model_inputs(task.dummy_batch(config, sharding_lib.data_parallel_size(mesh)))
-
-    def init_params(rng):
-        return model.init(rng, *init_inputs)["params"]
-
-    def init_state(rng):
-        params = nn.unbox(init_params(rng))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    tx, schedule = run_lib.make_optimizer(task, config)
+    init_params, init_state = run_lib.make_init_fns(task, model, tx, config,
+                                                    sharding_lib.data_parallel_size(mesh))
 
     # --- Sharded init (or restore) ----------------------------------------------------------------
-    # Shardings come from the boxes' logical names (sharding.logical_shardings) and are imposed by
-    # jit's in/out_shardings; XLA propagates them to the activations. No global mesh is set, so
-    # the model's nn.with_logical_constraint calls are no-ops: under a global mesh Flax also
-    # constrains each boxed kernel while its initializer runs (in init and in apply's shape
-    # check), which fails for DenseGeneral's flattened [E, N * H] init of the attention kernels.
+    # Parameter and optimizer-state shardings come from the boxes' logical names
+    # (sharding.logical_shardings) and are imposed by jit's in/out_shardings; activations follow
+    # the model's nn.with_logical_constraint names, which take effect because every step is
+    # traced under the mesh and the rules (sharding.with_mesh_and_rules).
     rng = jax.random.PRNGKey(config.seed)
     param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
     abstract_state = jax.eval_shape(init_state, rng)
@@ -286,32 +293,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         data.train.set_state(data_state)
         logging.info("resumed from step %d", start_step)
     else:
-        state = jax.jit(init_state, out_shardings=state_shardings)(rng)
+        state = jax.jit(sharding_lib.with_mesh_and_rules(init_state, mesh, rules),
+                        out_shardings=state_shardings)(rng)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
     logging.info("%s: %.2fM parameters", task.name, num_params / 1e6)
 
     # --- Train step: jitted with explicit shardings, the old state donated ------------------------
     replicated = sharding_lib.replicated(mesh)
-    train_step = jax.jit(make_train_step(task, model, tx, schedule, accum),
-                         in_shardings=(state_shardings, batch_shardings),
-                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+    train_step = jax.jit(
+        sharding_lib.with_mesh_and_rules(make_train_step(task, model, tx, schedule, accum, config.seed), mesh, rules),
+        in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, replicated),
+        donate_argnums=0)
 
-    # --- Eval -------------------------------------------------------------------------------------
-    eval_step = jax.jit(make_eval_step(task, model, accum),
+    # --- Eval: the task's loss and aux sums over the whole eval set, summarized by the task ------
+    eval_step = jax.jit(sharding_lib.with_mesh_and_rules(make_eval_step(task, model, accum), mesh, rules),
                         in_shardings=(param_shardings, batch_shardings), out_shardings=replicated)
 
     def evaluate(params) -> Dict[str, float]:
         if data.make_eval is None:
             return {}
-        loss_sum, weight_sum = 0.0, 0.0
+        totals = None
         for batch in data.make_eval():
-            l, w = eval_step(params, to_device(batch))
-            loss_sum, weight_sum = loss_sum + l, weight_sum + w  # stays on device until the end
-        loss_sum, weight_sum = float(loss_sum), float(weight_sum)
-        if not weight_sum:
+            sums = eval_step(params, to_device(batch))  # stays on device until the end
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        if totals is None:
             return {}
-        mean = loss_sum / weight_sum
-        return {"eval_loss": mean, **task.eval_summary(mean)}
+        totals = {k: float(v) for k, v in jax.device_get(totals).items()}
+        if not totals["weight"]:
+            return {}
+        extra = task.eval_metrics(totals)
+        return {"eval_loss": totals["loss"] / totals["weight"],
+                **{f"eval_{k}": float(v) for k, v in extra.items()}}
 
     # --- Loop -------------------------------------------------------------------------------------
     # Step s uses the s-th batch and the params after s - 1 updates; a checkpoint at s holds
