@@ -24,6 +24,7 @@ Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -31,7 +32,7 @@ import math
 import os
 import signal
 import threading
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import flax.linen as nn
 import jax
@@ -184,6 +185,58 @@ def make_eval_step(task: tasks_lib.Task, model: nn.Module, num_microbatches: int
     return eval_step
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedSteps:
+    """The jitted, sharded functions of a run (:func:`make_sharded_steps`)."""
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    init: Callable[[jax.Array], TrainState]  # rng -> sharded TrainState at step 0
+    train_step: Callable[..., Any]  # (state, batch) -> (state, metrics); donates the state
+    eval_step: Callable[..., Any]  # (params, batch) -> {'loss', 'weight', **aux} sums
+    abstract_state: TrainState  # shapes/dtypes (jax.ShapeDtypeStruct leaves)
+    state_shardings: TrainState
+    param_shardings: Any
+
+
+def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                       rules: sharding_lib.Rules, batch_shardings: Dict[str, Any]) -> ShardedSteps:
+    """Builds the model and optimizer and jits init, train and eval steps for ``mesh``.
+
+    Parameter and optimizer-state shardings come from the parameters' logical names
+    (:func:`~goat_jax.train.sharding.logical_shardings`) and are imposed by jit's
+    in/out_shardings; activations follow the model's ``nn.with_logical_constraint`` names, which
+    take effect because every function is traced under the mesh and the rules
+    (:func:`~goat_jax.train.sharding.with_mesh_and_rules`).
+    """
+    model = task.build_model(config)
+    tx, schedule = run_lib.make_optimizer(task, config)
+    init_params, init_state = run_lib.make_init_fns(task, model, tx, config,
+                                                    sharding_lib.data_parallel_size(mesh))
+    rng = jax.random.PRNGKey(0)  # shapes only
+    param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
+    abstract_state = jax.eval_shape(init_state, rng)
+    replicated = sharding_lib.replicated(mesh)
+    state_shardings = TrainState(
+        step=replicated, params=param_shardings,
+        opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
+
+    def under_mesh(fn):
+        return sharding_lib.with_mesh_and_rules(fn, mesh, rules)
+
+    accum = config.grad_accum_steps
+    return ShardedSteps(
+        model=model, tx=tx, schedule=schedule,
+        init=jax.jit(under_mesh(init_state), out_shardings=state_shardings),
+        train_step=jax.jit(under_mesh(make_train_step(task, model, tx, schedule, accum, config.seed)),
+                           in_shardings=(state_shardings, batch_shardings),
+                           out_shardings=(state_shardings, replicated), donate_argnums=0),
+        eval_step=jax.jit(under_mesh(make_eval_step(task, model, accum)),
+                          in_shardings=(param_shardings, batch_shardings), out_shardings=replicated),
+        abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
+
+
 # ----------------------------------------------------------------------------------------------
 # Preemption: SIGTERM -> checkpoint at the end of the current step, then exit cleanly
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +294,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     resolved.global_batch_size = global_batch
     config_dict = resolved.to_dict()
     is_primary = jax.process_index() == 0
-    accum = config.grad_accum_steps
 
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
                                                keep=config.keep_checkpoints,
@@ -268,47 +320,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         return {k: jax.make_array_from_process_local_data(batch_shardings[k], local_batch[k])
                 for k in batch_shardings}
 
-    # --- Model + optimizer ----------------------------------------------------------------------
-    model = task.build_model(config)
-    tx, schedule = run_lib.make_optimizer(task, config)
-    init_params, init_state = run_lib.make_init_fns(task, model, tx, config,
-                                                    sharding_lib.data_parallel_size(mesh))
-
-    # --- Sharded init (or restore) ----------------------------------------------------------------
-    # Parameter and optimizer-state shardings come from the boxes' logical names
-    # (sharding.logical_shardings) and are imposed by jit's in/out_shardings; activations follow
-    # the model's nn.with_logical_constraint names, which take effect because every step is
-    # traced under the mesh and the rules (sharding.with_mesh_and_rules).
-    rng = jax.random.PRNGKey(config.seed)
-    param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
-    abstract_state = jax.eval_shape(init_state, rng)
-    state_shardings = TrainState(
-        step=sharding_lib.replicated(mesh), params=param_shardings,
-        opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
+    # --- Model, optimizer, sharded init (or restore), jitted steps -------------------------------
+    steps = make_sharded_steps(task, config, mesh, rules, batch_shardings)
     start_step = checkpointer.latest_step() or 0
     if start_step:
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                abstract_state, state_shardings)
+                                steps.abstract_state, steps.state_shardings)
         state, data_state = checkpointer.restore(start_step, abstract)
         data.train.set_state(data_state)
         logging.info("resumed from step %d", start_step)
     else:
-        state = jax.jit(sharding_lib.with_mesh_and_rules(init_state, mesh, rules),
-                        out_shardings=state_shardings)(rng)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
+        state = steps.init(jax.random.PRNGKey(config.seed))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(steps.abstract_state.params))
     logging.info("%s: %.2fM parameters", task.name, num_params / 1e6)
-
-    # --- Train step: jitted with explicit shardings, the old state donated ------------------------
-    replicated = sharding_lib.replicated(mesh)
-    train_step = jax.jit(
-        sharding_lib.with_mesh_and_rules(make_train_step(task, model, tx, schedule, accum, config.seed), mesh, rules),
-        in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, replicated),
-        donate_argnums=0)
+    train_step, eval_step = steps.train_step, steps.eval_step
 
     # --- Eval: the task's loss and aux sums over the whole eval set, summarized by the task ------
-    eval_step = jax.jit(sharding_lib.with_mesh_and_rules(make_eval_step(task, model, accum), mesh, rules),
-                        in_shardings=(param_shardings, batch_shardings), out_shardings=replicated)
-
     def evaluate(params) -> Dict[str, float]:
         if data.make_eval is None:
             return {}
