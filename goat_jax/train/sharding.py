@@ -115,7 +115,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
              "process_id": process_id}
     kwargs = {k: v for k, v in given.items() if v is not None}
-    if kwargs and len(kwargs) != 3 and not (len(kwargs) == 1 and coordinator_address):
+    if kwargs and len(kwargs) != 3:
         missing = sorted(k for k, v in given.items() if v is None)
         raise ValueError(f"distributed: give all of --coordinator_address, --num_processes and "
                          f"--process_id, or none (auto-detection); missing {missing}.")

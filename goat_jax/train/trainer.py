@@ -300,8 +300,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                                                resume_safe_fields=task.resume_safe_fields)
     checkpointer.check_compatible()  # before config.json or metrics are touched
     if is_primary:
-        with open(run_lib.config_path(workdir), "w") as f:
+        # Written whole then renamed: a reader of the live run never sees a partial file.
+        path = run_lib.config_path(workdir)
+        with open(path + ".tmp", "w") as f:
             json.dump(config_dict, f, indent=2, default=str)
+        os.replace(path + ".tmp", path)
 
     # --- Mesh -----------------------------------------------------------------------------------
     mesh = sharding_lib.make_mesh(config.mesh)
