@@ -120,3 +120,20 @@ def test_model_sampler_uses_the_kv_cache_generator(tiny_lm):
     want = sampling.generate(model, params, jnp.asarray(prompts[:4]), 7,
                              jax.random.fold_in(jax.random.PRNGKey(3), 0), temperature=1.0)
     np.testing.assert_array_equal(out[:4], np.asarray(want)[:, 12:])
+
+
+def test_evaluate_fasta_on_real_human_dna(tiny_lm):
+    from goat_jax.data import dna as dna_data
+
+    model, params = tiny_lm
+    out = dna_eval.evaluate_fasta(model, params, [dna_data.HUMAN_CHR17_40KB], 16,
+                                  multipliers=(1, 2), max_bases=3000, gc_num_windows=4,
+                                  gc_prompt_len=20, gc_sample_len=20)
+    assert out["data"]["records"] == ["chr17"] and out["data"]["bases"] == [3000]
+    assert sorted(out["by_length"]) == [16, 32]
+    records, _ = dna_eval.read_fasta_records([dna_data.HUMAN_CHR17_40KB], 3000)
+    ref = dna_eval.score_records(lambda p, x: model.apply({"params": p}, x), params, records, 32)
+    assert out["by_length"][32] == pytest.approx(ref._asdict())
+    gc = out["gc"]
+    assert gc["num_windows"] == 4 and gc["windows_skipped_for_n"] == 0
+    assert all(-1 <= gc[k] <= 1 for k in ("r_model", "r_prompt", "r_halves") if not np.isnan(gc[k]))

@@ -233,3 +233,57 @@ def model_sampler(model, params: Any, *, sample_len: int = 200, temperature: flo
         return np.concatenate(outs)
 
     return sample
+
+
+# ----------------------------------------------------------------------------------------
+# One model on FASTA files (what `experiments.evaluate --evals dna` runs).
+
+
+def read_fasta_records(paths: Sequence[str], max_bases: Optional[int] = None
+                       ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """``(records as int32 id arrays, info)`` of FASTA ``paths`` (record order, files in order),
+    cut to the first ``max_bases`` bases in all when given. ``info`` holds the record names,
+    lengths used and IUPAC codes read as N."""
+    from goat_jax.data import fasta as fasta_lib  # pylint: disable=g-import-not-at-top
+
+    genome = fasta_lib.Genome(list(paths))
+    records, names, left = [], [], max_bases
+    for name in genome.names:
+        n = genome.lengths[name] if left is None else min(left, genome.lengths[name])
+        if n <= 0:
+            break
+        records.append(genome.fetch(name, 0, n).astype(np.int32))
+        names.append(name)
+        left = None if left is None else left - n
+    info = {"files": list(paths), "records": names, "bases": [len(r) for r in records],
+            "ambiguous_as_n": {n: genome.ambiguous[n] for n in names if genome.ambiguous[n]}}
+    return records, info
+
+
+def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
+                   multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, max_bases: Optional[int] = None,
+                   gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
+                   seed: int = 0, tokens_per_batch: int = 16384) -> dict[str, Any]:
+    """Likelihood at ``m * train_len`` and GC agreement of a Linen LM on FASTA files.
+
+    Returns a JSON-able dict: ``{'data': info, 'by_length': {W: DnaScores as dict},
+    'gc': GCAgreement as dict (or {'error': reason} when the files are too short)}``.
+    ``gc_num_windows=0`` skips the GC metric.
+    """
+    records, info = read_fasta_records(paths, max_bases)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    scores = score_by_length(apply_fn, params, records, train_len, multipliers,
+                             tokens_per_batch=tokens_per_batch)
+    out: dict[str, Any] = {"data": info,
+                           "by_length": {w: s._asdict() for w, s in scores.items()}}
+    if gc_num_windows:
+        try:
+            windows, skipped = gc_windows(records, num_windows=gc_num_windows,
+                                          length=gc_prompt_len + gc_sample_len)
+        except ValueError as e:
+            out["gc"] = {"error": str(e)}
+        else:
+            sampler = model_sampler(model, params, sample_len=gc_sample_len, seed=seed)
+            gc = gc_agreement(sampler, windows, prompt_len=gc_prompt_len)._asdict()
+            out["gc"] = {**gc, "windows_skipped_for_n": skipped}
+    return out
