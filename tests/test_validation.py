@@ -2,17 +2,23 @@
 token is known: walks each numeric field of each shipped config (configs/*.py, every variant)
 with out-of-range values in process; a few through the command line (see test_cli_errors.py)."""
 
+import dataclasses
+import glob
 import importlib
 import math
+import os
 
 import ml_collections
 import pytest
 
 from goat_jax.config_args import REQUIRED, parse_config_arg
+from goat_jax.data import synthetic, text
+from goat_jax.models import lm
 from goat_jax.train import tasks
 from goat_jax.train import trainer
 from goat_jax.train import validation
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each config file with each of its variants (the argument's size/task tokens; encodings change
 # no field, test_configs.py covers them).
 VARIANTS = {
@@ -29,7 +35,7 @@ NEGATIVE_OK = {"data.depth",  # < 0: a uniformly random needle depth
 
 def _config(name, arg):
     module = importlib.import_module(f"configs.{name}")
-    return module.get_config(arg) if arg else module.get_config()
+    return module.get_config(arg) if arg is not None else module.get_config()
 
 
 def _numeric_fields(config):
@@ -88,7 +94,10 @@ def _outside(spec):
     return [v for v in values if v not in spec.also]
 
 
-CASES = [(name, arg) for name, args in VARIANTS.items() for arg in args]
+# A config file added later (another family) is walked with its default argument.
+_LISTED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                 if not os.path.basename(p).startswith("_"))
+CASES = [(name, arg) for name in _LISTED for arg in VARIANTS.get(name, [None])]
 
 
 @pytest.mark.parametrize("name,arg", CASES, ids=[f"{n}:{a}" for n, a in CASES])
@@ -115,13 +124,19 @@ def test_every_numeric_field_refuses_out_of_range_values(name, arg):
             _assert_refused(_with(config, dotted, b), dotted, b)
 
 
+def test_every_model_and_data_field_has_a_spec():
+    assert {f.name for f in dataclasses.fields(lm.LMConfig)} | {"name"} == set(lm.FIELD_SPECS)
+    assert set(text.default_data_config()) == set(text.FIELD_SPECS)
+    assert set(synthetic.default_synthetic_config()) | {"source"} == set(synthetic.FIELD_SPECS)
+
+
 def test_issue_examples_are_refused_with_the_allowed_range():
     """The optimizer values that used to train silently (gradient ascent, inf, ...)."""
     config = _config("lm_tiny", "smoke")
     for dotted, value, allowed in [
             ("optimizer.learning_rate", -1.0, "> 0"), ("optimizer.learning_rate", math.inf, "> 0"),
             ("optimizer.warmup_steps", -1, ">= 0"), ("optimizer.b2", 1.5, ">= 0 and < 1"),
-            ("optimizer.b1", 1.0, "< 1"), ("optimizer.eps", 0.0, "> 0"),
+            ("optimizer.b1", 1.0, "< 1"), ("optimizer.b2", 1.0, "< 1"), ("optimizer.eps", 0.0, "> 0"),
             ("optimizer.min_lr_ratio", 2.0, "<= 1"), ("optimizer.grad_clip", -1.0, ">= 0"),
             ("mesh.data", 0, ">= 1 or -1"), ("model.dtype", "float8", "one of"),
             ("model.position_encoding", "rope2", "one of"), ("data.paths", ("",), "non-empty"),

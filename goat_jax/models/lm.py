@@ -55,6 +55,7 @@ FIELD_SPECS = {
     "kv_num_heads": Int(min=1, optional=True, doc="None: num_heads"),
     "head_dim": Int(min=1, optional=True, doc="None: embed_dim // num_heads"),
     "mlp_dim": Int(min=1),
+    "block": Str(choices=BLOCKS),
     "position_encoding": Str(choices=POSITION_ENCODINGS),
     "tie_embeddings": Bool(),
     "max_len": Int(min=1),
