@@ -166,6 +166,10 @@ class Checkpointer:
             enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
                                               options=options)
+        # orbax removes leftover temporary directories in a background future; wait for it so
+        # that nothing races with it (a damaged checkpoint moved aside, a rejected run's workdir
+        # removed by experiments/cli.py). Quick: it only lists and deletes tmp directories.
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def latest_step(self) -> Optional[int]:
         """The newest complete checkpoint's step, or None."""
