@@ -329,8 +329,10 @@ class TrainCrops(grain.MapDataset):
         blocks = table.block[self._chunks]
         self._block_ids, inverse = np.unique(blocks, return_inverse=True)
         self._singletons = len(self._block_ids) == len(self._chunks)
-        self._members = [self._chunks[inverse == j] for j in range(len(self._block_ids))] \
-            if not self._singletons else None
+        self._members = None
+        if not self._singletons:  # chunks grouped by block, in id order within each
+            grouped = self._chunks[np.argsort(inverse, kind="stable")]
+            self._members = np.split(grouped, np.cumsum(np.bincount(inverse))[:-1])
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
