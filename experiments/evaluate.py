@@ -50,10 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     mults = [int(m) for m in args.multipliers.split(",") if m]
-    try:
-        labels = runs.run_labels(args.workdir, args.label)
-    except (ValueError, FileNotFoundError) as err:
-        p.error(str(err))
+    labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = runs.load_lm_run(workdir)
@@ -68,4 +65,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments import cli  # pylint: disable=g-import-not-at-top
+    cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -110,10 +110,12 @@ def test_labels_are_unique(tmp_path):
         runs.run_labels([a, b], ["x"])
 
 
-def test_evaluate_cli_refuses_duplicate_labels(tmp_path, capsys):
-    from experiments import evaluate  # pylint: disable=g-import-not-at-top
+def test_evaluate_cli_refuses_duplicate_labels(tmp_path):
+    """Before loading anything: one error line, exit 1, no output directory."""
     a = _fake_run(tmp_path / "a", "goat")
     b = _fake_run(tmp_path / "b", "goat")
-    with pytest.raises(SystemExit):
-        evaluate.main(["--workdir", a, "--workdir", b, "--label", "x", "--label", "x", "--out", str(tmp_path / "o")])
-    assert "--label values must be unique" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "experiments.evaluate", "--workdir", a, "--workdir", b,
+                           "--label", "x", "--label", "x", "--out", str(tmp_path / "o")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 1 and "error: --label values must be unique; ['x']" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()

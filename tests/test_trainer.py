@@ -171,7 +171,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     """The 8th batch carries a NaN weight: the run stops at step 8 with a clear error, saves
     nothing after step 5, and leaves the step-5 checkpoint as the latest."""
     config = _smoke(task="tests.test_trainer:POISONED", num_train_steps=20)
-    with pytest.raises(FloatingPointError, match=r"step 8.*last good checkpoint \(step 5\)"):
+    with pytest.raises(FloatingPointError, match=r"step 8.*last finite checkpoint \(step 5\).*--resume_with_changes"):
         trainer.train_and_evaluate(config, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
 

@@ -112,9 +112,8 @@ def run_toy(config, workdir: str, *, all_heads: bool = False, seq_len: int = 32,
     from goat_jax.eval import runs  # pylint: disable=g-import-not-at-top
     from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
 
-    os.makedirs(workdir, exist_ok=True)
     if train:
-        trainer.train_and_evaluate(config, workdir)
+        trainer.train_and_evaluate(config, workdir)  # creates workdir once the config is valid
     run = runs.load_lm_run(workdir)
     if run.label != "goat":
         raise ValueError(f"the toy prior figure needs a GOAT model, not {run.label!r}.")

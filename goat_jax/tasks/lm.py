@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict
+from typing import Any, Dict
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from goat_jax import models
 from goat_jax.data import synthetic, text
 from goat_jax.models import lm
 from goat_jax.train import tasks
+from goat_jax.train import validation
 
 Batch = tasks.Batch
 
@@ -84,6 +85,14 @@ def schema() -> Dict[str, set]:
             "data": set(text.default_data_config().keys()) | _synthetic_data_fields()}
 
 
+def field_specs(config) -> Dict[str, Dict[str, Any]]:
+    """Type and range of the task's fields (checked by :mod:`goat_jax.train.validation`): the
+    model's, the chosen data source's, and ``seq_len``."""
+    data = synthetic.FIELD_SPECS if is_synthetic(config) else text.FIELD_SPECS
+    return {"": {"seq_len": validation.Int(min=1, doc="training context")}, "model": lm.FIELD_SPECS,
+            "data": data}
+
+
 def validate(config) -> None:
     """``seq_len`` positive and within the position table; ``model.name == 'lm'``; data fields
     belong to ``data.source``."""
@@ -124,6 +133,7 @@ TASK = tasks.Task(
     flops_per_token=flops_per_token,
     schema=schema,
     validate=validate,
+    field_specs=field_specs,
     eval_metrics=eval_metrics,
     top_level_fields=("seq_len",),
     # Reading threads and eval size change nothing the checkpoint depends on; remat and the

@@ -98,6 +98,9 @@ class Task:
       top_level_fields: task-specific top-level config fields (e.g. ``seq_len``).
       resume_safe_fields: dotted task fields that may change on resume.
       no_decay_names: parameter/module names excluded from weight decay.
+      field_specs: ``config -> {section: {field: validation.Field}}``, the type and range of
+        the task's fields ('' for its top-level ones), checked before any work
+        (:mod:`goat_jax.train.validation`).
     """
 
     name: str
@@ -115,6 +118,7 @@ class Task:
     top_level_fields: Tuple[str, ...] = ()
     resume_safe_fields: Tuple[str, ...] = ()
     no_decay_names: FrozenSet[str] = frozenset()
+    field_specs: Callable[[Any], Dict[str, Dict[str, Any]]] = lambda config: {}
 
 
 def builtin_tasks() -> Tuple[str, ...]:
