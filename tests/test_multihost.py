@@ -23,7 +23,7 @@ from goat_jax.train import run as run_lib
 from goat_jax.train import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 10
+STEPS = 6
 COMMON = ["--config", "configs/lm_tiny.py:goat,smoke", f"--config.num_train_steps={STEPS}",
           "--config.progress_bar=False", "--config.mesh.data=2", "--config.mesh.fsdp=2"]
 
