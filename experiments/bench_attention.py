@@ -242,10 +242,10 @@ def torch_variants(b: int, length: int, n: int, h: int, threads: int) -> List[Va
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(variants: List[Variant], repeats: int) -> None:
+def measure(variants: List[Variant], repeats: int, warmup: bool = True) -> None:
     """Warm-up, then ``repeats`` rounds, each variant once per round in a rotated order."""
     variants = [v for v in variants if v.run is not None]
-    for var in variants:
+    for var in variants if warmup else []:
         var.run()
     for r in range(repeats):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
@@ -379,13 +379,16 @@ def long_variants(args, length: int, rng) -> List[Variant]:
         loss = lambda p, x_, m=mod: jnp.sum(m.apply({"params": p}, x_, is_causal=True))
         out.append(guard(jax_variant(f"goat_layer:{impl}", loss, (params, x), (0,)), args.max_run_fraction))
     q, k, v = (jnp.asarray(rng.normal(size=(b, length, n, h)), jnp.float32) for _ in range(3))
+    long = length >= args.long_from
     for impl in ("xla", "flash"):
         loss = lambda q_, k_, v_, i=impl: jnp.sum(kernels.attend(q_, k_, v_, implementation=i, scale=h ** -0.5,
                                                                  is_causal=True))
-        out.append(guard(jax_variant(f"plain_core:{impl}", loss, (q, k, v), (0, 1, 2)), args.max_run_fraction))
-    if "torch" in args.sections or "long" in args.sections:
-        out += torch_variants(b, length, n, h, args.threads)
-    return out
+        var = guard(jax_variant(f"plain_core:{impl}", loss, (q, k, v), (0, 1, 2)), args.max_run_fraction)
+        if long and var.run is not None:  # the layer rows carry the timing; keep the run short
+            var.run, var.note = None, "memory only (not timed at this length)"
+        out.append(var)
+    torch_vs = torch_variants(b, length, n, h, args.threads)
+    return out + [v for v in torch_vs if not (long and v.name == "torch_plain_sdpa")]
 
 
 def run_long(args) -> List[Dict]:
@@ -394,7 +397,10 @@ def run_long(args) -> List[Dict]:
     rows = []
     for length in args.long_lengths:
         vs = long_variants(args, length, rng)
-        measure(vs, args.repeats)
+        if length >= args.long_from:  # minutes per call: one timed call each, no warm-up call
+            measure(vs, args.long_repeats, warmup=False)
+        else:
+            measure(vs, args.repeats)
         for v in vs:
             ran = bool(v.cpu)
             rows.append(dict(L=length, name=v.name, note=v.note,
@@ -460,6 +466,10 @@ def main(argv=None):
                         help="torch.set_num_threads (default: the cores XLA uses)")
     parser.add_argument("--long-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="lengths of the 'long' section (flash vs xla vs torch)")
+    parser.add_argument("--long-from", type=int, default=8192,
+                        help="'long' section: from this length on, --long-repeats timed calls without a "
+                             "warm-up call, and the plain-kernel rows report memory only")
+    parser.add_argument("--long-repeats", type=int, default=1)
     parser.add_argument("--max-run-fraction", type=float, default=0.6,
                         help="'long' section: do not run a variant whose compiled memory exceeds this "
                              "fraction of the available memory (its memory is still reported)")
@@ -545,7 +555,8 @@ def write_long(args, command: str, backend: str) -> None:
         f"{backend}); CPU: {cpu_info()}; float32, causal, B={args.batch}, N={args.heads}, H={args.head_dim}, "
         f"GOAT R={args.pos_rank}, M={args.abs_rank}, loss = sum(outputs), forward+backward (gradients "
         f"w.r.t. the layer parameters / q, k, v); torch with {args.threads} threads; {args.repeats} rounds "
-        f"(medians) after a warm-up; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at "
+        f"(medians) after a warm-up call below L = {args.long_from}, {args.long_repeats} timed call(s) and no "
+        f"warm-up from there on (compiled ahead, so no compile time is timed); load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at "
         "the end (the machine is shared with other jobs: read the CPU-time column).", "",
         "`goat_layer:*` = the whole `GoatAttention` layer (projections included); `plain_core:*` = "
         "`kernels.attend` on given q/k/v; torch rows = the official `goat.GoatAttention` and a plain "
