@@ -29,6 +29,7 @@ q/k channels), Q / C query / key block lengths, nq / nk numbers of blocks.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -272,8 +273,8 @@ def flash_attention(
     bq, bk = _block(t, block_q), _block(s, block_k)
     bwd_bq, bwd_bk = _block(t, bwd_block_q), _block(s, bwd_block_k)
     # One padded length must suit both passes' blocks: pad to a common multiple.
-    tp = -(-t // _lcm(bq, bwd_bq)) * _lcm(bq, bwd_bq)
-    sp = -(-s // _lcm(bk, bwd_bk)) * _lcm(bk, bwd_bk)
+    tp = -(-t // math.lcm(bq, bwd_bq)) * math.lcm(bq, bwd_bq)
+    sp = -(-s // math.lcm(bk, bwd_bk)) * math.lcm(bk, bwd_bk)
     cfg = _Config(float(scale), bool(is_causal), t, bq, bk, bwd_bq, bwd_bk, precision)
 
     valid = None  # [B or 1, Sp] bool, True = a real, unmasked key
@@ -290,9 +291,3 @@ def flash_attention(
     offset = jnp.asarray(causal_offset, jnp.int32)
     out = _flash(cfg, qb, kb, vb, valid, offset)  # [B, K, G, Tp, Hv]
     return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)
-
-
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
