@@ -281,10 +281,11 @@ class GoatAttention(nn.Module):
                 if offset != 0:
                     raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
                 offset = (0, 0)
-            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(int(o) for o in offset))
+            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(offset))
         if isinstance(offset, (tuple, list)):
             raise ValueError(f"{name} must be an integer in 1D mode, got {offset}.")
-        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit)
+        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
+                                      name=name[-1] + "_positions")  # 'q_positions' / 'k_positions'
 
     @nn.compact
     def __call__(

@@ -179,15 +179,6 @@ def sinusoidal_embedding(positions: Array, dim: int, base: float = 10_000.0) -> 
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(angle.shape[:-1] + (dim,))
 
 
-def _concrete_range(x: Any) -> Optional[Tuple[int, int]]:
-    """``(min(x), max(x))`` as Python ints when ``x`` is known at trace time, else None."""
-    try:
-        arr = np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-    return int(np.min(arr)), int(np.max(arr))
-
-
 def _check_max_len(max_len: int, span: Optional[Tuple[int, int]], what: str) -> None:
     """Raises ValueError naming ``max_len`` unless ``0 <= positions < max_len`` (when known)."""
     if span is not None and (span[0] < 0 or span[1] >= max_len):
@@ -217,7 +208,7 @@ class LearnedPositionEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, positions: Array) -> Array:
-        _check_max_len(self.max_len, _concrete_range(positions), "LearnedPositionEmbedding")
+        _check_max_len(self.max_len, prior_lib.concrete_range(positions), "LearnedPositionEmbedding")
         table = self.param(
             "embedding", nn.with_logical_partitioning(self.embedding_init, (None, "embed")),
             (self.max_len, self.features), self.param_dtype)
@@ -358,8 +349,10 @@ class PositionalAttention(nn.Module):
         for name, offset in (("position_offset_q", position_offset_q), ("position_offset_k", position_offset_k)):
             if isinstance(offset, (tuple, list)):
                 raise ValueError(f"{name} must be an integer (1D positions), got {offset}.")
-        q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions).index
-        k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions).index
+        q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions,
+                                       name="q_positions").index
+        k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions,
+                                       name="k_positions").index
         key_len = s if cache is None else cache.length  # the cache while decoding
 
         # --- the encoding on q/k (what the cache stores) ----------------------------------------
@@ -390,7 +383,7 @@ class PositionalAttention(nn.Module):
                     if explicit is None and isinstance(offset, (type(None), int, np.integer)):
                         span = (int(offset or 0), int(offset or 0) + length - 1)  # static, even under jit
                     else:
-                        span = _concrete_range(p)
+                        span = prior_lib.concrete_range(p)
                     _check_max_len(self.max_len, span, f"naive_prior {what}")
             table = self.param(
                 "naive_prior", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
