@@ -15,11 +15,13 @@ swap the two freely), chosen by ``position_encoding``:
                    recency slope, so it runs on flash kernels; causal only
 'naive_prior'      a learned dense per-head [N, max_len, max_len] log-prior: the L x L prior that
                    GOAT's packing avoids (its memory is the point of the comparison)
+'rope2d'           axial 2D RoPE for patch grids (Heo et al. 2024, "RoPE-Axial"): half of each
+                   head rotated by the row, half by the column; needs ``spatial_shape``
 =================  =============================================================================
 
 Absolute encodings are added to the token embeddings before the first layer, not inside
-attention: :func:`sinusoidal_embedding` (Vaswani et al. 2017) and
-:class:`LearnedPositionEmbedding`. A model using them runs its attention with
+attention: :func:`sinusoidal_embedding` (Vaswani et al. 2017), :func:`sincos_2d_embedding`
+(big_vision's ViT default) and :class:`LearnedPositionEmbedding`. A model using them runs its attention with
 ``position_encoding='nope'``.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
@@ -44,7 +46,8 @@ from goat_jax.attention import Offset, default_sink_channels, split_exact
 Array = jax.Array
 Dtype = Any
 
-POSITION_ENCODINGS = ("nope", "rope", "rope_pi", "alibi", "alibi_packed", "naive_prior")
+POSITION_ENCODINGS = ("nope", "rope", "rope_pi", "alibi", "alibi_packed", "naive_prior", "rope2d")
+_2D_ENCODINGS = ("nope", "rope2d")  # accept a spatial_shape
 _BIAS_ENCODINGS = ("alibi", "naive_prior")  # materialize a [.., N, T, S] bias
 
 
@@ -83,6 +86,29 @@ def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float 
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope_2d(x: Array, coords: Array, base: float = 100.0) -> Array:
+    """Axial 2D RoPE (Heo et al. 2024, "Rotary Position Embedding for Vision Transformer").
+
+    The first half of each head is rotated by the row, the second half by the column, each half
+    with :func:`apply_rope` (rotate-half layout, frequencies ``base ** (-4 i / H)``, i <
+    H/4). Then ``q . k`` depends on the positions only through the row and column differences.
+    A CLS token at coordinates (0, 0) is not rotated (the angle is 0), as in Heo et al.
+
+    Args:
+      x: [B, L, N, H] with H divisible by 4.
+      coords: [L, 2] (row, col) positions (``prior.positions_2d(...).coords``).
+      base: frequency base; Heo et al. use 100 for 14x14 grids.
+    Returns:
+      [B, L, N, H] in ``x``'s dtype (the rotation is computed in float32).
+    """
+    h = x.shape[-1]
+    if h % 4:
+        raise ValueError(f"position_encoding='rope2d' needs a head dim divisible by 4 (two axes of "
+                         f"rotated pairs), got {h}.")
+    return jnp.concatenate([apply_rope(x[..., : h // 2], coords[..., 0], base),
+                            apply_rope(x[..., h // 2:], coords[..., 1], base)], axis=-1)
 
 
 def _as_batched(positions: Array) -> Array:
@@ -179,6 +205,26 @@ def sinusoidal_embedding(positions: Array, dim: int, base: float = 10_000.0) -> 
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(angle.shape[:-1] + (dim,))
 
 
+def sincos_2d_embedding(rows: int, cols: int, width: int, temperature: float = 10_000.0) -> Array:
+    """big_vision's fixed 2D sin-cos patch embedding (``posemb_sincos_2d``, its ViT default).
+
+    With ``omega_i = temperature ** (-i / (width/4 - 1))``, i < width/4, the patch at (r, c)
+    gets ``[sin(c omega), cos(c omega), sin(r omega), cos(r omega)]`` (that order).
+
+    Returns:
+      [rows * cols, width] float32, row-major over the grid; added to the patch embeddings
+      (a CLS token gets none, as in big_vision).
+    """
+    if width % 4 or width < 8:
+        raise ValueError(f"sincos_2d_embedding needs a width divisible by 4 and >= 8, got {width}.")
+    quarter = width // 4
+    omega = 1.0 / temperature ** (np.arange(quarter, dtype=np.float64) / (quarter - 1))  # host f64
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    y = r.reshape(-1)[:, None] * omega  # [L, W/4]
+    x = c.reshape(-1)[:, None] * omega
+    return jnp.asarray(np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1), jnp.float32)
+
+
 def _check_max_len(max_len: int, span: Optional[Tuple[int, int]], what: str) -> None:
     """Raises ValueError naming ``max_len`` unless ``0 <= positions < max_len`` (when known)."""
     if span is not None and (span[0] < 0 or span[1] >= max_len):
@@ -231,8 +277,9 @@ class PositionalAttention(nn.Module):
     (default ``query``). Returns [B, T, out_features or E]. Conventions as GoatAttention:
     ``key_padding_mask`` [B, S] True = padding; positions ``arange + position_offset_*`` or
     explicit ``q_positions``/``k_positions`` ([T] / [B, T]; they move the encoding only, causal
-    masking is by sequence index). Positions are 1D: ``spatial_shape`` is accepted (and ignored)
-    only with 'nope', the choice for ViTs with absolute embeddings.
+    masking is by sequence index). Positions are 1D except for 'rope2d', which needs
+    ``spatial_shape`` (rows, cols) and ``has_cls_token`` as GoatAttention's 2D mode; 'nope'
+    accepts (and ignores) them, the choice for ViTs with absolute embeddings.
 
     ``decode=True``: KV-cache decoding in the 'cache' collection (``cached_key``,
     ``cached_value``, ``cache_index``), as GoatAttention: ``init`` with a full-length input
@@ -241,7 +288,7 @@ class PositionalAttention(nn.Module):
     packed for 'alibi_packed'). 'rope_pi' scales by the cache length while decoding, i.e. by
     the length of the full forward it reproduces.
 
-    Variant-specific fields: ``rope_base``; ``training_seq_len`` ('rope_pi', required);
+    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len`` ('rope_pi', required);
     ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
     """
 
@@ -305,16 +352,24 @@ class PositionalAttention(nn.Module):
         q_positions: Optional[Array] = None,
         k_positions: Optional[Array] = None,
     ) -> Array:
-        del has_cls_token  # 1D encodings: a CLS token is just position 0
         self._validate()
         enc = self.position_encoding
         key = query if key is None else key
         value = key if value is None else value
         layers.check_qkv(query, key, value)
-        if spatial_shape is not None and enc != "nope":
+        if spatial_shape is not None and enc not in _2D_ENCODINGS:
             raise ValueError(
-                f"position_encoding={enc!r} is 1D; for 2D inputs use GoatAttention, or 'nope' with "
-                "absolute position embeddings on the patches.")
+                f"position_encoding={enc!r} is 1D; for 2D inputs use 'rope2d', GoatAttention, or "
+                "'nope' with absolute position embeddings on the patches.")
+        if enc == "rope2d":
+            if spatial_shape is None:
+                raise ValueError("position_encoding='rope2d' needs spatial_shape=(rows, cols) of the patch grid.")
+            if self.decode or key is not query:
+                raise ValueError("position_encoding='rope2d' supports self-attention over one patch "
+                                 "grid only (no cross-attention, no decoding).")
+            if any(a is not None for a in (position_offset_q, position_offset_k, q_positions, k_positions)):
+                raise ValueError("position_encoding='rope2d' takes positions from spatial_shape; "
+                                 "position offsets and explicit positions are not supported.")
         if enc == "alibi_packed" and not is_causal:
             raise ValueError(
                 "position_encoding='alibi_packed' needs is_causal=True: it drops ALiBi's row "
@@ -361,6 +416,12 @@ class PositionalAttention(nn.Module):
             pi = max(1.0, key_len / self.training_seq_len) if enc == "rope_pi" else 1.0
             q = apply_rope(q, q_pos, self.rope_base, pi)
             k = apply_rope(k, k_pos, self.rope_base, pi)
+        elif enc == "rope2d":
+            has_cls = bool(has_cls_token)  # a CLS token is not rotated (coordinates (0, 0))
+            prior_lib.check_grid(t, spatial_shape, has_cls)
+            coords = prior_lib.positions_2d(spatial_shape, has_cls).coords  # [L, 2]
+            q = apply_rope_2d(q, coords, self.rope_base)
+            k = apply_rope_2d(k, coords, self.rope_base)
         elif enc == "alibi_packed":
             q = pack_alibi_query(q, group, channels, dtype)  # [B, T, N, H + G c], scale folded in
             k = pack_alibi_key(k, k_pos, n, channels, dtype)  # [B, S, K, H + G c]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.models.lm import LMConfig, TransformerLM, lm_flops_per_token
+from goat_jax.models.vit import ViT, ViTConfig
 
 _REGISTRY: Dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {}
 
@@ -33,12 +34,17 @@ def _build_lm(fields: Mapping[str, Any]) -> nn.Module:
     return TransformerLM(LMConfig.from_config(fields))
 
 
+@register_model("vit")
+def _build_vit(fields: Mapping[str, Any]) -> nn.Module:
+    return ViT(ViTConfig.from_config(fields))
+
+
 def build_model(model_config: Mapping[str, Any]) -> nn.Module:
     """Builds the model named by ``model_config.name`` from the other fields.
 
     Args:
       model_config: an ``ml_collections.ConfigDict`` (or mapping) with ``name`` plus the fields
-        of that model's config (for 'lm': :class:`LMConfig`).
+        of that model's config (for 'lm': :class:`LMConfig`; for 'vit': :class:`ViTConfig`).
     Raises:
       ValueError: missing or unknown ``name``, or unknown fields for that model.
     """
@@ -57,5 +63,5 @@ def count_params(model: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.
     return int(sum(np.prod(leaf.shape, dtype=np.int64) for leaf in jax.tree_util.tree_leaves(shapes["params"])))
 
 
-__all__ = ["LMConfig", "TransformerLM", "build_model", "count_params", "lm_flops_per_token",
-           "register_model"]
+__all__ = ["LMConfig", "TransformerLM", "ViT", "ViTConfig", "build_model", "count_params",
+           "lm_flops_per_token", "register_model"]

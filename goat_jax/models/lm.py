@@ -2,7 +2,9 @@
 
 Architecture (Llama / MaxText): token embedding -> ``num_layers`` x [RMSNorm -> causal
 attention (GQA) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits (tied or
-untied output embedding). Only the attention module (and, for 'sinusoidal' / 'learned', an
+untied output embedding). ``block='gpt2'`` swaps in the GPT-2 block of the official GOAT C4 and
+genome recipes: LayerNorm instead of RMSNorm and a GELU(tanh) MLP ``wo(gelu(x wi + b) ) + b``
+(set ``use_bias=True`` and ``norm_eps=1e-5`` for GPT-2 itself). Only the attention module (and, for 'sinusoidal' / 'learned', an
 absolute embedding added to the token embeddings) changes with ``position_encoding``;
 everything else -- widths, norms, MLP, initialization -- is identical, so comparisons between
 encodings are fair.
@@ -32,6 +34,7 @@ Array = jax.Array
 
 POSITION_ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "alibi_packed", "sinusoidal", "learned",
                       "nope", "naive_prior")
+BLOCKS = ("llama", "gpt2")
 # Encodings that add an absolute embedding to the token embeddings and use position-free attention.
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
@@ -49,7 +52,8 @@ class LMConfig:
     num_heads: int = 4  # query heads N
     kv_num_heads: Optional[int] = None  # key/value heads K (GQA/MQA); None = num_heads
     head_dim: Optional[int] = None  # per-head dim H; None = embed_dim // num_heads
-    mlp_dim: int = 256  # SwiGLU hidden width F
+    mlp_dim: int = 256  # MLP hidden width F (SwiGLU for 'llama', GELU for 'gpt2')
+    block: str = "llama"  # 'llama' (RMSNorm, SwiGLU) | 'gpt2' (LayerNorm, GELU(tanh) MLP)
     position_encoding: str = "goat"  # one of POSITION_ENCODINGS
     tie_embeddings: bool = True  # output projection = token embedding transposed (Llama 3.2 1B)
     max_len: int = 2048  # position-table size for 'learned' and 'naive_prior'
@@ -60,8 +64,8 @@ class LMConfig:
     prior_init: str = "seeded"  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
     prior_gate: str = "none"  # GOAT: 'none' or 'query_norm'
     enable_key_bias: bool = True  # GOAT: the learned key-only sink u(j)
-    use_bias: bool = False  # biases in the attention projections (Llama has none)
-    norm_eps: float = 1e-6  # RMSNorm epsilon
+    use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
+    norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
     dtype: Any = "float32"  # compute dtype of activations
     param_dtype: Any = "float32"  # storage dtype of parameters
     remat: bool = False  # rematerialize each block in the backward pass (saves activation memory)
@@ -70,6 +74,8 @@ class LMConfig:
     init_std: float = 0.02  # std of the normal init of embeddings and MLP kernels
 
     def __post_init__(self):
+        if self.block not in BLOCKS:
+            raise ValueError(f"block must be one of {BLOCKS}, got {self.block!r}.")
         if self.position_encoding not in POSITION_ENCODINGS:
             raise ValueError(
                 f"position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}.")
@@ -136,11 +142,17 @@ def _normal(std: float, axes):
     return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
 
 
-def _rms_norm(cfg: LMConfig, name: str) -> nn.Module:
-    # RMSNorm reduces in float32 whatever the compute dtype (force_float32_reductions).
+def _norm(cfg: LMConfig, name: str) -> nn.Module:
+    """RMSNorm ('llama') or LayerNorm with a bias ('gpt2'); both reduce in float32 whatever the
+    compute dtype (force_float32_reductions)."""
+    ones = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    if cfg.block == "gpt2":
+        return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                            param_dtype=cfg.weight_dtype, scale_init=ones,
+                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                            name=name)
     return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                      name=name)
+                      scale_init=ones, name=name)
 
 
 class SwiGLU(nn.Module):
@@ -166,6 +178,30 @@ class SwiGLU(nn.Module):
         return dense(cfg.embed_dim, ("mlp", "embed"), out_std, "wo")(h)
 
 
+class GeluMLP(nn.Module):
+    """GPT-2's MLP ``wo(gelu_tanh(x wi + b_i)) + b_o``: [B, T, E] -> [B, T, E].
+
+    Both kernels are drawn N(0, init_std) with no residual scaling, as in the official GOAT
+    recipes (docs/protocols.md); biases (``use_bias``) start at zero.
+    """
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+
+        def dense(features, axes, name):
+            return nn.DenseGeneral(
+                features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
+                param_dtype=cfg.weight_dtype, kernel_init=_normal(cfg.init_std, axes),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), name=name)
+
+        h = dense(cfg.mlp_dim, ("embed", "mlp"), "wi")(x)  # [B, T, F]
+        h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
+        return dense(cfg.embed_dim, ("mlp", "embed"), "wo")(h)
+
+
 def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.Module:
     """The attention module for ``cfg.position_encoding``: GoatAttention for 'goat', otherwise
     PositionalAttention ('sinusoidal'/'learned' use its 'nope' mode, their positions being in the
@@ -188,6 +224,8 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
 class DecoderBlock(nn.Module):
     """Pre-norm block ``x + attn(norm(x))``, then ``x + mlp(norm(x))``: [B, T, E] -> [B, T, E].
 
+    Norm and MLP follow ``config.block``: RMSNorm + SwiGLU ('llama') or LayerNorm + GELU ('gpt2').
+
     ``positions`` (None or [T] / [B, T] int) move the attention's notion of position; they must
     be None while decoding (the attention reads them from its cache index). Under ``nn.scan``
     (``scanned=True``) the block returns ``(x, None)``, scan's (carry, output) convention.
@@ -200,11 +238,12 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Optional[Array]):
         cfg = self.config
-        h = _rms_norm(cfg, "attn_norm")(x)
+        h = _norm(cfg, "attn_norm")(x)
         h = make_attention(cfg, self.decode)(h, is_causal=True, q_positions=positions,
                                              k_positions=positions)
         x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
-        h = SwiGLU(cfg, name="mlp")(_rms_norm(cfg, "mlp_norm")(x))
+        mlp = GeluMLP if cfg.block == "gpt2" else SwiGLU
+        h = mlp(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
         x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
         return (x, None) if self.scanned else x
 
@@ -290,7 +329,7 @@ class TransformerLM(nn.Module):
             for i in range(cfg.num_layers):
                 x = block(cfg, decode=self.decode, name=f"layer_{i}")(x, positions)
 
-        x = _rms_norm(cfg, "final_norm")(x)
+        x = _norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding.T  # [E, V]
         else:
@@ -314,7 +353,7 @@ def matmul_params(cfg: LMConfig) -> int:
     """
     e, h, n, k = cfg.embed_dim, cfg.head_size, cfg.num_heads, cfg.kv_heads
     attn = e * n * h + 2 * e * k * h + n * h * e  # q, k, v, out
-    mlp = 3 * e * cfg.mlp_dim  # wi_0, wi_1, wo
+    mlp = (2 if cfg.block == "gpt2" else 3) * e * cfg.mlp_dim  # wi, wo (+ wi_1 for SwiGLU)
     return cfg.num_layers * (attn + mlp) + e * cfg.vocab_size
 
 
