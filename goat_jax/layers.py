@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Tuple
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,30 @@ import numpy as np
 
 Array = jax.Array
 Dtype = Any
+
+class LogicallyPartitioned(nn.LogicallyPartitioned):
+    """``nn.LogicallyPartitioned`` that also works from Flax NNX without a mesh.
+
+    ``flax.nnx.bridge.ToNNX`` turns each box into an ``nnx.Variable``, which by default shards
+    its value eagerly to the box's names and raises without a mesh ("An auto mesh context or
+    metadata is required ..."). Without a mesh there is nothing to shard to, so the box asks for
+    no eager sharding then; under a mesh it behaves exactly as Flax's own box.
+    """
+
+    def to_nnx_metadata(self) -> dict:
+        """The ``nnx.Variable`` metadata; ``eager_sharding=False`` when no mesh is defined."""
+        metadata = super().to_nnx_metadata()
+        if self.mesh is None and not flax.core.meta.global_mesh_defined():
+            metadata["eager_sharding"] = False
+        return metadata
+
+
+def with_logical_partitioning(fn, names: Tuple[Optional[str], ...]):
+    """``nn.with_logical_partitioning`` with the NNX-friendly :class:`LogicallyPartitioned`."""
+    def init(*args, **kwargs):
+        return LogicallyPartitioned(fn(*args, **kwargs), names)
+    return init
+
 
 # The official module initializes each projection xavier-uniform over the whole [in, out]
 # matrix (fans = E and N * H), which _xavier_over_matrix reproduces.
@@ -67,12 +92,12 @@ class _Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", nn.with_logical_partitioning(
+        kernel = self.param("kernel", with_logical_partitioning(
             _xavier_over_matrix(self.fan_in_dims), self.kernel_axes), self.kernel_shape, self.param_dtype)
         bias = None
         if self.use_bias:
             out_shape = self.kernel_shape[self.fan_in_dims:]
-            bias = self.param("bias", nn.with_logical_partitioning(
+            bias = self.param("bias", with_logical_partitioning(
                 nn.initializers.zeros, self.kernel_axes[self.fan_in_dims:]), out_shape, self.param_dtype)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum(self.spec, x, kernel)

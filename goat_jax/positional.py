@@ -256,7 +256,7 @@ class LearnedPositionEmbedding(nn.Module):
     def __call__(self, positions: Array) -> Array:
         _check_max_len(self.max_len, prior_lib.concrete_range(positions), "LearnedPositionEmbedding")
         table = self.param(
-            "embedding", nn.with_logical_partitioning(self.embedding_init, (None, "embed")),
+            "embedding", layers.with_logical_partitioning(self.embedding_init, (None, "embed")),
             (self.max_len, self.features), self.param_dtype)
         idx = jnp.asarray(positions).astype(jnp.int32)
         out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
@@ -447,7 +447,7 @@ class PositionalAttention(nn.Module):
                         span = prior_lib.concrete_range(p)
                     _check_max_len(self.max_len, span, f"naive_prior {what}")
             table = self.param(
-                "naive_prior", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
+                "naive_prior", layers.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
                 (n, self.max_len, self.max_len), self.param_dtype)
             bias = naive_prior_bias(jnp.asarray(table), q_pos, k_pos)  # [B|1, N, T, S] float32
 
