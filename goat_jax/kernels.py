@@ -196,7 +196,8 @@ def attend(
     key_padding_mask: Optional[Array] = None,
     kv_lengths: Optional[Array] = None,
     bias: Optional[Array] = None,
-) -> Array:
+    return_probs: bool = False,
+) -> Any:
     """``softmax(scale * q . k [+ bias] + mask) v`` on the chosen kernel.
 
     Args:
@@ -204,12 +205,26 @@ def attend(
       implementation: a resolved name (see :func:`resolve_implementation`).
       bias: optional additive [B or 1, N or 1, T, S] float bias, only for 'xla' and 'dense' (the
         materialized baselines: ALiBi-as-bias, naive L x L prior). Flash kernels get none.
+      return_probs: also return the attention probabilities (only 'dense' materializes them;
+        evaluations read them through the modules' sown 'intermediates').
     Returns:
       [B, T, N, Hv] in v's dtype; zeros for query rows without a visible key (module doc).
+      With ``return_probs``: ``(out, probs)``, probs [B, N, T, S] float32 (zero rows likewise).
     """
     _check_inputs(q, k, v, key_padding_mask, kv_lengths)
     visible = rows_with_keys(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
                              kv_lengths)
+    if return_probs:
+        if implementation != "dense":
+            raise ValueError(
+                f"return_probs needs implementation='dense' (the only kernel that materializes "
+                f"the probabilities), got {implementation!r}.")
+        mask = _explicit_mask(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
+                              kv_lengths)
+        out, probs = _dense(q, k, v, scale, bias, mask, return_probs=True)
+        if visible is not None:
+            probs = jnp.where(visible[:, None, :, None], probs, 0.0)
+        return _zero_empty_rows(out, visible), probs
     return _zero_empty_rows(_attend(q, k, v, implementation, scale, is_causal, causal_offset,
                                     key_padding_mask, kv_lengths, bias), visible)
 
@@ -251,8 +266,9 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
     return out[..., :hv]
 
 
-def _dense(q, k, v, scale, bias, mask) -> Array:
-    """The materialized reference: float32 logits at highest precision, then softmax."""
+def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:
+    """The materialized reference: float32 logits at highest precision, then softmax.
+    Returns the output, and the probabilities [B, N, T, S] too if ``return_probs``."""
     g = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
     v = jnp.repeat(v, g, axis=2)
@@ -268,7 +284,7 @@ def _dense(q, k, v, scale, bias, mask) -> Array:
         logits = jnp.where(mask.any(axis=-1, keepdims=True), logits, 0.0)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(real), precision=jax.lax.Precision.HIGHEST)
-    return out.astype(v.dtype)
+    return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
 
 
 def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, *, interpret):

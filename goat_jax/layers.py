@@ -119,6 +119,22 @@ def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_d
                        use_bias, dtype, param_dtype, name="out_proj")(out.astype(dtype))
 
 
+def wants_attention_maps(module: nn.Module, implementation: str) -> bool:
+    """True when ``module`` should sow its attention: the 'dense' kernel (the only one with
+    materialized probabilities) and a mutable 'intermediates' collection (the caller asked)."""
+    return implementation == "dense" and module.is_mutable_collection("intermediates")
+
+
+def sow_attention_maps(module: nn.Module, probs: Array, keys: Array, values: Array) -> None:
+    """Sows what evaluations read from any attention layer, in 'intermediates':
+    ``attention_probs`` [B, N, T, S] float32 (after masking, the softmax the layer applied),
+    ``attention_keys`` [B, S, K, Hk] (the content keys before any position encoding: GOAT's
+    content dims, the raw projection for RoPE) and ``attention_values`` [B, S, K, H]."""
+    module.sow("intermediates", "attention_probs", probs)
+    module.sow("intermediates", "attention_keys", keys)
+    module.sow("intermediates", "attention_values", values)
+
+
 class DecodeCache(NamedTuple):
     """The 'cache' collection of a decoding layer (Flax variables) and the index before this
     call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""

@@ -288,6 +288,10 @@ class PositionalAttention(nn.Module):
     packed for 'alibi_packed'). 'rope_pi' scales by the cache length while decoding, i.e. by
     the length of the full forward it reproduces.
 
+    With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
+    attention probabilities, pre-encoding keys and values
+    (:func:`goat_jax.layers.sow_attention_maps`).
+
     Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len`` ('rope_pi', required);
     ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
     """
@@ -411,6 +415,7 @@ class PositionalAttention(nn.Module):
         key_len = s if cache is None else cache.length  # the cache while decoding
 
         # --- the encoding on q/k (what the cache stores) ----------------------------------------
+        content_keys = k  # before the encoding: what a key-norm "sink" statistic reads
         scale = 1.0 / math.sqrt(head_dim)
         if enc in ("rope", "rope_pi"):
             pi = max(1.0, key_len / self.training_seq_len) if enc == "rope_pi" else 1.0
@@ -451,9 +456,13 @@ class PositionalAttention(nn.Module):
                 (n, self.max_len, self.max_len), self.param_dtype)
             bias = naive_prior_bias(jnp.asarray(table), q_pos, k_pos)  # [B|1, N, T, S] float32
 
+        sow = cache is None and layers.wants_attention_maps(self, impl)
         out = kernels.attend(q, k, v, implementation=impl, scale=scale, is_causal=is_causal,
                              causal_offset=causal_offset, key_padding_mask=key_padding_mask,
-                             kv_lengths=kv_lengths, bias=bias)  # [B, T, N, H]
+                             kv_lengths=kv_lengths, bias=bias, return_probs=sow)  # [B, T, N, H]
+        if sow:
+            out, probs = out
+            layers.sow_attention_maps(self, probs, content_keys, v)
         if cache is not None:
             out = layers.poison_overflow(cache, t, out)
         return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
