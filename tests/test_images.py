@@ -106,6 +106,7 @@ def test_jpeg_folder_labels_and_eval_cover_everything(jpeg_root):
     assert weights.sum() == 6 and weights.tolist() == [1] * 6 + [0] * 2
     for b in batches:
         real = b["weights"] > 0
+        np.testing.assert_array_equal(b["targets"], np.eye(NUM_CLASSES)[b["label"]] * real[:, None])
         # green = 40 * class: the label is the folder's class index
         green = b["image"][real][..., 1].mean(axis=(1, 2)) * cfg.std[1] + cfg.mean[1]
         np.testing.assert_array_equal(np.round(green * 255 / 40).astype(int), b["label"][real])
@@ -146,6 +147,7 @@ def test_training_stream_is_deterministic_and_resumes_exactly(jpeg_root):
     assert b["image"].shape == (4, 16, 16, 3) and b["image"].dtype == np.float32
     np.testing.assert_allclose(b["targets"].sum(axis=1), 1.0, atol=1e-6)
     assert b["targets"].min() >= 0.1 / NUM_CLASSES - 1e-6  # label smoothing floor
+    np.testing.assert_array_equal(b["weights"], np.ones(4, np.float32))
 
 
 def test_mock_tfds_imagenet2012_data_source():

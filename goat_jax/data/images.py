@@ -10,9 +10,10 @@ Entry point: ``make_image_datasets(data_config, global_batch_size=, seed=)`` ret
 global_batch_size // process_count examples per host:
 
     image    float32 [b, r, r, Ch]  normalized pixels (r = data.image_size for training)
-    label    int32   [b]            class index (for eval top-1; before mixing in training)
-    targets  float32 [b, K]         training only: mixed, label-smoothed class distribution
-    weights  float32 [b]            eval only: 1 for real images, 0 for padding
+    label    int32   [b]            class index (top-1; in training, before mixing)
+    targets  float32 [b, K]         the class distribution the loss fits: mixed and smoothed
+                                    in training, one-hot in evaluation
+    weights  float32 [b]            1 for real images, 0 for eval padding
 
 * Every random choice (shuffle, crop, RandAugment, erasing, Mixup/CutMix) comes from grain's
   per-index generators seeded by ``seed``, so the stream is a pure function of (config, seed,
@@ -260,10 +261,13 @@ def train_example(record: tuple[Any, int], rng: np.random.Generator, cfg: ml_col
     return {"image": x, "label": np.int32(record[1])}
 
 
-def eval_example(record: tuple[Any, int], cfg: ml_collections.ConfigDict, resolution: int) -> Batch:
-    """One evaluation example at ``resolution`` (resize + centre crop, normalize), weight 1."""
+def eval_example(record: tuple[Any, int], cfg: ml_collections.ConfigDict, resolution: int,
+                 num_classes: int) -> Batch:
+    """One evaluation example at ``resolution`` (resize + centre crop, normalize), one-hot
+    target, weight 1."""
     img = T.eval_resize_crop(_to_image(record[0], cfg.channels), resolution, cfg.eval_crop_fraction)
     return {"image": T.to_normalized_array(img, cfg.mean, cfg.std), "label": np.int32(record[1]),
+            "targets": T.smooth_one_hot(np.asarray([record[1]]), num_classes, 0.0)[0],
             "weights": np.float32(1.0)}
 
 
@@ -333,7 +337,8 @@ def make_image_datasets(
         images, targets = T.mixup_cutmix(
             batch["image"], batch["label"], rng, num_classes=num_classes, mixup_alpha=cfg.mixup_alpha,
             cutmix_alpha=cfg.cutmix_alpha, switch_prob=cfg.mixup_switch_prob, smoothing=cfg.label_smoothing)
-        return {"image": images, "label": batch["label"], "targets": targets}
+        return {"image": images, "label": batch["label"], "targets": targets,
+                "weights": np.ones(len(targets), np.float32)}
 
     # Shard before shuffling: each host's images are fixed across epochs and disjoint.
     train = (grain.MapDataset.source(train_src)[process_index::process_count]
@@ -353,9 +358,10 @@ def make_image_datasets(
         r = cfg.image_size if resolution is None else int(resolution)
         if r < 1:
             raise ValueError(f"eval resolution={resolution} must be positive.")
-        examples = iter(shard.map(lambda rec: eval_example(rec, cfg, r)).to_iter_dataset(
+        examples = iter(shard.map(lambda rec: eval_example(rec, cfg, r, num_classes)).to_iter_dataset(
             grain.ReadOptions(num_threads=cfg.read_threads)))
-        pad = {"image": np.zeros((r, r, cfg.channels), np.float32), "label": np.int32(0), "weights": np.float32(0)}
+        pad = {"image": np.zeros((r, r, cfg.channels), np.float32), "label": np.int32(0),
+               "targets": np.zeros(num_classes, np.float32), "weights": np.float32(0)}
         for _ in range(num_batches):
             yield _stack([next(examples, pad) for _ in range(local_batch)])
 

@@ -78,6 +78,7 @@ import ml_collections
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib
+from goat_jax.train.validation import Float, Int, Str, Strs
 
 JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
 SOURCES = ("text_files", "tfds", "parquet", "jsonl")
@@ -90,8 +91,10 @@ def default_data_config() -> ml_collections.ConfigDict:
     """Defaults: the Jargon File (Debian ``jargon-text``) with the byte tokenizer."""
     c = ml_collections.ConfigDict()
     c.source = "text_files"  # 'text_files' | 'tfds' | 'parquet' | 'jsonl'.
-    c.paths = [JARGON_FILE]  # Files or globs for the file sources; .gz is read transparently.
-    c.eval_paths = []  # Held-out files; empty: hold out eval_fraction of the data instead.
+    # Tuples, so that --config.data.paths=a.txt --config.data.paths=b.txt sets them (ml_collections
+    # cannot override list fields from the command line).
+    c.paths = (JARGON_FILE,)  # Files or globs for the file sources; .gz is read transparently.
+    c.eval_paths = ()  # Held-out files; empty: hold out eval_fraction of the data instead.
     c.eval_fraction = 0.02  # 47 of 2356 Jargon documents; by content hash, not seed.
     c.doc_split = "entries"  # 'entries' | 'paragraphs' | 'files' (text_files only).
     c.text_key = "text"  # Text field of TFDS / parquet / jsonl records.
@@ -107,6 +110,30 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.num_eval_batches = 16  # Per make_eval_iter() call; <= 0: whole split (1 process only).
     c.read_threads = 4  # Threads reading + tokenizing ahead of packing.
     return c
+
+
+# Type and range of every field of default_data_config() (checked by the engine before any work,
+# see goat_jax/train/validation.py); which fields a source needs is checked by
+# make_lm_datasets.
+FIELD_SPECS = {
+    "source": Str(choices=SOURCES),
+    "paths": Strs(nonempty=True),
+    "eval_paths": Strs(),
+    "eval_fraction": Float(min=0.0, max=1.0, max_inclusive=False, doc="held-out share; with no eval_paths it must be > 0"),
+    "doc_split": Str(choices=DOC_SPLITS),
+    "text_key": Str(nonempty=True),
+    "tfds_name": Str(),
+    "tfds_data_dir": Str(),
+    "tfds_train_split": Str(),
+    "tfds_eval_split": Str(),
+    "jsonl_block_bytes": Int(min=1),
+    "tokenizer": Str(choices=("byte", "sentencepiece")),
+    "spm_model_path": Str(),
+    "spm_vocab_size": Int(min=1),
+    "spm_train_max_sentences": Int(min=1),
+    "num_eval_batches": Int(doc="<= 0: the whole held-out split (1 process only)"),
+    "read_threads": Int(min=0),
+}
 
 
 # ----------------------------------------------------------------------------------------
