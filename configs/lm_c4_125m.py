@@ -16,12 +16,16 @@ class. mlp_dim 2560 (rather than Llama's 8/3 x 768 = 2048) brings the count to ~
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
+from goat_jax.models import lm
 from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The 125M C4 config; ``arg`` is the position encoding."""
+    encoding = parse_config_arg(arg, "configs/lm_c4_125m.py",
+                                encoding=(lm.POSITION_ENCODINGS, "goat"))["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction
     c.seed = 0  # init and data order
@@ -64,7 +68,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.kv_num_heads = 12  # full multi-head attention
     c.model.head_dim = config_dict.placeholder(int)  # None: 768 / 12 = 64
     c.model.mlp_dim = 2560  # SwiGLU hidden (see the module docstring)
-    c.model.position_encoding = arg or "goat"  # the config argument
+    c.model.position_encoding = encoding  # the config argument
     c.model.tie_embeddings = True  # output projection = input embedding
     c.model.max_len = 32_768  # table size for 'learned' / 'naive_prior' (16x extrapolation)
     c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale

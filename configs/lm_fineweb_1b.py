@@ -16,12 +16,16 @@ Parameters: 16 x (2048^2 x 2 [q, o] + 2048 x 512 x 2 [k, v] + 3 x 2048 x 8192 [S
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
+from goat_jax.models import lm
 from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The 1.23B FineWeb config; ``arg`` is the position encoding."""
+    encoding = parse_config_arg(arg, "configs/lm_fineweb_1b.py",
+                                encoding=(lm.POSITION_ENCODINGS, "goat"))["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction
     c.seed = 0  # init and data order
@@ -64,7 +68,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.kv_num_heads = 8  # GQA, 4 query heads per KV head
     c.model.head_dim = config_dict.placeholder(int)  # None: 2048 / 32 = 64
     c.model.mlp_dim = 8192  # SwiGLU hidden
-    c.model.position_encoding = arg or "goat"  # the config argument
+    c.model.position_encoding = encoding  # the config argument
     c.model.tie_embeddings = True  # Llama 3.2 1B ties input and output embeddings
     c.model.max_len = 32_768  # table size for 'learned' / 'naive_prior' (16x extrapolation)
     c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale
@@ -83,8 +87,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
 
     c.data = text.default_data_config()  # defaults: goat_jax.data.text; overrides below
     c.data.source = "parquet"  # FineWeb parquet shards
-    c.data.paths = ["data/fineweb/sample/100BT/*.parquet"]  # HuggingFaceFW/fineweb download
-    c.data.eval_paths = []  # empty: hold out eval_fraction of the row groups
+    c.data.paths = ("data/fineweb/sample/100BT/*.parquet",)  # HuggingFaceFW/fineweb download
+    c.data.eval_paths = ()  # empty: hold out eval_fraction of the row groups
     c.data.eval_fraction = 0.001  # ~0.1% of row groups held out (by content hash)
     c.data.text_key = "text"  # FineWeb text column
     c.data.tokenizer = "sentencepiece"  # see the module docstring

@@ -12,15 +12,17 @@ Everything else is identical across encodings.
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
+from goat_jax.models import lm
 from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
-    parts = [p for p in (arg or "").split(",") if p]
-    smoke = "smoke" in parts
-    encoding = next((p for p in parts if p != "smoke"), "goat")
+    args = parse_config_arg(arg, "configs/lm_tiny.py", encoding=(lm.POSITION_ENCODINGS, "goat"),
+                            size=(("smoke",), None))
+    smoke, encoding = args["size"] == "smoke", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction (goat_jax.train.tasks)
     c.seed = 0  # parameter init and data shuffling

@@ -19,20 +19,20 @@ Everything except the position encoding is identical across encodings.
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import REQUIRED, parse_config_arg
 from goat_jax.data import synthetic
+from goat_jax.models import lm
 from goat_jax.train import sharding
+
 TASKS = ("passkey", "niah")
 SIZES = ("smoke", "paper")
 
 
 def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
     """The retrieval config; ``arg`` = ``'<passkey|niah>[,<encoding>][,smoke|paper]'``."""
-    parts = [p for p in (arg or "passkey").split(",") if p]
-    kind = parts[0] if parts and parts[0] in TASKS else None
-    if kind is None:
-        raise ValueError(f"configs/retrieval_tiny.py:{arg}: the first part must be one of {TASKS}.")
-    size = next((p for p in parts[1:] if p in SIZES), "tiny")
-    encoding = next((p for p in parts[1:] if p not in SIZES), "goat")
+    args = parse_config_arg(arg or "passkey", "configs/retrieval_tiny.py", task=(TASKS, REQUIRED),
+                            encoding=(lm.POSITION_ENCODINGS, "goat"), size=(SIZES, "tiny"))
+    kind, encoding, size = args["task"], args["encoding"], args["size"]
 
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction; only the scored span carries weight

@@ -16,15 +16,15 @@ Argument: '' (default, ~40 s on 2 CPU cores) or 'smoke' (the test's shorter run)
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import synthetic
 from goat_jax.train import sharding
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     """The toy config; ``arg`` = ``''`` or ``'smoke'``."""
-    smoke = arg == "smoke"
-    if arg not in ("", "smoke"):
-        raise ValueError(f"configs/toy_copy_mixture.py:{arg}: the argument must be '' or 'smoke'.")
+    size = parse_config_arg(arg, "configs/toy_copy_mixture.py", size=(("smoke",), None))["size"]
+    smoke = size == "smoke"
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction over the synthetic windows
     c.seed = 0  # init and data

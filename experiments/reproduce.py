@@ -219,7 +219,6 @@ def train(job: Job) -> dict:
 
     config = load_config(job.spec, job.overrides)
     config.progress_bar = False  # the watcher logs instead (readable in a log file)
-    os.makedirs(job.workdir, exist_ok=True)
     t0 = time.time()
     watcher = _Watcher(job, int(config.num_train_steps))
     watcher.start()
@@ -534,4 +533,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments import cli  # pylint: disable=g-import-not-at-top
+    sys.exit(cli.run(main))  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -121,9 +121,8 @@ def run_toy(config, workdir: str, *, all_heads: bool = False, seq_len: int = 32,
     from experiments import evaluate  # pylint: disable=g-import-not-at-top
     from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
 
-    os.makedirs(workdir, exist_ok=True)
     if train:
-        trainer.train_and_evaluate(config, workdir)
+        trainer.train_and_evaluate(config, workdir)  # creates workdir once the config is valid
     run = evaluate.load_run(workdir)
     if run.label != "goat":
         raise ValueError(f"the toy prior figure needs a GOAT model, not {run.label!r}.")
@@ -147,19 +146,22 @@ def main(argv) -> None:
     del argv
     # orbax logs dozens of INFO lines per checkpoint; the progress bar and the summary suffice.
     logging.set_verbosity(logging.WARNING)
-    result = run_toy(_CONFIG.value, _WORKDIR.value, all_heads=_ALL_HEADS.value, seq_len=_SEQ_LEN.value)
+    with cli.workdir_cleanup(_WORKDIR.value):  # a rejected config leaves no workdir behind
+        result = run_toy(_CONFIG.value, _WORKDIR.value, all_heads=_ALL_HEADS.value, seq_len=_SEQ_LEN.value)
     print(result["summary"])
     for path in result["paths"]:
         print("wrote", path)
 
 
 if __name__ == "__main__":
-    from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+    from absl import flags, logging  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+    from experiments import cli  # pylint: disable=g-import-not-at-top
 
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/toy_copy_mixture.py",
                                               "Toy config (overrides: --config.x=y).", lock_config=True)
     _WORKDIR = flags.DEFINE_string("workdir", "runs/toy_prior", "Run directory (checkpoint, figures).")
     _ALL_HEADS = flags.DEFINE_bool("all_heads", False, "Also write toy_prior_all_heads.png.")
     _SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Positions shown in the figures.")
-    app.run(main)
+    cli.run_absl(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -3,21 +3,28 @@
     python -m experiments.train --config configs/lm_tiny.py[:arg] --workdir DIR [--config.x=y ...]
 
 Re-running the same command resumes from DIR's latest checkpoint. See goat_jax/train/trainer.py.
+``--resume_with_changes`` lets the optimizer fields and ``num_train_steps`` differ from the
+checkpoint's (e.g. a lower learning rate after a non-finite loss); the change is recorded in
+DIR/config_changes.jsonl. Errors in the config or inputs print one line (``GOAT_DEBUG=1``: the
+traceback) and leave no new DIR behind.
 """
 
 import logging as py_logging
 import os
 
-from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import cli
 from goat_jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_tiny.py:rope.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config.json).")
+_RESUME_WITH_CHANGES = flags.DEFINE_bool(
+    "resume_with_changes", False, "Resume although optimizer.* or num_train_steps differ from the "
+    "checkpoint's (recorded in WORKDIR/config_changes.jsonl).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,10 +42,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    summary = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    with cli.workdir_cleanup(_WORKDIR.value):  # the trainer creates it once the config is valid
+        summary = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                             resume_with_changes=_RESUME_WITH_CHANGES.value)
     logging.info("done: %s", summary)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_absl(main)

@@ -108,7 +108,7 @@ def _tiny(**changes):
     (lambda c: (c.model.__setattr__("position_encoding", "learned"), c.model.__setattr__("max_len", 64)), 1,
      r"seq_len=128 exceeds model\.max_len=64"),
     (lambda c: c.__setattr__("task", "lm2"), 1, r"config\.task='lm2' is not a registered task"),
-    (lambda c: c.__setattr__("log_every_steps", 0), 1, r"log_every_steps=0 must be a positive integer"),
+    (lambda c: c.__setattr__("log_every_steps", 0), 1, r"log_every_steps=0 is out of range: allowed is an integer >= 1"),
 ])
 def test_bad_values_raise_naming_the_field(mutate, devices, pattern):
     config = lm_tiny.get_config()

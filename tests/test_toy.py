@@ -68,6 +68,6 @@ def test_rerun_skips_training(toy_run, monkeypatch):
 
 
 def test_config_rejects_unknown_argument():
-    with pytest.raises(ValueError, match="must be '' or 'smoke'"):
+    with pytest.raises(ValueError, match=r"unknown config argument token 'big'. accepted tokens.*size: smoke"):
         toy_copy_mixture.get_config("big")
     trainer.validate_config(toy_copy_mixture.get_config(), num_devices=1)

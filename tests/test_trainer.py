@@ -166,7 +166,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
     tasks.register_task(dataclasses.replace(lm, name="lm_poisoned", make_datasets=poisoned))
     config = _smoke(task="lm_poisoned", num_train_steps=20)
-    with pytest.raises(FloatingPointError, match=r"step 8.*last good checkpoint \(step 5\)"):
+    with pytest.raises(FloatingPointError, match=r"step 8.*last finite checkpoint \(step 5\).*--resume_with_changes"):
         trainer.train_and_evaluate(config, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
 

@@ -39,6 +39,7 @@ import ml_collections
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib
+from goat_jax.train.validation import Float, Int, Str
 
 Batch = dict[str, np.ndarray]
 Meta = dict[str, np.ndarray]
@@ -438,6 +439,23 @@ def default_synthetic_config(kind: str = "copy_mixture") -> ml_collections.Confi
     c.depth = -1.0  # needle depth in [0, 1]; < 0: uniform random per example
     c.num_eval_batches = 8  # batches per make_eval_iter() call
     return c
+
+
+# Type and range of every field of default_synthetic_config() plus ``source`` (checked by the
+# engine before any work, see goat_jax/train/validation.py).
+FIELD_SPECS = {
+    "source": Str(choices=("synthetic",)),
+    "kind": Str(choices=KINDS),
+    "vocab_size": Int(min=2, doc="copy-mixture symbols"),
+    "p_first": Float(min=0.0, max=1.0, doc="p_first + p_prev <= 1"),
+    "p_prev": Float(min=0.0, max=1.0, doc="p_first + p_prev <= 1"),
+    "lag": Int(min=0, doc="0: copy the current token"),
+    "key_len": Int(min=1),
+    "niah_key_len": Int(min=1),
+    "niah_value_len": Int(min=1),
+    "depth": Float(max=1.0, doc="needle depth in [0, 1]; < 0: uniform random per example"),
+    "num_eval_batches": Int(min=1),
+}
 
 
 def make_batch_fn(data_config: ml_collections.ConfigDict, batch_size: int, seq_len: int) -> MakeBatch:

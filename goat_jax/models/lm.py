@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.attention import GoatAttention
+from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.train.validation import Bool, Float, Int, Str
 
 Array = jax.Array
 
@@ -39,6 +41,40 @@ BLOCKS = ("llama", "gpt2")
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
 _TABLE_ENCODINGS = ("learned", "naive_prior")
+
+
+# Type and range of every field of a config's ``model`` section (checked by the engine before
+# any work, see goat_jax/train/validation.py); cross-field rules live in LMConfig.__post_init__.
+_DTYPES = ("float32", "bfloat16", "float16")
+FIELD_SPECS = {
+    "name": Str(choices=("lm",)),
+    "vocab_size": Int(min=1),
+    "num_layers": Int(min=1),
+    "embed_dim": Int(min=1),
+    "num_heads": Int(min=1),
+    "kv_num_heads": Int(min=1, optional=True, doc="None: num_heads"),
+    "head_dim": Int(min=1, optional=True, doc="None: embed_dim // num_heads"),
+    "mlp_dim": Int(min=1),
+    "block": Str(choices=BLOCKS),
+    "position_encoding": Str(choices=POSITION_ENCODINGS),
+    "tie_embeddings": Bool(),
+    "max_len": Int(min=1),
+    "training_seq_len": Int(min=1, optional=True),
+    "rope_base": Float(min=1.0, min_inclusive=False, doc="RoPE base; <= 1 gives no rotation spectrum"),
+    "pos_rank": Int(min=0, doc="GOAT relative rank R"),
+    "abs_rank": Int(min=0, doc="GOAT absolute rank M"),
+    "prior_init": Str(choices=("seeded", "uniform")),
+    "prior_gate": Str(choices=("none", "query_norm")),
+    "enable_key_bias": Bool(),
+    "use_bias": Bool(),
+    "norm_eps": Float(min=0.0, min_inclusive=False, doc="RMSNorm epsilon"),
+    "dtype": Str(choices=_DTYPES),
+    "param_dtype": Str(choices=_DTYPES),
+    "remat": Bool(),
+    "scan_layers": Bool(),
+    "implementation": Str(choices=IMPLEMENTATIONS, optional=True, doc="None: auto"),
+    "init_std": Float(min=0.0, min_inclusive=False),
+}
 
 
 @dataclasses.dataclass(frozen=True)

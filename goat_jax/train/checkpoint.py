@@ -39,8 +39,23 @@ RESUME_SAFE_FIELDS = frozenset({
 })
 
 
+# Fields that may change on resume only when asked for (``--resume_with_changes``, i.e.
+# ``train_and_evaluate(..., resume_with_changes=True)``): they change the optimization from the
+# resumed step on, not the model or the data, so the restored state still fits. The change is
+# logged and appended to WORKDIR/config_changes.jsonl. This is how a run stopped by a
+# non-finite loss continues from its last finite checkpoint with a lower learning rate.
+RESUME_ADJUSTABLE_FIELDS = frozenset({
+    "num_train_steps", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.min_lr_ratio",
+    "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip",
+})
+
+
 class IncompatibleCheckpointError(ValueError):
     """The workdir holds a checkpoint written under a different config."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint cannot be read (a missing or truncated file), or none in a workdir can."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,10 +106,17 @@ class _DataStateHandler(ocp.CheckpointHandler):
     def restore(self, directory: epath.Path, args: Optional["DataStateRestore"] = None) -> Any:
         path = self._file(directory)
         if not path.exists():
-            raise IncompatibleCheckpointError(
-                f"{path} is missing: the checkpoint was written by a different number of processes "
-                f"than the {jax.process_count()} now running; resume with the same process count.")
-        return json.loads(path.read_text())
+            counts = sorted({p.name.rsplit("-of-", 1)[-1][:-len(".json")]
+                             for p in directory.glob("process_*-of-*.json")})
+            if counts and str(jax.process_count()) not in counts:
+                raise IncompatibleCheckpointError(
+                    f"{directory} was written by {' or '.join(counts)} process(es), not the "
+                    f"{jax.process_count()} now running; resume with the same process count.")
+            raise CorruptCheckpointError(f"{path} is missing (the checkpoint is incomplete or damaged)")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CorruptCheckpointError(f"{path} is not valid JSON ({e})") from e
 
     def metadata(self, directory: epath.Path) -> Any:
         return None
@@ -144,6 +166,10 @@ class Checkpointer:
             enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
                                               options=options)
+        # orbax removes leftover temporary directories in a background future; wait for it so
+        # that nothing races with it (a damaged checkpoint moved aside, a rejected run's workdir
+        # removed by experiments/cli.py). Quick: it only lists and deletes tmp directories.
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def latest_step(self) -> Optional[int]:
         """The newest complete checkpoint's step, or None."""
@@ -157,23 +183,47 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])
 
-    def check_compatible(self) -> None:
-        """Raises :class:`IncompatibleCheckpointError` if the latest checkpoint was saved under a
-        config whose fingerprinted fields differ from this one's (listing the fields)."""
-        step = self.latest_step()
-        if step is None:
-            return
-        meta = self._meta(step)
-        if meta.get("fingerprint") == self.fingerprint:
-            return
+    def check_compatible(self, allow_changes: bool = False) -> Dict[str, Tuple[Any, Any]]:
+        """Compares this config with the one of the newest checkpoint whose metadata reads.
+
+        Returns ``{field: (checkpoint value, new value)}`` of the fields that differ, which is
+        empty unless ``allow_changes`` admits changes of :data:`RESUME_ADJUSTABLE_FIELDS`.
+        Raises :class:`IncompatibleCheckpointError` listing the differing fields otherwise.
+        """
+        meta, step = None, None
+        for step in reversed(self.all_steps()):
+            try:
+                meta = self._meta(step)
+                break
+            except Exception:  # pylint: disable=broad-except
+                continue  # a damaged checkpoint: restore_latest reports it and falls back
+        if meta is None or meta.get("fingerprint") == self.fingerprint:
+            return {}
         saved = meta.get("config", {})
         keys = sorted(set(saved) | set(self.fields))
-        diffs = [f"  {k}: checkpoint {saved.get(k, '<absent>')!r} vs now {self.fields.get(k, '<absent>')!r}"
-                 for k in keys if saved.get(k, "<absent>") != self.fields.get(k, "<absent>")]
+        changed = {k: (saved.get(k, "<absent>"), self.fields.get(k, "<absent>")) for k in keys
+                   if saved.get(k, "<absent>") != self.fields.get(k, "<absent>")}
+        adjustable = set(changed) <= RESUME_ADJUSTABLE_FIELDS
+        if allow_changes and adjustable:
+            return changed
+        diffs = [f"  {k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items()]
+        hint = ("These fields may change on resume: rerun with --resume_with_changes to continue "
+                "from the checkpoint with the new values (recorded in config_changes.jsonl)."
+                if adjustable else
+                f"Use a fresh --workdir, or restore those field values to resume (only "
+                f"{sorted(RESUME_ADJUSTABLE_FIELDS)} may change, with --resume_with_changes).")
         raise IncompatibleCheckpointError(
             f"{self.directory} holds a checkpoint (step {step}) of a different config; refusing to "
-            "resume or overwrite it. Differing fields:\n" + "\n".join(diffs[:40]) +
-            "\nUse a fresh --workdir, or restore those field values to resume.")
+            "resume or overwrite it. Differing fields:\n" + "\n".join(diffs[:40]) + "\n" + hint)
+
+    def record_changes(self, step: int, changes: Dict[str, Tuple[Any, Any]]) -> str:
+        """Appends ``{"step", "changes": {field: [old, new]}}`` to ``config_changes.jsonl`` next
+        to the checkpoints directory; returns its path."""
+        path = os.path.join(os.path.dirname(self.directory), "config_changes.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": int(step), "changes": {k: list(v) for k, v in changes.items()}},
+                               default=str) + "\n")
+        return path
 
     def save(self, step: int, state: Any, data_state: Any, *, wait: bool = False) -> bool:
         """Starts saving ``state`` (asynchronously) and ``data_state`` at ``step``; a step that
@@ -198,6 +248,55 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=DataStateRestore()))
         return restored["state"], restored["data"]
+
+    def restore_latest(self, abstract_state: Any) -> Tuple[Optional[int], Any, Any]:
+        """Restores the newest checkpoint that reads: ``(step, state, data_state)``, or
+        ``(None, None, None)`` if there is none.
+
+        A checkpoint that fails to restore (a missing or truncated file) is skipped with a
+        warning naming it and the reason, and moved to ``corrupt_checkpoints/<step>`` next to the
+        checkpoints directory (never deleted; moved so that the resumed run can save that step
+        again). A process-count mismatch is not damage and raises. If no checkpoint restores,
+        :class:`CorruptCheckpointError` lists each one's reason and nothing is moved.
+        """
+        failures = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, data_state = self.restore(step, abstract_state)
+            except IncompatibleCheckpointError:
+                raise
+            except Exception as e:  # pylint: disable=broad-except
+                reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                failures.append((step, reason))
+                logging.warning("checkpoint step %d in %s does not restore (%s); trying an older one.",
+                                step, self.directory, reason)
+                continue
+            for bad, reason in failures:
+                self._set_aside(bad, reason)
+            if failures:
+                logging.warning("resuming from step %d, the newest checkpoint that restores.", step)
+                self._manager.reload()
+            return step, state, data_state
+        if failures:
+            raise CorruptCheckpointError(
+                f"no checkpoint in {self.directory} restores: " +
+                "; ".join(f"step {s}: {r}" for s, r in failures) +
+                ". Move the checkpoints directory aside to start afresh.")
+        return None, None, None
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        # Only the primary moves files; on several processes the others see the move.
+        if jax.process_index() != 0:
+            return
+        target = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints", str(step))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        suffix = 0
+        while os.path.exists(target + (f".{suffix}" if suffix else "")):
+            suffix += 1
+        target += f".{suffix}" if suffix else ""
+        os.rename(os.path.join(self.directory, str(step)), target)
+        logging.warning("moved the unreadable checkpoint of step %d to %s (kept for inspection: %s).",
+                        step, target, reason)
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are complete."""

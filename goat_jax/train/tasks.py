@@ -56,6 +56,9 @@ class Task:
       validate: ``config -> None``; raises ValueError naming the field (e.g. length limits).
       eval_summary: ``mean eval loss -> extra eval metrics`` (e.g. perplexity).
       top_level_fields: task-specific top-level config fields (e.g. ``seq_len``).
+      field_specs: ``config -> {section: {field: validation.Field}}``, the type and range of
+        the task's fields ('' for its top-level ones), checked before any work
+        (:mod:`goat_jax.train.validation`).
     """
 
     name: str
@@ -71,6 +74,7 @@ class Task:
     validate: Callable[[Any], None] = lambda config: None
     eval_summary: Callable[[float], Dict[str, float]] = lambda loss: {}
     top_level_fields: Tuple[str, ...] = ()
+    field_specs: Callable[[Any], Dict[str, Dict[str, Any]]] = lambda config: {}
 
 
 _TASKS: Dict[str, Task] = {}
@@ -166,6 +170,14 @@ def _synthetic_data_fields() -> set:
     return set(synthetic.default_synthetic_config().keys()) | {"source"}
 
 
+def _lm_field_specs(config) -> Dict[str, Dict[str, Any]]:
+    from goat_jax.data import synthetic, text  # pylint: disable=g-import-not-at-top
+    from goat_jax.models import lm  # pylint: disable=g-import-not-at-top
+    from goat_jax.train.validation import Int  # pylint: disable=g-import-not-at-top
+    data = synthetic.FIELD_SPECS if _is_synthetic(config) else text.FIELD_SPECS
+    return {"": {"seq_len": Int(min=1, doc="training context")}, "model": lm.FIELD_SPECS, "data": data}
+
+
 def _lm_validate(config) -> None:
     from goat_jax.models import lm  # pylint: disable=g-import-not-at-top
     seq_len = config.seq_len
@@ -204,4 +216,5 @@ register_task(Task(
     # Perplexity of the mean per-token NLL (nats); capped to keep JSON finite early in training.
     eval_summary=lambda loss: {"eval_ppl": float(math.exp(min(loss, 50.0)))},
     top_level_fields=("seq_len",),
+    field_specs=_lm_field_specs,
 ))

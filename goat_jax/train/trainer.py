@@ -45,6 +45,7 @@ from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks as tasks_lib
+from goat_jax.train import validation
 
 # ----------------------------------------------------------------------------------------------
 # Config validation: every check names the field and the fix, and runs before any work
@@ -88,12 +89,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     for section, allowed in task.schema().items():
         _check_fields(section, set(config[section].keys()), allowed, required=False)
 
-    for name in ("num_train_steps", "log_every_steps", "checkpoint_every_steps", "keep_checkpoints",
-                 "grad_accum_steps"):
-        if not isinstance(config[name], int) or config[name] < 1:
-            raise ValueError(f"{name}={config[name]!r} must be a positive integer.")
-    if not isinstance(config.eval_every_steps, int) or config.eval_every_steps < 0:
-        raise ValueError(f"eval_every_steps={config.eval_every_steps!r} must be >= 0 (0: never).")
+    # Type and range of every field the engine and the task declare (goat_jax/train/validation.py).
+    validation.check_config(config, validation.ENGINE_FIELDS)
+    validation.check_config(config, task.field_specs(config))
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
@@ -209,13 +207,18 @@ class _Preemption:
 # ----------------------------------------------------------------------------------------------
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       resume_with_changes: bool = False) -> Dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict with the last step,
     ``train_loss``, ``eval_loss`` (if evaluated) and ``preempted``.
 
+    ``resume_with_changes``: resume even if the fields of
+    ``checkpoint.RESUME_ADJUSTABLE_FIELDS`` (the optimizer's, ``num_train_steps``) differ from
+    the checkpoint's; the change is recorded in ``workdir/config_changes.jsonl``.
+
     Raises ValueError on an invalid config (before any work), IncompatibleCheckpointError when the
-    workdir holds another config's checkpoint, FloatingPointError on a non-finite loss or
-    gradient (the last good checkpoint is kept).
+    workdir holds another config's checkpoint, FloatingPointError on a non-finite loss, gradient
+    or state (only finite states are saved; the last one is kept).
     """
     # --- Setup ----------------------------------------------------------------------------------
     if config.distributed:
@@ -228,9 +231,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     is_primary = jax.process_index() == 0
     accum = config.grad_accum_steps
 
+    os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config_dict,
                                                keep=config.keep_checkpoints)
-    checkpointer.check_compatible()  # before config.json or metrics are touched
+    changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_dict, f, indent=2, default=str)
@@ -278,13 +282,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     state_shardings = TrainState(
         step=sharding_lib.replicated(mesh), params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
-    start_step = checkpointer.latest_step() or 0
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_state, state_shardings)
+    start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
+    start_step = start_step or 0
     if start_step:
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                abstract_state, state_shardings)
-        state, data_state = checkpointer.restore(start_step, abstract)
         data.train.set_state(data_state)
         logging.info("resumed from step %d", start_step)
+        if changes and is_primary:
+            path = checkpointer.record_changes(start_step, changes)
+            logging.warning("resumed with changed %s (recorded in %s)", ", ".join(
+                f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), path)
     else:
         state = jax.jit(init_state, out_shardings=state_shardings)(rng)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
@@ -295,6 +303,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     train_step = jax.jit(make_train_step(task, model, tx, schedule, accum),
                          in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+    # One fused reduction on device, run only before a save; the host reads back a single bool.
+    state_is_finite = jax.jit(lambda st: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(st)
+                                                           if jnp.issubdtype(x.dtype, jnp.inexact)])),
+                              in_shardings=(state_shardings,), out_shardings=replicated)
 
     # --- Eval -------------------------------------------------------------------------------------
     eval_step = jax.jit(make_eval_step(task, model, accum),
@@ -328,16 +341,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     summary: Dict[str, Any] = {"step": start_step, "preempted": False, "num_params": num_params}
     last_saved = start_step if start_step else None
 
+    def way_forward() -> str:
+        if last_saved:
+            return (f"The last finite checkpoint (step {last_saved}) is kept in "
+                    f"{checkpointer.directory}. To continue from it, rerun the same command adding "
+                    "--resume_with_changes --config.optimizer.learning_rate=<lower> (other "
+                    "optimizer.* fields, e.g. grad_clip, may change too; see README 'What happens "
+                    "when things go wrong').")
+        return ("No checkpoint was saved; rerun the same command adding "
+                "--config.optimizer.learning_rate=<lower> (or a positive optimizer.grad_clip).")
+
     def process(step: int, device_metrics) -> None:
         host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
         if not (math.isfinite(host["train_loss"]) and math.isfinite(host["grad_norm"])):
             writer.write(step, host)
             raise FloatingPointError(
                 f"Non-finite training at step {step}: train_loss={host['train_loss']}, grad_norm="
-                f"{host['grad_norm']}. Stopped without saving; the last good checkpoint "
-                f"({f'step {last_saved}' if last_saved else 'none yet'}) is kept in "
-                f"{checkpointer.directory}. Lower optimizer.learning_rate, "
-                "set optimizer.grad_clip, or use float32 to continue.")
+                f"{host['grad_norm']}. Stopped without saving. " + way_forward())
         summary["train_loss"] = host["train_loss"]
         if step == start_step + 1:
             throughput.reset(step)  # exclude compilation from tokens/s
@@ -364,6 +384,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
             if preempted or final or step % config.checkpoint_every_steps == 0:
                 process(*pending)  # never checkpoint a non-finite state
                 pending = None
+                # A finite loss does not make the updated state finite (e.g. an overflowing step).
+                if not bool(state_is_finite(state)):
+                    raise FloatingPointError(
+                        f"The parameters or optimizer state became non-finite in step {step} (its "
+                        "loss and gradient were finite); stopped without saving. " + way_forward())
                 checkpointer.save(step, state, data_state, wait=preempted or final)
                 last_saved = step
             if config.eval_every_steps and (step % config.eval_every_steps == 0 or final):

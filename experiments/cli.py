@@ -1,0 +1,95 @@
+"""How the command-line entry points report errors, shared by train, evaluate, reproduce and toy_prior.
+
+A config or input error (a bad value, a missing file, an incompatible workdir, a non-finite
+loss) is the user's to fix, so it is printed as one line, ``error: <message>``, and the command
+exits with status 1; the traceback appears only with ``GOAT_DEBUG=1`` in the environment.
+Programming errors (anything else) keep their traceback. A workdir that the command created
+and that holds no checkpoint is removed again when the command fails that way, so a rejected
+config leaves nothing behind.
+
+    if __name__ == "__main__":
+        cli.run_absl(main)                 # absl.app entry points (config flags)
+        sys.exit(cli.run(main))            # argparse entry points
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import sys
+from typing import Any, Callable, Iterator
+
+DEBUG_ENV = "GOAT_DEBUG"
+# Exceptions that mean "the input is wrong": ValueError covers bad config values, unknown fields,
+# incompatible checkpoints and bad data; OSError missing or unreadable files.
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+
+
+def debug() -> bool:
+    """Whether ``GOAT_DEBUG`` asks for full tracebacks."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _fail(message: str) -> None:
+    hint = "" if debug() else f" (set {DEBUG_ENV}=1 for the traceback)"
+    print(f"error: {message}{hint}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``main`` so that :data:`USER_ERRORS` end the process with one line and status 1."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        if debug():
+            return main(*args, **kwargs)
+        try:
+            return main(*args, **kwargs)
+        except USER_ERRORS as e:
+            _fail(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+    return wrapped
+
+
+def _parse_absl_flags(argv):
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        if debug():
+            raise
+        # ml_collections embeds the config file's whole traceback in the flag error: keep the
+        # flag and the exception line.
+        lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+        message = lines[0] if len(lines) < 3 else f"{lines[0]} {lines[-1]}"
+        _fail(message)
+
+
+def run_absl(main: Callable[[Any], Any]) -> None:
+    """``absl.app.run(main)`` with one-line errors for bad flags, config files and inputs."""
+    from absl import app  # pylint: disable=g-import-not-at-top
+    app.run(report_errors(main), flags_parser=_parse_absl_flags)
+
+
+def run(main: Callable[[], Any]) -> Any:
+    """Calls an argparse ``main()`` with one-line errors; returns its result."""
+    return report_errors(main)()
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    directory = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+
+@contextlib.contextmanager
+def workdir_cleanup(workdir: str) -> Iterator[None]:
+    """Removes ``workdir`` if it did not exist before, the block fails with a config or input
+    error (not a non-finite loss: its metrics say what happened), and no checkpoint was saved."""
+    existed = os.path.exists(workdir)
+    try:
+        yield
+    except USER_ERRORS as e:
+        if not existed and not isinstance(e, FloatingPointError) and os.path.isdir(workdir) \
+                and not _has_checkpoint(workdir):
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise

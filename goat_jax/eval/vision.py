@@ -1,0 +1,207 @@
+"""Vision evaluations: top-1 across input resolutions, and the learned 2D prior as an image.
+
+* :func:`evaluate_resolutions` -- top-1 and loss of a trained ViT at each evaluation
+  resolution (the grid follows the input: GOAT, 'sincos2d' and 'rope2d' extrapolate with the
+  same patch step, 'ape' resizes its table bicubically).
+* :func:`centre_log_prior` -- a GOAT layer's head-averaged log-prior of the centre patch's query
+  over every key of a (larger) grid: the paper's panel showing a shift-invariant prior learned
+  from a uniform start.
+* :func:`plot_resolutions`, :func:`plot_log_prior` -- the figures (matplotlib, Agg).
+
+Shape legend: B batch, r resolution, h x w patch grid, N heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Dict, Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax import prior as prior_lib
+from goat_jax.attention import GoatPrior
+from goat_jax.models.vit import ViTConfig
+
+
+def evaluate_resolutions(model, params, make_eval_at: Callable[[int], Iterator[Dict[str, np.ndarray]]],
+                         resolutions: Sequence[int], log: Callable[[str], None] = print) -> Dict[int, Dict[str, float]]:
+    """Top-1 and mean cross-entropy of ``model`` on the eval split at each resolution.
+
+    Args:
+      model: a :class:`goat_jax.models.vit.ViT`; params: its 'params' collection.
+      make_eval_at: ``resolution -> finite iterator of eval batches`` (``image``, ``label``,
+        ``weights``), e.g. :func:`goat_jax.data.images.make_image_datasets`'s second output.
+      resolutions: pixels per side, each divisible by the model's patch size.
+    Returns:
+      ``{r: {'top1': fraction, 'loss': nats per image, 'images': count}}``.
+    """
+    patch = model.config.patch_size
+    bad = [r for r in resolutions if r % patch]
+    if bad:
+        raise ValueError(f"resolutions {bad} are not divisible by the model's patch_size={patch}.")
+
+    @jax.jit
+    def sums(params, batch):
+        logits = model.apply({"params": params}, batch["image"])  # [B, K] float32
+        w = batch["weights"].astype(jnp.float32)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["label"][:, None], axis=1)[:, 0]
+        hit = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        return jnp.sum(hit * w), jnp.sum(ce * w), jnp.sum(w)
+
+    out = {}
+    for r in resolutions:
+        correct = loss = count = 0.0
+        for batch in make_eval_at(int(r)):
+            c, l, n = sums(params, {k: batch[k] for k in ("image", "label", "weights")})
+            correct, loss, count = correct + float(c), loss + float(l), count + float(n)
+        if not count:
+            raise ValueError(f"the eval split gave no images at resolution {r}.")
+        out[int(r)] = {"top1": correct / count, "loss": loss / count, "images": int(count)}
+        log(f"resolution {r}: top-1 {100 * out[int(r)]['top1']:.2f}% loss {out[int(r)]['loss']:.4f} "
+            f"({int(count)} images)")
+    return out
+
+
+def _prior_module(cfg: ViTConfig) -> GoatPrior:
+    return GoatPrior(num_heads=cfg.num_heads, kv_num_heads=cfg.num_heads, pos_rank=cfg.pos_rank,
+                     abs_rank=cfg.abs_rank, enable_key_bias=cfg.enable_key_bias, prior_init=cfg.prior_init)
+
+
+def patch_log_prior(params: Mapping[str, Any], cfg: ViTConfig, grid: Tuple[int, int], layer: int = 0) -> np.ndarray:
+    """Head-averaged log-prior between every pair of patches of ``grid`` (CLS present in the
+    sequence, as in the model, then dropped): [h, w, h, w] float64, (query row, col, key row, col)."""
+    if cfg.position_encoding != "goat":
+        raise ValueError(f"the log-prior needs a GOAT ViT, got position_encoding={cfg.position_encoding!r}.")
+    prior_params = flax.core.meta.unbox(params)[f"block_{layer}"]["attention"]["prior"]
+    pos = prior_lib.positions_2d(grid, has_cls=True)
+    log_prior = _prior_module(cfg).apply({"params": prior_params}, pos, pos, False)  # [1, N, L, L]
+    mean = np.asarray(log_prior[0], np.float64).mean(axis=0)[1:, 1:]  # [h w, h w], CLS dropped
+    return mean.reshape(tuple(grid) + tuple(grid))
+
+
+def centre_log_prior(params: Mapping[str, Any], cfg: ViTConfig, grid: Tuple[int, int] = (32, 32),
+                     layer: int = 0) -> np.ndarray:
+    """Head-averaged GOAT log-prior ``kappa(p_c - p_j) + u(j)`` of the centre patch's query over
+    every patch key of ``grid``, from block ``layer``'s prior: [h, w] float64 (the paper's panel)."""
+    return patch_log_prior(params, cfg, grid, layer)[grid[0] // 2, grid[1] // 2]
+
+
+def shift_invariance_error(params: Mapping[str, Any], cfg: ViTConfig, grid: Tuple[int, int] = (16, 16),
+                           layer: int = 0, shift: Tuple[int, int] = (3, 5)) -> float:
+    """How far a layer's learned prior is from shift-invariant over the patches: the largest
+    change of ``log_prior(q, k)`` when query and key both move by ``shift`` (within the grid),
+    relative to the prior's range over the grid. The Fourier part kappa is exactly invariant;
+    what this measures is the key-only sink ``u(j)``, which depends on the key's sequence index."""
+    a, b = shift
+    if not (0 <= a < grid[0] and 0 <= b < grid[1]):
+        raise ValueError(f"shift={shift} must fit inside grid={grid}.")
+    p = patch_log_prior(params, cfg, grid, layer)
+    h, w = grid
+    base = p[:h - a, :w - b, :h - a, :w - b]
+    moved = p[a:, b:, a:, b:]
+    spread = float(p.max() - p.min())
+    return float(np.abs(moved - base).max() / spread) if spread else 0.0
+
+
+def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], path: str,
+                     train_resolution: Optional[int] = None) -> None:
+    """Top-1 (%) against evaluation resolution, one line per run; a dotted line marks the
+    training resolution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, by_res in results.items():
+        rs = sorted(int(r) for r in by_res)
+        ax.plot(rs, [100 * by_res[r]["top1"] for r in rs], marker="o", label=label)
+    if train_resolution:
+        ax.axvline(train_resolution, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("evaluation resolution (px)")
+    ax.set_ylabel("top-1 (%)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def plot_log_prior(grid_values: np.ndarray, path: str, title: str = "") -> None:
+    """The centre patch's log-prior over the key grid as an image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3.5))
+    im = ax.imshow(grid_values, cmap="viridis")
+    h, w = grid_values.shape
+    ax.plot([w // 2], [h // 2], marker="+", color="red")
+    fig.colorbar(im, ax=ax, label="log-prior (head mean)")
+    ax.set_title(title or f"centre-patch log-prior, {h}x{w} grid", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolutions: Sequence[int], out: str,
+                         batch_size: Optional[int] = None, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """The ``--evals resolution`` evaluation of ``experiments.evaluate`` on ViT runs.
+
+    For each run (a workdir of ``experiments.train`` with ``config.task = 'vit'``, read-only):
+    top-1 and loss on its eval split at each resolution; for GOAT runs also block 0's
+    centre-patch log-prior on a 32 x 32 grid and :func:`shift_invariance_error`. Writes
+    ``out/results.json`` (all numbers), ``out/results.md`` (runs side by side) and
+    ``out/resolution.png`` (+ ``prior_<label>.png`` for GOAT runs). Eval batches hold
+    ``batch_size`` images (default: the run's ``global_batch_size``); ``data.num_eval_batches``
+    of the run's config limits them (0: the whole split).
+
+    Returns:
+      ``{label: {'resolution': {r: {...}}, 'train_resolution': int, 'step': int, ...}}``.
+    """
+    import json
+    import os
+
+    from goat_jax.data import images
+    from goat_jax.train import run as run_lib
+
+    results: Dict[str, Any] = {}
+    for workdir, label in zip(workdirs, labels):
+        run = run_lib.load_run(workdir)
+        if run.config.task != "vit":
+            raise ValueError(f"--evals resolution needs a ViT run (config.task='vit'); {workdir} has task "
+                             f"{run.config.task!r}.")
+        log(f"evaluating {label} ({workdir}, step {run.step}) at {list(resolutions)} px")
+        _, make_eval_at, _ = images.make_image_datasets(run.config.data,
+                                                        global_batch_size=batch_size or run.config.global_batch_size,
+                                                        seed=run.config.seed, process_index=0, process_count=1)
+        cfg = run.model.config
+        entry = {"step": run.step, "train_resolution": cfg.image_size, "encoding": cfg.position_encoding,
+                 "resolution": evaluate_resolutions(run.model, run.params, make_eval_at, resolutions, log)}
+        if cfg.position_encoding == "goat":
+            os.makedirs(out, exist_ok=True)
+            plot_log_prior(centre_log_prior(run.params, cfg, (32, 32)), os.path.join(out, f"prior_{label}.png"),
+                           title=f"{label}: block 0, centre patch, 32x32 grid")
+            entry["shift_invariance_error"] = shift_invariance_error(run.params, cfg)
+        results[label] = entry
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    rs = sorted({int(r) for e in results.values() for r in e["resolution"]})
+    lines = ["| run | step | " + " | ".join(f"top-1 @ {r}" for r in rs) + " |",
+             "|---|---:|" + "---:|" * len(rs)]
+    for label, e in results.items():
+        cells = [f"{100 * e['resolution'][r]['top1']:.2f}" if r in e["resolution"] else "" for r in rs]
+        lines.append(f"| {label} | {e['step']} | " + " | ".join(cells) + " |")
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    train_res = next(iter(results.values()))["train_resolution"] if results else None
+    plot_resolutions({k: v["resolution"] for k, v in results.items()}, os.path.join(out, "resolution.png"), train_res)
+    return results

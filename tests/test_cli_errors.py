@@ -1,0 +1,80 @@
+"""The command lines report config and input errors in one line (the traceback only with
+GOAT_DEBUG=1), exit non-zero and leave no workdir behind; list fields are set from the command
+line by repeating the flag. Subprocesses of the real entry points (~5 s each)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from goat_jax.data import text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(module, *args, debug=False):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("GOAT_DEBUG", None)
+    if debug:
+        env["GOAT_DEBUG"] = "1"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def _train(workdir, *overrides, config="configs/lm_tiny.py:goat,smoke", debug=False):
+    return _run("experiments.train", "--config", config, "--workdir", str(workdir),
+                "--config.progress_bar=False", *overrides, debug=debug)
+
+
+def _one_line_error(proc):
+    """The single ``error:`` line of a failed command (absl's INFO lines may precede it)."""
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("overrides,config,expected", [
+    (["--config.optimizer.learning_rate=-1"], "configs/lm_tiny.py:goat,smoke",
+     "error: optimizer.learning_rate=-1.0 is out of range: allowed is a number finite in float32 > 0"),
+    (["--config.data.lag=-1"], "configs/toy_copy_mixture.py:smoke", "error: data.lag=-1 is out of range"),
+    ([], "configs/lm_tiny.py:goat,smok", "unknown config argument token 'smok'. accepted tokens"),
+    # Refused by the data pipeline after validation: the workdir the trainer made is removed again.
+    (["--config.data.paths=/nonexistent/corpus.txt"], "configs/lm_tiny.py:goat,smoke",
+     "/nonexistent/corpus.txt'] matches no files"),
+], ids=["optimizer", "toy_data", "config_token", "data_file"])
+def test_train_errors_are_one_line_and_leave_no_workdir(tmp_path, overrides, config, expected):
+    workdir = tmp_path / "run"
+    line = _one_line_error(_train(workdir, *overrides, config=config))
+    assert expected in line, line
+    assert not workdir.exists()
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    proc = _train(tmp_path / "run", "--config.optimizer.b2=1.5", debug=True)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+    assert "optimizer.b2=1.5 is out of range" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_errors_are_one_line(tmp_path):
+    line = _one_line_error(_run("experiments.evaluate", "--workdir", str(tmp_path / "missing"),
+                                "--out", str(tmp_path / "eval")))
+    assert "is not a run of experiments.train" in line or "not found" in line, line
+    assert not (tmp_path / "eval").exists()
+
+
+def test_list_fields_are_set_by_repeating_the_flag(tmp_path):
+    """``--config.data.paths`` given twice trains on both files; eval_paths from one flag."""
+    extra = tmp_path / "extra.txt"
+    extra.write_text("\n\n".join(f"Entry {i}: some held-out words about hackers." for i in range(200)))
+    workdir = tmp_path / "run"
+    proc = _train(workdir, f"--config.data.paths={text.JARGON_FILE}", f"--config.data.paths={extra}",
+                  f"--config.data.eval_paths={extra}", "--config.data.doc_split=paragraphs",
+                  "--config.num_train_steps=2", "--config.checkpoint_every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((workdir / "config.json").read_text())["data"]
+    assert saved["paths"] == [text.JARGON_FILE, str(extra)] and saved["eval_paths"] == [str(extra)]
