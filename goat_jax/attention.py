@@ -248,6 +248,9 @@ class GoatAttention(nn.Module):
       changes while decoding.
 
     Attention dropout is not offered: flash kernels have none.
+
+    With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
+    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`).
     """
 
     num_heads: int
@@ -281,10 +284,11 @@ class GoatAttention(nn.Module):
                 if offset != 0:
                     raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
                 offset = (0, 0)
-            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(int(o) for o in offset))
+            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(offset))
         if isinstance(offset, (tuple, list)):
             raise ValueError(f"{name} must be an integer in 1D mode, got {offset}.")
-        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit)
+        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
+                                      name=name[-1] + "_positions")  # 'q_positions' / 'k_positions'
 
     @nn.compact
     def __call__(
@@ -320,7 +324,9 @@ class GoatAttention(nn.Module):
         if self.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         qk_dim = d_c + 2 * self.pos_rank + sink_channels
-        impl = kernels.resolve_implementation(self.implementation, dtype, qk_dim)
+        impl = kernels.resolve_implementation(
+            self.implementation, dtype, qk_dim,
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
@@ -373,9 +379,13 @@ class GoatAttention(nn.Module):
         if impl == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior.log_prior(q_pos, k_pos, is_causal, q_content=q_content)  # [B|1, N, T, S]
+            sow = layers.wants_attention_maps(self, impl)
             out = kernels.attend(q_content, k_content, v, implementation="dense", scale=1.0 / math.sqrt(d_c),
                                  is_causal=is_causal, causal_offset=causal_offset,
-                                 key_padding_mask=key_padding_mask, bias=bias)
+                                 key_padding_mask=key_padding_mask, bias=bias, return_probs=sow)
+            if sow:
+                out, probs = out
+                layers.sow_attention_maps(self, probs, k_content, v)
         else:
             q_rel, q_sink, _ = prior.query(q_pos, q_content)
             k_rel, u = prior.key(k_pos, is_causal)

@@ -6,7 +6,8 @@
                  spatial_shape=..., has_cls_token=..., position_offset_q=..., position_offset_k=...)
 
 with batch-first ``[B, L, E]`` inputs returns ``m(query, key, value, ...)[0]`` (for a module
-built with ``batch_first=True``; otherwise transpose the torch inputs). ``to_official`` goes
+built with ``batch_first=True``; otherwise transpose the torch inputs: ``from_official`` warns)
+in eval mode (goat_jax has no attention dropout: ``from_official`` warns when ``m.dropout > 0``). ``to_official`` goes
 the other way. PyTorch is imported lazily: it is only needed here, never by the rest of
 goat_jax.
 
@@ -32,6 +33,7 @@ prior_gate_scale_raw, prior_gate_bias   prior.* [N]
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Tuple
 
 import flax
@@ -67,10 +69,26 @@ def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
       m: the PyTorch module.
       **overrides: extra GoatAttention fields (e.g. ``implementation='xla'``,
         ``dtype=jnp.bfloat16``); ``module.clone(dtype=jnp.bfloat16)`` works as well.
+    Warns:
+      UserWarning: when ``m.batch_first`` is False (goat_jax inputs are always batch-first) or
+        ``m.dropout > 0`` (goat_jax has no attention dropout; outputs match ``m.eval()``).
     Raises:
       ValueError: for official features without an equivalent here (``add_bias_kv``,
         ``add_zero_attn``, a goat_prior_scale other than 1).
     """
+    if not getattr(m, "batch_first", True):
+        warnings.warn(
+            "from_official: the official module has batch_first=False and takes [length, batch, "
+            "embed] inputs; goat_jax modules always take [batch, length, embed]. The weights "
+            "convert unchanged: transpose the inputs (x.transpose(1, 0, 2)) and the output back.",
+            UserWarning, stacklevel=2)
+    if float(getattr(m, "dropout", 0.0)) > 0.0:
+        warnings.warn(
+            f"from_official: the official module has attention dropout={float(m.dropout)}; "
+            "goat_jax has no attention dropout (flash kernels have none), so the converted "
+            "module equals the official one in eval mode (m.eval()) only. Training it applies no "
+            "dropout: add dropout on the layer's output if you need regularization.",
+            UserWarning, stacklevel=2)
     if getattr(m, "add_bias_kv", False) or getattr(m, "add_zero_attn", False):
         raise ValueError("from_official: add_bias_kv / add_zero_attn are not supported by goat_jax.")
     if float(m.goat_prior_scale) != 1.0:

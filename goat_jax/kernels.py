@@ -1,5 +1,5 @@
-"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'cudnn' | 'splash' |
-'splash_interpret' | 'dense' | None (automatic).
+"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'flash' | 'cudnn' |
+'splash' | 'splash_interpret' | 'dense' | None (automatic).
 
 Every kernel here computes plain ``softmax(q . k * scale + mask) v`` with *no additive bias*:
 GOAT's prior is packed into extra q/k channels (``goat_jax.attention``), so an unmodified flash
@@ -14,21 +14,44 @@ Masking contract (shared by all kernels):
     convention.
   * ``kv_lengths``: [B] int32, keys at index >= length are ignored (right padding; native on
     cuDNN).
-A query row whose keys are all masked has no defined output; callers must avoid it.
+A query row with no visible key (every key padded, or before the first key under causal
+masking with a negative offset) outputs **zeros on every kernel**, and no gradient flows through
+it: the kernels themselves disagree there (NaN from a dense softmax over ``-inf`` logits, a
+uniform average of the values from XLA and splash), so :func:`attend` selects zeros for such
+rows after the kernel (:func:`rows_with_keys`, O(B (S + T)), no T x S mask on flash paths).
+
+Kernels: 'xla' (``jax.nn.dot_product_attention``'s XLA path: materializes the T x S logits),
+'flash' (:mod:`goat_jax.flash`: pure-JAX online-softmax attention with a recomputing custom
+VJP, memory linear in T and S, fully masked causal blocks skipped; any backend and dtype),
+'cudnn' (GPU, bf16/fp16), 'splash' / 'splash_interpret' (Pallas TPU; interpret mode on CPU),
+'dense' (the materialized float32 reference).
+
+Automatic choice (``None``): cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash
+on TPU; otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
+``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4`` bytes, else 'xla'.
+Why 16 MiB: XLA keeps those logits and the probabilities (and their gradients while training),
+so its memory grows as L^2 (2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash
+kernel is already faster from L = 1024 at 8 heads (32 MiB of logits; benchmarks/attention.md);
+below the threshold (short sequences, decoding one token against a cache) XLA's single fused
+matmul has less loop overhead and its memory is small anyway.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import flash as flash_lib
+
 Array = jax.Array
 
-IMPLEMENTATIONS = ("xla", "cudnn", "splash", "splash_interpret", "dense")
+IMPLEMENTATIONS = ("xla", "flash", "cudnn", "splash", "splash_interpret", "dense")
+FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper; 128 on older GPUs.
 _SPLASH_BLOCK = 128  # splash block sizes must be multiples of the TPU lane count.
 
@@ -47,12 +70,15 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int) -> str:
+def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
+                           logits_shape: Optional[Tuple[int, int, int, int]] = None) -> str:
     """Validates ``implementation`` or picks one automatically (logged once).
 
     Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
-    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; XLA
-    otherwise. An explicit choice that cannot run raises ValueError naming the reason.
+    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; otherwise
+    'flash' when ``logits_shape`` = (B, N, T, S) is given and ``B * N * T * S * 4`` exceeds
+    ``FLASH_THRESHOLD_BYTES``, else XLA. An explicit choice that cannot run raises ValueError
+    naming the reason.
     """
     dtype = jnp.dtype(dtype)
     half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -69,7 +95,14 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
             if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
                 reasons.append(f"packed head dim {padded} > {_CUDNN_MAX_HEAD_DIM}")
-            choice, why = "xla", ", ".join(reasons) or f"platform {platform}"
+            logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
+            if logits_bytes > FLASH_THRESHOLD_BYTES:
+                choice = "flash"
+                reasons.append(f"{logits_bytes / 2**20:.0f} MiB of T x S logits > "
+                               f"{FLASH_THRESHOLD_BYTES / 2**20:.0f} MiB")
+            else:
+                choice = "xla"
+            why = ", ".join(reasons) or f"platform {platform}"
         log_once(f"goat_jax: attention implementation '{choice}' ({why}).")
         return choice
     if implementation not in IMPLEMENTATIONS:
@@ -120,6 +153,41 @@ def _explicit_mask(
     return mask
 
 
+def rows_with_keys(
+    t: int, s: int, is_causal: bool, causal_offset: Any, key_padding_mask: Optional[Array],
+    kv_lengths: Optional[Array],
+) -> Optional[Array]:
+    """[B or 1, T] bool: whether query row ``i`` sees at least one key under the masking
+    contract; None when every row certainly does (no padding, no lengths, causal offset a
+    static integer >= 0).
+
+    Every bound on a visible key ``j`` is an upper bound (``j <= i + causal_offset``,
+    ``j < kv_length``) except "not padded", so a row sees some key iff it sees the first
+    unpadded one.
+    """
+    static_offset_ok = isinstance(causal_offset, (int, np.integer)) and causal_offset >= 0
+    if key_padding_mask is None and kv_lengths is None and (not is_causal or static_offset_ok):
+        return None
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask.astype(bool)  # [B, S]
+        first = jnp.where(keep.any(axis=-1), jnp.argmax(keep, axis=-1), s)[:, None]  # [B, 1]
+    else:
+        first = jnp.zeros((1, 1), jnp.int32)
+    visible = jnp.broadcast_to(first < s, (first.shape[0], t))  # [B|1, T]
+    if kv_lengths is not None:
+        visible = visible & (first < kv_lengths[:, None])
+    if is_causal:
+        visible = visible & (first <= jnp.arange(t)[None, :] + causal_offset)
+    return visible
+
+
+def _zero_empty_rows(out: Array, visible: Optional[Array]) -> Array:
+    """Zeros the rows of ``out`` [B, T, N, H] without a visible key (a select: zero cotangent)."""
+    if visible is None:
+        return out
+    return jnp.where(visible[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
 def _is_static_zero(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and int(x) == 0
 
@@ -157,7 +225,8 @@ def attend(
     key_padding_mask: Optional[Array] = None,
     kv_lengths: Optional[Array] = None,
     bias: Optional[Array] = None,
-) -> Array:
+    return_probs: bool = False,
+) -> Any:
     """``softmax(scale * q . k [+ bias] + mask) v`` on the chosen kernel.
 
     Args:
@@ -165,10 +234,33 @@ def attend(
       implementation: a resolved name (see :func:`resolve_implementation`).
       bias: optional additive [B or 1, N or 1, T, S] float bias, only for 'xla' and 'dense' (the
         materialized baselines: ALiBi-as-bias, naive L x L prior). Flash kernels get none.
+      return_probs: also return the attention probabilities (only 'dense' materializes them;
+        evaluations read them through the modules' sown 'intermediates').
     Returns:
-      [B, T, N, Hv] in v's dtype.
+      [B, T, N, Hv] in v's dtype; zeros for query rows without a visible key (module doc).
+      With ``return_probs``: ``(out, probs)``, probs [B, N, T, S] float32 (zero rows likewise).
     """
     _check_inputs(q, k, v, key_padding_mask, kv_lengths)
+    visible = rows_with_keys(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
+                             kv_lengths)
+    if return_probs:
+        if implementation != "dense":
+            raise ValueError(
+                f"return_probs needs implementation='dense' (the only kernel that materializes "
+                f"the probabilities), got {implementation!r}.")
+        mask = _explicit_mask(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
+                              kv_lengths)
+        out, probs = _dense(q, k, v, scale, bias, mask, return_probs=True)
+        if visible is not None:
+            probs = jnp.where(visible[:, None, :, None], probs, 0.0)
+        return _zero_empty_rows(out, visible), probs
+    return _zero_empty_rows(_attend(q, k, v, implementation, scale, is_causal, causal_offset,
+                                    key_padding_mask, kv_lengths, bias), visible)
+
+
+def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_padding_mask,
+            kv_lengths, bias) -> Array:
+    """:func:`attend` before empty rows are zeroed."""
     if bias is not None and implementation not in ("xla", "dense"):
         raise ValueError(
             f"An additive bias is only supported by implementation='xla' or 'dense', not "
@@ -177,6 +269,9 @@ def attend(
     if implementation == "dense":
         return _dense(q, k, v, scale, bias, _explicit_mask(
             q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask, kv_lengths))
+    if implementation == "flash":
+        return flash_lib.flash_attention(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
+                                         key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
     if implementation in ("splash", "splash_interpret"):
         return _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths,
                        interpret=implementation == "splash_interpret")
@@ -203,8 +298,9 @@ def attend(
     return out[..., :hv]
 
 
-def _dense(q, k, v, scale, bias, mask) -> Array:
-    """The materialized reference: float32 logits at highest precision, then softmax."""
+def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:
+    """The materialized reference: float32 logits at highest precision, then softmax.
+    Returns the output, and the probabilities [B, N, T, S] too if ``return_probs``."""
     g = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
     v = jnp.repeat(v, g, axis=2)
@@ -215,9 +311,12 @@ def _dense(q, k, v, scale, bias, mask) -> Array:
         logits = logits + bias.astype(real)
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
+        # A row without visible keys would be softmax(all -inf) = NaN, and NaN * 0 poisons the
+        # value gradient even after attend() zeroes the row: give it finite logits instead.
+        logits = jnp.where(mask.any(axis=-1, keepdims=True), logits, 0.0)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(real), precision=jax.lax.Precision.HIGHEST)
-    return out.astype(v.dtype)
+    return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
 
 
 def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, *, interpret):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Tuple
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,30 @@ import numpy as np
 
 Array = jax.Array
 Dtype = Any
+
+class LogicallyPartitioned(nn.LogicallyPartitioned):
+    """``nn.LogicallyPartitioned`` that also works from Flax NNX without a mesh.
+
+    ``flax.nnx.bridge.ToNNX`` turns each box into an ``nnx.Variable``, which by default shards
+    its value eagerly to the box's names and raises without a mesh ("An auto mesh context or
+    metadata is required ..."). Without a mesh there is nothing to shard to, so the box asks for
+    no eager sharding then; under a mesh it behaves exactly as Flax's own box.
+    """
+
+    def to_nnx_metadata(self) -> dict:
+        """The ``nnx.Variable`` metadata; ``eager_sharding=False`` when no mesh is defined."""
+        metadata = super().to_nnx_metadata()
+        if self.mesh is None and not flax.core.meta.global_mesh_defined():
+            metadata["eager_sharding"] = False
+        return metadata
+
+
+def with_logical_partitioning(fn, names: Tuple[Optional[str], ...]):
+    """``nn.with_logical_partitioning`` with the NNX-friendly :class:`LogicallyPartitioned`."""
+    def init(*args, **kwargs):
+        return LogicallyPartitioned(fn(*args, **kwargs), names)
+    return init
+
 
 # The official module initializes each projection xavier-uniform over the whole [in, out]
 # matrix (fans = E and N * H), which _xavier_over_matrix reproduces.
@@ -67,12 +92,12 @@ class _Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", nn.with_logical_partitioning(
+        kernel = self.param("kernel", with_logical_partitioning(
             _xavier_over_matrix(self.fan_in_dims), self.kernel_axes), self.kernel_shape, self.param_dtype)
         bias = None
         if self.use_bias:
             out_shape = self.kernel_shape[self.fan_in_dims:]
-            bias = self.param("bias", nn.with_logical_partitioning(
+            bias = self.param("bias", with_logical_partitioning(
                 nn.initializers.zeros, self.kernel_axes[self.fan_in_dims:]), out_shape, self.param_dtype)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum(self.spec, x, kernel)
@@ -92,6 +117,22 @@ def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_d
     """``[B, T, N, H] -> [B, T, features]`` (``out_proj``; kernel ``[N, H, features]``)."""
     return _Projection("btnh,nhe->bte", (out.shape[-2], out.shape[-1], features), ("heads", "kv", "embed"), 2,
                        use_bias, dtype, param_dtype, name="out_proj")(out.astype(dtype))
+
+
+def wants_attention_maps(module: nn.Module, implementation: str) -> bool:
+    """True when ``module`` should sow its attention: the 'dense' kernel (the only one with
+    materialized probabilities) and a mutable 'intermediates' collection (the caller asked)."""
+    return implementation == "dense" and module.is_mutable_collection("intermediates")
+
+
+def sow_attention_maps(module: nn.Module, probs: Array, keys: Array, values: Array) -> None:
+    """Sows what evaluations read from any attention layer, in 'intermediates':
+    ``attention_probs`` [B, N, T, S] float32 (after masking, the softmax the layer applied),
+    ``attention_keys`` [B, S, K, Hk] (the content keys before any position encoding: GOAT's
+    content dims, the raw projection for RoPE) and ``attention_values`` [B, S, K, H]."""
+    module.sow("intermediates", "attention_probs", probs)
+    module.sow("intermediates", "attention_keys", keys)
+    module.sow("intermediates", "attention_values", values)
 
 
 class DecodeCache(NamedTuple):

@@ -225,15 +225,6 @@ def sincos_2d_embedding(rows: int, cols: int, width: int, temperature: float = 1
     return jnp.asarray(np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1), jnp.float32)
 
 
-def _concrete_range(x: Any) -> Optional[Tuple[int, int]]:
-    """``(min(x), max(x))`` as Python ints when ``x`` is known at trace time, else None."""
-    try:
-        arr = np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-    return int(np.min(arr)), int(np.max(arr))
-
-
 def _check_max_len(max_len: int, span: Optional[Tuple[int, int]], what: str) -> None:
     """Raises ValueError naming ``max_len`` unless ``0 <= positions < max_len`` (when known)."""
     if span is not None and (span[0] < 0 or span[1] >= max_len):
@@ -263,9 +254,9 @@ class LearnedPositionEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, positions: Array) -> Array:
-        _check_max_len(self.max_len, _concrete_range(positions), "LearnedPositionEmbedding")
+        _check_max_len(self.max_len, prior_lib.concrete_range(positions), "LearnedPositionEmbedding")
         table = self.param(
-            "embedding", nn.with_logical_partitioning(self.embedding_init, (None, "embed")),
+            "embedding", layers.with_logical_partitioning(self.embedding_init, (None, "embed")),
             (self.max_len, self.features), self.param_dtype)
         idx = jnp.asarray(positions).astype(jnp.int32)
         out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
@@ -296,6 +287,10 @@ class PositionalAttention(nn.Module):
     causally over the cache. The cache holds keys as the kernel sees them (rotated for RoPE,
     packed for 'alibi_packed'). 'rope_pi' scales by the cache length while decoding, i.e. by
     the length of the full forward it reproduces.
+
+    With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
+    attention probabilities, pre-encoding keys and values
+    (:func:`goat_jax.layers.sow_attention_maps`).
 
     Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len`` ('rope_pi', required);
     ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
@@ -328,11 +323,11 @@ class PositionalAttention(nn.Module):
             raise ValueError("position_encoding='naive_prior' needs max_len >= 1 (the learned "
                              f"prior table is [num_heads, max_len, max_len]); got {self.max_len}.")
 
-    def _implementation(self, dtype: Dtype, qk_dim: int) -> str:
+    def _implementation(self, dtype: Dtype, qk_dim: int, logits_shape) -> str:
         """Kernel choice; bias-based encodings need a kernel that takes an additive bias."""
         impl = self.implementation
         if self.position_encoding not in _BIAS_ENCODINGS:
-            return kernels.resolve_implementation(impl, dtype, qk_dim)
+            return kernels.resolve_implementation(impl, dtype, qk_dim, logits_shape)
         if impl is None or impl == "auto":
             kernels.log_once(f"goat_jax: position_encoding={self.position_encoding!r} uses "
                              "implementation 'xla' (it needs an additive bias).")
@@ -392,7 +387,7 @@ class PositionalAttention(nn.Module):
         group = n // kv_heads
         channels = default_sink_channels(dtype)
         qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
-        impl = self._implementation(dtype, qk_dim)
+        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1], key.shape[1]))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
@@ -413,11 +408,14 @@ class PositionalAttention(nn.Module):
         for name, offset in (("position_offset_q", position_offset_q), ("position_offset_k", position_offset_k)):
             if isinstance(offset, (tuple, list)):
                 raise ValueError(f"{name} must be an integer (1D positions), got {offset}.")
-        q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions).index
-        k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions).index
+        q_pos = prior_lib.positions_1d(t, 0 if position_offset_q is None else position_offset_q, q_positions,
+                                       name="q_positions").index
+        k_pos = prior_lib.positions_1d(s, 0 if position_offset_k is None else position_offset_k, k_positions,
+                                       name="k_positions").index
         key_len = s if cache is None else cache.length  # the cache while decoding
 
         # --- the encoding on q/k (what the cache stores) ----------------------------------------
+        content_keys = k  # before the encoding: what a key-norm "sink" statistic reads
         scale = 1.0 / math.sqrt(head_dim)
         if enc in ("rope", "rope_pi"):
             pi = max(1.0, key_len / self.training_seq_len) if enc == "rope_pi" else 1.0
@@ -451,16 +449,20 @@ class PositionalAttention(nn.Module):
                     if explicit is None and isinstance(offset, (type(None), int, np.integer)):
                         span = (int(offset or 0), int(offset or 0) + length - 1)  # static, even under jit
                     else:
-                        span = _concrete_range(p)
+                        span = prior_lib.concrete_range(p)
                     _check_max_len(self.max_len, span, f"naive_prior {what}")
             table = self.param(
-                "naive_prior", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
+                "naive_prior", layers.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
                 (n, self.max_len, self.max_len), self.param_dtype)
             bias = naive_prior_bias(jnp.asarray(table), q_pos, k_pos)  # [B|1, N, T, S] float32
 
+        sow = cache is None and layers.wants_attention_maps(self, impl)
         out = kernels.attend(q, k, v, implementation=impl, scale=scale, is_causal=is_causal,
                              causal_offset=causal_offset, key_padding_mask=key_padding_mask,
-                             kv_lengths=kv_lengths, bias=bias)  # [B, T, N, H]
+                             kv_lengths=kv_lengths, bias=bias, return_probs=sow)  # [B, T, N, H]
+        if sow:
+            out, probs = out
+            layers.sow_attention_maps(self, probs, content_keys, v)
         if cache is not None:
             out = layers.poison_overflow(cache, t, out)
         return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)

@@ -247,6 +247,49 @@ def test_attention_maps_reproduce_the_model(encoding):
                                    rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("layer", ["goat", "alibi"])
+def test_sown_probabilities_equal_the_float64_softmax(layer):
+    """The probabilities the layers sow (what attention_maps reads) are the reference softmax."""
+    import flax
+    from goat_jax.attention import GoatAttention
+    from goat_jax.positional import PositionalAttention
+    from tests import goat_reference as ref
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 10, 32)), jnp.float32)
+    pad = np.zeros((2, 10), bool)
+    pad[1, 7:] = True
+    if layer == "goat":
+        module = GoatAttention(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, implementation="dense")
+    else:
+        module = PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="alibi",
+                                     implementation="dense")
+    params = flax.core.meta.unbox(module.init(jax.random.PRNGKey(0), x))
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
+    _, state = module.apply(params, x, is_causal=True, key_padding_mask=jnp.asarray(pad),
+                            mutable=["intermediates"])
+    probs = np.asarray(state["intermediates"]["attention_probs"][0])  # [B, N, T, S]
+
+    p = ref.unboxed(params)
+    if layer == "goat":
+        cfg = dict(num_heads=4, kv_num_heads=2, head_dim=8, pos_rank=2, abs_rank=2)
+        logits = ref.goat_attention(params, cfg, x, x, x, is_causal=True, key_padding_mask=pad,
+                                    return_logits=True)
+    else:  # ALiBi written out: q.k / sqrt(H) - m_h |i - j|, slopes 2**(-8 h / N)
+        q = np.einsum("bte,enh->btnh", np.asarray(x, np.float64), p["q_proj"]["kernel"]) + p["q_proj"]["bias"]
+        k = np.einsum("bte,enh->btnh", np.asarray(x, np.float64), p["k_proj"]["kernel"]) + p["k_proj"]["bias"]
+        logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / np.sqrt(8)
+        slopes = 2.0 ** (-8.0 * np.arange(1, 5) / 4)
+        logits = logits - slopes[:, None, None] * np.abs(np.arange(10)[:, None] - np.arange(10)[None])
+        visible = (np.arange(10)[None, :] <= np.arange(10)[:, None]) & ~pad[:, None, None, :]
+        logits = np.where(visible, logits, -np.inf)
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(probs, want, atol=1e-6)
+    # Without a mutable 'intermediates' (or on another kernel) nothing is sown.
+    assert module.apply(params, x, is_causal=True).shape == x.shape
+
+
 def test_sink_statistics_and_a_forced_goat_sink():
     tokens = np.random.default_rng(3).integers(3, V, (2, 16))
     for enc in ("goat", "rope"):

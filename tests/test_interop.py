@@ -85,3 +85,32 @@ def test_unsupported_official_features_raise():
     m.set_goat_prior_scale(0.5)
     with pytest.raises(ValueError, match="goat_prior_scale"):
         from_official(m)
+
+
+def test_sequence_first_module_warns_and_matches_after_transposing(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    m = goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, abs_rank=2, batch_first=False).eval()
+    with pytest.warns(UserWarning, match=r"batch_first=False.*transpose the inputs"):
+        module, params = from_official(m)
+    x = torch.randn(12, 2, E, generator=gen)  # [L, B, E], the official default layout
+    with torch.no_grad():
+        want = m(x, x, x, need_weights=False, is_causal=True)[0].numpy().transpose(1, 0, 2)
+    got = module.apply(params, jnp.asarray(x.numpy().transpose(1, 0, 2)), is_causal=True)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_attention_dropout_warns_and_matches_eval_mode(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    m = goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, abs_rank=2, batch_first=True,
+                           dropout=0.1)
+    with pytest.warns(UserWarning, match=r"dropout=0\.1.*eval mode"):
+        module, params = from_official(m)
+    x = torch.randn(2, 12, E, generator=gen)
+    with torch.no_grad():
+        want = m.eval()(x, x, x, need_weights=False)[0].numpy()
+    np.testing.assert_allclose(np.asarray(module.apply(params, jnp.asarray(x.numpy()))), want, atol=1e-5)
+    # Without either setting there is no warning.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_official(goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, batch_first=True))

@@ -178,10 +178,11 @@ def test_rope_pi_is_rope_with_interpolated_positions(rng):
     x = jnp.asarray(rng.normal(size=(2, 2 * TRAIN_LEN, E)), jnp.float32)
     pi, rope = make("rope_pi"), make("rope")
     params = init(pi, rng, x, is_causal=True)
-    half = jnp.arange(2 * TRAIN_LEN, dtype=jnp.float32) / 2
+    # Layers take integer positions only, so the halved positions go to the float64 reference.
+    half = np.arange(2 * TRAIN_LEN, dtype=np.float64) / 2
     a = pi.apply({"params": params}, x, is_causal=True)
-    b = rope.apply({"params": params}, x, is_causal=True, q_positions=half, k_positions=half)
-    assert rel_err(a, b) <= 1e-6
+    b = np_reference(params, x, x, "rope", N, True, half, half)
+    assert rel_err(a, b) <= 1e-5
     short = x[:, :TRAIN_LEN]
     assert rel_err(pi.apply({"params": params}, short, is_causal=True),
                    rope.apply({"params": params}, short, is_causal=True)) <= 1e-6
@@ -283,15 +284,15 @@ def test_errors():
         make("naive_prior").apply(params, x, position_offset_q=MAX_LEN - 4, position_offset_k=0)
     with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):
         make("naive_prior").apply(params, x, k_positions=jnp.arange(8) + MAX_LEN)
-    with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):
-        make("naive_prior").apply(params, x, q_positions=jnp.arange(8) - 1)
+    with pytest.raises(ValueError, match=r"q_positions spans \[-1, 6\], outside \[0, MAX_POSITION"):
+        make("naive_prior").apply(params, x, q_positions=jnp.arange(8) - 1)  # every layer
     with pytest.raises(ValueError, match="is_causal=True"):
         make("alibi_packed").init(key, x, is_causal=False)
     with pytest.raises(ValueError, match="'nope', 'rope', 'rope_pi', 'alibi', 'alibi_packed', 'naive_prior'"):
         make("sinusoidal").init(key, x)
     with pytest.raises(ValueError, match="training_seq_len"):
         PositionalAttention(num_heads=N, position_encoding="rope_pi").init(key, x)
-    for impl in ("cudnn", "splash"):
+    for impl in ("cudnn", "splash", "flash"):
         with pytest.raises(ValueError, match="alibi_packed"):
             make("alibi", implementation=impl).init(key, x, is_causal=True)
         with pytest.raises(ValueError, match="bias"):

@@ -285,3 +285,42 @@ def test_wrong_text_key_raises_naming_the_field(tmp_path):
         cfg = _config(source=source, paths=[str(tmp_path / pattern)], text_key="body")
         with pytest.raises(ValueError, match=r"data\.text_key"):
             next(_make(cfg)[0])
+
+
+def test_invalid_utf8_is_counted_and_reported(tmp_path):
+    # Latin-1 prose: valid ASCII plus 2 bytes that are not UTF-8 (0xe9 'e acute', 0xfc 'u umlaut').
+    raw = ("Caf\xe9 menu: " + "plain ascii words " * 20 + "M\xfcller\n\n").encode("latin-1") * 3
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(raw)
+    with pytest.warns(UserWarning, match=rf"latin1\.txt: 6 of {len(raw)} bytes are not valid UTF-8"):
+        text = text_lib._read_text(str(path))
+    # Independent count: every invalid byte became exactly one U+FFFD, the rest is unchanged.
+    assert text.count("\ufffd") == 6
+    assert text == raw.decode("utf-8", errors="replace")
+    # A genuine U+FFFD in valid UTF-8 text is not a replacement: no warning.
+    good = tmp_path / "good.txt"
+    good.write_bytes("a real \ufffd character and caf\u00e9\n".encode("utf-8"))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert text_lib._read_text(str(good)) == "a real \ufffd character and caf\u00e9\n"
+
+
+def test_binary_file_is_refused_naming_file_and_fraction(tmp_path, rng):
+    path = tmp_path / "weights.bin"
+    data = rng.integers(0, 256, size=4096, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    # Independent fraction: bytes in invalid UTF-8 sequences plus C0 controls.
+    decoded = data.decode("utf-8", errors="surrogateescape")
+    invalid = sum(0xDC80 <= ord(c) <= 0xDCFF for c in decoded)
+    controls = sum(b < 0x20 and b not in (9, 10, 11, 12, 13) or b == 0x7F for b in data)
+    fraction = (invalid + controls) / len(data)
+    assert fraction > 0.5
+    with pytest.raises(ValueError, match=rf"weights\.bin does not look like UTF-8 text: "
+                                         rf"{round(100 * fraction)}% of its 4096 bytes"):
+        next(_make(_config(paths=[str(path)], doc_split="files", eval_fraction=0.5))[0])
+    # NUL-heavy data that happens to be valid UTF-8 (e.g. a float32 array) is refused too.
+    zeros = tmp_path / "array.npy"
+    zeros.write_bytes(np.arange(1000, dtype=np.int32).tobytes())
+    with pytest.raises(ValueError, match=r"array\.npy does not look like UTF-8 text"):
+        text_lib._read_text(str(zeros))

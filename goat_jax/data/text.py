@@ -66,6 +66,7 @@ import json
 import os
 import re
 import textwrap
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -169,15 +170,53 @@ def _dedent_body(piece: str) -> str:
     return f"{head.strip()}\n{textwrap.dedent(body)}".strip()
 
 
+# A file is refused as "not text" when more than this fraction of its bytes are invalid UTF-8 or
+# C0 control characters other than whitespace. Text in a legacy 8-bit encoding (Latin-1 prose:
+# ~1-5% accented bytes) stays under it and is read with a warning; binary data (random bytes:
+# ~60% invalid, compressed or executable files: >30%) is far above it.
+MAX_NON_TEXT_FRACTION = 0.1
+_SURROGATE = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for invalid bytes
+_CONTROL = re.compile(b"[\x00-\x08\x0e-\x1f\x7f]")  # C0 controls except \t \n \v \f \r
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """Decodes ``data`` as UTF-8, never silently: the byte tokenizer is lossless only for
+    valid UTF-8, so each invalid byte (decoded as U+FFFD) is counted and reported.
+
+    Raises:
+      ValueError: naming ``source`` and the fraction, when more than ``MAX_NON_TEXT_FRACTION``
+        of the bytes are invalid UTF-8 or control characters (a binary file, or text in
+        another encoding: convert it with ``iconv -f <encoding> -t utf-8``).
+    Warns:
+      UserWarning naming ``source`` and the count, when some bytes are invalid UTF-8.
+    """
+    text = data.decode("utf-8", errors="surrogateescape")
+    invalid = len(_SURROGATE.findall(text))
+    non_text = invalid + len(_CONTROL.findall(data))
+    if data and non_text > MAX_NON_TEXT_FRACTION * len(data):
+        raise ValueError(
+            f"{source} does not look like UTF-8 text: {non_text / len(data):.0%} of its "
+            f"{len(data)} bytes are invalid UTF-8 or control characters (the limit is "
+            f"{MAX_NON_TEXT_FRACTION:.0%}). Remove binary files from data.paths, or convert "
+            "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).")
+    if invalid:
+        warnings.warn(
+            f"{source}: {invalid} of {len(data)} bytes are not valid UTF-8 and were replaced by "
+            "U+FFFD (the byte tokenizer then sees the replacement's 3 bytes, not the original). "
+            "Convert the file to UTF-8 to keep them.", UserWarning, stacklevel=2)
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
+
+
 def _read_text(path: str) -> str:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+        return decode_utf8(f.read(), path)
 
 
-def _as_str(value: Any) -> str:
+def _as_str(value: Any, source: str) -> str:
     if isinstance(value, (bytes, np.bytes_)):
-        return bytes(value).decode("utf-8", errors="replace")
+        return decode_utf8(bytes(value), source)
     return str(value)
 
 
@@ -236,7 +275,7 @@ def _read_block(block: _Block, *, source: str, text_key: str) -> list[str]:
         import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
         column = pq.ParquetFile(path).read_row_group(a, columns=[text_key]).column(0)
-        return [_as_str(t) for t in column.to_pylist()]
+        return [_as_str(t, f"{path} (row group {a})") for t in column.to_pylist()]
     docs = []
     with (gzip.open(path, "rb") if b < 0 else open(path, "rb")) as f:
         if a > 0:
@@ -254,7 +293,7 @@ def _read_block(block: _Block, *, source: str, text_key: str) -> list[str]:
             if text_key not in record:
                 raise ValueError(f"data.text_key={text_key!r} is not a field of the records in "
                                  f"{path} (fields: {sorted(record)}).")
-            docs.append(_as_str(record[text_key]))
+            docs.append(_as_str(record[text_key], path))
     return docs
 
 
@@ -306,8 +345,8 @@ def _tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> _Spli
     if len(source) and cfg.text_key not in source[0]:
         raise ValueError(f"data.text_key={cfg.text_key!r} is not a feature of {cfg.tfds_name} "
                          f"(features: {sorted(source[0])}).")
-    key = cfg.text_key
-    return _Split(docs=grain.MapDataset.source(source).map(lambda r: _as_str(r[key])))
+    key, where = cfg.text_key, f"tfds {cfg.tfds_name}:{split}"
+    return _Split(docs=grain.MapDataset.source(source).map(lambda r: _as_str(r[key], where)))
 
 
 def _block_splits(cfg: ml_collections.ConfigDict) -> tuple[_Split, _Split]:

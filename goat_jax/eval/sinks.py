@@ -13,10 +13,10 @@ Two views, comparable across position encodings:
   what it learned and :func:`has_sink_at_zero` / :func:`has_diagonal_at_lag` are the checks
   the toy copy-mixture test uses.
 
-The attention probabilities are recomputed from the projections the model actually produced
-(``q_proj``/``k_proj``/``v_proj`` outputs via Flax ``capture_intermediates``) with the same
-pure functions the attention modules call (``goat_jax.prior``, ``goat_jax.positional``), in
-float32 and densely (so memory is O(T^2) per layer: use moderate lengths). No model hook needed.
+The attention probabilities are read from the model itself: run with the 'dense' kernel and a
+mutable 'intermediates' collection, every attention layer sows the softmax it applied, its
+content keys and values (``goat_jax.layers.sow_attention_maps``), so a new position encoding
+needs no code here. Dense means O(T^2) memory per layer: use moderate lengths.
 
 Shape legend: Y layers, B batch, T queries, S keys (= T), N query heads, K kv heads, H head dim.
 """
@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import positional
 from goat_jax import prior as prior_lib
 
 Params = Any
@@ -66,7 +65,8 @@ def _unscanned(model, params: Params):
         stacked = params.pop("layers")
         for i in range(cfg.num_layers):
             params[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
-    cfg = dataclasses.replace(cfg, scan_layers=False, remat=False)
+    # Dense kernel: the only one that materializes the probabilities the layers sow.
+    cfg = dataclasses.replace(cfg, scan_layers=False, remat=False, implementation="dense")
     return model.clone(config=cfg, decode=False), params
 
 
@@ -220,78 +220,33 @@ def summarize_prior(model, params: Params, seq_len: int = 64, min_query: int = 4
 # ----------------------------------------------------------------------------------------------
 
 
-def _capture(model, params, tokens):
-    names = ("q_proj", "k_proj", "v_proj")
-    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"],
-                           capture_intermediates=lambda m, method: m.name in names and method == "__call__")
-    return state["intermediates"]
-
-
 def attention_maps(model, params: Params, tokens) -> dict[str, np.ndarray]:
-    """Causal attention probabilities of every layer and head on ``tokens`` [B, T].
+    """Causal attention probabilities of every layer and head on ``tokens`` [B, T], read from
+    the model itself: its attention layers run the 'dense' kernel and sow what they computed
+    (:func:`goat_jax.layers.sow_attention_maps`), so any position encoding works unchanged.
 
     Returns (numpy float32):
-      ``probs`` [Y, B, N, T, S]; ``keys`` [Y, B, S, K, Hk] -- the content keys (for GOAT the
-      ``d_c`` content dims; for RoPE the raw projection, whose norm the rotation preserves);
+      ``probs`` [Y, B, N, T, S]; ``keys`` [Y, B, S, K, Hk] -- the content keys before any
+      position encoding (for GOAT the ``d_c`` content dims; for RoPE the raw projection);
       ``values`` [Y, B, S, K, H].
     """
     model, params = _unscanned(model, params)
     out = _attention_maps(model, params, jnp.asarray(tokens, jnp.int32))
-    return {k: np.asarray(v) for k, v in out.items()}
+    return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
 # One jitted forward (eager dispatch of a whole LM op by op is far slower than a compile); the
 # module is hashable, so repeated calls on one model reuse the compiled function.
 @functools.partial(jax.jit, static_argnums=0)
 def _attention_maps(model, params, tokens):
-    cfg = model.config
-    t = tokens.shape[1]
-    inter = _capture(model, params, tokens)
-    pos = jnp.arange(t, dtype=jnp.float32)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    group = cfg.num_heads // cfg.kv_heads
-    probs, keys, values = [], [], []
-    for i in range(cfg.num_layers):
+    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    inter = state["intermediates"]
+    maps = {"probs": [], "keys": [], "values": []}
+    for i in range(model.config.num_layers):
         att = inter[f"layer_{i}"]["attention"]
-        q = att["q_proj"]["__call__"][0].astype(jnp.float32)  # [B, T, N, H]
-        k = att["k_proj"]["__call__"][0].astype(jnp.float32)  # [B, S, K, H]
-        v = att["v_proj"]["__call__"][0].astype(jnp.float32)
-        logits, k_content = _logits(model, params, i, q, k, pos, group)
-        logits = jnp.where(causal, logits, -jnp.inf)
-        probs.append(jax.nn.softmax(logits, axis=-1))
-        keys.append(k_content)
-        values.append(v)
-    return {"probs": jnp.stack(probs), "keys": jnp.stack(keys), "values": jnp.stack(values)}
-
-
-def _logits(model, params, layer, q, k, pos, group):
-    """Pre-mask attention logits [B, N, T, S] of one layer, and its content keys."""
-    cfg = model.config
-    enc = cfg.position_encoding
-    dot = lambda a, b: jnp.einsum("btnh,bsnh->bnts", a, jnp.repeat(b, group, axis=2),
-                                  precision=jax.lax.Precision.HIGHEST)
-    if enc == "goat":
-        spec = prior_spec(model)
-        d_c = spec.content_dim(q.shape[-1])
-        prior_p = layer_params(model, params, layer)["attention"]["prior"]
-        q_c, k_c = q[..., :d_c], k[..., :d_c]
-        gate = prior_lib.query_gate(spec, prior_p, q_c)
-        p1 = prior_lib.positions_1d(pos.shape[0])
-        bias = prior_lib.log_prior(spec, prior_p, p1, p1, is_causal=True, gate=gate)
-        return dot(q_c, k_c) / math.sqrt(d_c) + bias, k_c
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    keys = k
-    if enc in ("rope", "rope_pi"):
-        pi = max(1.0, pos.shape[0] / cfg.training_seq_len) if enc == "rope_pi" else 1.0
-        q = positional.apply_rope(q, pos, cfg.rope_base, pi)
-        k = positional.apply_rope(k, pos, cfg.rope_base, pi)
-    logits = dot(q, k) * scale
-    if enc in ("alibi", "alibi_packed"):  # packed ALiBi differs by a row constant only
-        logits = logits + positional.alibi_bias(cfg.num_heads, pos, pos)
-    elif enc == "naive_prior":
-        table = layer_params(model, params, layer)["attention"]["naive_prior"]
-        logits = logits + positional.naive_prior_bias(table, pos, pos)
-    return logits, keys
+        for name in maps:
+            maps[name].append(att[f"attention_{name}"][0].astype(jnp.float32))
+    return {name: jnp.stack(v) for name, v in maps.items()}
 
 
 def sink_statistics(model, params: Params, tokens, min_query: int = 1) -> dict[str, np.ndarray]:

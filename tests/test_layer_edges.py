@@ -1,0 +1,198 @@
+"""Edge cases of the layers: rows without visible keys, invalid positions, official-module
+settings without an equivalent. Each is checked against a float64 reference or an expected
+error, on every kernel that runs on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from goat_jax import kernels
+from goat_jax import prior as prior_lib
+from goat_jax.attention import GoatAttention
+from goat_jax.positional import PositionalAttention
+from tests import goat_reference as ref
+
+CPU_KERNELS = ["dense", "xla", "splash_interpret"]
+
+
+def _reference_attention(q, k, v, scale, mask):
+    """float64 softmax attention with a [B, 1, T, S] boolean mask; rows without a visible key
+    are zeros (the masking contract)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    logits = np.where(mask, logits, -np.inf)
+    has_key = mask.any(axis=-1, keepdims=True)
+    logits = np.where(has_key, logits, 0.0)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = np.where(mask, w, 0.0)
+    w = np.where(has_key, w / np.maximum(w.sum(-1, keepdims=True), 1e-300), 0.0)
+    return np.einsum("bnts,bsnh->btnh", w, v)
+
+
+# (is_causal, causal_offset, padding rows, kv_lengths): every case has rows with no visible key.
+EMPTY_ROW_CASES = {
+    "all_keys_padded": (False, 0, "batch1_all", None),
+    "causal_leading_padding": (True, 0, "leading5", None),
+    "causal_negative_offset": (True, -7, None, None),
+    "zero_kv_length": (False, 0, None, [128, 0]),
+}
+
+
+@pytest.mark.parametrize("implementation", CPU_KERNELS)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[pytest.mark.slow] if c in ("causal_leading_padding",) else [])
+    for c in EMPTY_ROW_CASES])
+def test_rows_without_keys_are_zero_with_zero_gradient(case, implementation, rng):
+    is_causal, offset, padding, lengths = EMPTY_ROW_CASES[case]
+    if implementation.startswith("splash") and lengths is not None:
+        pytest.skip("kv_lengths is a decoding feature; splash decodes nothing")
+    b, t, n, kh, h = 2, 128, 2, 1, 8  # splash needs T, S multiples of 128
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, kh, h)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, kh, h)), jnp.float32)
+    pad = np.zeros((b, t), bool)
+    if padding == "batch1_all":
+        pad[1] = True
+    elif padding == "leading5":
+        pad[:, :5] = True
+    pad_arg = jnp.asarray(pad) if padding else None
+    len_arg = jnp.asarray(lengths, jnp.int32) if lengths else None
+
+    mask = np.ones((b, 1, t, t), bool)
+    if is_causal:
+        mask &= np.arange(t)[None, :] <= np.arange(t)[:, None] + offset
+    mask &= ~pad[:, None, None, :]
+    if lengths:
+        mask &= (np.arange(t)[None, :] < np.asarray(lengths)[:, None])[:, None, None, :]
+    empty = ~mask.any(-1)[:, 0]  # [B, T]
+    assert empty.any() and (~empty).any()
+
+    @jax.jit
+    def f(q, k, v):
+        return kernels.attend(q, k, v, implementation=implementation, scale=0.25,
+                              is_causal=is_causal, causal_offset=offset,
+                              key_padding_mask=pad_arg, kv_lengths=len_arg)
+
+    out = np.asarray(f(q, k, v))
+    np.testing.assert_allclose(out, _reference_attention(q, k, v, 0.25, mask), atol=2e-5)
+    assert np.all(out[empty] == 0.0)
+
+    # No gradient flows through the empty rows (whatever their cotangent), and none is NaN.
+    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    _, vjp = jax.vjp(f, q, k, v)
+    only_empty = vjp(jnp.where(jnp.asarray(empty)[:, :, None, None], cotangent, 0.0))
+    assert all(np.all(np.asarray(g) == 0.0) for g in only_empty)
+    grads = vjp(cotangent)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert np.all(np.asarray(grads[0])[empty] == 0.0)
+
+
+def test_rows_with_keys_static_shortcut():
+    assert kernels.rows_with_keys(8, 8, True, 0, None, None) is None
+    assert kernels.rows_with_keys(8, 8, True, 3, None, None) is None
+    rows = kernels.rows_with_keys(4, 8, True, -2, None, None)
+    np.testing.assert_array_equal(np.asarray(rows), [[False, False, True, True]])
+
+
+@pytest.mark.parametrize("implementation", ["dense", "xla"])
+def test_goat_layer_with_a_fully_padded_example_outputs_the_out_bias(implementation, rng):
+    module = GoatAttention(num_heads=4, pos_rank=2, abs_rank=2, implementation=implementation)
+    x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
+    params = module.init(jax.random.key(0), x)
+    params = jax.tree_util.tree_map(lambda a: a + 0.1, params)  # a non-zero out_proj bias
+    pad = jnp.asarray(np.stack([np.zeros(16, bool), np.ones(16, bool)]))
+    out = np.asarray(module.apply(params, x, key_padding_mask=pad))
+    bias = np.asarray(ref.unboxed(params)["out_proj"]["bias"])
+    np.testing.assert_allclose(out[1], np.broadcast_to(bias, out[1].shape), rtol=1e-6)
+    expected0 = ref.goat_attention(params, dict(num_heads=4, kv_num_heads=4, head_dim=8,
+                                                pos_rank=2, abs_rank=2), x[:1], x[:1], x[:1])
+    np.testing.assert_allclose(out[:1], expected0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Positions
+# ------------------------------------------------------------------------------------------
+
+LAYERS = {
+    "goat": lambda: GoatAttention(num_heads=2, pos_rank=2, abs_rank=2, implementation="xla"),
+    "rope": lambda: PositionalAttention(num_heads=2, position_encoding="rope", implementation="xla"),
+}
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_invalid_positions_raise_naming_the_argument(layer):
+    module = LAYERS[layer]()
+    x = jnp.ones((1, 8, 32))
+    params = module.init(jax.random.key(0), x)
+    ok = jnp.arange(8, dtype=jnp.int32)
+    cases = [
+        (dict(q_positions=ok.astype(jnp.float32), k_positions=ok), r"q_positions must be integer"),
+        (dict(q_positions=ok, k_positions=ok - 3), r"k_positions spans \[-3, 4\]"),
+        (dict(q_positions=ok + prior_lib.MAX_POSITION - 4, k_positions=ok), r"q_positions spans"),
+        (dict(q_positions=np.arange(8, dtype=np.int64) + 2 ** 40, k_positions=ok), r"outside \[0, MAX_POSITION"),
+        (dict(position_offset_q=-1), r"q_positions spans \[-1, -1\]"),
+        (dict(position_offset_q=1.5), r"must be integer"),
+        (dict(position_offset_k=prior_lib.MAX_POSITION - 2), r"reaches past MAX_POSITION"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            module.apply(params, x, **kwargs)
+    # The largest valid positions run and are finite.
+    top = ok + prior_lib.MAX_POSITION - 8
+    assert np.isfinite(np.asarray(module.apply(params, x, q_positions=top, k_positions=top))).all()
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_traced_invalid_positions_give_nan_not_a_wrong_prior(layer):
+    module = LAYERS[layer]()
+    x = jnp.ones((1, 8, 32))
+    params = module.init(jax.random.key(0), x)
+    run = jax.jit(lambda p: module.apply(params, x, q_positions=p, k_positions=p))
+    good = jnp.arange(8, dtype=jnp.int32)
+    assert np.isfinite(np.asarray(run(good))).all()
+    for bad in (good - 1, good + prior_lib.MAX_POSITION - 4):
+        out = np.asarray(run(bad))
+        assert np.isnan(out).any()
+
+
+def test_2d_offsets_are_validated():
+    module = GoatAttention(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d")
+    x = jnp.ones((1, 6, 32))
+    params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
+    with pytest.raises(ValueError, match=r"2D offset\[0\] spans \[-1, -1\]"):
+        module.apply(params, x, spatial_shape=(2, 3), position_offset_q=(-1, 0))
+    with pytest.raises(ValueError, match=r"2D offset\[1\] must be integer"):
+        module.apply(params, x, spatial_shape=(2, 3), position_offset_q=(0, 0.5))
+
+
+def test_prior_error_at_max_position_is_as_documented(rng):
+    """The bound's justification, measured: at positions just below MAX_POSITION the float32
+    prior (packed features, as the kernels see it) differs from the float64 formula by about
+    1-3e-2 logits (row-centred: softmax ignores row constants) with O(1) coefficients."""
+    import flax
+    from goat_jax.attention import GoatPrior
+
+    cfg = dict(num_heads=4, kv_num_heads=4, pos_rank=8, abs_rank=8, training_seq_len=2048)
+    spec = prior_lib.PriorSpec(**cfg)
+    pos0 = prior_lib.positions_1d(4)
+    params = flax.core.meta.unbox(GoatPrior(**cfg).init(jax.random.key(0), pos0, pos0, True))["params"]
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), jnp.float32), params)
+    p64 = ref.unboxed({"params": params})
+    length = 64
+    errors = {}
+    for start in (1000, prior_lib.MAX_POSITION - length):
+        pos = prior_lib.positions_1d(length, start)
+        q_rel, _ = prior_lib.query_features(spec, params, pos)
+        k_rel, u = prior_lib.key_features(spec, params, pos, True)
+        logits = np.einsum("tnr,sr->nts", np.asarray(q_rel), np.asarray(k_rel)) + np.asarray(u).T[:, None]
+        idx = np.arange(length, dtype=np.float64) + start
+        no_cls = np.zeros(length, bool)
+        want = (ref.relative_prior(p64, cfg, idx, idx, no_cls, no_cls, None)
+                + ref.sink_prior(p64, cfg, idx, idx, no_cls, None, True)[:, None, :])
+        d = logits - want
+        errors[start] = np.abs(d - d.mean(-1, keepdims=True)).max()
+    assert errors[1000] < 1e-3
+    assert errors[prior_lib.MAX_POSITION - length] < 5e-2, errors
