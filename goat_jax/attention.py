@@ -324,7 +324,9 @@ class GoatAttention(nn.Module):
         if self.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         qk_dim = d_c + 2 * self.pos_rank + sink_channels
-        impl = kernels.resolve_implementation(self.implementation, dtype, qk_dim)
+        impl = kernels.resolve_implementation(
+            self.implementation, dtype, qk_dim,
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
