@@ -294,3 +294,12 @@ def test_goat_vit_layer_matches_official_2d_layer_with_cls(image, rng):
         want = m(xt, xt, xt, need_weights=False, spatial_shape=grid, has_cls_token=True)[0].numpy()
     err = np.abs(np.asarray(out) - want).max() / np.abs(want).max()
     assert err <= 1e-5, err
+
+    # The CLS attention maps of the figures equal the official layer's head-averaged weights.
+    from goat_jax.eval.vision import cls_attention_maps
+
+    with torch.no_grad():
+        weights = m(xt, xt, xt, need_weights=True, average_attn_weights=True, spatial_shape=grid,
+                    has_cls_token=True)[1].numpy()  # [B, L, L]
+    maps = cls_attention_maps(model, v["params"], images, layer=0)
+    np.testing.assert_allclose(maps, weights[:, 0, 1:].reshape((2,) + grid), atol=1e-6)
