@@ -140,7 +140,7 @@ def test_issue_examples_are_refused_with_the_allowed_range():
             ("optimizer.min_lr_ratio", 2.0, "<= 1"), ("optimizer.grad_clip", -1.0, ">= 0"),
             ("mesh.data", 0, ">= 1 or -1"), ("model.dtype", "float8", "one of"),
             ("model.position_encoding", "rope2", "one of"), ("data.paths", ("",), "non-empty"),
-            ("data.paths", "a.txt", "tuple of"), ("model.implementation", "flash", "one of")]:
+            ("data.paths", "a.txt", "tuple of"), ("model.implementation", "flashy", "one of")]:
         with pytest.raises(ValueError, match=allowed) as info:
             trainer.validate_config(_with(config, dotted, value), num_devices=1)
         assert str(info.value).startswith(f"{dotted}={value!r} ")
