@@ -209,3 +209,15 @@ def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_pat
     changes = [json.loads(line) for line in open(tmp_path / "config_changes.jsonl")]
     assert changes == [{"step": 2, "changes": {"optimizer.learning_rate": [3e-3, 1e-3]}}]
     assert json.loads((tmp_path / "config.json").read_text())["optimizer"]["learning_rate"] == 1e-3
+
+
+def test_a_restored_state_that_fails_at_once_is_named(tmp_path):
+    """The 8th batch is NaN (tests/test_trainer.py POISONED) and the checkpoint is at step 7: the
+    first run advises resuming from step 7; resuming, the very first step fails, and the error
+    says to set checkpoint 7 aside instead of repeating the advice."""
+    config = _smoke(task="tests.test_trainer:POISONED", num_train_steps=10, checkpoint_every_steps=7)
+    with pytest.raises(FloatingPointError, match=r"step 8.*last finite checkpoint \(step 7\)"):
+        trainer.train_and_evaluate(config, str(tmp_path))
+    with pytest.raises(FloatingPointError, match=r"step 8.*restored from step 7 fails at once.*"
+                                                 r"Move .*checkpoints/7 aside"):
+        trainer.train_and_evaluate(config, str(tmp_path))

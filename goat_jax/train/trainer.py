@@ -347,9 +347,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     train_step, eval_step = steps.train_step, steps.eval_step
 
     # One fused reduction on device, run only before a save; the host reads back a single bool.
-    state_is_finite = jax.jit(lambda st: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(st)
-                                                           if jnp.issubdtype(x.dtype, jnp.inexact)])),
-                              in_shardings=(steps.state_shardings,), out_shardings=sharding_lib.replicated(mesh))
+    def all_finite(tree) -> jax.Array:
+        leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+    state_is_finite = jax.jit(all_finite, in_shardings=(steps.state_shardings,),
+                              out_shardings=sharding_lib.replicated(mesh))
 
     # --- Eval: the task's loss and aux sums over the whole eval set, summarized by the task ------
     def evaluate(params) -> Dict[str, float]:
@@ -383,7 +386,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     summary: Dict[str, Any] = {"step": start_step, "preempted": False, "num_params": num_params}
     last_saved = start_step if start_step else None
 
-    def way_forward() -> str:
+    def way_forward(loss_step: int = 0) -> str:
+        if start_step and loss_step == start_step + 1:
+            # The first loss of the restored state is non-finite: it is finite but diverged.
+            return (f"The state restored from step {start_step} fails at once: that checkpoint "
+                    f"has likely diverged already (or the next batch is bad). Move "
+                    f"{checkpointer.directory}/{start_step} aside to resume from the checkpoint "
+                    "before it (adding --resume_with_changes and a lower "
+                    "--config.optimizer.learning_rate), or start in a fresh --workdir.")
         if last_saved:
             return (f"The last finite checkpoint (step {last_saved}) is kept in "
                     f"{checkpointer.directory}. To continue from it, rerun the same command adding "
@@ -399,7 +409,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             writer.write(step, host)
             raise FloatingPointError(
                 f"Non-finite training at step {step}: train_loss={host['train_loss']}, grad_norm="
-                f"{host['grad_norm']}. Stopped without saving. " + way_forward())
+                f"{host['grad_norm']}. Stopped without saving. " + way_forward(step))
         summary["train_loss"] = host["train_loss"]
         if step == start_step + 1:
             throughput.reset(step)  # exclude compilation from tokens/s
