@@ -86,4 +86,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from goat_jax import cli  # pylint: disable=g-import-not-at-top
+    cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -1,6 +1,6 @@
 """GOAT attention: packing the log-prior into q/k channels, and the Flax Linen modules.
 
-Packing (paper section 3.3; REFERENCE.md section 1). Per head, with content dims ``d_c``::
+Packing (paper section 3.3; docs/protocols.md, The mechanism). Per head, with content dims ``d_c``::
 
     q~ = [q_c / sqrt(d_c),  A cos(w p_i) + B sin(w p_i),  A sin(w p_i) - B cos(w p_i),  g * 1 ...]
     k~ = [k_c,              cos(w p_j),                   sin(w p_j),                   u(j) ...]

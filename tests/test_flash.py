@@ -1,6 +1,10 @@
 """The memory-efficient kernel (``goat_jax.flash``, ``implementation='flash'``): forward and
 gradients against the hand-written float64 reference, masking edge cases, dtypes, memory."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +157,35 @@ def test_bad_block_size_names_the_argument(rng):
     _, jx = _inputs(rng, 1, 8, 8, 2, 2, 8, 8)
     with pytest.raises(ValueError, match="block sizes must be >= 1"):
         flash.flash_attention(*jx[:3], block_k=0)
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from goat_jax import kernels
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.normal(size=(8, 40, 4, 16)), jnp.float32) for _ in range(3))
+kpm = jnp.asarray(rng.random((8, 40)) < 0.2)
+sh = NamedSharding(mesh, P("data", None, "tensor", None))
+loss = lambda a, b, c, m: jnp.sum(kernels.attend(a, b, c, implementation="flash", scale=0.25, is_causal=True,
+                                                 key_padding_mask=m) ** 2)
+f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+(l1, g1) = f(*(jax.device_put(x, sh) for x in (q, k, v)), jax.device_put(kpm, NamedSharding(mesh, P("data"))))
+(l2, g2) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, kpm)  # one device
+assert len(jax.devices()) == 8 and g1[0].sharding.spec == P("data", None, "tensor", None), g1[0].sharding
+err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max()) for a, b in zip(g1, g2))
+print("RESULT", abs(float(l1) - float(l2)) / abs(float(l2)), err)
+"""
+
+
+def test_flash_under_batch_and_head_sharding():
+    """8 fake CPU devices, batch over 'data' and heads over 'tensor': same value and gradients
+    as the unsharded kernel, and the gradients keep the inputs' sharding."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loss_err, grad_err = map(float, proc.stdout.split("RESULT ")[-1].split())
+    assert loss_err <= 1e-6 and grad_err <= 1e-6
