@@ -58,20 +58,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
         resolutions = [int(r) for r in args.resolutions.split(",") if r]
         if evals != ["resolution"] or not resolutions:
-            p.error("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. 28,42,56,84.")
-        try:
-            labels = runs.run_labels(args.workdir, args.label)
-        except (ValueError, FileNotFoundError) as err:
-            p.error(str(err))
+            raise ValueError("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. "
+                             "--evals resolution --resolutions 28,42,56,84.")
+        labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
         out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
         results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
-    try:
-        labels = runs.run_labels(args.workdir, args.label)
-    except (ValueError, FileNotFoundError) as err:
-        p.error(str(err))
+    labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = runs.load_lm_run(workdir)
