@@ -24,6 +24,9 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
                  (definition: README, section DNA), e.g.
                  ``--evals dna --fasta DH1.fasta.gz --multipliers 1,2,4,8``.
+  resolution     ViT runs (config.task 'vit'), on its own: top-1 and loss at each
+                 ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for
+                 GOAT the block-0 centre-patch log-prior (goat_jax.eval.vision).
 
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
@@ -57,8 +60,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--gc_windows", type=int, default=256, help="dna: GC windows (0: skip GC)")
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
                    "--workdir; never inside a run, which may still be training)")
+    p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
+    if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
+        from goat_jax.eval import vision
+
+        resolutions = [int(r) for r in args.resolutions.split(",") if r]
+        if evals != ["resolution"] or not resolutions:
+            raise ValueError("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. "
+                             "--evals resolution --resolutions 28,42,56,84.")
+        labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
+        out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
+        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
+        print(open(os.path.join(out, "results.md")).read())
+        return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
