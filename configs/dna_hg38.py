@@ -21,8 +21,6 @@ Choices where the recipe is silent or the engine differs, said here:
 * validation / test chromosomes: 21 / 22 (the official split is not recorded). The dataset's
   ``chromosome`` values must match: an unknown name is an error that lists the ones present.
 * Adam betas / eps: PyTorch AdamW defaults (0.9, 0.999, 1e-8), the recipe names none.
-* the engine never decays 1-D parameters (biases, norms, GOAT gains); the official run decays
-  every parameter.
 * early stopping after 5 evals without improvement is not implemented; with eval every 200 of
   1,000 steps it could not trigger before the last step anyway.
 """
@@ -73,7 +71,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.b1 = 0.9  # PyTorch AdamW default (recipe names none)
     c.optimizer.b2 = 0.999  # PyTorch AdamW default
     c.optimizer.eps = 1e-8  # PyTorch AdamW default
-    c.optimizer.weight_decay = 0.1  # official (the engine skips 1-D parameters)
+    c.optimizer.weight_decay = 0.1  # official
+    c.optimizer.decay_grouping = "official_genome"  # official: decay on every parameter
     c.optimizer.grad_clip = 1.0  # official global-norm clip
 
     c.model = dna_task.official_model_config(encoding)  # 25.2M GPT, d 512, 8 layers, 8 heads

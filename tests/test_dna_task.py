@@ -48,6 +48,9 @@ def test_official_shape_and_recipe():
     assert (m.use_bias, m.norm_eps, m.tie_embeddings, m.dtype) == (True, 1e-5, True, "bfloat16")
     assert (config.seq_len, config.global_batch_size, config.num_train_steps) == (1024, 8, 1000)
     assert config.data.max_offset == 200 and not config.data.reverse_complement
+    assert config.optimizer.decay_grouping == "official_genome"
+    mask = tasks.get_task("dna").decay_groupings["official_genome"]({"a": {"bias": 1, "kernel": 2}})
+    assert mask == {"a": {"bias": True, "kernel": True}}
     rope = count_params(tasks.get_task("dna").build_model(dna_hg38.get_config("rope")), (1, 8))
     goat = count_params(tasks.get_task("dna").build_model(config), (1, 8))
     assert rope == 25_222_656  # the paper's ~25.2M

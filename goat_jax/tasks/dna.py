@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Dict
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
@@ -109,6 +110,12 @@ def validate(config) -> None:
                          f"{enc!r} position table; raise model.max_len or shorten seq_len.")
 
 
+def decay_every_parameter(params):
+    """The official genome run's weight-decay grouping: AdamW's decay on every parameter
+    (biases, norms and GOAT prior parameters included). Pytree of True like ``params``."""
+    return jax.tree_util.tree_map(lambda _: True, params)
+
+
 def field_specs(config) -> Dict[str, Dict[str, object]]:
     """Types and ranges of the task's fields (checked by the engine before any work)."""
     del config
@@ -143,4 +150,6 @@ TASK = tasks.Task(
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
     no_decay_names=models.NO_DECAY_NAMES,
+    # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): decay everything.
+    decay_groupings={"official_genome": decay_every_parameter},
 )
