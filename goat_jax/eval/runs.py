@@ -40,7 +40,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks")
+EVALS = ("extrapolation", "passkey", "niah", "sinks", "dna")
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -285,16 +285,58 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
                       ", ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
                       ", ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
         md.append("")
+    md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text_md)
     return text_md
 
 
+def eval_dna(run: LMRun, fasta: Sequence[str], multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
+             *, lengths: Optional[Sequence[int]] = None, max_bases: Optional[int] = None,
+             gc_windows: int = 256) -> dict[str, Any]:
+    """A genome run on FASTA files: NLL (nats, bits per base), perplexity and next-base accuracy
+    at ``m * train_len`` (or ``lengths``), and GC agreement (goat_jax.eval.dna)."""
+    from goat_jax.eval import dna as dna_eval  # pylint: disable=g-import-not-at-top
+    if not fasta:
+        raise ValueError("--evals dna needs --fasta FILE (a FASTA of held-out sequence).")
+    return dna_eval.evaluate_fasta(run.model, run.params, fasta, run.train_len,
+                                   multipliers=multipliers, lengths=lengths, max_bases=max_bases,
+                                   gc_num_windows=gc_windows, seed=int(run.config.seed))
+
+
+def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
+    """The DNA tables: bits per base and accuracy by length, GC agreement with its references."""
+    if not dna:
+        return []
+    first = next(iter(dna.values()))["data"]
+    md = [f"## DNA: {', '.join(first['files'])} ({sum(first['bases']):,} bases, "
+          f"{len(first['records'])} record(s))", ""]
+    for key, title, pct in (("bits_per_base", "bits per base", False),
+                            ("accuracy", "next-base accuracy", True)):
+        md += [f"### {title} by evaluation length", "",
+               table({k: {int(n): v[key] for n, v in r["by_length"].items()} for k, r in dna.items()},
+                     pct=pct), ""]
+    md += ["### GC agreement (Pearson r; README, section DNA)", "",
+           "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
+           "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]
+    for k, r in dna.items():
+        gc = r.get("gc")
+        if not gc:
+            continue
+        if "error" in gc:
+            md.append(f"| {k} | {gc['error']} | | | | |")
+            continue
+        md.append(f"| {k} | {gc['r_model']:.3f} | {gc['r_prompt']:.3f} | {gc['r_halves']:.3f} | "
+                  f"{gc['mean_gc_sample']:.3f} / {gc['mean_gc_true']:.3f} | {gc['num_windows']} |")
+    return md + [""]
+
+
 def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *,
                  stride: Optional[int] = None, num_examples: int = 32,
-                 num_trials: int = 8) -> dict[str, Any]:
-    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``."""
+                 num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
+    ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...)."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
@@ -309,6 +351,8 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                                      num_trials=num_trials)
         elif name == "niah":
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
+        elif name == "dna":
+            out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
         else:
             out[name] = eval_sinks(run)
         log(f"  {run.label} {name}: {time.time() - t0:.0f}s")
