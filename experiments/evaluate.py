@@ -13,7 +13,8 @@ side) and one PNG per evaluation, runs as lines (NIAH: one heatmap per run).
 Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
   extrapolation  perplexity on the held-out stream at ``m x`` the training length,
                  non-overlapping windows (``--stride`` for sliding); synthetic runs score
-                 fresh batches of their own task at each length instead.
+                 fresh batches of their own task at each length instead. ``--text FILE``
+                 scores any UTF-8 text file instead, tokenized by each run's own tokenizer.
   passkey        synthetic passkey (teacher-forced exact match of the 8-digit key) and the
                  standard prompt (greedy decoding with the KV cache, first integer == key).
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
@@ -53,6 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: none)")
     p.add_argument("--num_examples", type=int, default=32, help="examples per length (retrieval)")
     p.add_argument("--num_trials", type=int, default=8, help="standard passkey prompts per length")
+    p.add_argument("--text", default=None, help="extrapolation: a UTF-8 text file to score "
+                   "instead of the held-out split (each run's own tokenizer)")
     p.add_argument("--fasta", action="append", default=[], help="dna: FASTA file (repeatable)")
     p.add_argument("--lengths", default="", help="dna: window lengths in bases (overrides "
                    "--multipliers), e.g. 1024,4096")
@@ -85,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
         results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
                                            num_examples=args.num_examples, num_trials=args.num_trials,
-                                           dna_options=dna_options)
+                                           dna_options=dna_options, text_file=args.text)
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))
