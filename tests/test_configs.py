@@ -97,6 +97,7 @@ def test_125m_official_recipe_fields():
         "model.vocab_size": 50_257, "model.use_bias": True, "model.norm_eps": 1e-5,
         "model.tie_embeddings": True, "model.pos_rank": 4, "model.abs_rank": 4,
         "model.init_std": 0.02, "model.training_seq_len": 2048, "model.enable_key_bias": True,
+        "model.init_scale_prior": 1e-3,
         "data.tokenizer": "gpt2", "data.bos_windows": True, "data.num_eval_batches": 50,
         "data.tfds_name": "c4/en",
     }
