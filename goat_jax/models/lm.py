@@ -66,6 +66,7 @@ FIELD_SPECS = {
     "prior_init": Str(choices=("seeded", "uniform")),
     "prior_gate": Str(choices=("none", "query_norm")),
     "enable_key_bias": Bool(),
+    "init_scale_prior": Float(min=0.0, min_inclusive=False),
     "use_bias": Bool(),
     "norm_eps": Float(min=0.0, min_inclusive=False, doc="RMSNorm epsilon"),
     "dtype": Str(choices=_DTYPES),
@@ -100,6 +101,7 @@ class LMConfig:
     prior_init: str = "seeded"  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
     prior_gate: str = "none"  # GOAT: 'none' or 'query_norm'
     enable_key_bias: bool = True  # GOAT: the learned key-only sink u(j)
+    init_scale_prior: float = 1e-3  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
     use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
     norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
     dtype: Any = "float32"  # compute dtype of activations
@@ -249,6 +251,7 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     if cfg.position_encoding == "goat":
         return GoatAttention(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank,
                              enable_key_bias=cfg.enable_key_bias, prior_init=cfg.prior_init,
+                             init_scale_prior=cfg.init_scale_prior,
                              prior_gate=cfg.prior_gate, **common)
     from goat_jax.positional import PositionalAttention  # baselines live in their own module
 
