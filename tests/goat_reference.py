@@ -134,3 +134,14 @@ def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask
     o = np.einsum("bnts,bsnh->btnh", w, v)
     out = np.einsum("btnh,nhe->bte", o, p["out_proj"]["kernel"])
     return out + p["out_proj"]["bias"] if "bias" in p["out_proj"] else out
+
+
+def goat_module(**fields):
+    """A ``GoatAttention`` from flat keyword fields, as the official constructor takes them: the
+    :class:`goat_jax.prior.PriorSettings` names go into its ``prior``, the rest are module fields."""
+    from goat_jax.attention import GoatAttention
+    from goat_jax.prior import PriorSettings
+
+    names = set(PriorSettings.names())
+    prior = PriorSettings(**{k: v for k, v in fields.items() if k in names})
+    return GoatAttention(prior=prior, **{k: v for k, v in fields.items() if k not in names})

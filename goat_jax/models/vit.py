@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.attention import GoatAttention
+from goat_jax.prior import PriorSettings
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
 
 Array = jax.Array
@@ -224,9 +225,9 @@ def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                   implementation=cfg.implementation, name=name)
     if cfg.position_encoding == "goat":
-        return GoatAttention(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank, prior_init=cfg.prior_init,
-                             enable_key_bias=cfg.enable_key_bias, pos_encoding="2d",
-                             has_cls_token_default=True, **common)
+        prior = PriorSettings(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank, prior_init=cfg.prior_init,
+                              enable_key_bias=cfg.enable_key_bias)
+        return GoatAttention(prior=prior, pos_encoding="2d", has_cls_token_default=True, **common)
     encoding = "rope2d" if cfg.position_encoding == "rope2d" else "nope"
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base, **common)
 
