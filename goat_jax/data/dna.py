@@ -59,6 +59,7 @@ import numpy as np
 
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
+from goat_jax.train.validation import Bool, Int, Str, Strs
 
 ECOLI_MG1655 = "/usr/share/doc/ragout/examples/E.Coli/references/MG1655-K12.fasta.gz"
 ECOLI_DH1 = "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"
@@ -87,6 +88,28 @@ def default_dna_data_config() -> ml_collections.ConfigDict:
     c.num_eval_batches = 16  # Per make_eval_iter() call; <= 0: whole split (1 process only).
     c.read_threads = 2  # grain threads reading crops ahead of the trainer.
     return c
+
+
+# Type and range of every field of default_dna_data_config() (checked by the engine before any
+# work, see goat_jax/train/validation.py); record names and files are checked by build_tables.
+FIELD_SPECS = {
+    "source": Str(choices=SOURCES),
+    "paths": Strs(nonempty=True),
+    "train_records": Strs(doc="record specs NAME or NAME:START-END; empty: all not held out"),
+    "valid_records": Strs(doc="record specs NAME or NAME:START-END"),
+    "test_records": Strs(doc="record specs NAME or NAME:START-END"),
+    "eval_split": Str(choices=("valid", "test")),
+    "fasta_stride": Int(min=0, doc="crop starts per FASTA chunk; 0: seq_len + 1"),
+    "max_offset": Int(min=0, doc="parquet crops start in [0, max_offset] of a row"),
+    "eval_offsets": Str(choices=("start", "hashed")),
+    "short_records": Str(choices=("error", "skip")),
+    "reverse_complement": Bool(),
+    "max_in_memory_bytes": Int(min=0, doc="larger unindexed FASTA files are an error"),
+    "sequence_key": Str(nonempty=True),
+    "record_key": Str(nonempty=True),
+    "num_eval_batches": Int(doc="<= 0: the whole held-out split (1 process only)"),
+    "read_threads": Int(min=0),
+}
 
 
 # ----------------------------------------------------------------------------------------

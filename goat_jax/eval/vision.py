@@ -142,9 +142,66 @@ def plot_log_prior(grid_values: np.ndarray, path: str, title: str = "") -> None:
     h, w = grid_values.shape
     ax.plot([w // 2], [h // 2], marker="+", color="red")
     fig.colorbar(im, ax=ax, label="log-prior (head mean)")
-    ax.set_title(title or f"centre-patch log-prior, {h}x{w} grid")
+    ax.set_title(title or f"centre-patch log-prior, {h}x{w} grid", fontsize=9)
     ax.set_xticks([])
     ax.set_yticks([])
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolutions: Sequence[int], out: str,
+                         batch_size: Optional[int] = None, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """The ``--evals resolution`` evaluation of ``experiments.evaluate`` on ViT runs.
+
+    For each run (a workdir of ``experiments.train`` with ``config.task = 'vit'``, read-only):
+    top-1 and loss on its eval split at each resolution; for GOAT runs also block 0's
+    centre-patch log-prior on a 32 x 32 grid and :func:`shift_invariance_error`. Writes
+    ``out/results.json`` (all numbers), ``out/results.md`` (runs side by side) and
+    ``out/resolution.png`` (+ ``prior_<label>.png`` for GOAT runs). Eval batches hold
+    ``batch_size`` images (default: the run's ``global_batch_size``); ``data.num_eval_batches``
+    of the run's config limits them (0: the whole split).
+
+    Returns:
+      ``{label: {'resolution': {r: {...}}, 'train_resolution': int, 'step': int, ...}}``.
+    """
+    import json
+    import os
+
+    from goat_jax.data import images
+    from goat_jax.train import run as run_lib
+
+    results: Dict[str, Any] = {}
+    for workdir, label in zip(workdirs, labels):
+        run = run_lib.load_run(workdir)
+        if run.config.task != "vit":
+            raise ValueError(f"--evals resolution needs a ViT run (config.task='vit'); {workdir} has task "
+                             f"{run.config.task!r}.")
+        log(f"evaluating {label} ({workdir}, step {run.step}) at {list(resolutions)} px")
+        _, make_eval_at, _ = images.make_image_datasets(run.config.data,
+                                                        global_batch_size=batch_size or run.config.global_batch_size,
+                                                        seed=run.config.seed, process_index=0, process_count=1)
+        cfg = run.model.config
+        entry = {"step": run.step, "train_resolution": cfg.image_size, "encoding": cfg.position_encoding,
+                 "resolution": evaluate_resolutions(run.model, run.params, make_eval_at, resolutions, log)}
+        if cfg.position_encoding == "goat":
+            os.makedirs(out, exist_ok=True)
+            plot_log_prior(centre_log_prior(run.params, cfg, (32, 32)), os.path.join(out, f"prior_{label}.png"),
+                           title=f"{label}: block 0, centre patch, 32x32 grid")
+            entry["shift_invariance_error"] = shift_invariance_error(run.params, cfg)
+        results[label] = entry
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    rs = sorted({int(r) for e in results.values() for r in e["resolution"]})
+    lines = ["| run | step | " + " | ".join(f"top-1 @ {r}" for r in rs) + " |",
+             "|---|---:|" + "---:|" * len(rs)]
+    for label, e in results.items():
+        cells = [f"{100 * e['resolution'][r]['top1']:.2f}" if r in e["resolution"] else "" for r in rs]
+        lines.append(f"| {label} | {e['step']} | " + " | ".join(cells) + " |")
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    train_res = next(iter(results.values()))["train_resolution"] if results else None
+    plot_resolutions({k: v["resolution"] for k, v in results.items()}, os.path.join(out, "resolution.png"), train_res)
+    return results
