@@ -4,7 +4,7 @@
     python -m experiments.train --config configs/retrieval_tiny.py:niah,rope --workdir runs/niah_rope
     python -m experiments.evaluate --workdir runs/passkey --evals passkey --multipliers 1,2,4,8,16
 
-The official GOAT retrieval experiments (REFERENCE.md section 4): character models trained on
+The official GOAT retrieval experiments (docs/protocols.md, Passkey and NIAH): character models trained on
 the synthetic passkey (random a-z filler, "passkey: <8 digits>", teacher-forced exact match of
 the key span) at a short length and tested longer; NIAH likewise ("key=value" needle at a
 depth, value span token accuracy). Here both train at 64 bytes, so 16x is 1024 and the whole
@@ -112,7 +112,7 @@ def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
         c.model.pos_rank = 2
         c.model.abs_rank = 2
         c.data.num_eval_batches = 1
-    elif size == "paper":  # official GOAT char models (REFERENCE.md section 4), on an accelerator
+    elif size == "paper":  # official GOAT char models (docs/protocols.md, Passkey), on an accelerator
         c.seq_len = 1024 if kind == "passkey" else 256
         c.num_train_steps = 20_000
         c.global_batch_size = 64

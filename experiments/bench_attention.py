@@ -18,6 +18,16 @@ variant runs once, in a rotated order, so machine noise hits all variants alike;
 reported. Memory: ``jit(f).lower(...).compile().memory_analysis()``, temp + argument + output
 bytes (what XLA allocates for one step, parameters and gradients included).
 
+* ``long`` (``--sections long``, lengths ``--long-lengths``): the memory-efficient kernel at long
+  context: the GOAT layer on ``implementation='flash'`` vs ``'xla'`` vs the official PyTorch
+  layer, and the plain kernel on both, forward+backward. A variant whose compiled memory exceeds
+  ``--max-run-fraction`` of the machine's available memory is compiled (memory reported) but
+  not run. With ``--update`` the section replaces its marked block in ``--out`` and leaves the
+  rest of the file alone:
+
+  python experiments/bench_attention.py --sections long --repeats 3 --update \
+      --out benchmarks/attention.md
+
 ``--gpu``: a bf16 section on cuDNN flash attention up to long L (bias-based variants on XLA, up
 to ``--gpu-bias-max-len``); skipped cleanly when JAX has no GPU. Needs only jax/flax (no
 tensorflow or ml_collections).
@@ -58,6 +68,7 @@ class Variant:
 
     def __init__(self, name: str, run: Callable[[], None], memory: Optional[int]):
         self.name, self.run, self.memory = name, run, memory
+        self.note = ""  # why it was not run, if it was not
         self.times: List[float] = []  # wall seconds
         self.cpu: List[float] = []  # process CPU seconds (all threads): robust to other load
 
@@ -231,9 +242,10 @@ def torch_variants(b: int, length: int, n: int, h: int, threads: int) -> List[Va
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(variants: List[Variant], repeats: int) -> None:
+def measure(variants: List[Variant], repeats: int, warmup: bool = True) -> None:
     """Warm-up, then ``repeats`` rounds, each variant once per round in a rotated order."""
-    for var in variants:
+    variants = [v for v in variants if v.run is not None]
+    for var in variants if warmup else []:
         var.run()
     for r in range(repeats):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
@@ -327,6 +339,105 @@ def acceptance(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Long context: the flash kernel vs XLA vs the official PyTorch layer
+# ----------------------------------------------------------------------------------------------
+
+LONG_BEGIN, LONG_END = "<!-- long-context: begin -->", "<!-- long-context: end -->"
+
+
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the machine may be shared), or a large number."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50
+
+
+def guard(var: Variant, fraction: float) -> Variant:
+    """Leaves ``var`` unrun (memory still reported) if it would not fit in memory."""
+    budget = fraction * available_bytes()
+    if var.memory is not None and var.memory > budget:
+        var.run = None
+        var.note = f"not run: needs {var.memory / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB ({fraction:.0%} of available)"
+        print(f"  {var.name}: {var.note}", flush=True)
+    return var
+
+
+def long_variants(args, length: int, rng) -> List[Variant]:
+    b, n, h = args.batch, args.heads, args.head_dim
+    x = jnp.asarray(rng.normal(size=(b, length, n * h)), jnp.float32)
+    out = []
+    for impl in ("xla", "flash"):
+        mod = attn_lib.GoatAttention(num_heads=n, prior=prior_lib.PriorSettings(pos_rank=args.pos_rank, abs_rank=args.abs_rank),
+                                     dtype=jnp.float32, implementation=impl)
+        params = jax.jit(lambda x_, m=mod: m.init(jax.random.PRNGKey(0), x_[:, :8], is_causal=True))(x)["params"]
+        loss = lambda p, x_, m=mod: jnp.sum(m.apply({"params": p}, x_, is_causal=True))
+        out.append(guard(jax_variant(f"goat_layer:{impl}", loss, (params, x), (0,)), args.max_run_fraction))
+    q, k, v = (jnp.asarray(rng.normal(size=(b, length, n, h)), jnp.float32) for _ in range(3))
+    long = length >= args.long_from
+    for impl in ("xla", "flash"):
+        loss = lambda q_, k_, v_, i=impl: jnp.sum(kernels.attend(q_, k_, v_, implementation=i, scale=h ** -0.5,
+                                                                 is_causal=True))
+        var = guard(jax_variant(f"plain_core:{impl}", loss, (q, k, v), (0, 1, 2)), args.max_run_fraction)
+        if long and var.run is not None:  # the layer rows carry the timing; keep the run short
+            var.run, var.note = None, "memory only (not timed at this length)"
+        out.append(var)
+    torch_vs = torch_variants(b, length, n, h, args.threads)
+    return out + [v for v in torch_vs if not (long and v.name == "torch_plain_sdpa")]
+
+
+def run_long(args) -> List[Dict]:
+    print("== long context: flash vs xla vs torch", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for length in args.long_lengths:
+        vs = long_variants(args, length, rng)
+        if length >= args.long_from:  # minutes per call: one timed call each, no warm-up call
+            measure(vs, args.long_repeats, warmup=False)
+        else:
+            measure(vs, args.repeats)
+        for v in vs:
+            ran = bool(v.cpu)
+            rows.append(dict(L=length, name=v.name, note=v.note,
+                             ms=1e3 * statistics.median(v.times) if ran else None,
+                             cpu_ms=1e3 * statistics.median(v.cpu) if ran else None,
+                             mib=None if v.memory is None else v.memory / MiB))
+            r = rows[-1]
+            print(f"  long L={length:6d} {v.name:22s} cpu {fmt(r['cpu_ms'], '9.1f')} ms  wall "
+                  f"{fmt(r['ms'], '9.1f')} ms  mem {fmt(r['mib'], '9.1f')} MiB {v.note}", flush=True)
+        del vs
+        gc.collect()
+    return rows
+
+
+def long_tables(rows: List[Dict]) -> str:
+    lines = ["| L | variant | CPU ms | wall ms | compiled MiB | note |", "|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['L']} | {r['name']} | {fmt(r['cpu_ms'], '.1f')} | {fmt(r['ms'], '.1f')} | "
+                     f"{fmt(r['mib'], '.1f')} | {r['note']} |")
+    lines += ["", "Targets (CPU-time and memory ratios from the rows above):", "",
+              "| L | GOAT layer memory flash / XLA (<= 1/8 at 8192) | kernel memory flash / XLA | "
+              "GOAT layer flash / official torch, CPU (<= 1 at L >= 2048) | GOAT layer flash / XLA, CPU "
+              "(<= 1 at 1024) |", "|---:|---:|---:|---:|---:|"]
+
+    def ratio(a, b, key):
+        return None if a is None or b is None or a.get(key) is None or b.get(key) is None else a[key] / b[key]
+
+    for length in sorted({r["L"] for r in rows}):
+        by = {r["name"]: r for r in rows if r["L"] == length}
+        lines.append(
+            f"| {length} | {fmt(ratio(by.get('goat_layer:flash'), by.get('goat_layer:xla'), 'mib'), '.4f')} | "
+            f"{fmt(ratio(by.get('plain_core:flash'), by.get('plain_core:xla'), 'mib'), '.4f')} | "
+            f"{fmt(ratio(by.get('goat_layer:flash'), by.get('torch_goat_official'), 'cpu_ms'), '.3f')} | "
+            f"{fmt(ratio(by.get('goat_layer:flash'), by.get('goat_layer:xla'), 'cpu_ms'), '.3f')} |")
+    return "\n".join(lines)
+
+
 def cpu_info() -> str:
     model = platform.processor() or platform.machine()
     try:
@@ -350,9 +461,20 @@ def main(argv=None):
     parser.add_argument("--pos-rank", type=int, default=8, help="GOAT R (GoatAttention default)")
     parser.add_argument("--abs-rank", type=int, default=8, help="GOAT M (GoatAttention default)")
     parser.add_argument("--sections", default="core,layer,torch,profile",
-                        help="comma-separated subset of core,layer,torch,profile")
+                        help="comma-separated subset of core,layer,torch,profile, or 'long' alone")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads (default: the cores XLA uses)")
+    parser.add_argument("--long-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="lengths of the 'long' section (flash vs xla vs torch)")
+    parser.add_argument("--long-from", type=int, default=8192,
+                        help="'long' section: from this length on, --long-repeats timed calls without a "
+                             "warm-up call, and the plain-kernel rows report memory only")
+    parser.add_argument("--long-repeats", type=int, default=1)
+    parser.add_argument("--max-run-fraction", type=float, default=0.6,
+                        help="'long' section: do not run a variant whose compiled memory exceeds this "
+                             "fraction of the available memory (its memory is still reported)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --sections long: replace only the long-context block of --out")
     parser.add_argument("--gpu", action="store_true", help="also run the bf16 cuDNN section (GPU only)")
     parser.add_argument("--gpu-lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--gpu-bias-max-len", type=int, default=16384,
@@ -376,6 +498,9 @@ def main(argv=None):
         header[-2] += f" torch {torch.__version__} with {args.threads} threads."
     except ImportError:
         pass
+
+    if args.sections == {"long"}:
+        return write_long(args, command, backend)
 
     body = []
     rows = run_section(f"{backend} float32 xla", args.lengths, args, jnp.float32, "xla",
@@ -416,6 +541,42 @@ def main(argv=None):
         print(f"wrote {args.out}")
     else:
         print(text)
+
+
+def write_long(args, command: str, backend: str) -> None:
+    """Runs the 'long' section and writes it (between markers, with --update) to --out."""
+    load0 = os.getloadavg()[0]
+    rows = run_long(args)
+    block = "\n".join([
+        LONG_BEGIN,
+        "## Long context: `implementation='flash'` vs XLA vs the official PyTorch layer", "",
+        f"Command: `{command}`", "",
+        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}; jax {jax.__version__} (backend "
+        f"{backend}); CPU: {cpu_info()}; float32, causal, B={args.batch}, N={args.heads}, H={args.head_dim}, "
+        f"GOAT R={args.pos_rank}, M={args.abs_rank}, loss = sum(outputs), forward+backward (gradients "
+        f"w.r.t. the layer parameters / q, k, v); torch with {args.threads} threads; {args.repeats} rounds "
+        f"(medians) after a warm-up call below L = {args.long_from}, {args.long_repeats} timed call(s) and no "
+        f"warm-up from there on (compiled ahead, so no compile time is timed); load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at "
+        "the end (the machine is shared with other jobs: read the CPU-time column).", "",
+        "`goat_layer:*` = the whole `GoatAttention` layer (projections included); `plain_core:*` = "
+        "`kernels.attend` on given q/k/v; torch rows = the official `goat.GoatAttention` and a plain "
+        "SDPA layer. Compiled MiB = temp + argument + output bytes from `memory_analysis()`.", "",
+        long_tables(rows), "", LONG_END])
+    if not args.out:
+        print(block)
+        return
+    text = ""
+    if args.update and os.path.exists(args.out):
+        with open(args.out) as f:
+            text = f.read()
+    if LONG_BEGIN in text and LONG_END in text:
+        head, rest = text.split(LONG_BEGIN, 1)
+        text = head + block + rest.split(LONG_END, 1)[1]
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block + "\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ import platform
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
 
 from configs import lm_c4_125m
 from configs import lm_tiny
-from goat_jax.train import optim
+from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks
 from goat_jax.train import trainer
@@ -52,14 +50,10 @@ def _bare_step(config, real_data: bool = True):
     task = tasks.get_task(config.task)
     mesh = sharding_lib.make_mesh(config.mesh)
     model = task.build_model(config)
-    tx, schedule = optim.make_optimizer(config.optimizer, config.num_train_steps)
+    tx, schedule = run_lib.make_optimizer(task, config)
     dummy = task.dummy_batch(config, config.global_batch_size)
     batch_sh = {k: sharding_lib.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
-
-    def init_state(rng):
-        params = nn.unbox(model.init(rng, *task.model_inputs(dummy))["params"])
-        return trainer.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
+    _, init_state = run_lib.make_init_fns(task, model, tx, config, config.global_batch_size)
     state = jax.jit(init_state)(jax.random.PRNGKey(0))
     step = jax.jit(trainer.make_train_step(task, model, tx, schedule, config.grad_accum_steps),
                    donate_argnums=0)
@@ -95,7 +89,7 @@ def _run_engine(config, steps):
     cpu = time.process_time()
     with tempfile.TemporaryDirectory() as workdir:
         trainer.train_and_evaluate(config, workdir)
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        with open(run_lib.metrics_path(workdir)) as f:
             elapsed = {r["step"]: r["elapsed_s"] for r in map(json.loads, f) if "train_loss" in r}
     return time.process_time() - cpu, elapsed
 

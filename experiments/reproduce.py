@@ -236,7 +236,8 @@ def training_seconds(workdir: str) -> float:
     """Wall time of a run's training from its metrics.jsonl (``elapsed_s`` of the last row), so
     a report regenerated later from the workdirs still shows the original times."""
     elapsed = 0.0
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    from goat_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+    with open(run_lib.metrics_path(workdir)) as f:
         for line in f:
             try:
                 elapsed = max(elapsed, float(json.loads(line).get("elapsed_s") or 0.0))
@@ -247,7 +248,7 @@ def training_seconds(workdir: str) -> float:
 
 def evaluate(job: Job, suite: Suite) -> dict:
     """The evaluations of ``job`` (cached in ``WORKDIR/reproduce_eval.json``)."""
-    from experiments import evaluate as ev  # pylint: disable=g-import-not-at-top
+    from goat_jax.eval import runs as ev  # pylint: disable=g-import-not-at-top
 
     cache = os.path.join(job.workdir, "reproduce_eval.json")
     if os.path.exists(cache):
@@ -255,13 +256,13 @@ def evaluate(job: Job, suite: Suite) -> dict:
             return json.load(f)
     t0 = time.time()
     if job.kind == "toy":
-        from experiments import toy_prior  # pylint: disable=g-import-not-at-top
-        res = toy_prior.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True,
-                                train=False)
+        from goat_jax.eval import toy  # pylint: disable=g-import-not-at-top
+        res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True,
+                          train=False)
         out = {"summary": res["summary"], "sink": res["checks"]["sink"],
                "diagonal": res["checks"]["diagonal"], "loss": res["loss"]}
     else:
-        run = ev.load_run(job.workdir)
+        run = ev.load_lm_run(job.workdir)
         out = {"train_len": run.train_len, "step": run.step}
         if job.kind == "lm":
             out["extrapolation"] = ev.eval_extrapolation(run, suite.multipliers)
@@ -353,7 +354,7 @@ def headline_checks(results: dict[str, dict], encodings: Sequence[str]) -> list[
 
 def _table(rows: dict[str, dict[int, float]], train_len: int, pct: bool = False) -> str:
     """Runs x lengths, each length header also given as a multiple of the training length."""
-    from experiments.evaluate import table  # pylint: disable=g-import-not-at-top
+    from goat_jax.eval.runs import table  # pylint: disable=g-import-not-at-top
     return table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
 
 

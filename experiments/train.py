@@ -7,16 +7,29 @@ Re-running the same command resumes from DIR's latest checkpoint. See goat_jax/t
 checkpoint's (e.g. a lower learning rate after a non-finite loss); the change is recorded in
 DIR/config_changes.jsonl. Errors in the config or inputs print one line (``GOAT_DEBUG=1``: the
 traceback) and leave no new DIR behind.
+
+Multi-process (one process per host, every process runs the same command):
+
+    # TPU pod slice / SLURM: the cluster is detected
+    python -m experiments.train --config ... --workdir gs://bucket/run --config.distributed=True
+    # explicit (e.g. two CPU processes on one machine)
+    python -m experiments.train --config ... --workdir DIR --coordinator_address host0:12345 \
+        --num_processes 2 --process_id {0,1}
+
+The workdir must be one shared directory (a bucket or a shared filesystem): every process
+writes its part of each checkpoint there.
 """
 
 import logging as py_logging
 import os
 
+from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
 from experiments import cli
+from goat_jax.train import sharding
 from goat_jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_tiny.py:rope.",
@@ -25,6 +38,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, met
 _RESUME_WITH_CHANGES = flags.DEFINE_bool(
     "resume_with_changes", False, "Resume although optimizer.* or num_train_steps differ from the "
     "checkpoint's (recorded in WORKDIR/config_changes.jsonl).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 for jax.distributed.initialize (multi-process); "
+    "omit to let JAX detect the cluster (TPU pods, SLURM) when --config.distributed=True.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -42,6 +60,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if any(v is not None for v in explicit) or _CONFIG.value.distributed:
+        # Before anything touches a device: the backends are created by initialize.
+        sharding.initialize_distributed(*explicit)
     with cli.workdir_cleanup(_WORKDIR.value):  # the trainer creates it once the config is valid
         summary = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                              resume_with_changes=_RESUME_WITH_CHANGES.value)

@@ -1,6 +1,6 @@
 """GOAT attention: packing the log-prior into q/k channels, and the Flax Linen modules.
 
-Packing (paper section 3.3; REFERENCE.md section 1). Per head, with content dims ``d_c``::
+Packing (paper section 3.3; docs/protocols.md, The mechanism). Per head, with content dims ``d_c``::
 
     q~ = [q_c / sqrt(d_c),  A cos(w p_i) + B sin(w p_i),  A sin(w p_i) - B cos(w p_i),  g * 1 ...]
     k~ = [k_c,              cos(w p_j),                   sin(w p_j),                   u(j) ...]
@@ -299,7 +299,9 @@ class GoatAttention(nn.Module):
         if settings.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
-        impl = kernels.resolve_implementation(self.implementation, dtype, qk_dim)
+        impl = kernels.resolve_implementation(
+            self.implementation, dtype, qk_dim,
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)

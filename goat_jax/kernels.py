@@ -1,5 +1,5 @@
-"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'cudnn' | 'splash' |
-'splash_interpret' | 'dense' | None (automatic).
+"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'flash' | 'cudnn' |
+'splash' | 'splash_interpret' | 'dense' | None (automatic).
 
 Every kernel here computes plain ``softmax(q . k * scale + mask) v`` with *no additive bias*:
 GOAT's prior is packed into extra q/k channels (``goat_jax.attention``), so an unmodified flash
@@ -19,20 +19,39 @@ masking with a negative offset) outputs **zeros on every kernel**, and no gradie
 it: the kernels themselves disagree there (NaN from a dense softmax over ``-inf`` logits, a
 uniform average of the values from XLA and splash), so :func:`attend` selects zeros for such
 rows after the kernel (:func:`rows_with_keys`, O(B (S + T)), no T x S mask on flash paths).
+
+Kernels: 'xla' (``jax.nn.dot_product_attention``'s XLA path: materializes the T x S logits),
+'flash' (:mod:`goat_jax.flash`: pure-JAX online-softmax attention with a recomputing custom
+VJP, memory linear in T and S, fully masked causal blocks skipped; any backend and dtype),
+'cudnn' (GPU, bf16/fp16), 'splash' / 'splash_interpret' (Pallas TPU; interpret mode on CPU),
+'dense' (the materialized float32 reference).
+
+Automatic choice (``None``): cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash
+on TPU; otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
+``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4`` bytes, else 'xla'.
+Why 16 MiB: XLA keeps those logits and the probabilities (and their gradients while training),
+so its memory grows as L^2 (2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash
+kernel is already faster from L = 1024 at 8 heads (32 MiB of logits; benchmarks/attention.md);
+below the threshold (short sequences, decoding one token against a cache) XLA's single fused
+matmul has less loop overhead and its memory is small anyway.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import flash as flash_lib
+
 Array = jax.Array
 
-IMPLEMENTATIONS = ("xla", "cudnn", "splash", "splash_interpret", "dense")
+IMPLEMENTATIONS = ("xla", "flash", "cudnn", "splash", "splash_interpret", "dense")
+FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper; 128 on older GPUs.
 _SPLASH_BLOCK = 128  # splash block sizes must be multiples of the TPU lane count.
 
@@ -51,12 +70,15 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int) -> str:
+def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
+                           logits_shape: Optional[Tuple[int, int, int, int]] = None) -> str:
     """Validates ``implementation`` or picks one automatically (logged once).
 
     Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
-    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; XLA
-    otherwise. An explicit choice that cannot run raises ValueError naming the reason.
+    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; otherwise
+    'flash' when ``logits_shape`` = (B, N, T, S) is given and ``B * N * T * S * 4`` exceeds
+    ``FLASH_THRESHOLD_BYTES``, else XLA. An explicit choice that cannot run raises ValueError
+    naming the reason.
     """
     dtype = jnp.dtype(dtype)
     half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -73,7 +95,14 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
             if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
                 reasons.append(f"packed head dim {padded} > {_CUDNN_MAX_HEAD_DIM}")
-            choice, why = "xla", ", ".join(reasons) or f"platform {platform}"
+            logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
+            if logits_bytes > FLASH_THRESHOLD_BYTES:
+                choice = "flash"
+                reasons.append(f"{logits_bytes / 2**20:.0f} MiB of T x S logits > "
+                               f"{FLASH_THRESHOLD_BYTES / 2**20:.0f} MiB")
+            else:
+                choice = "xla"
+            why = ", ".join(reasons) or f"platform {platform}"
         log_once(f"goat_jax: attention implementation '{choice}' ({why}).")
         return choice
     if implementation not in IMPLEMENTATIONS:
@@ -240,6 +269,9 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
     if implementation == "dense":
         return _dense(q, k, v, scale, bias, _explicit_mask(
             q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask, kv_lengths))
+    if implementation == "flash":
+        return flash_lib.flash_attention(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
+                                         key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
     if implementation in ("splash", "splash_interpret"):
         return _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths,
                        interpret=implementation == "splash_interpret")

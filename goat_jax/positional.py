@@ -323,11 +323,11 @@ class PositionalAttention(nn.Module):
             raise ValueError("position_encoding='naive_prior' needs max_len >= 1 (the learned "
                              f"prior table is [num_heads, max_len, max_len]); got {self.max_len}.")
 
-    def _implementation(self, dtype: Dtype, qk_dim: int) -> str:
+    def _implementation(self, dtype: Dtype, qk_dim: int, logits_shape) -> str:
         """Kernel choice; bias-based encodings need a kernel that takes an additive bias."""
         impl = self.implementation
         if self.position_encoding not in _BIAS_ENCODINGS:
-            return kernels.resolve_implementation(impl, dtype, qk_dim)
+            return kernels.resolve_implementation(impl, dtype, qk_dim, logits_shape)
         if impl is None or impl == "auto":
             kernels.log_once(f"goat_jax: position_encoding={self.position_encoding!r} uses "
                              "implementation 'xla' (it needs an additive bias).")
@@ -387,7 +387,7 @@ class PositionalAttention(nn.Module):
         group = n // kv_heads
         channels = default_sink_channels(dtype)
         qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
-        impl = self._implementation(dtype, qk_dim)
+        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1], key.shape[1]))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)

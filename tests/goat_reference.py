@@ -145,3 +145,40 @@ def goat_module(**fields):
     names = set(PriorSettings.names())
     prior = PriorSettings(**{k: v for k, v in fields.items() if k in names})
     return GoatAttention(prior=prior, **{k: v for k, v in fields.items() if k not in names})
+
+
+def attention_and_grads(q, k, v, cotangent, *, scale=1.0, is_causal=False, causal_offset=0,
+                        key_padding_mask=None, kv_lengths=None):
+    """Plain attention and its gradients, float64, written out by hand (no autodiff).
+
+    q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv] (N % K == 0), ``cotangent`` [B, T, N, Hv]
+    = d loss / d out. Masking contract of ``goat_jax.kernels``; a row with no visible key
+    outputs zeros and passes zero gradient. Returns (out, dq, dk, dv).
+    """
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, cotangent))
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # [B, S, N, H]
+    visible = np.ones((b, 1, t, s), bool)
+    if is_causal:
+        visible = visible & (np.arange(s)[None, :] <= np.arange(t)[:, None] + causal_offset)
+    if key_padding_mask is not None:
+        visible = visible & ~np.asarray(key_padding_mask, bool)[:, None, None, :]
+    if kv_lengths is not None:
+        visible = visible & (np.arange(s)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, None, :]
+    logits = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    logits = np.where(visible, logits, -np.inf)
+    row_max = logits.max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    w = np.exp(logits - row_max)
+    total = w.sum(-1, keepdims=True)
+    p = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)  # [B, N, T, S]
+    out = np.einsum("bnts,bsnh->btnh", p, vr)
+    # Backward of out = P V, P = softmax(scale * Q K^T): dP = dO V^T, dS = P (dP - rowsum(dP P)).
+    dp = np.einsum("btnh,bsnh->bnts", do, vr)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr)
+    dk = np.einsum("bnts,btnh->bsnh", ds, q).reshape(b, s, kh, g, -1).sum(3)
+    dv = np.einsum("bnts,btnh->bsnh", p, do).reshape(b, s, kh, g, -1).sum(3)
+    return out, dq, dk, dv

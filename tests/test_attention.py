@@ -10,7 +10,7 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention import GoatAttention, split_exact
+from goat_jax.attention import split_exact
 from tests import goat_reference as ref
 
 E = 64
@@ -93,7 +93,7 @@ def _run_case(name, implementation, rng, length_override=None, dtype=None):
     return out, want
 
 
-@pytest.mark.parametrize("implementation", ["xla", "dense"])
+@pytest.mark.parametrize("implementation", ["xla", "flash", "dense"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_float64_reference(name, implementation, rng):
     out, want = _run_case(name, implementation, rng)
@@ -168,7 +168,7 @@ def test_shift_leaves_relative_logits_unchanged(rng):
     assert np.abs(lp(0) - lp(shift)).max() <= 2e-6 * (shift + 40) * np.abs(lp(0)).max()
 
 
-@pytest.mark.parametrize("implementation", ["xla", "dense"])
+@pytest.mark.parametrize("implementation", ["xla", "flash", "dense"])
 def test_kv_cache_decoding_equals_full_forward(implementation, rng):
     length = 20
     module, params = make_module_and_params(
@@ -266,8 +266,8 @@ def test_error_cudnn_float32_or_no_gpu():
 
 
 def test_error_unknown_implementation():
-    with pytest.raises(ValueError, match="Unknown implementation='flash'"):
-        _init(ref.goat_module(num_heads=4, pos_rank=2, implementation="flash"))
+    with pytest.raises(ValueError, match="Unknown implementation='flash2'"):
+        _init(ref.goat_module(num_heads=4, pos_rank=2, implementation="flash2"))
 
 
 def test_error_head_counts_do_not_divide():

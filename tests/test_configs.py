@@ -107,7 +107,7 @@ def _tiny(**changes):
     (lambda c: c.__setattr__("per_device_batch_size", 2), 1, r"exactly one of global_batch_size and per_device_batch_size"),
     (lambda c: (c.model.__setattr__("position_encoding", "learned"), c.model.__setattr__("max_len", 64)), 1,
      r"seq_len=128 exceeds model\.max_len=64"),
-    (lambda c: c.__setattr__("task", "lm2"), 1, r"config\.task='lm2' is not a registered task"),
+    (lambda c: c.__setattr__("task", "lm2"), 1, r"config\.task='lm2': no module 'goat_jax\.tasks\.lm2'"),
     (lambda c: c.__setattr__("log_every_steps", 0), 1, r"log_every_steps=0 is out of range: allowed is an integer >= 1"),
 ])
 def test_bad_values_raise_naming_the_field(mutate, devices, pattern):

@@ -12,7 +12,7 @@ from goat_jax import prior as prior_lib
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
 
-CPU_KERNELS = ["dense", "xla", "splash_interpret"]
+CPU_KERNELS = ["dense", "xla", "flash", "splash_interpret"]
 
 
 def _reference_attention(q, k, v, scale, mask):

@@ -292,7 +292,7 @@ def test_errors():
         make("sinusoidal").init(key, x)
     with pytest.raises(ValueError, match="training_seq_len"):
         PositionalAttention(num_heads=N, position_encoding="rope_pi").init(key, x)
-    for impl in ("cudnn", "splash"):
+    for impl in ("cudnn", "splash", "flash"):
         with pytest.raises(ValueError, match="alibi_packed"):
             make("alibi", implementation=impl).init(key, x, is_causal=True)
         with pytest.raises(ValueError, match="bias"):

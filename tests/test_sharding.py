@@ -156,3 +156,82 @@ def test_eight_devices_2x2x2_match_one_device(tmp_path):
     assert len(losses_1) == len(losses_8) == 6
     np.testing.assert_allclose(losses_8, losses_1, rtol=1e-4)
     assert losses_1[-1] < losses_1[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations really are partitioned: the compiled train step on 8 fake devices
+# ----------------------------------------------------------------------------------------------
+
+_COMPILED_SCRIPT = r"""
+import json, re, sys
+sys.path.insert(0, '.')
+import jax
+from configs import lm_tiny
+from goat_jax.train import trainer, sharding, tasks
+config = lm_tiny.get_config('goat,smoke')  # batch 8, length 64, embed 64, mlp 128, vocab 259
+task = tasks.get_task('lm')
+rules = sharding.rules_from_config(config.sharding_rules)
+data = task.make_datasets(config, config.global_batch_size, 0, 1)
+batches = [next(data.train) for _ in range(3)]
+out = {}
+for name, mesh_cfg, devices in [('one', {'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1]),
+                                ('tensor', {'data': 4, 'fsdp': 1, 'tensor': 2}, None),
+                                ('fsdp', {'data': 2, 'fsdp': 4, 'tensor': 1}, None)]:
+    mesh = sharding.make_mesh(mesh_cfg, devices)
+    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batches[0].items()}
+    steps = trainer.make_sharded_steps(task, config, mesh, rules, bsh)
+    abstract = lambda tree, shardings: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+    lowered = steps.train_step.lower(abstract(steps.abstract_state, steps.state_shardings),
+                                     abstract(batches[0], bsh))
+    compiled = lowered.compile()
+    params = compiled.input_shardings[0][0].params
+    state = steps.init(jax.random.PRNGKey(config.seed))
+    losses = []
+    for b in batches:
+        state, m = steps.train_step(state, {k: jax.device_put(v, bsh[k]) for k, v in b.items()})
+        losses.append(float(m['train_loss']))
+    out[name] = {
+        'losses': losses,
+        # (shape, spec) of every sharding constraint the model's logical names put in the step
+        'constraints': sorted({(shape, spec.replace('"', '')) for spec, shape in re.findall(
+            r'sdy\.sharding_constraint %\S+ <@mesh, \[(.*?)\]> : tensor<([\dx]+)xf32>', lowered.as_text())}),
+        # per-device array shapes after SPMD partitioning
+        'shapes': sorted(set(re.findall(r'f32\[([\d,]+)\]', compiled.as_text()))),
+        'embed': str(params['embed']['embedding'].spec),
+        'q_proj': str(params['layer_0']['attention']['q_proj']['kernel'].spec),
+        'wi_0': str(params['layer_0']['mlp']['wi_0']['kernel'].spec),
+    }
+print('RESULT ' + json.dumps(out))
+"""
+
+
+def test_compiled_step_partitions_activations_and_params_tensor_and_fsdp():
+    """The model's nn.with_logical_constraint names become sharding constraints in the
+    compiled train step (they were no-ops without the mesh and rules context), the partitioned
+    step holds only per-device slices of the activations, parameters follow the rules, and the
+    losses equal one device's to 1e-4. One subprocess, 8 fake CPU devices."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    one, tensor, fsdp = out["one"], out["tensor"], out["fsdp"]
+    for run in (tensor, fsdp):
+        # residual stream: batch over data x fsdp; MLP hidden and logits: features over tensor
+        assert ["8x64x64", "{data, fsdp}, {}, {}"] in run["constraints"]
+        assert ["8x64x128", "{data, fsdp}, {}, {tensor}"] in run["constraints"]
+        assert ["8x64x259", "{data, fsdp}, {}, {tensor}"] in run["constraints"]
+        np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-4)
+    # One device holds whole activations; the meshes hold slices of them.
+    assert "8,64,128" in one["shapes"] and "8,64,259" in one["shapes"]
+    # tensor=2 (data=4): 2 rows each; MLP hidden 128 -> 64 and the odd vocabulary 259 -> 130
+    # (padded) per device; no device holds a whole-batch residual or MLP activation.
+    assert "2,64,130" in tensor["shapes"] and "2,64,64" in tensor["shapes"]
+    assert not {"8,64,64", "8,64,128", "8,64,259"} & set(tensor["shapes"])
+    # fsdp=4 (data=2): 1 row each; the parameters' embed dim 64 -> 16 per device.
+    assert "1,64,64" in fsdp["shapes"] and "1,64,128" in fsdp["shapes"] and "259,16" in fsdp["shapes"]
+    assert not {"8,64,64", "8,64,128", "4,64,64", "4,64,128"} & set(fsdp["shapes"])
+    assert tensor["q_proj"] == str(P("fsdp", "tensor", None)) and tensor["wi_0"] == str(P("fsdp", "tensor"))
+    assert tensor["embed"] == str(P(None, "fsdp"))  # 259 does not split over tensor=2
+    assert fsdp["embed"] == str(P("tensor", "fsdp")) and fsdp["wi_0"] == str(P("fsdp", "tensor"))

@@ -81,7 +81,7 @@ def test_decay_mask_excludes_biases_norms_and_goat_prior():
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): v
             for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(jax.tree.map(
                 lambda x: x.value if hasattr(x, "value") else x, params,
-                is_leaf=lambda x: hasattr(x, "names"))))}
+                is_leaf=lambda x: hasattr(x, "names")), tasks.get_task("lm").no_decay_names))}
     assert flat["embed/embedding"] and flat["layer_0/mlp/wi_0/kernel"]
     assert flat["layer_0/attention/q_proj/kernel"]  # 3-D kernel [E, N, H]
     assert not flat["final_norm/scale"] and not flat["layer_0/attn_norm/scale"]
@@ -101,8 +101,8 @@ def test_gradient_accumulation_matches_full_batch():
              "weights": (rng.random((8, config.seq_len)) > 0.3).astype(np.float32)}
     params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
 
-    def loss_fn(p, b):
-        return task.loss(model.apply, p, b)
+    def loss_fn(p, b, rng):
+        return task.loss(model.apply, p, b, rng)
 
     out = {n: jax.jit(lambda p, b, n=n: optim.accumulate_gradients(loss_fn, p, b, n))(params, batch)
            for n in (1, 4)}
@@ -136,36 +136,41 @@ def test_run_leaves_metrics_tensorboard_checkpoints_and_config(tmp_path):
     assert trainer.train_and_evaluate(config, str(tmp_path))["step"] == 10
 
 
+class _Poison:
+    """Wraps a train iterator: the 8th batch gets NaN weights."""
+
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+
+    def __next__(self):
+        batch = dict(next(self.inner))
+        self.n += 1
+        if self.n == 8:
+            batch["weights"] = batch["weights"] * np.float32("nan")
+        return batch
+
+    def get_state(self):
+        return {"n": self.n, "inner": self.inner.get_state()}
+
+    def set_state(self, state):
+        self.n = state["n"]
+        self.inner.set_state(state["inner"])
+
+
+def _poisoned_datasets(config, *args):
+    """The LM data with a NaN weight in the 8th batch."""
+    data = tasks.get_task("lm").make_datasets(config, *args)
+    return dataclasses.replace(data, train=_Poison(data.train))
+
+
+# A task defined outside goat_jax/tasks, loaded by config.task = 'tests.test_trainer:POISONED'.
+POISONED = dataclasses.replace(tasks.get_task("lm"), name="lm_poisoned", make_datasets=_poisoned_datasets)
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     """The 8th batch carries a NaN weight: the run stops at step 8 with a clear error, saves
     nothing after step 5, and leaves the step-5 checkpoint as the latest."""
-    lm = tasks.get_task("lm")
-
-    def poisoned(config, *args):
-        data = lm.make_datasets(config, *args)
-
-        class Poison:
-            def __init__(self):
-                self.n = 0
-
-            def __next__(self):
-                batch = dict(next(data.train))
-                self.n += 1
-                if self.n == 8:
-                    batch["weights"] = batch["weights"] * np.float32("nan")
-                return batch
-
-            def get_state(self):
-                return {"n": self.n, "inner": data.train.get_state()}
-
-            def set_state(self, state):
-                self.n = state["n"]
-                data.train.set_state(state["inner"])
-
-        return dataclasses.replace(data, train=Poison())
-
-    tasks.register_task(dataclasses.replace(lm, name="lm_poisoned", make_datasets=poisoned))
-    config = _smoke(task="lm_poisoned", num_train_steps=20)
+    config = _smoke(task="tests.test_trainer:POISONED", num_train_steps=20)
     with pytest.raises(FloatingPointError, match=r"step 8.*last finite checkpoint \(step 5\).*--resume_with_changes"):
         trainer.train_and_evaluate(config, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]

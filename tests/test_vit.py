@@ -76,6 +76,7 @@ def _shuffle_patches(x, perm, patch=4):
     return p[:, perm].reshape(b, gr, gc, patch, patch, ch).transpose(0, 1, 3, 2, 4, 5).reshape(x.shape)
 
 
+@pytest.mark.slow
 def test_uniform_goat_starts_position_free(rng):
     """Official ViT init: a flat prior (kappa = 0, u = 0), so at initialization the GOAT ViT
     ignores where patches are; after training the prior it no longer does."""
@@ -117,6 +118,7 @@ def test_bad_inputs_raise_clearly():
         ViTConfig(image_size=30, patch_size=4)
 
 
+@pytest.mark.slow
 def test_drop_path_is_train_only_and_per_example(rng):
     model = _model("rope2d", drop_path_rate=0.5, num_layers=3)
     x = jnp.asarray(rng.standard_normal((8, 16, 16, 1)), jnp.float32)
@@ -292,3 +294,12 @@ def test_goat_vit_layer_matches_official_2d_layer_with_cls(image, rng):
         want = m(xt, xt, xt, need_weights=False, spatial_shape=grid, has_cls_token=True)[0].numpy()
     err = np.abs(np.asarray(out) - want).max() / np.abs(want).max()
     assert err <= 1e-5, err
+
+    # The CLS attention maps of the figures equal the official layer's head-averaged weights.
+    from goat_jax.eval.vision import cls_attention_maps
+
+    with torch.no_grad():
+        weights = m(xt, xt, xt, need_weights=True, average_attn_weights=True, spatial_shape=grid,
+                    has_cls_token=True)[1].numpy()  # [B, L, L]
+    maps = cls_attention_maps(model, v["params"], images, layer=0)
+    np.testing.assert_allclose(maps, weights[:, 0, 1:].reshape((2,) + grid), atol=1e-6)

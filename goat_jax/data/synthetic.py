@@ -18,8 +18,8 @@ Tasks:
   passkey_batch        official GOAT synthetic passkey: byte-level random a-z filler with
                        "passkey: <8 digits>" at a depth and the query at the end; only the key
                        span at the end is scored (teacher-forced exact match).
-  passkey_prompt       standard passkey prompt (Landmark Attention / LongLoRA; REFERENCE.md
-                       section 4) of an exact token length, for greedy generation.
+  passkey_prompt       standard passkey prompt (Landmark Attention / LongLoRA;
+                       docs/protocols.md, Passkey) of an exact token length, for greedy generation.
   niah_batch           synthetic needle-in-a-haystack: random-word haystack, "key=value" needle
                        at depth d, "key=" question at the end, value span scored.
 
@@ -49,7 +49,7 @@ _BYTES = tokenizers_lib.ByteTokenizer()
 BOS_ID = tokenizers_lib.BOS_ID
 KINDS = ("copy_mixture", "passkey", "niah")
 
-# Official GOAT synthetic passkey (REFERENCE.md section 4). The query repeats the needle's
+# Official GOAT synthetic passkey (docs/protocols.md, Passkey). The query repeats the needle's
 # "passkey: " prefix, so retrieval is an induction-style lookup of what followed it.
 PASSKEY_NEEDLE = " passkey: {key}. "
 PASSKEY_QUERY = " ... passkey: "

@@ -261,19 +261,25 @@ def read_fasta_records(paths: Sequence[str], max_bases: Optional[int] = None
 
 
 def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
-                   multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, max_bases: Optional[int] = None,
+                   multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
+                   lengths: Optional[Sequence[int]] = None, max_bases: Optional[int] = None,
                    gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
                    seed: int = 0, tokens_per_batch: int = 16384) -> dict[str, Any]:
     """Likelihood at ``m * train_len`` and GC agreement of a Linen LM on FASTA files.
 
     Returns a JSON-able dict: ``{'data': info, 'by_length': {W: DnaScores as dict},
     'gc': GCAgreement as dict (or {'error': reason} when the files are too short)}``.
-    ``gc_num_windows=0`` skips the GC metric.
+    ``lengths`` (window lengths in bases) replaces ``multipliers`` when given; lengths longer
+    than every record are left out. ``gc_num_windows=0`` skips the GC metric.
     """
     records, info = read_fasta_records(paths, max_bases)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    scores = score_by_length(apply_fn, params, records, train_len, multipliers,
-                             tokens_per_batch=tokens_per_batch)
+    if lengths:
+        scores = score_by_length(apply_fn, params, records, 1, list(lengths),
+                                 tokens_per_batch=tokens_per_batch)
+    else:
+        scores = score_by_length(apply_fn, params, records, train_len, multipliers,
+                                 tokens_per_batch=tokens_per_batch)
     out: dict[str, Any] = {"data": info,
                            "by_length": {w: s._asdict() for w, s in scores.items()}}
     if gc_num_windows:

@@ -6,13 +6,17 @@
 * :func:`centre_log_prior` -- a GOAT layer's head-averaged log-prior of the centre patch's query
   over every key of a (larger) grid: the paper's panel showing a shift-invariant prior learned
   from a uniform start.
-* :func:`plot_resolutions`, :func:`plot_log_prior` -- the figures (matplotlib, Agg).
+* :func:`cls_attention_maps` -- the last layer's CLS attention over the patches (paper panel:
+  GOAT vs 'ape' at high resolution).
+* :func:`plot_resolutions`, :func:`plot_log_prior`, :func:`plot_cls_attention` -- the figures
+  (matplotlib, Agg).
 
 Shape legend: B batch, r resolution, h x w patch grid, N heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Dict, Optional, Tuple
 
@@ -105,6 +109,52 @@ def shift_invariance_error(params: Mapping[str, Any], cfg: ViTConfig, grid: Tupl
     return float(np.abs(moved - base).max() / spread) if spread else 0.0
 
 
+def cls_attention_maps(model, params, images: np.ndarray, layer: Optional[int] = None) -> np.ndarray:
+    """Head-averaged attention of the CLS query over the patches in block ``layer`` (default:
+    the last), read from the layer's sown probabilities (the 'dense' kernel materializes them).
+
+    Args:
+      images: [B, r, r, Ch] normalized images at any resolution divisible by the patch size.
+    Returns:
+      [B, h, w] float64 maps (each sums to 1 minus the CLS-to-CLS mass).
+    """
+    cfg = model.config
+    layer = cfg.num_layers - 1 if layer is None else layer
+    dense = model.clone(config=dataclasses.replace(cfg, implementation="dense"))
+    _, state = jax.jit(lambda p, x: dense.apply({"params": p}, x, mutable=["intermediates"]))(params, images)
+    probs = state["intermediates"][f"block_{layer}"]["attention"]["attention_probs"][0]  # [B, N, L, L]
+    grid = (images.shape[1] // cfg.patch_size, images.shape[2] // cfg.patch_size)
+    return np.asarray(probs[:, :, 0, 1:], np.float64).mean(axis=1).reshape((-1,) + grid)
+
+
+def plot_cls_attention(images: Mapping[int, np.ndarray], maps: Mapping[str, Mapping[int, np.ndarray]],
+                       path: str) -> None:
+    """One row per image: the image, then each run's CLS map at each resolution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = sorted(images)
+    cols = [(label, r) for label in maps for r in rs]
+    n = images[rs[0]].shape[0]
+    fig, axes = plt.subplots(n, 1 + len(cols), figsize=(1.6 * (1 + len(cols)), 1.6 * n), squeeze=False)
+    for i in range(n):
+        img = images[rs[-1]][i]
+        axes[i, 0].imshow(img[..., 0] if img.shape[-1] == 1 else (img - img.min()) / (np.ptp(img) or 1),
+                          cmap="gray" if img.shape[-1] == 1 else None)
+        for j, (label, r) in enumerate(cols, start=1):
+            axes[i, j].imshow(maps[label][r][i], cmap="inferno")
+            if i == 0:
+                axes[i, j].set_title(f"{label} @ {r}px", fontsize=7)
+    for ax in axes.ravel():
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
 def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], path: str,
                      train_resolution: Optional[int] = None) -> None:
     """Top-1 (%) against evaluation resolution, one line per run; a dotted line marks the
@@ -157,7 +207,9 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
     top-1 and loss on its eval split at each resolution; for GOAT runs also block 0's
     centre-patch log-prior on a 32 x 32 grid and :func:`shift_invariance_error`. Writes
     ``out/results.json`` (all numbers), ``out/results.md`` (runs side by side) and
-    ``out/resolution.png`` (+ ``prior_<label>.png`` for GOAT runs). Eval batches hold
+    ``out/resolution.png``, ``out/cls_attention.png`` (the last layer's CLS attention on the
+    same 4 eval images at the smallest and largest resolution, every run) and
+    ``prior_<label>.png`` for GOAT runs. Eval batches hold
     ``batch_size`` images (default: the run's ``global_batch_size``); ``data.num_eval_batches``
     of the run's config limits them (0: the whole split).
 
@@ -171,6 +223,9 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
     from goat_jax.train import run as run_lib
 
     results: Dict[str, Any] = {}
+    shown = (min(resolutions), max(resolutions))
+    cls_images: Dict[int, np.ndarray] = {}
+    cls_maps: Dict[str, Dict[int, np.ndarray]] = {}
     for workdir, label in zip(workdirs, labels):
         run = run_lib.load_run(workdir)
         if run.config.task != "vit":
@@ -183,6 +238,9 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
         cfg = run.model.config
         entry = {"step": run.step, "train_resolution": cfg.image_size, "encoding": cfg.position_encoding,
                  "resolution": evaluate_resolutions(run.model, run.params, make_eval_at, resolutions, log)}
+        for r in shown:  # the same first eval images for every run
+            cls_images.setdefault(r, next(make_eval_at(r))["image"][:4])
+        cls_maps[label] = {r: cls_attention_maps(run.model, run.params, cls_images[r]) for r in shown}
         if cfg.position_encoding == "goat":
             os.makedirs(out, exist_ok=True)
             plot_log_prior(centre_log_prior(run.params, cfg, (32, 32)), os.path.join(out, f"prior_{label}.png"),
@@ -203,4 +261,5 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
         f.write("\n".join(lines) + "\n")
     train_res = next(iter(results.values()))["train_resolution"] if results else None
     plot_resolutions({k: v["resolution"] for k, v in results.items()}, os.path.join(out, "resolution.png"), train_res)
+    plot_cls_attention(cls_images, cls_maps, os.path.join(out, "cls_attention.png"))
     return results

@@ -18,6 +18,18 @@ from goat_jax.models.vit import ViT, ViTConfig
 
 _REGISTRY: Dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {}
 
+# Parameter / module names never weight-decayed (a task's ``no_decay_names``; arrays with fewer
+# than two dims are never decayed anyway). Biases and norm scales are the usual AdamW exclusions
+# (decay would pull norm gains to 0, and biases carry no capacity to regularize). The GOAT prior
+# parameters are a handful of numbers per head whose scale *is* the prior (Fourier coefficients,
+# sink gain and bump, ALiBi-like recency slope): decaying them biases the learned prior towards
+# uniform attention rather than regularizing the model. 'prior' is the GoatPrior module name, so
+# its sink-MLP kernels are excluded too.
+NO_DECAY_NAMES = frozenset({
+    "bias", "scale", "prior", "lambda_sym", "lambda_asym", "key_bias", "sink_gain", "sink_bump",
+    "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias",
+})
+
 
 def register_model(name: str):
     """Decorator registering ``builder(fields) -> nn.Module`` under ``name``."""
@@ -63,5 +75,5 @@ def count_params(model: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.
     return int(sum(np.prod(leaf.shape, dtype=np.int64) for leaf in jax.tree_util.tree_leaves(shapes["params"])))
 
 
-__all__ = ["LMConfig", "TransformerLM", "ViT", "ViTConfig", "build_model", "count_params",
-           "lm_flops_per_token", "register_model"]
+__all__ = ["NO_DECAY_NAMES", "LMConfig", "TransformerLM", "ViT", "ViTConfig", "build_model",
+           "count_params", "lm_flops_per_token", "register_model"]

@@ -1,7 +1,9 @@
-"""The training engine, shared by the language, DNA and ViT experiments.
+"""The training engine, shared by every experiment family (it names none of their fields).
 
 * :mod:`~goat_jax.train.trainer`    -- ``train_and_evaluate(config, workdir)``: the loop, top to bottom.
-* :mod:`~goat_jax.train.tasks`      -- ``config.task`` registry: model, data, loss, schema per task.
+* :mod:`~goat_jax.train.tasks`      -- the Task contract; ``config.task`` -> a task module
+  (``goat_jax/tasks/<name>.py``), shared losses.
+* :mod:`~goat_jax.train.run`        -- the workdir layout, the train state, ``load_run``.
 * :mod:`~goat_jax.train.sharding`   -- mesh from ``config.mesh``, logical-axis rules, shardings.
 * :mod:`~goat_jax.train.optim`      -- AdamW, warmup + cosine, clipping, decay mask, accumulation.
 * :mod:`~goat_jax.train.checkpoint` -- orbax checkpoints of state + data iterator, fingerprint.

@@ -22,20 +22,20 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-# Fields that may change between a run and its resumption without changing what is computed:
-# cadences, the device layout (the state is resharded on restore), the batch split over devices
-# (the resolved global_batch_size is what is fingerprinted), kernels and rematerialization.
+# Engine fields that may change between a run and its resumption without changing what is
+# computed: cadences, the device layout (the state is resharded on restore) and the batch split
+# over devices (the resolved global_batch_size is what is fingerprinted). A task adds its own
+# (``Task.resume_safe_fields``, e.g. kernels and rematerialization).
 RESUME_SAFE_FIELDS = frozenset({
     "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
     "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
-    "per_device_batch_size", "data.read_threads", "data.num_eval_batches", "model.remat",
-    "model.implementation",
+    "per_device_batch_size",
 })
 
 
@@ -74,17 +74,18 @@ def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def fingerprint_fields(config_dict: Dict[str, Any]) -> Dict[str, Any]:
+def fingerprint_fields(config_dict: Dict[str, Any], resume_safe_fields: Iterable[str] = ()) -> Dict[str, Any]:
     """The flattened ``{'a.b': value}`` fields of a resolved config that a checkpoint depends
-    on (everything except :data:`RESUME_SAFE_FIELDS`), JSON-normalized (tuples -> lists)."""
+    on (everything except :data:`RESUME_SAFE_FIELDS` and the task's ``resume_safe_fields``),
+    JSON-normalized (tuples -> lists)."""
+    safe = RESUME_SAFE_FIELDS | frozenset(resume_safe_fields)
     flat = _flatten(json.loads(json.dumps(config_dict, default=str)))
-    return {k: v for k, v in sorted(flat.items())
-            if k not in RESUME_SAFE_FIELDS and k.split(".")[0] not in RESUME_SAFE_FIELDS}
+    return {k: v for k, v in sorted(flat.items()) if k not in safe and k.split(".")[0] not in safe}
 
 
-def config_fingerprint(config_dict: Dict[str, Any]) -> str:
+def config_fingerprint(config_dict: Dict[str, Any], resume_safe_fields: Iterable[str] = ()) -> str:
     """A short hash of :func:`fingerprint_fields`."""
-    blob = json.dumps(fingerprint_fields(config_dict), sort_keys=True).encode()
+    blob = json.dumps(fingerprint_fields(config_dict, resume_safe_fields), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -150,20 +151,32 @@ class Checkpointer:
     """Saves and restores ``(state, data_state)`` at integer steps under ``directory``.
 
     Args:
-      directory: where checkpoints live (created if needed).
+      directory: where checkpoints live (created if needed, unless ``read_only``).
       config_dict: the resolved config (a plain dict); its fingerprint is stored with every
         checkpoint and compared with the latest one's by :meth:`check_compatible`.
       keep: keep the last ``keep`` checkpoints.
       async_save: write the train state in a background thread.
+      resume_safe_fields: the task's fields left out of the fingerprint.
+      read_only: for readers of a run that may still be training (evaluation): never creates,
+        writes, deletes or cleans up anything under ``directory`` -- in particular not the
+        trainer's in-progress temporary checkpoint -- and :meth:`save` raises. The directory
+        must exist (FileNotFoundError otherwise).
     """
 
-    def __init__(self, directory: str, config_dict: Dict[str, Any], *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, config_dict: Dict[str, Any], *, keep: int = 3, async_save: bool = True,
+                 resume_safe_fields: Iterable[str] = (), read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        self.fields = fingerprint_fields(config_dict)
-        self.fingerprint = config_fingerprint(config_dict)
+        self.read_only = read_only
+        self.fields = fingerprint_fields(config_dict, resume_safe_fields)
+        self.fingerprint = config_fingerprint(config_dict, resume_safe_fields)
+        if read_only and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"{self.directory} does not exist: no checkpoints to read.")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max(int(keep), 1), create=True, cleanup_tmp_directories=True,
-            enable_async_checkpointing=async_save)
+            max_to_keep=max(int(keep), 1), create=not read_only,
+            # Removing unfinished tmp checkpoints is the writer's job: a reader doing it would
+            # delete the save a live trainer is writing (and make that trainer fail).
+            cleanup_tmp_directories=not read_only, read_only=read_only,
+            enable_async_checkpointing=async_save and not read_only)
         self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
                                               options=options)
         # orbax removes leftover temporary directories in a background future; wait for it so
@@ -229,6 +242,8 @@ class Checkpointer:
         """Starts saving ``state`` (asynchronously) and ``data_state`` at ``step``; a step that
         already has a checkpoint is skipped. ``wait`` blocks until it is on disk. Returns
         whether a save was started."""
+        if self.read_only:
+            raise PermissionError(f"Checkpointer({self.directory}) is read-only; cannot save step {step}.")
         if step in self._manager.all_steps():
             if wait:
                 self.wait()

@@ -17,6 +17,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from goat_jax.train import run as run_lib
+
 # Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
 # (vendor datasheets). First match wins, so more specific names come first.
 PEAK_FLOPS = (
@@ -112,7 +114,7 @@ class MetricsWriter:
     def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
                  progress_bar: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = run_lib.metrics_path(workdir)
         self._start = time.perf_counter()
         self._file = self._tb = self._bar = None
         if not enabled:
@@ -120,7 +122,7 @@ class MetricsWriter:
         truncate_jsonl(self.path, initial_step)
         self._file = open(self.path, "a")
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tb = SummaryWriter(run_lib.tensorboard_dir(workdir))
         if progress_bar:
             from tqdm import tqdm  # pylint: disable=g-import-not-at-top
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,

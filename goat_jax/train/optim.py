@@ -7,22 +7,11 @@ weight_decay, grad_clip``; the decay horizon is ``config.num_train_steps``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+from typing import AbstractSet, Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import optax
-
-# Leaves and subtrees never decayed. Biases and norm scales are the usual AdamW exclusions (decay
-# would pull LayerNorm gains to 0 and biases carry no capacity to regularize). The GOAT prior
-# parameters are a handful of numbers per head whose scale *is* the prior (Fourier coefficients,
-# sink gain and bump, ALiBi-like recency slope): decaying them biases the learned prior towards
-# uniform attention rather than regularizing the model. 'prior' is the GoatPrior module name.
-NO_DECAY_NAMES = frozenset({
-    "bias", "scale", "prior", "lambda_sym", "lambda_asym", "key_bias", "sink_gain", "sink_bump",
-    "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias",
-})
-
 
 def learning_rate_schedule(opt_config: Any, num_train_steps: int) -> optax.Schedule:
     """``lr(count)`` for the update with 0-based index ``count``: linear warmup reaching the
@@ -43,26 +32,28 @@ def learning_rate_schedule(opt_config: Any, num_train_steps: int) -> optax.Sched
     return schedule
 
 
-def decay_mask(params: Any) -> Any:
-    """True for parameters that get weight decay: arrays with >= 2 dims outside
-    :data:`NO_DECAY_NAMES` (so 1-D params, biases of any rank, norm scales and the GOAT prior
-    are excluded)."""
+def decay_mask(params: Any, no_decay_names: AbstractSet[str] = frozenset()) -> Any:
+    """True for parameters that get weight decay: arrays with >= 2 dims none of whose path
+    names (parameter or enclosing module) is in ``no_decay_names`` (the task's list, e.g.
+    biases, norm scales, the GOAT prior). 1-D parameters are never decayed."""
     def one(path, leaf):
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        return bool(jnp.ndim(leaf) >= 2 and not names & NO_DECAY_NAMES)
+        return bool(jnp.ndim(leaf) >= 2 and not names & no_decay_names)
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def make_optimizer(opt_config: Any, num_train_steps: int) -> Tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(opt_config: Any, num_train_steps: int, no_decay_names: AbstractSet[str] = frozenset()
+                   ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns ``(tx, schedule)``: clip-by-global-norm (if ``grad_clip > 0``) then AdamW with
-    the masked decoupled weight decay."""
+    the decoupled weight decay masked by :func:`decay_mask` (``no_decay_names``: the task's)."""
     schedule = learning_rate_schedule(opt_config, num_train_steps)
     parts = []
     if opt_config.grad_clip and float(opt_config.grad_clip) > 0:
         parts.append(optax.clip_by_global_norm(float(opt_config.grad_clip)))
     parts.append(optax.adamw(
         learning_rate=schedule, b1=float(opt_config.b1), b2=float(opt_config.b2),
-        eps=float(opt_config.eps), weight_decay=float(opt_config.weight_decay), mask=decay_mask))
+        eps=float(opt_config.eps), weight_decay=float(opt_config.weight_decay),
+        mask=lambda params: decay_mask(params, frozenset(no_decay_names))))
     return optax.chain(*parts), schedule
 
 
@@ -76,36 +67,43 @@ def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
 
 
 def accumulate_gradients(
-    loss_fn: Callable[[Any, Any], Tuple[jax.Array, Tuple[jax.Array, Any]]],
+    loss_fn: Callable[[Any, Any, Optional[jax.Array]], Tuple[jax.Array, Tuple[jax.Array, Any]]],
     params: Any,
     batch: Any,
     num_microbatches: int,
+    rng: Optional[jax.Array] = None,
 ) -> Tuple[jax.Array, jax.Array, Any]:
     """Sums ``loss_fn``'s value and gradient over ``num_microbatches`` slices of ``batch``.
 
-    ``loss_fn(params, batch) -> (loss_sum, (weight_sum, aux))`` must return an *unnormalized*
-    sum (e.g. of token losses); the caller divides by the total weight, so the result equals the
-    full-batch loss exactly (up to float summation order) whatever the microbatch count.
-    Microbatch ``i`` takes rows ``i, i + n, i + 2n, ...``: with the batch sharded in contiguous
-    blocks over devices, every device then holds its share of every microbatch, so the loop needs
-    no resharding.
+    ``loss_fn(params, batch, rng) -> (loss_sum, (weight_sum, aux))`` must return an
+    *unnormalized* sum (e.g. of token losses); the caller divides by the total weight, so the
+    result equals the full-batch loss exactly (up to float summation order) whatever the
+    microbatch count. Microbatch ``i`` takes rows ``i, i + n, i + 2n, ...``: with the batch
+    sharded in contiguous blocks over devices, every device then holds its share of every
+    microbatch, so the loop needs no resharding. It gets the key ``fold_in(rng, i)`` (None when
+    ``rng`` is None), so its dropout masks differ from the other microbatches'.
 
     Returns ``(loss_sum, weight_sum, grad_sum)``; ``aux`` is dropped when accumulating.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def key(i):
+        return None if rng is None else jax.random.fold_in(rng, i)
+
     if num_microbatches == 1:
-        (loss, (weight, _)), grads = grad_fn(params, batch)
+        (loss, (weight, _)), grads = grad_fn(params, batch, key(0))
         return loss, weight, grads
 
     micro = jax.tree.map(lambda x: split_microbatches(x, num_microbatches), batch)
 
-    def body(carry, mb):
+    def body(carry, xs):
+        i, mb = xs
         loss, weight, grads = carry
-        (l, (w, _)), g = grad_fn(params, mb)
+        (l, (w, _)), g = grad_fn(params, mb, key(i))
         return (loss + l, weight + w, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-    (loss, weight, grads), _ = jax.lax.scan(body, init, micro)
+    (loss, weight, grads), _ = jax.lax.scan(body, init, (jnp.arange(num_microbatches), micro))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, weight, grads

@@ -19,9 +19,11 @@ replicated.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -100,6 +102,29 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def initialize_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None) -> None:
+    """Joins this process to a multi-process JAX job (once; later calls are no-ops).
+
+    Without arguments ``jax.distributed.initialize`` detects the cluster itself (TPU pod slices,
+    SLURM, Open MPI); the arguments override detection, e.g. two CPU processes on one machine:
+    ``('localhost:12345', 2, 0)`` and ``('localhost:12345', 2, 1)``. On CPU the cross-process
+    collectives use gloo (JAX has no default CPU collectives)."""
+    if jax.distributed.is_initialized():
+        return
+    given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+             "process_id": process_id}
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if kwargs and len(kwargs) != 3:
+        missing = sorted(k for k, v in given.items() if v is None)
+        raise ValueError(f"distributed: give all of --coordinator_address, --num_processes and "
+                         f"--process_id, or none (auto-detection); missing {missing}.")
+    # Only the CPU client's collectives (the default there is none, so multi-process CPU jobs
+    # could not communicate); accelerator backends keep their own (NCCL, ICI).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+
+
 # ----------------------------------------------------------------------------------------------
 # Logical names -> shardings
 # ----------------------------------------------------------------------------------------------
@@ -166,6 +191,22 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules) -> Any:
             return NamedSharding(mesh, _resolve(names, shape, mesh, rules))
         return NamedSharding(mesh, P())
     return jax.tree.map(one, abstract_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def with_mesh_and_rules(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
+    """``fn`` traced under ``mesh`` and the logical ``rules``, so that every
+    ``nn.with_logical_constraint`` in the model becomes a real sharding constraint on that
+    activation (outside such a context Flax makes them no-ops). Wrap the function given to
+    ``jax.jit``; the context is entered while tracing, whoever calls it."""
+    flax_rules = tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in rules)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+            stack.enter_context(nn.logical_axis_rules(flax_rules))
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

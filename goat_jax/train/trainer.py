@@ -3,15 +3,16 @@
     config -> validate -> mesh -> data -> model + optimizer -> sharded init (or restore)
            -> jitted train step -> loop { step, log, eval, checkpoint } -> metrics + checkpoints
 
-What is trained is chosen by ``config.task`` (:mod:`goat_jax.train.tasks`): the task supplies the
-model, the data, the loss and its config schema; this file never imports a model or a dataset.
-Helpers live in their own modules: :mod:`~goat_jax.train.sharding` (mesh, logical rules),
-:mod:`~goat_jax.train.optim` (AdamW, schedule, accumulation), :mod:`~goat_jax.train.checkpoint`,
-:mod:`~goat_jax.train.metrics`.
+What is trained is chosen by ``config.task`` (:mod:`goat_jax.train.tasks`, e.g.
+``goat_jax/tasks/lm.py``): the task supplies the model, the data, the loss, its eval metrics and
+its config schema; this file never imports a model or a dataset. Helpers live in their own
+modules: :mod:`~goat_jax.train.sharding` (mesh, logical rules), :mod:`~goat_jax.train.optim`
+(AdamW, schedule, accumulation), :mod:`~goat_jax.train.checkpoint`,
+:mod:`~goat_jax.train.metrics`, :mod:`~goat_jax.train.run` (workdir layout, train state).
 
-Workdir layout: ``config.json`` (the resolved config), ``metrics.jsonl``, ``tensorboard/``,
-``checkpoints/<step>/``. Re-running the same command resumes from the latest checkpoint and
-reproduces the uninterrupted run's per-step losses (data-iterator state is checkpointed too).
+Re-running the same command resumes from the latest checkpoint and reproduces the
+uninterrupted run's per-step losses (data-iterator state is checkpointed, and the step's PRNG
+key is ``fold_in(key(config.seed), step)``, so dropout masks repeat too).
 
 Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``seq_len``):
   seed, task, num_train_steps, global_batch_size | per_device_batch_size (exactly one),
@@ -23,6 +24,7 @@ Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -30,7 +32,7 @@ import math
 import os
 import signal
 import threading
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import flax.linen as nn
 import jax
@@ -38,11 +40,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax import struct
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
+from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks as tasks_lib
 from goat_jax.train import validation
@@ -124,25 +126,35 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 # ----------------------------------------------------------------------------------------------
 
 
-@struct.dataclass
-class TrainState:
-    """Everything a step updates: the update count, the parameters and the optimizer state."""
+TrainState = run_lib.TrainState
 
-    step: jax.Array
-    params: Any
-    opt_state: Any
+# Folded into key(config.seed) to give the training steps' stream, distinct from the init key.
+_TRAIN_STREAM = 1
+
+
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+    """The PRNG key of the update at 0-based ``step``: ``fold_in(fold_in(key(seed), 1), step)``.
+
+    A function of the seed and the step only, so a resumed run draws the same dropout / mixup
+    randomness as an uninterrupted one."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), _TRAIN_STREAM), step)
 
 
 def make_train_step(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum_steps: int):
+                    schedule: optax.Schedule, grad_accum_steps: int, seed: int = 0):
     """``train_step(state, batch) -> (state, metrics)``: loss normalized by the total weight of
     the whole global batch (exact under gradient accumulation), AdamW update, and the metrics
-    ``train_loss``, ``grad_norm`` (before clipping), ``learning_rate`` (of this update)."""
-    def loss_fn(params, batch):
-        return task.loss(model.apply, params, batch)
+    ``train_loss``, ``grad_norm`` (before clipping), ``learning_rate`` (of this update).
+
+    The task's loss gets :func:`step_key` ``(seed, state.step)`` folded with the microbatch
+    index."""
+    def loss_fn(params, batch, rng):
+        return task.loss(model.apply, params, batch, rng)
 
     def train_step(state: TrainState, batch):
-        loss_sum, weight_sum, grads = optim.accumulate_gradients(loss_fn, state.params, batch, grad_accum_steps)
+        rng = step_key(seed, state.step)
+        loss_sum, weight_sum, grads = optim.accumulate_gradients(loss_fn, state.params, batch,
+                                                                 grad_accum_steps, rng)
         denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -155,16 +167,72 @@ def make_train_step(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTr
 
 
 def make_eval_step(task: tasks_lib.Task, model: nn.Module, num_microbatches: int):
-    """``eval_step(params, batch) -> (loss_sum, weight_sum)``, over microbatches like training
+    """``eval_step(params, batch) -> {'loss', 'weight', **aux}``: the task's loss and aux sums
+    (``rng=None``: deterministic) summed over the batch, microbatch by microbatch like training
     so that eval never needs more activation memory than a training microbatch."""
     def eval_step(params, batch):
-        def one(carry, mb):
-            loss, (weight, _) = task.loss(model.apply, params, mb)
-            return (carry[0] + loss, carry[1] + weight), None
+        def one(_, mb):
+            loss, (weight, aux) = task.loss(model.apply, params, mb, None)
+            if {"loss", "weight"} & set(aux or {}):
+                raise ValueError(f"task {task.name!r}: aux sums may not be named 'loss' or 'weight' "
+                                 f"(got {sorted(aux)}); rename them.")
+            return None, {**(aux or {}), "loss": loss, "weight": weight}
         micro = jax.tree.map(lambda x: optim.split_microbatches(x, num_microbatches), batch)
-        zero = jnp.zeros((), jnp.float32)
-        return jax.lax.scan(one, (zero, zero), micro)[0]
+        sums = jax.lax.scan(one, None, micro)[1]  # each [num_microbatches]
+        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32), axis=0), sums)
     return eval_step
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSteps:
+    """The jitted, sharded functions of a run (:func:`make_sharded_steps`)."""
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    init: Callable[[jax.Array], TrainState]  # rng -> sharded TrainState at step 0
+    train_step: Callable[..., Any]  # (state, batch) -> (state, metrics); donates the state
+    eval_step: Callable[..., Any]  # (params, batch) -> {'loss', 'weight', **aux} sums
+    abstract_state: TrainState  # shapes/dtypes (jax.ShapeDtypeStruct leaves)
+    state_shardings: TrainState
+    param_shardings: Any
+
+
+def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                       rules: sharding_lib.Rules, batch_shardings: Dict[str, Any]) -> ShardedSteps:
+    """Builds the model and optimizer and jits init, train and eval steps for ``mesh``.
+
+    Parameter and optimizer-state shardings come from the parameters' logical names
+    (:func:`~goat_jax.train.sharding.logical_shardings`) and are imposed by jit's
+    in/out_shardings; activations follow the model's ``nn.with_logical_constraint`` names, which
+    take effect because every function is traced under the mesh and the rules
+    (:func:`~goat_jax.train.sharding.with_mesh_and_rules`).
+    """
+    model = task.build_model(config)
+    tx, schedule = run_lib.make_optimizer(task, config)
+    init_params, init_state = run_lib.make_init_fns(task, model, tx, config,
+                                                    sharding_lib.data_parallel_size(mesh))
+    rng = jax.random.PRNGKey(0)  # shapes only
+    param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
+    abstract_state = jax.eval_shape(init_state, rng)
+    replicated = sharding_lib.replicated(mesh)
+    state_shardings = TrainState(
+        step=replicated, params=param_shardings,
+        opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
+
+    def under_mesh(fn):
+        return sharding_lib.with_mesh_and_rules(fn, mesh, rules)
+
+    accum = config.grad_accum_steps
+    return ShardedSteps(
+        model=model, tx=tx, schedule=schedule,
+        init=jax.jit(under_mesh(init_state), out_shardings=state_shardings),
+        train_step=jax.jit(under_mesh(make_train_step(task, model, tx, schedule, accum, config.seed)),
+                           in_shardings=(state_shardings, batch_shardings),
+                           out_shardings=(state_shardings, replicated), donate_argnums=0),
+        eval_step=jax.jit(under_mesh(make_eval_step(task, model, accum)),
+                          in_shardings=(param_shardings, batch_shardings), out_shardings=replicated),
+        abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,22 +290,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     """
     # --- Setup ----------------------------------------------------------------------------------
     if config.distributed:
-        jax.distributed.initialize()
+        sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
     task = tasks_lib.get_task(config.task)
     resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
     resolved.global_batch_size = global_batch
     config_dict = resolved.to_dict()
     is_primary = jax.process_index() == 0
-    accum = config.grad_accum_steps
 
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config_dict,
-                                               keep=config.keep_checkpoints)
+    checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
+                                               keep=config.keep_checkpoints,
+                                               resume_safe_fields=task.resume_safe_fields)
     changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
+        # Written whole then renamed: a reader of the live run never sees a partial file.
+        path = run_lib.config_path(workdir)
+        with open(path + ".tmp", "w") as f:
             json.dump(config_dict, f, indent=2, default=str)
+        os.replace(path + ".tmp", path)
 
     # --- Mesh -----------------------------------------------------------------------------------
     mesh = sharding_lib.make_mesh(config.mesh)
@@ -256,34 +327,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         return {k: jax.make_array_from_process_local_data(batch_shardings[k], local_batch[k])
                 for k in batch_shardings}
 
-    # --- Model + optimizer ----------------------------------------------------------------------
-    model = task.build_model(config)
-    tx, schedule = optim.make_optimizer(config.optimizer, config.num_train_steps)
-    # Init traces the model on a batch that splits evenly over the batch shards; XLA drops the
-    # forward pass since only the parameters are returned.
-    init_inputs = task.model_inputs(task.dummy_batch(config, sharding_lib.data_parallel_size(mesh)))
-
-    def init_params(rng):
-        return model.init(rng, *init_inputs)["params"]
-
-    def init_state(rng):
-        params = nn.unbox(init_params(rng))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-    # --- Sharded init (or restore) ----------------------------------------------------------------
-    # Shardings come from the boxes' logical names (sharding.logical_shardings) and are imposed by
-    # jit's in/out_shardings; XLA propagates them to the activations. No global mesh is set, so
-    # the model's nn.with_logical_constraint calls are no-ops: under a global mesh Flax also
-    # constrains each boxed kernel while its initializer runs (in init and in apply's shape
-    # check), which fails for DenseGeneral's flattened [E, N * H] init of the attention kernels.
-    rng = jax.random.PRNGKey(config.seed)
-    param_shardings = sharding_lib.logical_shardings(jax.eval_shape(init_params, rng), mesh, rules)
-    abstract_state = jax.eval_shape(init_state, rng)
-    state_shardings = TrainState(
-        step=sharding_lib.replicated(mesh), params=param_shardings,
-        opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
+    # --- Model, optimizer, sharded init (or restore), jitted steps -------------------------------
+    steps = make_sharded_steps(task, config, mesh, rules, batch_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract_state, state_shardings)
+                            steps.abstract_state, steps.state_shardings)
     start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
     start_step = start_step or 0
     if start_step:
@@ -294,37 +341,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             logging.warning("resumed with changed %s (recorded in %s)", ", ".join(
                 f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), path)
     else:
-        state = jax.jit(init_state, out_shardings=state_shardings)(rng)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
+        state = steps.init(jax.random.PRNGKey(config.seed))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(steps.abstract_state.params))
     logging.info("%s: %.2fM parameters", task.name, num_params / 1e6)
-
-    # --- Train step: jitted with explicit shardings, the old state donated ------------------------
-    replicated = sharding_lib.replicated(mesh)
-    train_step = jax.jit(make_train_step(task, model, tx, schedule, accum),
-                         in_shardings=(state_shardings, batch_shardings),
-                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+    train_step, eval_step = steps.train_step, steps.eval_step
 
     # One fused reduction on device, run only before a save; the host reads back a single bool.
     state_is_finite = jax.jit(lambda st: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(st)
                                                            if jnp.issubdtype(x.dtype, jnp.inexact)])),
-                              in_shardings=(state_shardings,), out_shardings=replicated)
+                              in_shardings=(steps.state_shardings,), out_shardings=sharding_lib.replicated(mesh))
 
-    # --- Eval -------------------------------------------------------------------------------------
-    eval_step = jax.jit(make_eval_step(task, model, accum),
-                        in_shardings=(param_shardings, batch_shardings), out_shardings=replicated)
-
+    # --- Eval: the task's loss and aux sums over the whole eval set, summarized by the task ------
     def evaluate(params) -> Dict[str, float]:
         if data.make_eval is None:
             return {}
-        loss_sum, weight_sum = 0.0, 0.0
+        totals = None
         for batch in data.make_eval():
-            l, w = eval_step(params, to_device(batch))
-            loss_sum, weight_sum = loss_sum + l, weight_sum + w  # stays on device until the end
-        loss_sum, weight_sum = float(loss_sum), float(weight_sum)
-        if not weight_sum:
+            sums = eval_step(params, to_device(batch))  # stays on device until the end
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        if totals is None:
             return {}
-        mean = loss_sum / weight_sum
-        return {"eval_loss": mean, **task.eval_summary(mean)}
+        totals = {k: float(v) for k, v in jax.device_get(totals).items()}
+        if not totals["weight"]:
+            return {}
+        extra = task.eval_metrics(totals)
+        return {"eval_loss": totals["loss"] / totals["weight"],
+                **{f"eval_{k}": float(v) for k, v in extra.items()}}
 
     # --- Loop -------------------------------------------------------------------------------------
     # Step s uses the s-th batch and the params after s - 1 updates; a checkpoint at s holds

@@ -1,0 +1,317 @@
+"""The language evaluations of trained runs, by name: what ``experiments.evaluate`` and
+``experiments.reproduce`` run on each workdir, and the tables and figures comparing runs.
+
+    run = load_lm_run(workdir)            # read-only; safe while the run still trains
+    results = evaluate_run(run, ["extrapolation", "sinks"], multipliers=(1, 2, 4))
+    write_outputs({run.label: results}, out_dir, {run.label: run.train_len})
+
+Evaluations (protocols in README.md, section "Experiments"; the metrics live in
+:mod:`goat_jax.eval.extrapolation`, :mod:`~goat_jax.eval.retrieval`, :mod:`~goat_jax.eval.sinks`):
+
+  extrapolation  perplexity on the held-out stream at ``m x`` the training length,
+                 non-overlapping windows (``stride`` for sliding); synthetic runs score
+                 fresh batches of their own task at each length instead.
+  passkey        synthetic passkey (teacher-forced exact match of the 8-digit key) and the
+                 standard prompt (greedy decoding with the KV cache, first integer == key).
+  niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
+  sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
+                 held-out data at the training length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import ml_collections
+import numpy as np
+
+from goat_jax.data import synthetic, text
+from goat_jax.eval import extrapolation, retrieval, sinks
+from goat_jax.train import run as run_lib
+
+
+def log(msg: str) -> None:
+    """Progress line on stdout (flushed: the harness runs under nohup with a log file)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+EVALS = ("extrapolation", "passkey", "niah", "sinks")
+DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
+NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a run
+# ----------------------------------------------------------------------------------------------
+
+
+class LMRun(run_lib.Run):
+    """A run of the 'lm' task (:func:`goat_jax.train.run.load_run`) with the properties the
+    language evaluations compare runs by."""
+
+    @property
+    def label(self) -> str:
+        """The position encoding: what the comparisons are about."""
+        return str(self.config.model.position_encoding)
+
+    @property
+    def train_len(self) -> int:
+        """The training context length."""
+        return int(self.config.seq_len)
+
+    @property
+    def is_synthetic(self) -> bool:
+        """Whether the run trained on a synthetic task (copy mixture, passkey, NIAH)."""
+        return self.config.data.get("source") == "synthetic"
+
+
+def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
+    """:func:`goat_jax.train.run.load_run` (read-only: safe on a run still training) for a run
+    whose task is the language model; ValueError naming ``config.task`` otherwise."""
+    run = run_lib.load_run(workdir, step)
+    if run.config.model.get("name") != "lm":
+        raise ValueError(f"{workdir}: config.task={run.config.task!r} trained model "
+                         f"{run.config.model.get('name')!r}; the language evaluations need model 'lm'.")
+    return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
+
+
+def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
+    """One unique label per run, in order: the explicit ``labels`` where given, else the run's
+    position encoding; runs whose default labels collide get ``'<encoding> (<workdir name>)'``
+    (and the whole path if the names collide too). Duplicate explicit labels are refused with
+    ValueError, since results are keyed by label and one would silently replace the other."""
+    labels = list(labels or [None] * len(workdirs))
+    if len(labels) != len(workdirs):
+        raise ValueError(f"give one --label per --workdir ({len(workdirs)}), or none; got {len(labels)}.")
+    explicit = [l for l in labels if l]
+    dups = sorted({l for l in explicit if explicit.count(l) > 1})
+    if dups:
+        raise ValueError(f"--label values must be unique; {dups} given more than once.")
+    out = [l or str(run_lib.read_config(w).model.get("position_encoding", "model"))
+           for w, l in zip(workdirs, labels)]
+    for attempt in (lambda i: f"{out[i]} ({os.path.basename(os.path.normpath(workdirs[i]))})",
+                    lambda i: f"{out[i]} ({os.path.normpath(workdirs[i])})"):
+        clash = [i for i, l in enumerate(out) if not labels[i] and out.count(l) > 1]
+        out = [attempt(i) if i in clash else l for i, l in enumerate(out)]
+    clash = sorted({l for l in out if out.count(l) > 1})
+    if clash:
+        raise ValueError(f"runs {clash} cannot be told apart; give each a --label.")
+    return out
+
+
+def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None) -> np.ndarray:
+    """The held-out token stream of a text run (its data config's eval split, whole)."""
+    data = ml_collections.ConfigDict(run.config.data.to_dict())
+    data.num_eval_batches = 0  # <= 0: the whole eval split
+    data.read_threads = 1
+    _, make_eval, _ = text.make_lm_datasets(data, seq_len=run.train_len, global_batch_size=8,
+                                            seed=int(run.config.seed), process_index=0, process_count=1)
+    tokens = extrapolation.tokens_from_batches(make_eval())
+    return tokens[:max_tokens] if max_tokens else tokens
+
+
+def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: int = 8):
+    """Fresh eval batches of a synthetic run's own task at ``length`` (a stream the training
+    never saw: the seed differs from any training seed's role)."""
+    make = synthetic.make_batch_fn(run.config.data, batch_size, length)
+    rng = np.random.default_rng([int(run.config.seed), 7919, length])
+    return [make(rng)[0] for _ in range(max(1, num_examples // batch_size))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluations (each returns plain JSON-able dicts keyed by length)
+# ----------------------------------------------------------------------------------------------
+
+
+def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
+                       stride: Optional[int] = None, max_tokens: Optional[int] = None,
+                       num_examples: int = 64) -> dict[int, dict[str, float]]:
+    """``{length: {'ppl', 'nll', 'tokens'}}`` at ``m * train_len``.
+
+    Text runs: the held-out stream in non-overlapping windows (``stride``: sliding), the same
+    tokens for every model. Synthetic runs: ``num_examples`` fresh windows of the run's task
+    at each length (their perplexity is what the task's scored targets cost).
+    """
+    apply_fn = extrapolation.model_apply_fn(run.model)
+    if run.is_synthetic:
+        out = {}
+        for m in multipliers:
+            length = int(m * run.train_len)
+            r = extrapolation.perplexity_on_batches(apply_fn, run.params,
+                                                    _synthetic_batches(run, length, num_examples))
+            out[length] = {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens}
+        return out
+    tokens = heldout_tokens(run, max_tokens)
+    res = extrapolation.perplexity_by_length(apply_fn, run.params, tokens, run.train_len,
+                                             multipliers, stride=stride, tokens_per_batch=8192)
+    return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
+
+
+def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
+                 variants: Sequence[str] = ("synthetic", "standard"), num_examples: int = 32,
+                 num_trials: int = 8, seed: int = 0) -> dict[str, dict[int, float]]:
+    """``{variant: {length: accuracy}}`` at ``m * train_len``.
+
+    'synthetic': teacher-forced exact match of the key span (lengths too short for the needle
+    are skipped); 'standard': the Landmark prompt decoded greedily with the KV cache (prompts
+    shorter than the fixed task text and needle are skipped).
+    """
+    out: dict[str, dict[int, float]] = {}
+    lengths = [int(m * run.train_len) for m in multipliers]
+    if "synthetic" in variants:
+        key_len = int(run.config.data.get("key_len", 8))
+        ok = [n for n in lengths if n >= 1 + len(synthetic.PASSKEY_NEEDLE) + len(synthetic.PASSKEY_QUERY) + 2 * key_len]
+        out["synthetic"] = retrieval.passkey_accuracy_synthetic(
+            extrapolation.model_apply_fn(run.model), run.params, ok, num_examples=num_examples,
+            key_len=key_len, seed=seed)
+    if "standard" in variants:
+        # The fixed part of the prompt (task, needle, question) is ~280 bytes: lengths too short
+        # to hold it are skipped rather than failing the whole run.
+        ok = [n for n in lengths if _standard_prompt_fits(n)]
+        gen = retrieval.greedy_generator(run.model, run.params)
+        out["standard"] = retrieval.passkey_accuracy_standard(gen, ok, num_trials=num_trials,
+                                                              batch_size=min(4, num_trials), seed=seed)
+    return out
+
+
+def _standard_prompt_fits(length: int) -> bool:
+    try:
+        synthetic.passkey_prompt(length, 0.0, 50000)
+    except ValueError:
+        return False
+    return True
+
+
+def eval_niah(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
+              depths: Sequence[float] = NIAH_DEPTHS, num_examples: int = 16,
+              seed: int = 0) -> dict[str, Any]:
+    """The synthetic NIAH grid at ``m * train_len`` x ``depths``: ``{'lengths', 'depths',
+    'token_accuracy' [nL][nD], 'exact_match' [nL][nD]}`` (lists, JSON-able)."""
+    lengths = [int(m * run.train_len) for m in multipliers]
+    grid = retrieval.niah_accuracy_grid(extrapolation.model_apply_fn(run.model), run.params, lengths,
+                                        depths, num_examples=num_examples, seed=seed,
+                                        key_len=int(run.config.data.get("niah_key_len", 5)),
+                                        value_len=int(run.config.data.get("niah_value_len", 6)))
+    return {k: np.asarray(v).tolist() for k, v in grid.items()}
+
+
+def eval_sinks(run: LMRun, *, length: Optional[int] = None, num_examples: int = 8) -> dict[str, Any]:
+    """Per layer: attention mass on position 0 (mean over heads and queries >= 1), first key
+    norm / mean other key norm; for GOAT also the prior's own sink margin (nats over the row
+    median, :func:`goat_jax.eval.sinks.sink_margin`). On held-out inputs at ``length``
+    (default: the training length)."""
+    length = int(length or run.train_len)
+    if run.is_synthetic:
+        tokens = np.concatenate([b["inputs"] for b in _synthetic_batches(run, length, num_examples)])
+    else:
+        stream = heldout_tokens(run, max_tokens=num_examples * (length + 1) * 4)
+        starts = extrapolation.window_starts(len(stream), length)[:num_examples]
+        tokens = stream[starts[:, None] + np.arange(length)]
+    tokens = tokens[:num_examples]
+    stats = sinks.sink_statistics(run.model, run.params, tokens)
+    out = {"length": length,
+           "first_mass": stats["first_mass"].mean(axis=-1).tolist(),  # [Y]
+           "first_mass_max_head": stats["first_mass"].max(axis=-1).tolist(),  # [Y]
+           "key_norm_ratio": stats["key_norm_ratio"].tolist()}  # [Y]
+    if run.label == "goat":
+        margins = [sinks.sink_margin(sinks.prior_components(run.model, run.params, i, min(length, 64))["log_prior"])
+                   for i in range(run.model.config.num_layers)]
+        out["prior_sink_margin_max_head"] = [float(np.max(m)) for m in margins]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and figures
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt(x: Optional[float], pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" if pct else (f"{x:.3f}" if x < 100 else f"{x:.1f}")
+
+
+def table(rows: dict[str, dict[int, Optional[float]]], *, pct: bool = False,
+          first_col: str = "model", header_fmt=lambda n: str(n)) -> str:
+    """A markdown table, one row per label, one column per (sorted) key."""
+    keys = sorted({k for r in rows.values() for k in r})
+    lines = [f"| {first_col} | " + " | ".join(header_fmt(k) for k in keys) + " |",
+             "|---|" + "---|" * len(keys)]
+    for label, r in rows.items():
+        lines.append(f"| {label} | " + " | ".join(_fmt(r.get(k), pct) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> str:
+    """Writes ``results.json``, ``results.md`` and the PNGs of ``{label: {eval: result}}``
+    into ``out``; returns the markdown."""
+    from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top  # matplotlib: on use
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    md = []
+    train_len = next(iter(train_lens.values()), None)
+    ext = {k: r["extrapolation"] for k, r in results.items() if "extrapolation" in r}
+    if ext:
+        md += ["## Perplexity by evaluation length", "",
+               table({k: {int(n): v["ppl"] for n, v in r.items()} for k, r in ext.items()}), ""]
+        plots.plot_perplexity_vs_length({k: {int(n): v["ppl"] for n, v in r.items()} for k, r in ext.items()},
+                                        os.path.join(out, "perplexity_vs_length.png"), train_len=train_len)
+    for variant in ("synthetic", "standard"):
+        pk = {k: r["passkey"][variant] for k, r in results.items() if variant in r.get("passkey", {})}
+        if pk:
+            md += [f"## Passkey accuracy ({variant})", "", table(pk, pct=True), ""]
+            plots.plot_passkey_accuracy({k: {int(n): a for n, a in v.items()} for k, v in pk.items()},
+                                        os.path.join(out, f"passkey_{variant}.png"), train_len=train_len,
+                                        title=f"Passkey retrieval ({variant})")
+    niah = {k: r["niah"] for k, r in results.items() if "niah" in r}
+    if niah:
+        mean = {k: dict(zip(g["lengths"], np.mean(g["token_accuracy"], axis=1))) for k, g in niah.items()}
+        md += ["## NIAH span token accuracy (mean over depths)", "", table(mean, pct=True), ""]
+        for k, g in niah.items():
+            plots.plot_niah_heatmap({n: np.asarray(v) for n, v in g.items()},
+                                    os.path.join(out, f"niah_{k}.png"), title=f"NIAH, {k}")
+    sk = {k: r["sinks"] for k, r in results.items() if "sinks" in r}
+    if sk:
+        md += ["## Attention sinks (per layer)", "", "| model | mass on pos. 0 (mean head) | "
+               "mass on pos. 0 (max head) | first-key norm / others |", "|---|---|---|---|"]
+        for k, s in sk.items():
+            md.append(f"| {k} | " + ", ".join(f"{x:.2f}" for x in s["first_mass"]) + " | " +
+                      ", ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
+                      ", ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
+        md.append("")
+    text_md = "\n".join(md)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text_md)
+    return text_md
+
+
+def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *,
+                 stride: Optional[int] = None, num_examples: int = 32,
+                 num_trials: int = 8) -> dict[str, Any]:
+    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``."""
+    unknown = sorted(set(evals) - set(EVALS))
+    if unknown:
+        raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
+    out: dict[str, Any] = {}
+    for name in evals:
+        t0 = time.time()
+        if name == "extrapolation":
+            out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples)
+        elif name == "passkey":
+            variants = ("synthetic",) if run.is_synthetic else ("standard",)
+            out[name] = eval_passkey(run, multipliers, variants=variants, num_examples=num_examples,
+                                     num_trials=num_trials)
+        elif name == "niah":
+            out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
+        else:
+            out[name] = eval_sinks(run)
+        log(f"  {run.label} {name}: {time.time() - t0:.0f}s")
+    return out
+
+

@@ -1,0 +1,158 @@
+"""A run on disk: the workdir layout, the train state, and reading a run back (:func:`load_run`).
+
+The one place that knows the workdir layout (the trainer writes it, evaluations read it)::
+
+    WORKDIR/config.json       the resolved config (CONFIG_FILE)
+    WORKDIR/metrics.jsonl     one JSON row per logged step (METRICS_FILE)
+    WORKDIR/tensorboard/      TensorBoard events (TENSORBOARD_DIR)
+    WORKDIR/checkpoints/<N>/  orbax checkpoints: state, data-iterator state, meta (CHECKPOINT_DIR)
+
+Reading never writes: :func:`load_run` opens the checkpoints read-only, so it is safe to
+evaluate a run while it is still training (it never creates, cleans up or locks anything in
+the workdir, and never touches the trainer's in-progress checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import struct
+
+from goat_jax.train import checkpoint as checkpoint_lib
+from goat_jax.train import optim
+from goat_jax.train import tasks as tasks_lib
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def config_path(workdir: str) -> str:
+    """``WORKDIR/config.json``."""
+    return os.path.join(workdir, CONFIG_FILE)
+
+
+def metrics_path(workdir: str) -> str:
+    """``WORKDIR/metrics.jsonl``."""
+    return os.path.join(workdir, METRICS_FILE)
+
+
+def tensorboard_dir(workdir: str) -> str:
+    """``WORKDIR/tensorboard``."""
+    return os.path.join(workdir, TENSORBOARD_DIR)
+
+
+def checkpoint_dir(workdir: str) -> str:
+    """``WORKDIR/checkpoints``."""
+    return os.path.join(workdir, CHECKPOINT_DIR)
+
+
+# ----------------------------------------------------------------------------------------------
+# Train state
+# ----------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step updates: the update count, the parameters and the optimizer state."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def make_optimizer(task: tasks_lib.Task, config: Any) -> Tuple[optax.GradientTransformation, optax.Schedule]:
+    """``(tx, schedule)`` of ``config.optimizer`` over ``config.num_train_steps``, with the
+    task's weight-decay exclusions."""
+    return optim.make_optimizer(config.optimizer, config.num_train_steps, task.no_decay_names)
+
+
+def make_init_fns(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTransformation, config: Any,
+                  batch_size: int) -> Tuple[Callable[[jax.Array], Any], Callable[[jax.Array], TrainState]]:
+    """``(init_params, init_state)``, both ``rng -> ...``.
+
+    ``init_params`` returns the *boxed* params (logical names kept, for
+    :func:`goat_jax.train.sharding.logical_shardings`); ``init_state`` the unboxed
+    :class:`TrainState` at step 0. Both trace the model on a dummy batch of ``batch_size`` rows
+    (pick one that splits evenly over the batch shards); XLA drops the forward pass since only
+    the parameters are returned.
+    """
+    inputs = task.model_inputs(task.dummy_batch(config, batch_size))
+
+    def init_params(rng):
+        return model.init(rng, *inputs)["params"]
+
+    def init_state(rng):
+        params = nn.unbox(init_params(rng))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return init_params, init_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a run back
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """A trained model read back from its workdir."""
+
+    workdir: str
+    config: ml_collections.ConfigDict  # the resolved config the run wrote (config.json)
+    task: tasks_lib.Task  # config.task, loaded
+    model: Any  # the Linen model
+    params: Any  # the 'params' collection, unboxed, on the default device
+    step: int  # the checkpoint's step
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config a run wrote; FileNotFoundError if ``workdir`` is not a run."""
+    path = config_path(workdir)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} is not a run of experiments.train.")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_run(workdir: str, step: Optional[int] = None) -> Run:
+    """Restores the params of ``workdir``'s checkpoint at ``step`` (default: the latest
+    complete one), read-only.
+
+    The abstract train state is built exactly as the trainer builds it (task model, optimizer,
+    :class:`TrainState`) so the checkpoint restores onto the default device; the optimizer state
+    is read too and dropped. Safe while the run is still training (nothing in ``workdir`` is
+    written, removed or locked). Raises FileNotFoundError if there is no config or no complete
+    checkpoint.
+    """
+    config = read_config(workdir)
+    task = tasks_lib.get_task(config.task)
+    model = task.build_model(config)
+    tx, _ = make_optimizer(task, config)
+    _, init_state = make_init_fns(task, model, tx, config, batch_size=1)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            jax.eval_shape(init_state, jax.random.PRNGKey(0)))
+    directory = checkpoint_dir(workdir)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint yet.")
+    ckpt = checkpoint_lib.Checkpointer(directory, config.to_dict(), keep=int(config.keep_checkpoints),
+                                       async_save=False, resume_safe_fields=task.resume_safe_fields,
+                                       read_only=True)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{directory} holds no complete checkpoint yet.")
+        state, _ = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    return Run(workdir=workdir, config=config, task=task, model=model, params=state.params, step=int(step))

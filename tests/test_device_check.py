@@ -1,0 +1,27 @@
+"""The prepared GPU check runs end to end in its CPU dry mode, without the modules the GPU image
+lacks (tensorflow, grain, ml_collections are made unimportable by --dry_run)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_device_check_dry_run_writes_every_section(tmp_path):
+    out = tmp_path / "gpu.md"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    for heading in ("## 1. Kernels vs the float64 reference", "## 2. Attention forward+backward",
+                    "## 3. LM train step", "## 4. GPU-only pytest tests", "## Environment"):
+        assert heading in text
+    assert "cuDNN rows skipped: no GPU" in text
+    assert "**FAIL**" not in text and "**ERROR**" not in text
+    assert text.count("| ok |") == 6  # flash f32/bf16 and xla bf16, causal and padded
+    for row in ("| 64 | goat_dense_bias:xla |", "| 64 | goat:flash |", "| 64 | goat:xla |", "| tiny (dry run) |"):
+        assert row in text
+    assert "test_error_cudnn_float32_or_no_gpu`: exit code 0" in text
+    assert "Imported of ('tensorflow', 'grain', 'ml_collections'): none" in text

@@ -1,0 +1,121 @@
+"""Reading runs back (goat_jax.train.run): read-only on a live trainer, nothing created in a
+folder it reads, and unique labels when evaluating several runs."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from goat_jax.eval import runs
+from goat_jax.train import run as run_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _snapshot(directory):
+    """``{relative path: (size, mtime_ns)}`` of everything under ``directory``."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            st = os.stat(path)
+            out[os.path.relpath(path, directory)] = (st.st_size if name in files else 0, st.st_mtime_ns)
+    return out
+
+
+def test_evaluating_a_live_run_never_harms_it(tmp_path):
+    """A real trainer saves a checkpoint every 2 steps while this test restores its latest
+    checkpoint in a loop and runs the evaluation CLI once: the trainer finishes with exit 0 and
+    every checkpoint it wrote restores. (The old reader cleaned up 'temporary' checkpoint
+    directories, deleting the save in progress and killing the trainer.)"""
+    workdir, out = tmp_path / "run", tmp_path / "eval"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
+         "--workdir", str(workdir), "--config.num_train_steps=80", "--config.checkpoint_every_steps=2",
+         "--config.keep_checkpoints=100", "--config.progress_bar=False"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    loads, cli = set(), None
+    try:
+        while trainer.poll() is None:
+            try:
+                loads.add(run_lib.load_run(str(workdir)).step)
+            except FileNotFoundError:
+                time.sleep(0.05)  # no config or checkpoint yet
+            if loads and cli is None:
+                cli = subprocess.Popen([sys.executable, "-m", "experiments.evaluate", "--workdir", str(workdir),
+                                        "--evals", "sinks", "--out", str(out)], cwd=ROOT, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stderr = trainer.communicate(timeout=600)[1]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert cli is not None and cli.wait(timeout=600) == 0, cli.stdout.read()[-3000:]
+    assert (out / "results.json").exists()
+    assert len(loads) >= 2, loads  # the loop really overlapped the training
+    steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    assert steps == list(range(2, 81, 2))
+    for step in steps:
+        assert run_lib.load_run(str(workdir), step).step == step
+    assert not [d for d in os.listdir(workdir / "checkpoints") if not d.isdigit() and "tmp" in d]
+
+
+def test_reading_writes_nothing(tmp_path):
+    """load_run leaves a finished run byte- and mtime-identical, and creates no checkpoints/
+    in a folder that has none."""
+    workdir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
+                           "--workdir", str(workdir), "--config.num_train_steps=2", "--config.progress_bar=False"],
+                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = _snapshot(workdir)
+    assert run_lib.load_run(str(workdir)).step == 2
+    assert _snapshot(workdir) == before
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((workdir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="has not saved a checkpoint"):
+        run_lib.load_run(str(bare))
+    assert sorted(os.listdir(bare)) == ["config.json"]
+
+
+def _fake_run(path, encoding):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"task": "lm", "model": {"position_encoding": encoding}}))
+    return str(path)
+
+
+def test_labels_are_unique(tmp_path):
+    """Two runs of one encoding no longer collapse into one result: they get the workdir name;
+    repeated explicit labels are refused."""
+    a = _fake_run(tmp_path / "a" / "seed0", "goat")
+    b = _fake_run(tmp_path / "b" / "seed1", "goat")
+    c = _fake_run(tmp_path / "c" / "seed0", "goat")
+    r = _fake_run(tmp_path / "rope", "rope")
+    assert runs.run_labels([a, r]) == ["goat", "rope"]
+    assert runs.run_labels([a, b, r]) == ["goat (seed0)", "goat (seed1)", "rope"]
+    # Same encoding and same workdir name: the path tells them apart.
+    labels = runs.run_labels([a, c])
+    assert len(set(labels)) == 2 and all(label.startswith("goat (") for label in labels)
+    assert runs.run_labels([a, b], ["x", None]) == ["x", "goat"]
+    with pytest.raises(ValueError, match=r"--label values must be unique; \['x'\]"):
+        runs.run_labels([a, b], ["x", "x"])
+    with pytest.raises(ValueError, match="one --label per --workdir"):
+        runs.run_labels([a, b], ["x"])
+
+
+def test_evaluate_cli_refuses_duplicate_labels(tmp_path):
+    """Before loading anything: one error line, exit 1, no output directory."""
+    a = _fake_run(tmp_path / "a", "goat")
+    b = _fake_run(tmp_path / "b", "goat")
+    proc = subprocess.run([sys.executable, "-m", "experiments.evaluate", "--workdir", a, "--workdir", b,
+                           "--label", "x", "--label", "x", "--out", str(tmp_path / "o")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 1 and "error: --label values must be unique; ['x']" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
