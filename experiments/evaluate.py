@@ -19,6 +19,9 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
   sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
                  held-out data at the training length.
+  resolution     ViT runs (config.task 'vit'), on its own: top-1 and loss at each
+                 ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for
+                 GOAT the block-0 centre-patch log-prior (goat_jax.eval.vision).
 
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
@@ -47,8 +50,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--num_trials", type=int, default=8, help="standard passkey prompts per length")
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
                    "--workdir; never inside a run, which may still be training)")
+    p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
+    if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
+        from goat_jax.eval import vision
+
+        resolutions = [int(r) for r in args.resolutions.split(",") if r]
+        if evals != ["resolution"] or not resolutions:
+            raise ValueError("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. "
+                             "--evals resolution --resolutions 28,42,56,84.")
+        labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
+        out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
+        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
+        print(open(os.path.join(out, "results.md")).read())
+        return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
@@ -65,5 +81,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from experiments import cli  # pylint: disable=g-import-not-at-top
+    from goat_jax import cli  # pylint: disable=g-import-not-at-top
     cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -534,5 +534,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from experiments import cli  # pylint: disable=g-import-not-at-top
+    from goat_jax import cli  # pylint: disable=g-import-not-at-top
     sys.exit(cli.run(main))  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -41,7 +41,7 @@ if __name__ == "__main__":
     from absl import flags, logging  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-    from experiments import cli  # pylint: disable=g-import-not-at-top
+    from goat_jax import cli  # pylint: disable=g-import-not-at-top
 
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/toy_copy_mixture.py",
                                               "Toy config (overrides: --config.x=y).", lock_config=True)

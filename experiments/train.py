@@ -28,7 +28,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from experiments import cli
+from goat_jax import cli
 from goat_jax.train import sharding
 from goat_jax.train import trainer
 

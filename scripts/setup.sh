@@ -11,6 +11,12 @@ if ! dpkg -s jargon-text >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq jargon-text >/dev/null
 fi
+# Fashion-MNIST IDX files (/usr/share/datasets/fashion-mnist) for the tiny ViT config and tests.
+if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+fi
 
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate

@@ -324,3 +324,30 @@ def test_binary_file_is_refused_naming_file_and_fraction(tmp_path, rng):
     zeros.write_bytes(np.arange(1000, dtype=np.int32).tobytes())
     with pytest.raises(ValueError, match=r"array\.npy does not look like UTF-8 text"):
         text_lib._read_text(str(zeros))
+
+
+def test_bos_windows_start_with_bos_and_keep_every_token_once(tmp_path, paragraphs_file):
+    """GPT-2 BPE (a small local vocabulary) with BOS windows: position 0 of every window is
+    BOS (= EOS), documents end with EOS, and the targets are exactly the token stream."""
+    from tests.test_tokenizers import write_small_ranks
+
+    path, docs = paragraphs_file
+    ranks = write_small_ranks(tmp_path / "small.tiktoken")
+    cfg = _config(paths=[path], eval_paths=[path], doc_split="paragraphs", num_eval_batches=-1,
+                  tokenizer="gpt2", bpe_ranks_path=ranks, bos_windows=True)
+    train, make_eval, tok = _make(cfg, seq_len=16, batch=4)
+    bos = tok.bos_id
+    expected = np.concatenate([[*tok.encode(d), tok.eos_id] for d in docs])
+    batches = list(make_eval())
+    inputs, targets, weights = (np.concatenate([b[k] for b in batches])
+                                for k in ("inputs", "targets", "weights"))
+    assert np.all(inputs[:, 0] == bos)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    # Each window holds the next 16 stream tokens after its BOS: nothing lost or repeated.
+    np.testing.assert_array_equal(targets[weights > 0], expected)
+    flat = weights.ravel()  # Only the tail is padding (the last window, then padding windows).
+    assert flat[:len(expected)].all() and not flat[len(expected):].any()
+    # Training windows (shuffled documents) too, and resume stays exact.
+    for b in _take(train, 12):
+        assert np.all(b["inputs"][:, 0] == bos)
+    _check_resume(cfg, n_total=12, points=(0, 5), seq_len=16, batch=4)

@@ -51,6 +51,7 @@ import numpy as np
 from PIL import Image
 
 from goat_jax.data import image_transforms as T
+from goat_jax.train.validation import Bool, Float, Int, Str
 
 Batch = dict[str, np.ndarray]
 SOURCES = ("tfds", "folder", "fashion_mnist")
@@ -85,6 +86,32 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.num_eval_batches = 0  # eval batches per make_eval_iter call; <= 0 = the whole split
     c.read_threads = 8  # threads decoding and augmenting ahead of the trainer
     return c
+
+
+# Type and range of the numeric and string fields of the ``data`` section (checked by the engine
+# before any work, see goat_jax/train/validation.py); the tuples (mean, std, crop_scale) and the
+# cross-field rules are checked by make_image_datasets.
+FIELD_SPECS = {
+    "source": Str(choices=SOURCES),
+    "tfds_name": Str(nonempty=True),
+    "tfds_data_dir": Str(doc="'' = the TFDS default"),
+    "tfds_train_split": Str(nonempty=True),
+    "tfds_eval_split": Str(nonempty=True),
+    "folder": Str(),
+    "channels": Int(choices=(1, 3), doc="1 grayscale, 3 RGB"),
+    "image_size": Int(min=1, doc="training resolution"),
+    "eval_crop_fraction": Float(min=0.0, max=1.0, min_inclusive=False, doc="crop / resize side at eval"),
+    "hflip": Bool(),
+    "randaugment_ops": Int(min=0, doc="0 disables RandAugment"),
+    "randaugment_magnitude": Int(min=0, max=30, doc="bin of 31"),
+    "random_erasing": Float(min=0.0, max=1.0, doc="probability"),
+    "mixup_alpha": Float(min=0.0, doc="0 disables Mixup"),
+    "cutmix_alpha": Float(min=0.0, doc="0 disables CutMix"),
+    "mixup_switch_prob": Float(min=0.0, max=1.0, doc="probability of CutMix"),
+    "label_smoothing": Float(min=0.0, max=1.0, max_inclusive=False),
+    "num_eval_batches": Int(doc="<= 0: the whole split"),
+    "read_threads": Int(min=0),
+}
 
 
 def fashion_mnist_config() -> ml_collections.ConfigDict:

@@ -3,6 +3,7 @@
     documents (local text files | TFDS | parquet | jsonl)
       -> this host's shard -> shuffle (a new order every epoch) -> tokens, BOS ... EOS
       -> concatenated and cut into windows of seq_len + 1 tokens (documents may straddle)
+         (``bos_windows``: documents are ``... EOS`` and every window is BOS + seq_len tokens)
       -> {'inputs': w[:-1], 'targets': w[1:], 'weights'} -> local batch
 
 Entry point: ``make_lm_datasets(data_config, seq_len=, global_batch_size=, seed=)`` returns
@@ -40,7 +41,12 @@ Data config fields (``default_data_config()`` is the Jargon File with bytes):
   tfds_train_split, tfds_eval_split   e.g. 'train', 'validation'
   jsonl_block_bytes      jsonl files are read in blocks of about this many bytes, the unit
                          of sharding and of shuffling; .jsonl.gz files are one block each
-  tokenizer              'byte' | 'sentencepiece'
+  tokenizer              'byte' | 'sentencepiece' | 'gpt2' (GPT-2 BPE through tiktoken)
+  bpe_ranks_path         gpt2: a local tiktoken ranks file (``tokenizers.write_bpe_ranks``)
+  tiktoken_cache_dir     gpt2: a local tiktoken cache holding the gpt2 files (if no ranks file)
+  bos_windows            every window starts with BOS and documents carry only their EOS (the
+                         official C4 packing, docs/protocols.md, C4 125M); False: BOS ... EOS
+                         documents cut anywhere
   spm_model_path         SentencePiece model to load, or where to save the trained one
   spm_vocab_size         vocabulary size when training SentencePiece
   spm_train_max_sentences  lines of the training split used to train SentencePiece
@@ -78,7 +84,7 @@ import ml_collections
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.train.validation import Float, Int, Str, Strs
+from goat_jax.train.validation import Bool, Float, Int, Str, Strs
 
 JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
 SOURCES = ("text_files", "tfds", "parquet", "jsonl")
@@ -103,7 +109,10 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.tfds_train_split = "train"
     c.tfds_eval_split = "validation"
     c.jsonl_block_bytes = 8 << 20  # Unit of jsonl sharding/shuffling (~thousands of docs).
-    c.tokenizer = "byte"  # 'byte' (vocab 259) | 'sentencepiece'.
+    c.tokenizer = "byte"  # 'byte' (vocab 259) | 'sentencepiece' | 'gpt2' (tiktoken, 50257).
+    c.bpe_ranks_path = ""  # gpt2: local tiktoken ranks file; '' = use tiktoken_cache_dir.
+    c.tiktoken_cache_dir = ""  # gpt2: local tiktoken cache; '' = $TIKTOKEN_CACHE_DIR.
+    c.bos_windows = False  # True: BOS at position 0 of every window, documents end with EOS.
     c.spm_model_path = ""  # Loaded if it exists, else trained on the train split and saved.
     c.spm_vocab_size = 32000  # Only used when training SentencePiece.
     c.spm_train_max_sentences = 200_000  # Lines used to train SentencePiece.
@@ -127,7 +136,10 @@ FIELD_SPECS = {
     "tfds_train_split": Str(),
     "tfds_eval_split": Str(),
     "jsonl_block_bytes": Int(min=1),
-    "tokenizer": Str(choices=("byte", "sentencepiece")),
+    "tokenizer": Str(choices=tokenizers_lib.TOKENIZERS),
+    "bpe_ranks_path": Str(),
+    "tiktoken_cache_dir": Str(),
+    "bos_windows": Bool(),
     "spm_model_path": Str(),
     "spm_vocab_size": Int(min=1),
     "spm_train_max_sentences": Int(min=1),
@@ -436,25 +448,30 @@ class _PackedWindowsIterDataset(grain.IterDataset):
     """Concatenates token arrays and cuts the stream into windows of ``window_len`` tokens.
 
     Consecutive windows do not overlap, so with window_len = seq_len + 1 every token is a
-    target exactly once except the last of each window. A final partial window (finite
+    target exactly once except the last of each window. With ``bos_id`` set, each window is
+    ``bos_id`` followed by the next window_len - 1 stream tokens, so every stream token is a
+    target exactly once and position 0 always holds BOS. A final partial window (finite
     parents only) is padded with ``pad_id``. State: where the next window starts, i.e. the
     parent's state before the document it starts in, plus the token offset into it.
     """
 
-    def __init__(self, parent: grain.IterDataset, *, window_len: int, pad_id: int):
+    def __init__(self, parent: grain.IterDataset, *, window_len: int, pad_id: int,
+                 bos_id: int | None = None):
         super().__init__(parent)
-        self._window_len, self._pad_id = window_len, pad_id
+        self._window_len, self._pad_id, self._bos_id = window_len, pad_id, bos_id
 
     def __iter__(self) -> grain.DatasetIterator:
-        return _PackedWindowsIterator(self._parent.__iter__(), self._window_len, self._pad_id)
+        return _PackedWindowsIterator(self._parent.__iter__(), self._window_len, self._pad_id,
+                                      self._bos_id)
 
 
 class _PackedWindowsIterator(grain.DatasetIterator):
     """See ``_PackedWindowsIterDataset``."""
 
-    def __init__(self, parent: grain.DatasetIterator, window_len: int, pad_id: int):
+    def __init__(self, parent: grain.DatasetIterator, window_len: int, pad_id: int,
+                 bos_id: int | None = None):
         super().__init__(parent)
-        self._window_len, self._pad_id = window_len, pad_id
+        self._window_len, self._pad_id, self._bos_id = window_len, pad_id, bos_id
         self._doc: np.ndarray | None = None  # The document the next window starts in ...
         self._doc_state: dict[str, Any] | None = None  # ... the parent's state before it ...
         self._offset = 0  # ... and how many of its tokens are already in earlier windows.
@@ -462,6 +479,8 @@ class _PackedWindowsIterator(grain.DatasetIterator):
     def __next__(self) -> Batch:
         window = np.full(self._window_len, self._pad_id, np.int32)
         filled = 0
+        if self._bos_id is not None:
+            window[0], filled = self._bos_id, 1
         while filled < self._window_len:
             if self._doc is None or self._offset == len(self._doc):
                 self._doc_state = copy.deepcopy(self._parent.get_state())
@@ -473,7 +492,7 @@ class _PackedWindowsIterator(grain.DatasetIterator):
             take = min(self._window_len - filled, len(self._doc) - self._offset)
             window[filled:filled + take] = self._doc[self._offset:self._offset + take]
             filled, self._offset = filled + take, self._offset + take
-        if filled == 0:
+        if filled == (0 if self._bos_id is None else 1):
             raise StopIteration
         return _window_example(window, filled)
 
@@ -501,12 +520,13 @@ def _window_example(window: np.ndarray, filled: int) -> Batch:
 
 def _token_stream(split: _Split, tokenizer: tokenizers_lib.Tokenizer, *, train: bool,
                   seed: int, process_index: int, process_count: int,
-                  read_threads: int) -> grain.IterDataset:
-    """This host's shard of ``split`` as int32 token arrays [BOS, ..., EOS]."""
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+                  read_threads: int, bos_windows: bool = False) -> grain.IterDataset:
+    """This host's shard of ``split`` as int32 token arrays [BOS, ..., EOS] ([..., EOS] with
+    ``bos_windows``: the packer then puts BOS at the start of every window instead)."""
+    head, eos = ([] if bos_windows else [tokenizer.bos_id]), tokenizer.eos_id
 
     def tokenize(text: str) -> np.ndarray:
-        return np.asarray([bos, *tokenizer.encode(text), eos], np.int32)
+        return np.asarray([*head, *tokenizer.encode(text), eos], np.int32)
 
     if split.docs is not None:
         # Shard before shuffling so that each host's documents are fixed across epochs and
@@ -528,9 +548,9 @@ def _token_stream(split: _Split, tokenizer: tokenizers_lib.Tokenizer, *, train: 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
     if cfg.source not in SOURCES:
         raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
-    if cfg.tokenizer not in ("byte", "sentencepiece"):
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown: use 'byte' or "
-                         "'sentencepiece'.")
+    if cfg.tokenizer not in tokenizers_lib.TOKENIZERS:
+        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown: use one of "
+                         f"{tokenizers_lib.TOKENIZERS}.")
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
@@ -604,9 +624,10 @@ def make_lm_datasets(
         cfg, texts=train_split.texts(), allow_training=process_count == 1)
     stream = functools.partial(
         _token_stream, tokenizer=tokenizer, seed=seed, process_index=process_index,
-        process_count=process_count, read_threads=cfg.read_threads)
+        process_count=process_count, read_threads=cfg.read_threads, bos_windows=cfg.bos_windows)
     pack = functools.partial(
-        _PackedWindowsIterDataset, window_len=seq_len + 1, pad_id=tokenizer.pad_id)
+        _PackedWindowsIterDataset, window_len=seq_len + 1, pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id if cfg.bos_windows else None)
 
     train_ds = pack(stream(train_split, train=True)).batch(local_batch, drop_remainder=True)
     # A background thread packs the next batches while the trainer runs a step; its state is

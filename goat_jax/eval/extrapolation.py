@@ -1,7 +1,8 @@
 """Length extrapolation: perplexity of an LM at multiples of its training length.
 
 Protocol (ALiBi paper, Press et al. 2022; docs/protocols.md, Length extrapolation): train at
-``L``, evaluate the perplexity of a held-out token stream cut into windows of 1x, 2x, 4x, 8x, 16x ``L``.
+``L``, evaluate the perplexity of a held-out token stream cut into windows of 1x, 2x, 4x, 8x,
+16x ``L``.
 
 * Non-overlapping (default): window ``k`` has inputs ``stream[kW : kW + W]`` and targets
   ``stream[kW + 1 : kW + W + 1]``; every target is scored once, each with a context of 0 to

@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.attention import GoatAttention
+from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.prior import PriorSettings
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
+from goat_jax.train.validation import Bool, Float, Int, Str
 
 Array = jax.Array
 
@@ -50,6 +52,35 @@ POSITION_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")
 PRESETS = {
     "s16": dict(image_size=224, patch_size=16, num_layers=12, embed_dim=384, num_heads=6, mlp_dim=1536),
     "b16": dict(image_size=224, patch_size=16, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=3072),
+}
+
+
+# Type and range of every field of a config's ``model`` section (checked by the engine before any
+# work, see goat_jax/train/validation.py); cross-field rules live in ViTConfig.__post_init__.
+_DTYPES = ("float32", "bfloat16", "float16")
+FIELD_SPECS = {
+    "name": Str(choices=("vit",)),
+    "preset": Str(choices=tuple(PRESETS), optional=True, doc="a named shape; None: the fields alone"),
+    "num_classes": Int(min=1),
+    "image_size": Int(min=1, doc="training resolution"),
+    "patch_size": Int(min=1),
+    "channels": Int(choices=(1, 3), doc="1 grayscale, 3 RGB"),
+    "num_layers": Int(min=1),
+    "embed_dim": Int(min=1),
+    "num_heads": Int(min=1),
+    "mlp_dim": Int(min=1),
+    "position_encoding": Str(choices=POSITION_ENCODINGS),
+    "drop_path_rate": Float(min=0.0, max=1.0, max_inclusive=False, doc="stochastic depth of the last block"),
+    "norm_eps": Float(min=0.0, min_inclusive=False, doc="LayerNorm epsilon"),
+    "pos_rank": Int(min=0, doc="GOAT relative rank R"),
+    "abs_rank": Int(min=0, doc="GOAT absolute rank M"),
+    "prior_init": Str(choices=("seeded", "uniform")),
+    "enable_key_bias": Bool(),
+    "rope_base": Float(min=1.0, min_inclusive=False, doc="'rope2d' base; <= 1 gives no rotation spectrum"),
+    "sincos_temperature": Float(min=1.0, min_inclusive=False, doc="'sincos2d' temperature"),
+    "dtype": Str(choices=_DTYPES),
+    "param_dtype": Str(choices=_DTYPES),
+    "implementation": Str(choices=IMPLEMENTATIONS, optional=True, doc="None: auto"),
 }
 
 

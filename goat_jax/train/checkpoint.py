@@ -181,7 +181,7 @@ class Checkpointer:
                                               options=options)
         # orbax removes leftover temporary directories in a background future; wait for it so
         # that nothing races with it (a damaged checkpoint moved aside, a rejected run's workdir
-        # removed by experiments/cli.py). Quick: it only lists and deletes tmp directories.
+        # removed by goat_jax/cli.py). Quick: it only lists and deletes tmp directories.
         getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def latest_step(self) -> Optional[int]:
