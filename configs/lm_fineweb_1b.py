@@ -9,6 +9,10 @@ available in this codebase, so a SentencePiece model of the same size (128256) i
 first lines of the training files and saved at ``data.spm_model_path``: the shapes and parameter
 count match Llama 3.2 1B, the token boundaries do not.
 
+There is no official FineWeb script (docs/protocols.md, Length extrapolation): the paper gives the
+model shape, the data and the training length only. Every other choice here -- optimization,
+batch, token budget, tokenizer, GOAT ranks, evaluation -- is ours.
+
 Parameters: 16 x (2048^2 x 2 [q, o] + 2048 x 512 x 2 [k, v] + 3 x 2048 x 8192 [SwiGLU] + 2 x 2048
 [norms]) + 128256 x 2048 [tied embedding] + 2048 [final norm] + GOAT prior ~= 1.2359B.
 """
@@ -73,8 +77,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.max_len = 32_768  # table size for 'learned' / 'naive_prior' (16x extrapolation)
     c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale
     c.model.rope_base = 500_000.0  # Llama 3 RoPE base
-    c.model.pos_rank = 8  # GOAT relative rank R (official default)
-    c.model.abs_rank = 8  # GOAT absolute rank M (official default)
+    c.model.pos_rank = 8  # GOAT relative rank R (ours: the official module's default)
+    c.model.abs_rank = 8  # GOAT absolute rank M (ours: the official module's default)
     c.model.prior_init = "seeded"  # ALiBi-like start
     c.model.prior_gate = "none"  # no query-norm gate
     c.model.enable_key_bias = True  # learned sink u(j)

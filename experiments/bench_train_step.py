@@ -154,7 +154,7 @@ def main(argv):
         rows.append(encoding_row(lm_tiny.get_config(enc), f"tiny (seq {tiny.seq_len}, batch {tiny.global_batch_size})", enc, 50))
     if not _SKIP_125M.value:
         for enc in ENCODINGS:
-            config = lm_c4_125m.get_config(enc)
+            config = lm_c4_125m.get_config(f"{enc},llama")  # the 32k Llama-style shape of the table
             config.seq_len = _SEQ_125M.value  # training_seq_len follows (FieldReference)
             config.global_batch_size = _BATCH_125M.value
             config.model.dtype = "float32"  # CPU has no fast bfloat16 matmul

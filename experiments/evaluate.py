@@ -13,12 +13,18 @@ side) and one PNG per evaluation, runs as lines (NIAH: one heatmap per run).
 Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
   extrapolation  perplexity on the held-out stream at ``m x`` the training length,
                  non-overlapping windows (``--stride`` for sliding); synthetic runs score
-                 fresh batches of their own task at each length instead.
+                 fresh batches of their own task at each length instead. ``--text FILE``
+                 scores any UTF-8 text file instead, tokenized by each run's own tokenizer.
   passkey        synthetic passkey (teacher-forced exact match of the 8-digit key) and the
                  standard prompt (greedy decoding with the KV cache, first integer == key).
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
   sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
                  held-out data at the training length.
+  dna            genome runs (configs/dna_*.py) on the FASTA files of ``--fasta``: NLL in nats
+                 and bits per base, perplexity and next-base accuracy at ``m x`` the training
+                 length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
+                 (definition: README, section DNA), e.g.
+                 ``--evals dna --fasta DH1.fasta.gz --multipliers 1,2,4,8``.
   resolution     ViT runs (config.task 'vit'), on its own: top-1 and loss at each
                  ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for
                  GOAT the block-0 centre-patch log-prior (goat_jax.eval.vision).
@@ -48,6 +54,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: none)")
     p.add_argument("--num_examples", type=int, default=32, help="examples per length (retrieval)")
     p.add_argument("--num_trials", type=int, default=8, help="standard passkey prompts per length")
+    p.add_argument("--text", default=None, help="extrapolation: a UTF-8 text file to score "
+                   "instead of the held-out split (each run's own tokenizer)")
+    p.add_argument("--fasta", action="append", default=[], help="dna: FASTA file (repeatable)")
+    p.add_argument("--lengths", default="", help="dna: window lengths in bases (overrides "
+                   "--multipliers), e.g. 1024,4096")
+    p.add_argument("--max_bases", type=int, default=None, help="dna: use only the first bases")
+    p.add_argument("--gc_windows", type=int, default=256, help="dna: GC windows (0: skip GC)")
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
                    "--workdir; never inside a run, which may still be training)")
     p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
@@ -71,8 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for workdir, label in zip(args.workdir, labels):
         run = runs.load_lm_run(workdir)
         runs.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
+        dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
+                       "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
         results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
-                                           num_examples=args.num_examples, num_trials=args.num_trials)
+                                           num_examples=args.num_examples, num_trials=args.num_trials,
+                                           dna_options=dna_options, text_file=args.text)
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))

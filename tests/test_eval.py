@@ -386,3 +386,33 @@ def test_plots_write_pngs(tmp_path):
     if os.environ.get("GOAT_KEEP_PLOTS"):  # for looking at them
         import shutil
         shutil.copytree(tmp_path, os.environ["GOAT_KEEP_PLOTS"], dirs_exist_ok=True)
+
+
+def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
+    """``--text FILE``: the file is one document, tokenized like the run's training data
+    ([BOS, bytes + 3, EOS] for the byte tokenizer), and scored by length; the perplexities equal
+    those of that stream scored directly."""
+    from configs import lm_tiny
+    from goat_jax.eval import runs
+    from goat_jax.train import tasks
+
+    config = lm_tiny.get_config("goat,smoke")
+    task = tasks.get_task("lm")
+    model = task.build_model(config)
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params,
+                     step=0)
+    text = "Ünïcödé held-out text.\n\nA second paragraph, still one document.\n" * 12
+    path = tmp_path / "held_out.txt"
+    path.write_text(text, encoding="utf-8")
+    expected = np.array([1, *(b + 3 for b in text.strip().encode("utf-8")), 2], np.int32)
+    np.testing.assert_array_equal(runs.heldout_tokens(run, text_file=str(path)), expected)
+    got = runs.eval_extrapolation(run, (1, 2), text_file=str(path))
+    direct = extrapolation.perplexity_by_length(extrapolation.model_apply_fn(model), params,
+                                                expected, config.seq_len, (1, 2))
+    assert sorted(got) == sorted(direct) == [config.seq_len, 2 * config.seq_len]
+    for n, r in direct.items():
+        assert got[n]["tokens"] == r.num_tokens > 0
+        assert got[n]["ppl"] == pytest.approx(r.ppl, rel=1e-6)
+    with pytest.raises(ValueError, match="no such file"):
+        runs.heldout_tokens(run, text_file=str(tmp_path / "missing.txt"))

@@ -256,3 +256,23 @@ def test_scan_layers_kv_cache():
     out1, state = step(cache, toks[:, :4])
     out2, _ = step(state["cache"], toks[:, 4:])
     assert_rel_close(jnp.concatenate([out1, out2], axis=1), full)
+
+
+def test_init_scale_prior_scales_the_sink_mlp_init():
+    """``LMConfig.init_scale_prior`` is the std of the sink MLP's initial kernels: with the same
+    key, 3e-3 draws exactly 3x the 1e-3 kernels, and nothing else changes."""
+    def init(scale):
+        cfg = LMConfig(num_layers=1, pos_rank=2, abs_rank=2, init_scale_prior=scale)
+        return TransformerLM(cfg).init(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"]
+
+    small, large = nn.unbox(init(1e-3)), nn.unbox(init(3e-3))
+    for path, a in jax.tree_util.tree_leaves_with_path(small):
+        b = large
+        for k in path:
+            b = b[k.key]
+        key = jax.tree_util.keystr(path)
+        if "key_bias" in key and key.endswith("['kernel']"):
+            np.testing.assert_allclose(b, 3.0 * a, rtol=1e-6)
+            assert float(jnp.std(a)) > 0
+        else:
+            np.testing.assert_array_equal(a, b)

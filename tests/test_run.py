@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from configs import lm_tiny
 from goat_jax.eval import runs
 from goat_jax.train import run as run_lib
+from goat_jax.train import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,11 +70,9 @@ def test_reading_writes_nothing(tmp_path):
     """load_run leaves a finished run byte- and mtime-identical, and creates no checkpoints/
     in a folder that has none."""
     workdir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
-                           "--workdir", str(workdir), "--config.num_train_steps=2", "--config.progress_bar=False"],
-                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = lm_tiny.get_config("goat,smoke")
+    config.num_train_steps, config.progress_bar = 2, False
+    trainer.train_and_evaluate(config, str(workdir))
     before = _snapshot(workdir)
     assert run_lib.load_run(str(workdir)).step == 2
     assert _snapshot(workdir) == before

@@ -40,7 +40,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks")
+EVALS = ("extrapolation", "passkey", "niah", "sinks", "dna")
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -104,11 +104,26 @@ def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]
     return out
 
 
-def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None) -> np.ndarray:
-    """The held-out token stream of a text run (its data config's eval split, whole)."""
+def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None,
+                   text_file: Optional[str] = None) -> np.ndarray:
+    """The held-out token stream of a text run (its data config's eval split, whole), or of
+    ``text_file`` (any UTF-8 text, one document, read and tokenized by the run's own pipeline
+    and tokenizer; the tokenizer is never trained on it)."""
     data = ml_collections.ConfigDict(run.config.data.to_dict())
     data.num_eval_batches = 0  # <= 0: the whole eval split
     data.read_threads = 1
+    if text_file is not None:
+        if run.is_synthetic:
+            raise ValueError(f"--text {text_file}: run {run.label!r} is a synthetic-task run; "
+                             "--text scores text with a text run's tokenizer.")
+        if not os.path.isfile(text_file):
+            raise ValueError(f"--text {text_file}: no such file.")
+        if data.tokenizer == "sentencepiece" and not os.path.exists(data.spm_model_path):
+            raise ValueError(f"--text {text_file}: the run's SentencePiece model "
+                             f"data.spm_model_path={data.spm_model_path!r} is missing; it must "
+                             "exist (it is never trained on the evaluated text).")
+        data.source, data.doc_split = "text_files", "files"
+        data.paths = data.eval_paths = (text_file,)
     _, make_eval, _ = text.make_lm_datasets(data, seq_len=run.train_len, global_batch_size=8,
                                             seed=int(run.config.seed), process_index=0, process_count=1)
     tokens = extrapolation.tokens_from_batches(make_eval())
@@ -130,15 +145,17 @@ def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: i
 
 def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
                        stride: Optional[int] = None, max_tokens: Optional[int] = None,
-                       num_examples: int = 64) -> dict[int, dict[str, float]]:
+                       num_examples: int = 64, text_file: Optional[str] = None,
+                       ) -> dict[int, dict[str, float]]:
     """``{length: {'ppl', 'nll', 'tokens'}}`` at ``m * train_len``.
 
-    Text runs: the held-out stream in non-overlapping windows (``stride``: sliding), the same
-    tokens for every model. Synthetic runs: ``num_examples`` fresh windows of the run's task
-    at each length (their perplexity is what the task's scored targets cost).
+    Text runs: the held-out stream (or ``text_file``'s, see :func:`heldout_tokens`) in
+    non-overlapping windows (``stride``: sliding), the same tokens for every model. Synthetic
+    runs: ``num_examples`` fresh windows of the run's task at each length (their perplexity is
+    what the task's scored targets cost).
     """
     apply_fn = extrapolation.model_apply_fn(run.model)
-    if run.is_synthetic:
+    if run.is_synthetic and text_file is None:
         out = {}
         for m in multipliers:
             length = int(m * run.train_len)
@@ -146,7 +163,7 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
                                                     _synthetic_batches(run, length, num_examples))
             out[length] = {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens}
         return out
-    tokens = heldout_tokens(run, max_tokens)
+    tokens = heldout_tokens(run, max_tokens, text_file=text_file)
     res = extrapolation.perplexity_by_length(apply_fn, run.params, tokens, run.train_len,
                                              multipliers, stride=stride, tokens_per_batch=8192)
     return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
@@ -285,16 +302,60 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
                       ", ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
                       ", ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
         md.append("")
+    md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text_md)
     return text_md
 
 
+def eval_dna(run: LMRun, fasta: Sequence[str], multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
+             *, lengths: Optional[Sequence[int]] = None, max_bases: Optional[int] = None,
+             gc_windows: int = 256) -> dict[str, Any]:
+    """A genome run on FASTA files: NLL (nats, bits per base), perplexity and next-base accuracy
+    at ``m * train_len`` (or ``lengths``), and GC agreement (goat_jax.eval.dna)."""
+    from goat_jax.eval import dna as dna_eval  # pylint: disable=g-import-not-at-top
+    if not fasta:
+        raise ValueError("--evals dna needs --fasta FILE (a FASTA of held-out sequence).")
+    return dna_eval.evaluate_fasta(run.model, run.params, fasta, run.train_len,
+                                   multipliers=multipliers, lengths=lengths, max_bases=max_bases,
+                                   gc_num_windows=gc_windows, seed=int(run.config.seed))
+
+
+def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
+    """The DNA tables: bits per base and accuracy by length, GC agreement with its references."""
+    if not dna:
+        return []
+    first = next(iter(dna.values()))["data"]
+    md = [f"## DNA: {', '.join(first['files'])} ({sum(first['bases']):,} bases, "
+          f"{len(first['records'])} record(s))", ""]
+    for key, title, pct in (("bits_per_base", "bits per base", False),
+                            ("accuracy", "next-base accuracy", True)):
+        md += [f"### {title} by evaluation length", "",
+               table({k: {int(n): v[key] for n, v in r["by_length"].items()} for k, r in dna.items()},
+                     pct=pct), ""]
+    md += ["### GC agreement (Pearson r; README, section DNA)", "",
+           "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
+           "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]
+    for k, r in dna.items():
+        gc = r.get("gc")
+        if not gc:
+            continue
+        if "error" in gc:
+            md.append(f"| {k} | {gc['error']} | | | | |")
+            continue
+        md.append(f"| {k} | {gc['r_model']:.3f} | {gc['r_prompt']:.3f} | {gc['r_halves']:.3f} | "
+                  f"{gc['mean_gc_sample']:.3f} / {gc['mean_gc_true']:.3f} | {gc['num_windows']} |")
+    return md + [""]
+
+
 def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *,
                  stride: Optional[int] = None, num_examples: int = 32,
-                 num_trials: int = 8) -> dict[str, Any]:
-    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``."""
+                 num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
+                 text_file: Optional[str] = None) -> dict[str, Any]:
+    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
+    ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
+    ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
@@ -302,13 +363,16 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
     for name in evals:
         t0 = time.time()
         if name == "extrapolation":
-            out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples)
+            out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples,
+                                           text_file=text_file)
         elif name == "passkey":
             variants = ("synthetic",) if run.is_synthetic else ("standard",)
             out[name] = eval_passkey(run, multipliers, variants=variants, num_examples=num_examples,
                                      num_trials=num_trials)
         elif name == "niah":
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
+        elif name == "dna":
+            out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
         else:
             out[name] = eval_sinks(run)
         log(f"  {run.label} {name}: {time.time() - t0:.0f}s")

@@ -30,6 +30,26 @@ NO_DECAY_NAMES = frozenset({
     "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias",
 })
 
+# The official C4 recipe's grouping (docs/protocols.md, C4 125M): weight decay on every parameter
+# whose name contains none of these substrings, 1-D or not, so the sink gain, bump and recency
+# slope and the gate parameters *are* decayed. Applied to our dotted parameter paths, the names
+# correspond: PyTorch ``*.bias`` = our Dense/LayerNorm ``*.bias``; ``ln_*`` = our ``*_norm``
+# modules; ``lambda_sym/asym`` and the sink MLP ``key_bias.*`` keep their names under ``prior``.
+OFFICIAL_C4_NO_DECAY_SUBSTRINGS = (".bias", "ln", "norm", "lambda_", "key_bias")
+
+
+def official_c4_decay_mask(params: Any) -> Any:
+    """True for the parameters the official C4 script decays: those whose dotted path
+    (``layer_0.attention.q_proj.kernel``) contains none of ``OFFICIAL_C4_NO_DECAY_SUBSTRINGS``.
+
+    A task's ``decay_groupings`` entry (``optimizer.decay_grouping='official_c4'``); ``params``
+    may be boxed (``nn.Partitioned``) or plain."""
+    def one(path, _):
+        names = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+        dotted = ".".join(str(n) for n in names if n not in (None, "value"))
+        return not any(s in dotted for s in OFFICIAL_C4_NO_DECAY_SUBSTRINGS)
+    return jax.tree_util.tree_map_with_path(one, params)
+
 
 def register_model(name: str):
     """Decorator registering ``builder(fields) -> nn.Module`` under ``name``."""
@@ -75,5 +95,6 @@ def count_params(model: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.
     return int(sum(np.prod(leaf.shape, dtype=np.int64) for leaf in jax.tree_util.tree_leaves(shapes["params"])))
 
 
-__all__ = ["NO_DECAY_NAMES", "LMConfig", "TransformerLM", "ViT", "ViTConfig", "build_model",
+__all__ = ["NO_DECAY_NAMES", "OFFICIAL_C4_NO_DECAY_SUBSTRINGS", "official_c4_decay_mask", "LMConfig",
+           "TransformerLM", "ViT", "ViTConfig", "build_model",
            "count_params", "lm_flops_per_token", "register_model"]

@@ -67,6 +67,7 @@ FIELD_SPECS = {
     "prior_init": Str(choices=("seeded", "uniform")),
     "prior_gate": Str(choices=("none", "query_norm")),
     "enable_key_bias": Bool(),
+    "init_scale_prior": Float(min=0.0, min_inclusive=False),
     "use_bias": Bool(),
     "norm_eps": Float(min=0.0, min_inclusive=False, doc="RMSNorm epsilon"),
     "dtype": Str(choices=_DTYPES),
@@ -108,6 +109,7 @@ class LMConfig:
     prior_init: str = _PRIOR.prior_init  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
     prior_gate: str = _PRIOR.prior_gate  # GOAT: 'none' or 'query_norm'
     enable_key_bias: bool = _PRIOR.enable_key_bias  # GOAT: the learned key-only sink u(j)
+    init_scale_prior: float = _PRIOR.init_scale_prior  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
     use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
     norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
     dtype: Any = "float32"  # compute dtype of activations

@@ -141,4 +141,5 @@ TASK = tasks.Task(
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
     no_decay_names=models.NO_DECAY_NAMES,
+    decay_groupings={"official_c4": models.official_c4_decay_mask},
 )

@@ -42,10 +42,14 @@ def decay_mask(params: Any, no_decay_names: AbstractSet[str] = frozenset()) -> A
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def make_optimizer(opt_config: Any, num_train_steps: int, no_decay_names: AbstractSet[str] = frozenset()
+def make_optimizer(opt_config: Any, num_train_steps: int, no_decay_names: AbstractSet[str] = frozenset(),
+                   mask: Optional[Callable[[Any], Any]] = None,
                    ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns ``(tx, schedule)``: clip-by-global-norm (if ``grad_clip > 0``) then AdamW with
-    the decoupled weight decay masked by :func:`decay_mask` (``no_decay_names``: the task's)."""
+    the decoupled weight decay masked by :func:`decay_mask` (``no_decay_names``: the task's), or
+    by ``mask`` (``params -> pytree of bools``, True = decayed) when given."""
+    if mask is None:
+        mask = lambda params: decay_mask(params, frozenset(no_decay_names))
     schedule = learning_rate_schedule(opt_config, num_train_steps)
     parts = []
     if opt_config.grad_clip and float(opt_config.grad_clip) > 0:
@@ -53,7 +57,7 @@ def make_optimizer(opt_config: Any, num_train_steps: int, no_decay_names: Abstra
     parts.append(optax.adamw(
         learning_rate=schedule, b1=float(opt_config.b1), b2=float(opt_config.b2),
         eps=float(opt_config.eps), weight_decay=float(opt_config.weight_decay),
-        mask=lambda params: decay_mask(params, frozenset(no_decay_names))))
+        mask=mask))
     return optax.chain(*parts), schedule
 
 

@@ -70,10 +70,18 @@ class TrainState:
     opt_state: Any
 
 
+# ``config.optimizer.decay_grouping`` meaning "the task's no_decay_names rule" (also when absent).
+DEFAULT_DECAY_GROUPING = "default"
+
+
 def make_optimizer(task: tasks_lib.Task, config: Any) -> Tuple[optax.GradientTransformation, optax.Schedule]:
     """``(tx, schedule)`` of ``config.optimizer`` over ``config.num_train_steps``, with the
-    task's weight-decay exclusions."""
-    return optim.make_optimizer(config.optimizer, config.num_train_steps, task.no_decay_names)
+    task's weight-decay exclusions, or the task's grouping named by the optional
+    ``config.optimizer.decay_grouping``."""
+    grouping = config.optimizer.get("decay_grouping", DEFAULT_DECAY_GROUPING)
+    mask = None if grouping == DEFAULT_DECAY_GROUPING else task.decay_groupings[grouping]
+    return optim.make_optimizer(config.optimizer, config.num_train_steps, task.no_decay_names,
+                                mask=mask)
 
 
 def make_init_fns(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTransformation, config: Any,

@@ -40,6 +40,10 @@ The contract, in one place:
 ``no_decay_names``
     parameter (or module) names whose leaves get no weight decay, besides every array with fewer
     than two dimensions (see :func:`goat_jax.train.optim.decay_mask`).
+``decay_groupings``
+    other weight-decay groupings the task offers, ``{name: params -> pytree of bools}`` (True =
+    decayed), chosen with ``config.optimizer.decay_grouping`` (optional field; 'default' or
+    absent: the ``no_decay_names`` rule above).
 
 Adding a family: README.md, section "Adding an experiment family".
 """
@@ -98,6 +102,7 @@ class Task:
       top_level_fields: task-specific top-level config fields (e.g. ``seq_len``).
       resume_safe_fields: dotted task fields that may change on resume.
       no_decay_names: parameter/module names excluded from weight decay.
+      decay_groupings: named alternative decay masks (``optimizer.decay_grouping``).
       field_specs: ``config -> {section: {field: validation.Field}}``, the type and range of
         the task's fields ('' for its top-level ones), checked before any work
         (:mod:`goat_jax.train.validation`).
@@ -118,6 +123,7 @@ class Task:
     top_level_fields: Tuple[str, ...] = ()
     resume_safe_fields: Tuple[str, ...] = ()
     no_decay_names: FrozenSet[str] = frozenset()
+    decay_groupings: Dict[str, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
     field_specs: Callable[[Any], Dict[str, Dict[str, Any]]] = lambda config: {}
 
 

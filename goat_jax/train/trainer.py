@@ -18,7 +18,8 @@ Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``
   seed, task, num_train_steps, global_batch_size | per_device_batch_size (exactly one),
   grad_accum_steps, log_every_steps, eval_every_steps (0: never), checkpoint_every_steps,
   keep_checkpoints, mesh.{data,fsdp,tensor} (-1: the rest), sharding_rules, optimizer.{
-  learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps, weight_decay, grad_clip},
+  learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps, weight_decay, grad_clip,
+  decay_grouping (optional: 'default' or one of the task's ``decay_groupings``)},
   distributed, progress_bar, peak_flops_per_device (0: look up by device kind).
 """
 
@@ -62,6 +63,8 @@ ENGINE_SCHEMA = {
     "optimizer": {"learning_rate", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps",
                   "weight_decay", "grad_clip"},
 }
+# Engine fields a config may leave out (the default applies): a section -> names.
+ENGINE_OPTIONAL = {"optimizer": {"decay_grouping"}}
 
 
 def _check_fields(section: str, present: set, allowed: set, required: bool) -> None:
@@ -87,7 +90,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     top = set(config.keys())
     _check_fields("", top, ENGINE_SCHEMA[""] | set(task.top_level_fields), required=True)
     for section in ("mesh", "optimizer"):
-        _check_fields(section, set(config[section].keys()), ENGINE_SCHEMA[section], required=True)
+        present = set(config[section].keys()) - ENGINE_OPTIONAL.get(section, set())
+        _check_fields(section, present, ENGINE_SCHEMA[section], required=True)
     for section, allowed in task.schema().items():
         _check_fields(section, set(config[section].keys()), allowed, required=False)
 
@@ -117,6 +121,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     if global_batch % process_count:
         raise ValueError(f"{field}: global batch {global_batch} must be divisible by the "
                          f"{process_count} processes.")
+    grouping = config.optimizer.get("decay_grouping", run_lib.DEFAULT_DECAY_GROUPING)
+    if grouping != run_lib.DEFAULT_DECAY_GROUPING and grouping not in task.decay_groupings:
+        allowed = (run_lib.DEFAULT_DECAY_GROUPING, *sorted(task.decay_groupings))
+        raise ValueError(f"optimizer.decay_grouping={grouping!r} is not a grouping of the "
+                         f"{task.name!r} task: use one of {allowed}.")
     task.validate(config)
     return global_batch
 

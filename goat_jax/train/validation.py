@@ -199,5 +199,6 @@ ENGINE_FIELDS: Dict[str, Dict[str, Field]] = {
         "eps": Float(min=0.0, min_inclusive=False, doc="Adam epsilon; 0 divides 0 by 0 for unused parameters"),
         "weight_decay": Float(min=0.0, doc="decoupled weight decay"),
         "grad_clip": Float(min=0.0, doc="global-norm clip; 0: off"),
+        "decay_grouping": Str(nonempty=True, doc="optional; 'default' or a task's grouping"),
     },
 }

@@ -1,0 +1,155 @@
+"""The genome task (``config.task = 'dna'``): next-base prediction on FASTA or parquet genomes.
+
+The model is the language model (:class:`goat_jax.models.TransformerLM`, usually with the GPT-2
+block of the official recipe, :func:`official_model_config`) over the 5 tokens "ACGNT"; the data
+is :mod:`goat_jax.data.dna` (crops of ``seq_len + 1`` bases, splits by chromosome). Training and
+the loss are those of the LM task; evaluation adds what genome papers report per base:
+
+    eval_loss            NLL in nats per base
+    eval_bits_per_base   eval_loss / ln 2
+    eval_ppl             exp(eval_loss)
+    eval_accuracy        next-base accuracy (argmax == target)
+
+Config sections: ``seq_len`` (top level), ``model.*`` (:class:`goat_jax.models.lm.LMConfig` plus
+``name='lm'``) and ``data.*`` (``goat_jax.data.dna.default_dna_data_config()``). Longer contexts,
+other FASTA files and GC agreement: ``python -m experiments.evaluate --evals dna``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_dict
+
+from goat_jax import models
+from goat_jax.data import dna, fasta
+from goat_jax.models import lm
+from goat_jax.tasks import lm as lm_task
+from goat_jax.train import tasks
+from goat_jax.train.validation import Int
+
+
+def official_model_config(encoding: str = "goat") -> ml_collections.ConfigDict:
+    """``config.model`` of the official genome GPT (docs/protocols.md, DNA): pre-LN LayerNorm
+    (eps 1e-5), GELU(tanh) MLP 4x, biases in every Linear, tied embeddings, d 512, 8 layers,
+    8 heads, vocab 5 (~25.2M parameters); GOAT R = 2, M = 8, seeded; RoPE base 1e4. ``encoding``
+    is any of ``goat_jax.models.lm.POSITION_ENCODINGS``; everything else is identical."""
+    m = ml_collections.ConfigDict()
+    m.name = "lm"  # goat_jax.models registry: the LM, here with the GPT-2 block
+    m.block = "gpt2"  # pre-LN LayerNorm + GELU(tanh) MLP
+    m.vocab_size = fasta.VOCAB_SIZE  # "ACGNT"
+    m.num_layers = 8  # official
+    m.embed_dim = 512  # official d
+    m.num_heads = 8  # official (head dim 64)
+    m.kv_num_heads = config_dict.placeholder(int)  # None: no GQA
+    m.head_dim = config_dict.placeholder(int)  # None: embed_dim // num_heads
+    m.mlp_dim = 2048  # MLP 4x
+    m.position_encoding = encoding  # 'goat' | 'rope' | 'alibi' | 'nope' | ...
+    m.tie_embeddings = True  # official: tied
+    m.max_len = 16384  # table size for 'learned' / 'naive_prior' (16x the official L)
+    m.training_seq_len = 1024  # GOAT sink normalization / RoPE-PI scale: the training L
+    m.rope_base = 10_000.0  # official RoPE base, over the full head
+    m.pos_rank = 2  # official GOAT R
+    m.abs_rank = 8  # official GOAT M
+    m.prior_init = "seeded"  # official
+    m.prior_gate = "none"  # official: no gate
+    m.enable_key_bias = True  # learned sink u(j)
+    m.use_bias = True  # biases in every Linear (GPT-2)
+    m.norm_eps = 1e-5  # GPT-2 LayerNorm epsilon
+    m.init_std = 0.02  # N(0, 0.02) embeddings and MLP kernels
+    m.dtype = "float32"  # compute dtype (the hg38 config uses bfloat16)
+    m.param_dtype = "float32"  # parameter dtype
+    m.remat = False  # no rematerialization
+    m.scan_layers = False  # unrolled blocks
+    m.implementation = config_dict.placeholder(str)  # attention kernel; None: auto
+    return m
+
+
+def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
+    """This host's crops of the genome in the LM batch format (``inputs``/``targets``/``weights``)."""
+    if config.model.vocab_size < fasta.VOCAB_SIZE:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} must be >= {fasta.VOCAB_SIZE} "
+                         "(the DNA tokens ACGNT).")
+    train, make_eval, tokenizer = dna.make_dna_datasets(
+        config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
+        process_index=process_index, process_count=process_count)
+    return tasks.Datasets(train=train, make_eval=make_eval, info={"tokenizer": tokenizer})
+
+
+def loss(apply_fn, params, batch, rng):
+    """Summed per-base cross-entropy over ``weights``, with the number of correct argmax
+    predictions as an auxiliary sum (no dropout: ``rng`` unused)."""
+    del rng
+    logits = apply_fn({"params": params}, batch["inputs"])  # [B, T, 5] float32
+    loss_sum, weight_sum = tasks.weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+    return loss_sum, (weight_sum, {"correct": jnp.sum(correct * batch["weights"].astype(jnp.float32))})
+
+
+def schema() -> Dict[str, set]:
+    """The LM's model fields and the DNA pipeline's data fields."""
+    return {"model": {"name"} | {f.name for f in dataclasses.fields(models.LMConfig)},
+            "data": set(dna.default_dna_data_config().keys())}
+
+
+def validate(config) -> None:
+    """``seq_len`` positive, ``model.name == 'lm'``, table encodings long enough."""
+    seq_len = config.seq_len
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer.")
+    if config.model.get("name") != "lm":
+        raise ValueError(f"model.name={config.model.get('name')!r}: task 'dna' trains model 'lm'.")
+    enc, max_len = config.model.get("position_encoding", "goat"), config.model.get("max_len", 2048)
+    if enc in lm._TABLE_ENCODINGS and seq_len > max_len:  # pylint: disable=protected-access
+        raise ValueError(f"seq_len={seq_len} exceeds model.max_len={max_len}, the size of the "
+                         f"{enc!r} position table; raise model.max_len or shorten seq_len.")
+
+
+def decay_every_parameter(params):
+    """The official genome run's weight-decay grouping: AdamW's decay on every parameter
+    (biases, norms and GOAT prior parameters included). Pytree of True like ``params``."""
+    return jax.tree_util.tree_map(lambda _: True, params)
+
+
+def field_specs(config) -> Dict[str, Dict[str, object]]:
+    """Types and ranges of the task's fields (checked by the engine before any work)."""
+    del config
+    return {"": {"seq_len": Int(min=1, doc="training context (bases)")}, "model": lm.FIELD_SPECS,
+            "data": dna.FIELD_SPECS}
+
+
+def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
+    """Bits per base, perplexity (capped at e^50 to keep the JSON finite) and accuracy."""
+    mean = totals["loss"] / totals["weight"]
+    return {"bits_per_base": mean / math.log(2), "ppl": float(math.exp(min(mean, 50.0))),
+            "accuracy": totals["correct"] / totals["weight"]}
+
+
+TASK = tasks.Task(
+    name="dna",
+    batch_keys=("inputs", "targets", "weights"),
+    build_model=lm_task.build_model,
+    make_datasets=make_datasets,
+    loss=loss,
+    dummy_batch=lm_task.dummy_batch,
+    model_inputs=lambda batch: (batch["inputs"],),
+    tokens_per_example=lambda config: int(config.seq_len),
+    flops_per_token=lm_task.flops_per_token,
+    schema=schema,
+    validate=validate,
+    eval_metrics=eval_metrics,
+    top_level_fields=("seq_len",),
+    field_specs=field_specs,
+    # Reader threads and eval size change nothing the checkpoint depends on; remat and the
+    # kernel change memory and speed, not the function computed.
+    resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
+                        "model.implementation"),
+    no_decay_names=models.NO_DECAY_NAMES,
+    # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): decay everything.
+    decay_groupings={"official_genome": decay_every_parameter},
+)
