@@ -104,7 +104,7 @@ def core_variants(b: int, length: int, n: int, h: int, dtype, impl: str, rng, bi
 
     # GOAT: prior parameters as the module initializes them ('seeded'), trained too.
     spec = prior_lib.PriorSpec(num_heads=n, kv_num_heads=n, pos_rank=pos_rank, abs_rank=abs_rank)
-    pp = attn_lib.GoatPrior(num_heads=n, kv_num_heads=n, pos_rank=pos_rank, abs_rank=abs_rank).init(
+    pp = attn_lib.GoatPrior(spec).init(
         jax.random.PRNGKey(0), prior_lib.positions_1d(4), prior_lib.positions_1d(4), True)["params"]
     d_c = spec.content_dim(h)
     channels = attn_lib.default_sink_channels(dtype)
@@ -178,8 +178,8 @@ def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[st
     x = jnp.asarray(rng.normal(size=(b, length, e)), jnp.float32)
     mods = {
         "plain": pos_lib.PositionalAttention(num_heads=n, position_encoding="nope", dtype=dtype, implementation=impl),
-        "goat": attn_lib.GoatAttention(num_heads=n, pos_rank=pos_rank, abs_rank=abs_rank, dtype=dtype,
-                                       implementation=impl),
+        "goat": attn_lib.GoatAttention(num_heads=n, prior=prior_lib.PriorSettings(pos_rank=pos_rank, abs_rank=abs_rank),
+                                       dtype=dtype, implementation=impl),
         "rope": pos_lib.PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
         "alibi_packed": pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
                                                     implementation=impl),
@@ -373,7 +373,7 @@ def long_variants(args, length: int, rng) -> List[Variant]:
     x = jnp.asarray(rng.normal(size=(b, length, n * h)), jnp.float32)
     out = []
     for impl in ("xla", "flash"):
-        mod = attn_lib.GoatAttention(num_heads=n, pos_rank=args.pos_rank, abs_rank=args.abs_rank,
+        mod = attn_lib.GoatAttention(num_heads=n, prior=prior_lib.PriorSettings(pos_rank=args.pos_rank, abs_rank=args.abs_rank),
                                      dtype=jnp.float32, implementation=impl)
         params = jax.jit(lambda x_, m=mod: m.init(jax.random.PRNGKey(0), x_[:, :8], is_causal=True))(x)["params"]
         loss = lambda p, x_, m=mod: jnp.sum(m.apply({"params": p}, x_, is_causal=True))

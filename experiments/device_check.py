@@ -154,7 +154,7 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
     b, n, h, r, m = 1, 8, 64, 8, 8
     spec = prior_lib.PriorSpec(num_heads=n, kv_num_heads=n, pos_rank=r, abs_rank=m)
     d_c = spec.content_dim(h)
-    pp = attn_lib.GoatPrior(num_heads=n, kv_num_heads=n, pos_rank=r, abs_rank=m).init(
+    pp = attn_lib.GoatPrior(spec).init(
         jax.random.PRNGKey(0), prior_lib.positions_1d(4), prior_lib.positions_1d(4), True)["params"]
     device_bytes = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     rows = []

@@ -6,7 +6,7 @@ Modules: :mod:`goat_jax.prior` (the math as pure functions), :mod:`goat_jax.kern
 """
 
 from goat_jax.attention import GoatAttention, GoatPrior
-from goat_jax.prior import PriorSpec
+from goat_jax.prior import PriorSettings, PriorSpec
 
 __version__ = "0.1.0"
-__all__ = ["GoatAttention", "GoatPrior", "PriorSpec", "__version__"]
+__all__ = ["GoatAttention", "GoatPrior", "PriorSettings", "PriorSpec", "__version__"]

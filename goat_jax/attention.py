@@ -122,39 +122,20 @@ def _alibi_raw_init(kv_heads: int, prior_init: str):
 
 class GoatPrior(nn.Module):
     """Parameters of the GOAT log-prior (official names and shapes; float32 always, since they
-    are tiny and their products with positions need the precision).
+    are tiny and their products with positions need the precision), for one
+    :class:`goat_jax.prior.PriorSpec` (its only field).
 
     Methods return the q/k channels (``query``, ``key``) or the dense ``log_prior``; the math
     lives in :mod:`goat_jax.prior`.
     """
 
-    num_heads: int
-    kv_num_heads: int
-    pos_rank: int = 8
-    abs_rank: int = 8
-    pos_base: float = 10_000.0
-    abs_base: float = 10_000.0
-    enable_key_bias: bool = True
-    training_seq_len: Optional[int] = None
-    prior_gate: str = "none"
-    prior_init: str = "seeded"
-    init_scale_prior: float = 1e-3
-
-    @property
-    def spec(self) -> prior_lib.PriorSpec:
-        return prior_lib.PriorSpec(
-            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, pos_rank=self.pos_rank,
-            abs_rank=self.abs_rank, pos_base=self.pos_base, abs_base=self.abs_base,
-            enable_key_bias=self.enable_key_bias, training_seq_len=self.training_seq_len,
-            prior_gate=self.prior_gate)
+    spec: prior_lib.PriorSpec
 
     def setup(self):
-        if self.prior_init not in ("seeded", "uniform"):
-            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {self.prior_init!r}.")
-        spec = self.spec  # validates the hyper-parameters
+        spec = self.spec
         k, r, m = spec.kv_num_heads, spec.pos_rank, spec.abs_rank
         f32 = jnp.float32
-        seeded = self.prior_init == "seeded"
+        seeded = spec.prior_init == "seeded"
         sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
         self.lambda_sym = self.param("lambda_sym", sym_init, (k, r), f32)
         self.lambda_asym = self.param("lambda_asym", nn.initializers.zeros, (k, r), f32)
@@ -165,7 +146,7 @@ class GoatPrior(nn.Module):
         if spec.enable_key_bias:
             in_dim = 2 * m + 2
             hidden = min(2 * in_dim, 4)  # official: min(in * 2, max(out * 2, 4)) with out = 1
-            scale = self.init_scale_prior
+            scale = spec.init_scale_prior
 
             def mlp_init(rng):
                 r1, r2 = jax.random.split(rng)
@@ -178,11 +159,11 @@ class GoatPrior(nn.Module):
             self.sink_gain = self.param("sink_gain", nn.initializers.ones, (k,), f32)
             self.sink_bump = self.param("sink_bump", nn.initializers.zeros, (k,), f32)
             self.recency_slope_raw = self.param(
-                "recency_slope_raw", _alibi_raw_init(k, self.prior_init), (k,), f32)
+                "recency_slope_raw", _alibi_raw_init(k, spec.prior_init), (k,), f32)
 
     def _params(self) -> dict:
         names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
-        if self.enable_key_bias:
+        if self.spec.enable_key_bias:
             names += ["key_bias", "sink_gain", "sink_bump", "recency_slope_raw"]
         return {name: getattr(self, name) for name in names}
 
@@ -246,6 +227,8 @@ class GoatAttention(nn.Module):
       the cache index and attends causally over the cache. Needs ``training_seq_len`` when the
       sink is enabled, because otherwise the sink normalizes positions by the key length, which
       changes while decoding.
+    * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
+      (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
 
     Attention dropout is not offered: flash kernels have none.
 
@@ -257,15 +240,7 @@ class GoatAttention(nn.Module):
     kv_num_heads: Optional[int] = None
     head_dim: Optional[int] = None
     out_features: Optional[int] = None
-    pos_rank: int = 8
-    abs_rank: int = 8
-    pos_base: float = 10_000.0
-    abs_base: float = 10_000.0
-    enable_key_bias: bool = True
-    init_scale_prior: float = 1e-3
-    training_seq_len: Optional[int] = None
-    prior_init: str = "seeded"
-    prior_gate: str = "none"
+    prior: prior_lib.PriorSettings = prior_lib.PriorSettings()
     pos_encoding: str = "1d"
     has_cls_token_default: bool = False
     use_bias: bool = True
@@ -312,18 +287,18 @@ class GoatAttention(nn.Module):
         embed_dim = query.shape[-1]
         kv_heads, head_dim = layers.head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
         dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
-        prior = GoatPrior(
-            num_heads=self.num_heads, kv_num_heads=kv_heads, pos_rank=self.pos_rank,
-            abs_rank=self.abs_rank, pos_base=self.pos_base, abs_base=self.abs_base,
-            enable_key_bias=self.enable_key_bias, training_seq_len=self.training_seq_len,
-            prior_gate=self.prior_gate, prior_init=self.prior_init,
-            init_scale_prior=self.init_scale_prior, name="prior")
+        if not isinstance(self.prior, prior_lib.PriorSettings):
+            raise ValueError(
+                f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
+                f"{type(self.prior).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
+        settings = self.prior
+        prior = GoatPrior(settings.for_heads(self.num_heads, kv_heads), name="prior")
         d_c = prior.spec.content_dim(head_dim)
-        sink_channels = int(self.enable_key_bias) * (
+        sink_channels = int(settings.enable_key_bias) * (
             self.sink_channels if self.sink_channels is not None else default_sink_channels(dtype))
-        if self.enable_key_bias and sink_channels < 1:
+        if settings.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
-        qk_dim = d_c + 2 * self.pos_rank + sink_channels
+        qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(
             self.implementation, dtype, qk_dim,
             logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
@@ -353,7 +328,7 @@ class GoatAttention(nn.Module):
 
         cache = None
         if self.decode:
-            if self.enable_key_bias and self.training_seq_len is None:
+            if settings.enable_key_bias and settings.training_seq_len is None:
                 raise ValueError(
                     "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
                     "it; without it the normalization follows the key length, which grows while "

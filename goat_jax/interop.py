@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.attention import GoatAttention
+from goat_jax.prior import PriorSettings
 
 _PRIOR_VECTORS = ("lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias")
 _SINK_VECTORS = ("sink_gain", "sink_bump", "recency_slope_raw")
@@ -97,13 +98,15 @@ def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
             "not supported; reset it to 1.0 before converting.")
     e, n, kv, h = m.embed_dim, m.num_heads, m.kv_num_heads, m.head_dim
     linear = m.q_proj if m.in_proj is None else m.in_proj
+    settings = PriorSettings(
+        pos_rank=m.R, abs_rank=m.M, pos_base=_base_from_freqs(_np(m.rel_freqs_base)),
+        abs_base=_base_from_freqs(_np(m.abs_freqs_base)), enable_key_bias=m.enable_key_bias,
+        init_scale_prior=m.init_scale_prior, training_seq_len=m.training_seq_len,
+        prior_init=m.prior_init, prior_gate=m.prior_gate)
     module = GoatAttention(
-        num_heads=n, kv_num_heads=kv, head_dim=h, pos_rank=m.R, abs_rank=m.M,
-        pos_base=_base_from_freqs(_np(m.rel_freqs_base)), abs_base=_base_from_freqs(_np(m.abs_freqs_base)),
-        enable_key_bias=m.enable_key_bias, init_scale_prior=m.init_scale_prior,
-        training_seq_len=m.training_seq_len, prior_init=m.prior_init, prior_gate=m.prior_gate,
-        pos_encoding=m.pos_encoding, has_cls_token_default=m.has_cls_token_default,
-        use_bias=linear.bias is not None, **overrides)
+        num_heads=n, kv_num_heads=kv, head_dim=h, prior=settings, pos_encoding=m.pos_encoding,
+        has_cls_token_default=m.has_cls_token_default, use_bias=linear.bias is not None,
+        **overrides)
 
     if m.in_proj is not None:
         w = _np(m.in_proj.weight)
@@ -166,13 +169,14 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
     if module.out_features not in (None, e):
         raise ValueError("to_official: out_features must equal embed_dim for the official module.")
     kv = module.kv_num_heads or module.num_heads
+    pr = module.prior
     m = goat.GoatAttention(
         embed_dim=e, num_heads=n, kv_num_heads=kv, batch_first=True, bias=module.use_bias,
-        pos_rank=module.pos_rank, abs_rank=module.abs_rank, pos_base=module.pos_base,
-        abs_base=module.abs_base, enable_key_bias=module.enable_key_bias,
-        init_scale_prior=module.init_scale_prior, training_seq_len=module.training_seq_len,
-        prior_init=module.prior_init, prior_gate=module.prior_gate, pos_encoding=module.pos_encoding,
-        has_cls_token_default=module.has_cls_token_default, fuse_qkv=False)
+        pos_rank=pr.pos_rank, abs_rank=pr.abs_rank, pos_base=pr.pos_base, abs_base=pr.abs_base,
+        enable_key_bias=pr.enable_key_bias, init_scale_prior=pr.init_scale_prior,
+        training_seq_len=pr.training_seq_len, prior_init=pr.prior_init, prior_gate=pr.prior_gate,
+        pos_encoding=module.pos_encoding, has_cls_token_default=module.has_cls_token_default,
+        fuse_qkv=False)
     t = lambda x: torch.tensor(np.asarray(x, np.float32))
     state = {}
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -185,9 +189,9 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
     if module.use_bias:
         state["out_proj.bias"] = t(p["out_proj"]["bias"])
     prior = p["prior"]
-    for name in _PRIOR_VECTORS + (_SINK_VECTORS if module.enable_key_bias else ()):
+    for name in _PRIOR_VECTORS + (_SINK_VECTORS if pr.enable_key_bias else ()):
         state[name] = t(prior[name])
-    if module.enable_key_bias:
+    if pr.enable_key_bias:
         for fc in ("fc1", "fc2"):
             state[f"key_bias.{fc}.weight"] = t(np.asarray(prior["key_bias"][fc]["kernel"]).T)
             state[f"key_bias.{fc}.bias"] = t(prior["key_bias"][fc]["bias"])

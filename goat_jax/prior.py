@@ -80,15 +80,15 @@ def inverse_softplus(y: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class PriorSpec:
-    """Static hyper-parameters of a GOAT prior (everything that is not a learned parameter).
+class PriorSettings:
+    """The GOAT prior's hyper-parameters, declared once.
+
+    Layers (``GoatAttention(prior=...)``), models (``LMConfig.prior``) and the parameter
+    module (:class:`PriorSpec` adds the head counts) all take this one object, so a setting is
+    added, documented, defaulted and validated here only.
 
     Attributes:
-      num_heads: query heads N.
-      kv_num_heads: key/value heads K (N % K == 0); the relative coefficients and the sink are
-        per KV head and shared across each group of G = N // K query heads, as in the official
-        package.
-      pos_rank: R, number of relative frequencies (0 disables kappa).
+      pos_rank: R, number of relative frequencies (0 disables kappa); uses 2R head dims.
       abs_rank: M, number of absolute frequencies fed to the sink MLP.
       pos_base, abs_base: geometric frequency bases.
       enable_key_bias: whether the sink u(j) exists (one extra q/k channel).
@@ -97,10 +97,11 @@ class PriorSpec:
         length extrapolation, where the key length changes.
       prior_gate: 'none' or 'query_norm' (``g = sigmoid(b_h - softplus(s_h) * ||q_c||)``
         multiplies the query-side prior features).
+      prior_init: 'seeded' (lambda_sym ~ N(0, 1e-2), ALiBi recency slopes) or 'uniform' (flat
+        prior: zero coefficients, zero MLP output, no recency), as the official package.
+      init_scale_prior: std of the sink MLP's initial weights.
     """
 
-    num_heads: int
-    kv_num_heads: int
     pos_rank: int = 8
     abs_rank: int = 8
     pos_base: float = 10_000.0
@@ -108,8 +109,50 @@ class PriorSpec:
     enable_key_bias: bool = True
     training_seq_len: Optional[int] = None
     prior_gate: str = "none"
+    prior_init: str = "seeded"
+    init_scale_prior: float = 1e-3
 
     def __post_init__(self):
+        if self.pos_rank < 0 or self.abs_rank < 0:
+            raise ValueError(f"pos_rank ({self.pos_rank}) and abs_rank ({self.abs_rank}) must be >= 0.")
+        if self.prior_gate not in ("none", "query_norm"):
+            raise ValueError(f"prior_gate must be 'none' or 'query_norm', got {self.prior_gate!r}.")
+        if self.prior_init not in ("seeded", "uniform"):
+            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {self.prior_init!r}.")
+        if self.training_seq_len is not None and self.training_seq_len < 1:
+            raise ValueError(f"training_seq_len must be >= 1 or None, got {self.training_seq_len}.")
+        if not (self.pos_base > 1.0 and self.abs_base > 1.0):
+            raise ValueError(f"pos_base ({self.pos_base}) and abs_base ({self.abs_base}) must be > 1.")
+        if not self.init_scale_prior >= 0.0:
+            raise ValueError(f"init_scale_prior must be >= 0, got {self.init_scale_prior}.")
+
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        """The setting names (what a flat config section may hold)."""
+        return tuple(f.name for f in dataclasses.fields(PriorSettings))
+
+    def for_heads(self, num_heads: int, kv_num_heads: int) -> "PriorSpec":
+        """The :class:`PriorSpec` of a layer with ``num_heads`` query / ``kv_num_heads`` KV heads."""
+        return PriorSpec(num_heads=num_heads, kv_num_heads=kv_num_heads,
+                         **{n: getattr(self, n) for n in PriorSettings.names()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PriorSpec(PriorSettings):
+    """Everything the pure functions below need: :class:`PriorSettings` plus the head counts.
+
+    Attributes:
+      num_heads: query heads N.
+      kv_num_heads: key/value heads K (N % K == 0); the relative coefficients and the sink are
+        per KV head and shared across each group of G = N // K query heads, as in the official
+        package.
+    """
+
+    num_heads: int
+    kv_num_heads: int
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.num_heads < 1 or self.kv_num_heads < 1:
             raise ValueError(
                 f"num_heads ({self.num_heads}) and kv_num_heads ({self.kv_num_heads}) must be >= 1."
@@ -120,12 +163,6 @@ class PriorSpec:
                 f"{self.kv_num_heads}; GQA/MQA needs each KV head to serve a whole group of "
                 "query heads. Choose kv_num_heads among the divisors of num_heads."
             )
-        if self.pos_rank < 0 or self.abs_rank < 0:
-            raise ValueError(f"pos_rank ({self.pos_rank}) and abs_rank ({self.abs_rank}) must be >= 0.")
-        if self.prior_gate not in ("none", "query_norm"):
-            raise ValueError(f"prior_gate must be 'none' or 'query_norm', got {self.prior_gate!r}.")
-        if self.training_seq_len is not None and self.training_seq_len < 1:
-            raise ValueError(f"training_seq_len must be >= 1 or None, got {self.training_seq_len}.")
 
     @property
     def prior_dim(self) -> int:

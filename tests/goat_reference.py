@@ -136,6 +136,17 @@ def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask
     return out + p["out_proj"]["bias"] if "bias" in p["out_proj"] else out
 
 
+def goat_module(**fields):
+    """A ``GoatAttention`` from flat keyword fields, as the official constructor takes them: the
+    :class:`goat_jax.prior.PriorSettings` names go into its ``prior``, the rest are module fields."""
+    from goat_jax.attention import GoatAttention
+    from goat_jax.prior import PriorSettings
+
+    names = set(PriorSettings.names())
+    prior = PriorSettings(**{k: v for k, v in fields.items() if k in names})
+    return GoatAttention(prior=prior, **{k: v for k, v in fields.items() if k not in names})
+
+
 def attention_and_grads(q, k, v, cotangent, *, scale=1.0, is_causal=False, causal_offset=0,
                         key_padding_mask=None, kv_lengths=None):
     """Plain attention and its gradients, float64, written out by hand (no autodiff).

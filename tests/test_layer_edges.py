@@ -9,11 +9,10 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention import GoatAttention
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
 
-CPU_KERNELS = ["dense", "xla", "splash_interpret"]
+CPU_KERNELS = ["dense", "xla", "flash", "splash_interpret"]
 
 
 def _reference_attention(q, k, v, scale, mask):
@@ -99,7 +98,7 @@ def test_rows_with_keys_static_shortcut():
 
 @pytest.mark.parametrize("implementation", ["dense", "xla"])
 def test_goat_layer_with_a_fully_padded_example_outputs_the_out_bias(implementation, rng):
-    module = GoatAttention(num_heads=4, pos_rank=2, abs_rank=2, implementation=implementation)
+    module = ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, implementation=implementation)
     x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
     params = module.init(jax.random.key(0), x)
     params = jax.tree_util.tree_map(lambda a: a + 0.1, params)  # a non-zero out_proj bias
@@ -117,7 +116,7 @@ def test_goat_layer_with_a_fully_padded_example_outputs_the_out_bias(implementat
 # ------------------------------------------------------------------------------------------
 
 LAYERS = {
-    "goat": lambda: GoatAttention(num_heads=2, pos_rank=2, abs_rank=2, implementation="xla"),
+    "goat": lambda: ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, implementation="xla"),
     "rope": lambda: PositionalAttention(num_heads=2, position_encoding="rope", implementation="xla"),
 }
 
@@ -159,7 +158,7 @@ def test_traced_invalid_positions_give_nan_not_a_wrong_prior(layer):
 
 
 def test_2d_offsets_are_validated():
-    module = GoatAttention(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d")
+    module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d")
     x = jnp.ones((1, 6, 32))
     params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
     with pytest.raises(ValueError, match=r"2D offset\[0\] spans \[-1, -1\]"):
@@ -178,7 +177,7 @@ def test_prior_error_at_max_position_is_as_documented(rng):
     cfg = dict(num_heads=4, kv_num_heads=4, pos_rank=8, abs_rank=8, training_seq_len=2048)
     spec = prior_lib.PriorSpec(**cfg)
     pos0 = prior_lib.positions_1d(4)
-    params = flax.core.meta.unbox(GoatPrior(**cfg).init(jax.random.key(0), pos0, pos0, True))["params"]
+    params = flax.core.meta.unbox(GoatPrior(spec).init(jax.random.key(0), pos0, pos0, True))["params"]
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), jnp.float32), params)
     p64 = ref.unboxed({"params": params})
     length = 64
@@ -196,3 +195,45 @@ def test_prior_error_at_max_position_is_as_documented(rng):
         errors[start] = np.abs(d - d.mean(-1, keepdims=True)).max()
     assert errors[1000] < 1e-3
     assert errors[prior_lib.MAX_POSITION - length] < 5e-2, errors
+
+
+# ------------------------------------------------------------------------------------------
+# One declaration of the prior's settings
+# ------------------------------------------------------------------------------------------
+
+
+def test_prior_settings_are_the_one_source_and_the_param_tree_is_unchanged():
+    from goat_jax.attention import GoatAttention
+    from goat_jax.models import LMConfig
+    from goat_jax.models.lm import make_attention
+
+    # The LM's flat config names are defaulted and validated by PriorSettings and reach the
+    # layer as one object.
+    assert LMConfig().prior == prior_lib.PriorSettings()
+    cfg = LMConfig(pos_rank=3, abs_rank=5, prior_gate="query_norm", training_seq_len=64)
+    layer = make_attention(cfg, decode=False)
+    assert layer.prior == prior_lib.PriorSettings(pos_rank=3, abs_rank=5, prior_gate="query_norm",
+                                                  training_seq_len=64)
+    with pytest.raises(ValueError, match="prior_init must be 'seeded' or 'uniform'"):
+        LMConfig(prior_init="flat")
+    with pytest.raises(ValueError, match="GoatAttention.prior must be a goat_jax.prior.PriorSettings"):
+        GoatAttention(num_heads=2, prior={"pos_rank": 2}).init(jax.random.key(0), jnp.ones((1, 4, 32)))
+
+    # Parameter names and shapes as before the refactor (and as the official package):
+    # N=4, K=2, H=16, E=64, R=3, M=5 -> MLP in 2M + 2 = 12, hidden min(24, 4) = 4.
+    import flax
+
+    abstract = jax.eval_shape(ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=3, abs_rank=5).init,
+                              jax.random.key(0), jnp.ones((1, 8, 64)))
+    shapes = jax.tree_util.tree_map(jnp.shape, flax.core.meta.unbox(abstract))["params"]
+    assert shapes == {
+        "q_proj": {"kernel": (64, 4, 16), "bias": (4, 16)},
+        "k_proj": {"kernel": (64, 2, 16), "bias": (2, 16)},
+        "v_proj": {"kernel": (64, 2, 16), "bias": (2, 16)},
+        "out_proj": {"kernel": (4, 16, 64), "bias": (64,)},
+        "prior": {"lambda_sym": (2, 3), "lambda_asym": (2, 3), "prior_gate_scale_raw": (4,),
+                  "prior_gate_bias": (4,), "sink_gain": (2,), "sink_bump": (2,),
+                  "recency_slope_raw": (2,),
+                  "key_bias": {"fc1": {"kernel": (12, 4), "bias": (4,)},
+                               "fc2": {"kernel": (4, 1), "bias": (1,)}}},
+    }

@@ -8,11 +8,11 @@ import pytest
 from flax import nnx
 from flax.nnx import bridge
 
-from goat_jax import GoatAttention
 from goat_jax.positional import PositionalAttention
+from tests import goat_reference as ref
 
 LAYERS = {
-    "goat": lambda: GoatAttention(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, training_seq_len=16),
+    "goat": lambda: ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, training_seq_len=16),
     "rope": lambda: PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="rope"),
     "alibi": lambda: PositionalAttention(num_heads=4, position_encoding="alibi"),
     "naive_prior": lambda: PositionalAttention(num_heads=4, position_encoding="naive_prior", max_len=16),

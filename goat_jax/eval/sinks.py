@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Any
 
@@ -71,14 +70,11 @@ def _unscanned(model, params: Params):
 
 
 def prior_spec(model) -> prior_lib.PriorSpec:
-    """The :class:`PriorSpec` of a GOAT ``TransformerLM`` (bases as GoatAttention's defaults)."""
+    """The :class:`PriorSpec` of a GOAT ``TransformerLM`` (``LMConfig.prior`` with its heads)."""
     cfg = model.config
     if cfg.position_encoding != "goat":
         raise ValueError(f"position_encoding={cfg.position_encoding!r} has no GOAT prior.")
-    return prior_lib.PriorSpec(
-        num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, pos_rank=cfg.pos_rank,
-        abs_rank=cfg.abs_rank, enable_key_bias=cfg.enable_key_bias,
-        training_seq_len=cfg.training_seq_len, prior_gate=cfg.prior_gate)
+    return cfg.prior.for_heads(cfg.num_heads, cfg.kv_heads)
 
 
 # ----------------------------------------------------------------------------------------------

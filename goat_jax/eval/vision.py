@@ -70,8 +70,7 @@ def evaluate_resolutions(model, params, make_eval_at: Callable[[int], Iterator[D
 
 
 def _prior_module(cfg: ViTConfig) -> GoatPrior:
-    return GoatPrior(num_heads=cfg.num_heads, kv_num_heads=cfg.num_heads, pos_rank=cfg.pos_rank,
-                     abs_rank=cfg.abs_rank, enable_key_bias=cfg.enable_key_bias, prior_init=cfg.prior_init)
+    return GoatPrior(cfg.prior.for_heads(cfg.num_heads, cfg.num_heads))
 
 
 def patch_log_prior(params: Mapping[str, Any], cfg: ViTConfig, grid: Tuple[int, int], layer: int = 0) -> np.ndarray:

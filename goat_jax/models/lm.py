@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.attention import GoatAttention
+from goat_jax.prior import PriorSettings
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.train.validation import Bool, Float, Int, Str
 
@@ -78,10 +79,17 @@ FIELD_SPECS = {
 }
 
 
+_PRIOR = PriorSettings()  # the GOAT prior's defaults live in goat_jax.prior.PriorSettings only
+
+
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     """Hyper-parameters of :class:`TransformerLM` (build from ml_collections with
-    :meth:`from_config`). Dtypes may be given as strings ('bfloat16') or dtypes."""
+    :meth:`from_config`). Dtypes may be given as strings ('bfloat16') or dtypes.
+
+    The GOAT fields keep their config names (``pos_rank``, ...) but are defaulted and validated
+    by :class:`goat_jax.prior.PriorSettings`; the model passes the one object :attr:`prior`.
+    """
 
     vocab_size: int = 259  # tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)
     num_layers: int = 2  # decoder blocks
@@ -96,12 +104,12 @@ class LMConfig:
     max_len: int = 2048  # position-table size for 'learned' and 'naive_prior'
     training_seq_len: Optional[int] = None  # training context: GOAT sink normalization, RoPE-PI scale
     rope_base: float = 10_000.0  # RoPE / RoPE-PI frequency base
-    pos_rank: int = 8  # GOAT: relative Fourier rank R (uses 2R head dims)
-    abs_rank: int = 8  # GOAT: absolute rank M of the sink MLP's features
-    prior_init: str = "seeded"  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
-    prior_gate: str = "none"  # GOAT: 'none' or 'query_norm'
-    enable_key_bias: bool = True  # GOAT: the learned key-only sink u(j)
-    init_scale_prior: float = 1e-3  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
+    pos_rank: int = _PRIOR.pos_rank  # GOAT: relative Fourier rank R (uses 2R head dims)
+    abs_rank: int = _PRIOR.abs_rank  # GOAT: absolute rank M of the sink MLP's features
+    prior_init: str = _PRIOR.prior_init  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
+    prior_gate: str = _PRIOR.prior_gate  # GOAT: 'none' or 'query_norm'
+    enable_key_bias: bool = _PRIOR.enable_key_bias  # GOAT: the learned key-only sink u(j)
+    init_scale_prior: float = _PRIOR.init_scale_prior  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
     use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
     norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
     dtype: Any = "float32"  # compute dtype of activations
@@ -127,6 +135,7 @@ class LMConfig:
             raise ValueError(
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
+        _ = self.prior  # validates the GOAT settings (PriorSettings raises naming the field)
         if self.position_encoding == "rope_pi" and self.training_seq_len is None:
             raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length "
                              "positions are interpolated back to).")
@@ -135,6 +144,13 @@ class LMConfig:
                 jnp.dtype(getattr(self, name))
             except TypeError as e:
                 raise ValueError(f"LMConfig.{name}={getattr(self, name)!r} is not a dtype.") from e
+
+    @property
+    def prior(self) -> PriorSettings:
+        """The GOAT prior's settings: this config's fields named like PriorSettings' (the others,
+        e.g. the frequency bases, keep PriorSettings' defaults). ``training_seq_len`` is shared
+        with RoPE-PI."""
+        return PriorSettings(**{n: getattr(self, n) for n in PriorSettings.names() if hasattr(self, n)})
 
     @property
     def kv_heads(self) -> int:
@@ -245,19 +261,16 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     PositionalAttention ('sinusoidal'/'learned' use its 'nope' mode, their positions being in the
     embeddings). Shared knobs (heads, GQA, dtypes, kernel, bias) are passed identically."""
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
-                  out_features=cfg.embed_dim, training_seq_len=cfg.training_seq_len,
-                  use_bias=cfg.use_bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                  implementation=cfg.implementation, decode=decode, name=name)
+                  out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
+                  param_dtype=cfg.weight_dtype, implementation=cfg.implementation, decode=decode,
+                  name=name)
     if cfg.position_encoding == "goat":
-        return GoatAttention(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank,
-                             enable_key_bias=cfg.enable_key_bias, prior_init=cfg.prior_init,
-                             init_scale_prior=cfg.init_scale_prior,
-                             prior_gate=cfg.prior_gate, **common)
+        return GoatAttention(prior=cfg.prior, **common)
     from goat_jax.positional import PositionalAttention  # baselines live in their own module
 
     encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
-                               max_len=cfg.max_len, **common)
+                               max_len=cfg.max_len, training_seq_len=cfg.training_seq_len, **common)
 
 
 class DecoderBlock(nn.Module):

@@ -40,6 +40,7 @@ import numpy as np
 
 from goat_jax.attention import GoatAttention
 from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.prior import PriorSettings
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
 from goat_jax.train.validation import Bool, Float, Int, Str
 
@@ -135,6 +136,11 @@ class ViTConfig:
                 jnp.dtype(getattr(self, name))
             except TypeError as e:
                 raise ValueError(f"ViTConfig.{name}={getattr(self, name)!r} is not a dtype.") from e
+
+    @property
+    def prior(self) -> PriorSettings:
+        """The GOAT prior's settings (PriorSettings defaults for the fields not named here)."""
+        return PriorSettings(**{n: getattr(self, n) for n in PriorSettings.names() if hasattr(self, n)})
 
     @property
     def train_grid(self) -> Tuple[int, int]:
@@ -255,9 +261,7 @@ def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                   implementation=cfg.implementation, name=name)
     if cfg.position_encoding == "goat":
-        return GoatAttention(pos_rank=cfg.pos_rank, abs_rank=cfg.abs_rank, prior_init=cfg.prior_init,
-                             enable_key_bias=cfg.enable_key_bias, pos_encoding="2d",
-                             has_cls_token_default=True, **common)
+        return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
     encoding = "rope2d" if cfg.position_encoding == "rope2d" else "nope"
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base, **common)
 
