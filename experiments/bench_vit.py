@@ -20,7 +20,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app

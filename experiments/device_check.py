@@ -31,13 +31,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import math
 import os
 import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ("tensorflow", "grain", "ml_collections")  # absent from the GPU image

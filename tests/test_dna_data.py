@@ -1,7 +1,6 @@
 """The DNA tokenizer, FASTA reading and the genome crop pipeline (goat_jax.data.fasta / dna)."""
 
 import gzip
-import os
 
 import numpy as np
 import pytest

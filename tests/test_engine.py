@@ -23,6 +23,7 @@ import pytest
 
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding, tasks, trainer
+from tests.config_helpers import set_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,13 +149,7 @@ def classifier_config(**overrides):
         weight_decay=0.01, grad_clip=1.0))
     c.model = ml_collections.ConfigDict({"hidden": 64, "num_classes": 4, "dropout_rate": 0.3})
     c.data = ml_collections.ConfigDict({"dim": 8, "num_eval_examples": 100})  # 100: last batch padded
-    for key, value in overrides.items():
-        node = c
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return set_fields(c, **overrides)
 
 
 def _rows(workdir):

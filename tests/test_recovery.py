@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import lm_tiny
+from tests.config_helpers import lm_smoke_config
 from goat_jax.train import checkpoint
 from goat_jax.train import trainer
 
@@ -113,16 +112,7 @@ def test_no_restorable_checkpoint_is_an_error_that_moves_nothing(tmp_path):
     ckpt.close()
 
 
-def _smoke(**overrides):
-    config = lm_tiny.get_config("goat,smoke")
-    config.progress_bar = False
-    for key, value in overrides.items():
-        node = config
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = value
-    return config
+_smoke = lm_smoke_config
 
 
 def _losses(workdir):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from configs import lm_tiny
+from tests.config_helpers import lm_smoke_config
 from goat_jax.data import text
 from goat_jax.train import optim
 from goat_jax.train import tasks
@@ -31,16 +32,7 @@ def _rows(workdir):
         return [json.loads(line) for line in f]
 
 
-def _smoke(**overrides):
-    config = lm_tiny.get_config("goat,smoke")
-    config.progress_bar = False
-    for key, value in overrides.items():
-        node = config
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = value
-    return config
+_smoke = lm_smoke_config
 
 
 def unigram_entropy(config, num_batches=100):

@@ -36,7 +36,7 @@ def _reference(prior, grid):
     r_rows = r_total - r_total // 2
     lam_s, lam_a = np.asarray(prior["lambda_sym"], np.float64), np.asarray(prior["lambda_asym"], np.float64)
     kb = {k: {n: np.asarray(v, np.float64) for n, v in d.items()} for k, d in prior["key_bias"].items()}
-    gain, bump = np.asarray(prior["sink_gain"], np.float64), np.asarray(prior["sink_bump"], np.float64)
+    gain = np.asarray(prior["sink_gain"], np.float64)
     h, w = grid
     length = h * w + 1
     coords = [(i // w, i % w) for i in range(h * w)]

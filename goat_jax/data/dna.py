@@ -50,13 +50,12 @@ import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import grain
-import jax
 import ml_collections
 import numpy as np
 
+from goat_jax.data import hosts
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
 from goat_jax.train.validation import Bool, Int, Str, Strs
@@ -472,21 +471,13 @@ def make_dna_datasets(
     overlapping splits, short records (unless ``short_records='skip'``), invalid characters.
     """
     cfg = data_config
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
-    if global_batch_size < 1 or global_batch_size % process_count:
-        raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
-                         f"process_count={process_count}: change the batch size.")
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed} must be in [0, 2**32).")
+    process_index, process_count, local_batch = hosts.host_split(
+        global_batch_size, seed, process_index, process_count)
     if cfg.num_eval_batches <= 0 and process_count > 1:
         raise ValueError(f"data.num_eval_batches={cfg.num_eval_batches}: a whole-split eval needs a "
                          "single process; set a positive number so all hosts agree.")
-    local_batch = global_batch_size // process_count
     tables = build_tables(cfg, seq_len=seq_len)
     for split, table in tables.items():
         if table.skipped:

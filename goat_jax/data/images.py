@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import grain
-import jax
 import ml_collections
 import numpy as np
 from PIL import Image
 
+from goat_jax.data import hosts
 from goat_jax.data import image_transforms as T
 from goat_jax.train.validation import Bool, Float, Int, Str
 
@@ -344,17 +344,9 @@ def make_image_datasets(
       process_index / process_count: default ``jax.process_index()`` / ``jax.process_count()``.
     """
     cfg = data_config
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
-    if global_batch_size < 1 or global_batch_size % process_count:
-        raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
-                         f"process_count={process_count}.")
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed} must be in [0, 2**32).")
+    process_index, process_count, local_batch = hosts.host_split(
+        global_batch_size, seed, process_index, process_count)
     _check_config(cfg)
-    local_batch = global_batch_size // process_count
     train_src, eval_src, num_classes = _load_splits(cfg)
     if len(train_src) < process_count:
         raise ValueError(f"The training split has {len(train_src)} images for {process_count} hosts.")
