@@ -26,6 +26,7 @@ Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -375,3 +376,26 @@ class GoatAttention(nn.Module):
             if cache is not None:
                 out = layers.poison_overflow(cache, t, out)
         return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
+
+
+def _refuse_flat_prior_fields(init):
+    """Wraps ``GoatAttention.__init__`` so the pre-``PriorSettings`` keyword style
+    (``GoatAttention(pos_rank=8, ...)``) fails with the fix instead of Python's bare
+    "unexpected keyword argument"."""
+    flat = set(prior_lib.PriorSettings.names())
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        given = sorted(flat & set(kwargs))
+        if given:
+            settings = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
+            raise TypeError(
+                f"GoatAttention takes the prior's settings as one object: pass "
+                f"prior=PriorSettings({settings}) (from goat_jax import PriorSettings) instead of "
+                f"{', '.join(given)}=... as separate arguments.")
+        init(self, *args, **kwargs)
+
+    return wrapped
+
+
+GoatAttention.__init__ = _refuse_flat_prior_fields(GoatAttention.__init__)

@@ -237,3 +237,10 @@ def test_prior_settings_are_the_one_source_and_the_param_tree_is_unchanged():
                   "key_bias": {"fc1": {"kernel": (12, 4), "bias": (4,)},
                                "fc2": {"kernel": (4, 1), "bias": (1,)}}},
     }
+
+
+def test_flat_prior_keywords_get_an_error_naming_prior_settings():
+    """The pre-PriorSettings style fails with the fix, not Python's bare TypeError."""
+    from goat_jax import GoatAttention
+    with pytest.raises(TypeError, match=r"prior=PriorSettings\(abs_rank=2, pos_rank=4\)"):
+        GoatAttention(num_heads=4, pos_rank=4, abs_rank=2)
