@@ -144,7 +144,10 @@ def _run(workdir, devices, mesh):
     return result, losses
 
 
+@pytest.mark.slow
 def test_eight_devices_2x2x2_match_one_device(tmp_path):
+    """All three mesh axes at once (the default suite checks tensor and fsdp meshes from the
+    compiled step, with loss parity, in test_compiled_step_partitions_...)."""
     one, losses_1 = _run(tmp_path / "one", 1, {"data": -1, "fsdp": 1, "tensor": 1})
     eight, losses_8 = _run(tmp_path / "eight", 8, {"data": 2, "fsdp": 2, "tensor": 2})
     assert one["devices"] == 1 and eight["devices"] == 8
