@@ -5,17 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Real data (REFERENCE.md section 5): the Jargon File (/usr/share/doc/jargon-text/jargon.txt.gz).
-if ! dpkg -s jargon-text >/dev/null 2>&1; then
+# Real data the tests and the tiny configs read (docs/protocols.md, "Real data used at small
+# scale"): the Jargon File (language), Fashion-MNIST IDX files (ViT), bacterial genomes and
+# 40 kb of human chr17 (DNA).
+DATA_PACKAGES="jargon-text dataset-fashion-mnist ragout-examples python-pyfaidx-examples"
+MISSING=""
+for pkg in $DATA_PACKAGES; do dpkg -s "$pkg" >/dev/null 2>&1 || MISSING="$MISSING $pkg"; done
+if [ -n "$MISSING" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq jargon-text >/dev/null
-fi
-# Fashion-MNIST IDX files (/usr/share/datasets/fashion-mnist) for the tiny ViT config and tests.
-if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $MISSING >/dev/null
 fi
 
 [ -d .venv ] || python3 -m venv .venv
