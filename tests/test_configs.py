@@ -12,6 +12,7 @@ from configs import lm_c4_125m, lm_fineweb_1b, lm_tiny
 from goat_jax.models import count_params
 from goat_jax.train import tasks
 from goat_jax.train import trainer
+from tests.config_helpers import set_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"lm_tiny": lm_tiny, "lm_c4_125m": lm_c4_125m, "lm_fineweb_1b": lm_fineweb_1b}
@@ -137,14 +138,7 @@ def test_1b_param_count_matches_llama_3_2_1b():
 
 
 def _tiny(**changes):
-    config = lm_tiny.get_config()
-    for key, value in changes.items():
-        node = config
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = value
-    return config
+    return set_fields(lm_tiny.get_config(), **changes)
 
 
 @pytest.mark.parametrize("mutate,devices,pattern", [
