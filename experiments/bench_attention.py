@@ -46,8 +46,7 @@ import os
 import platform
 import statistics
 import sys
-import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,32 +55,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from goat_jax import attention as attn_lib  # noqa: E402
+from goat_jax.benchmarking import Variant, jax_variant, measure  # noqa: E402
 from goat_jax import kernels  # noqa: E402
 from goat_jax import positional as pos_lib  # noqa: E402
 from goat_jax import prior as prior_lib  # noqa: E402
 
 MiB = 2.0**20
-
-
-class Variant:
-    """A benchmarked function: ``run()`` does one forward+backward and blocks until done."""
-
-    def __init__(self, name: str, run: Callable[[], None], memory: Optional[int]):
-        self.name, self.run, self.memory = name, run, memory
-        self.note = ""  # why it was not run, if it was not
-        self.times: List[float] = []  # wall seconds
-        self.cpu: List[float] = []  # process CPU seconds (all threads): robust to other load
-
-
-def jax_variant(name: str, loss: Callable, args: Tuple, argnums: Sequence[int]) -> Variant:
-    """Compiles ``grad(loss)`` once; its memory is temp + argument + output bytes."""
-    grad = jax.jit(jax.grad(loss, argnums=tuple(argnums)))
-    compiled = grad.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    total = None
-    if mem is not None:
-        total = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
-    return Variant(name, lambda: jax.block_until_ready(compiled(*args)), total)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,20 +219,6 @@ def torch_variants(b: int, length: int, n: int, h: int, threads: int) -> List[Va
 # ----------------------------------------------------------------------------------------------
 # Timing and reporting
 # ----------------------------------------------------------------------------------------------
-
-
-def measure(variants: List[Variant], repeats: int, warmup: bool = True) -> None:
-    """Warm-up, then ``repeats`` rounds, each variant once per round in a rotated order."""
-    variants = [v for v in variants if v.run is not None]
-    for var in variants if warmup else []:
-        var.run()
-    for r in range(repeats):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
-        for var in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            var.run()
-            var.times.append(time.perf_counter() - t0)
-            var.cpu.append(time.process_time() - c0)
 
 
 def rows_for(section: str, length: int, variants: List[Variant], base: str = "plain",

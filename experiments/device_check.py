@@ -145,9 +145,9 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
     import jax.numpy as jnp
     import numpy as np
 
-    from experiments.bench_attention import jax_variant, measure
     from goat_jax import attention as attn_lib
     from goat_jax import kernels
+    from goat_jax.benchmarking import jax_variant, measure
     from goat_jax import prior as prior_lib
 
     b, n, h, r, m = 1, 8, 64, 8, 8
@@ -237,7 +237,7 @@ def train_step_rows(dry_run: bool, steps: int, deadline: float) -> List[List]:
     if dry_run:
         cfg, batch, seq = LMConfig(vocab_size=259, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64,
                                    pos_rank=2, abs_rank=2, training_seq_len=32, dtype="float32"), 2, 32
-    else:  # configs/lm_c4_125m.py's model, without ml_collections
+    else:  # the Llama-style 125M of configs/lm_c4_125m.py:goat,llama, without ml_collections
         cfg, batch, seq = LMConfig(vocab_size=32_000, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2560,
                                    training_seq_len=2048, dtype="bfloat16", param_dtype="float32",
                                    scan_layers=True), 8, 2048
