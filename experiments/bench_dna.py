@@ -37,7 +37,8 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype (official: bflo
 _TIMED_LENGTH = flags.DEFINE_integer("timed_length", 1024, "Length of the tokens/s measurement.")
 _TIMED_STEPS = flags.DEFINE_integer("timed_steps", 5, "Measured steps per repeat.")
 _IMPL = flags.DEFINE_string("implementation", "", "Attention kernel (model.implementation): '' = "
-                            "auto (XLA on CPU), 'cudnn' for the flash kernel on a GPU.")
+                            "auto (goat_jax.kernels: 'flash' on CPU above 16 MiB of logits, cuDNN on a "
+                            "GPU in bf16), 'xla' for XLA's materialized attention.")
 _TIMED_TOKENS = flags.DEFINE_integer("timed_tokens", 0, "Bases per step of the tokens/s "
                                      "measurement (0: --tokens_per_step; a CPU needs fewer).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating GOAT / RoPE repeats (median); 0: "
