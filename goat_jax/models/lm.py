@@ -69,7 +69,7 @@ FIELD_SPECS = {
     "enable_key_bias": Bool(),
     "init_scale_prior": Float(min=0.0, min_inclusive=False),
     "use_bias": Bool(),
-    "norm_eps": Float(min=0.0, min_inclusive=False, doc="RMSNorm epsilon"),
+    "norm_eps": Float(min=0.0, min_inclusive=False, doc="epsilon of the block norms (RMSNorm for block=llama, LayerNorm for block=gpt2)"),
     "dtype": Str(choices=_DTYPES),
     "param_dtype": Str(choices=_DTYPES),
     "remat": Bool(),
