@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from goat_jax.data import documents
 from goat_jax.data import text as text_lib
 from goat_jax.data import tokenizers
 
@@ -79,12 +80,12 @@ def _paragraph_config(path):
 
 def test_split_documents_modes():
     text = "Heading\n   body line\n   :entry one: n.\n\n   Text of one.\n   :two: v.\n   More.\n"
-    assert text_lib.split_documents(text, "entries") == [
+    assert documents.split_documents(text, "entries") == [
         "Heading\nbody line", ":entry one: n.\n\nText of one.", ":two: v.\nMore."]
-    assert text_lib.split_documents("a\nb\n\n \n\nc", "paragraphs") == ["a\nb", "c"]
-    assert text_lib.split_documents("  a\n\nb  ", "files") == ["a\n\nb"]
+    assert documents.split_documents("a\nb\n\n \n\nc", "paragraphs") == ["a\nb", "c"]
+    assert documents.split_documents("  a\n\nb  ", "files") == ["a\n\nb"]
     with pytest.raises(ValueError, match="data.doc_split"):
-        text_lib.split_documents(text, "sentences")
+        documents.split_documents(text, "sentences")
 
 
 def test_jargon_windows_shapes_shift_and_document_boundaries():
@@ -293,7 +294,7 @@ def test_invalid_utf8_is_counted_and_reported(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(raw)
     with pytest.warns(UserWarning, match=rf"latin1\.txt: 6 of {len(raw)} bytes are not valid UTF-8"):
-        text = text_lib._read_text(str(path))
+        text = documents.read_text(str(path))
     # Independent count: every invalid byte became exactly one U+FFFD, the rest is unchanged.
     assert text.count("\ufffd") == 6
     assert text == raw.decode("utf-8", errors="replace")
@@ -303,7 +304,7 @@ def test_invalid_utf8_is_counted_and_reported(tmp_path):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert text_lib._read_text(str(good)) == "a real \ufffd character and caf\u00e9\n"
+        assert documents.read_text(str(good)) == "a real \ufffd character and caf\u00e9\n"
 
 
 def test_binary_file_is_refused_naming_file_and_fraction(tmp_path, rng):
@@ -323,7 +324,7 @@ def test_binary_file_is_refused_naming_file_and_fraction(tmp_path, rng):
     zeros = tmp_path / "array.npy"
     zeros.write_bytes(np.arange(1000, dtype=np.int32).tobytes())
     with pytest.raises(ValueError, match=r"array\.npy does not look like UTF-8 text"):
-        text_lib._read_text(str(zeros))
+        documents.read_text(str(zeros))
 
 
 def test_bos_windows_start_with_bos_and_keep_every_token_once(tmp_path, paragraphs_file):

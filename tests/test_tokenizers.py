@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from goat_jax.data import documents
 from goat_jax.data import text as text_lib
 from goat_jax.data import tokenizers
 
@@ -32,7 +33,7 @@ def test_byte_tokenizer_contract_and_round_trip():
 @pytest.fixture(scope="module")
 def jargon_docs():
     with gzip.open(text_lib.JARGON_FILE, "rt", encoding="utf-8") as f:
-        return text_lib.split_documents(f.read())
+        return documents.split_documents(f.read())
 
 
 def test_sentencepiece_trains_on_jargon_saves_and_reloads(tmp_path, jargon_docs):

@@ -1,5 +1,6 @@
-"""Input pipelines. Language-model text: :mod:`goat_jax.data.text` (sources, packing,
-resumable host-sharded batches) and :mod:`goat_jax.data.tokenizers` (bytes, SentencePiece).
+"""Input pipelines. Language-model text: :mod:`goat_jax.data.documents` (sources, UTF-8
+decoding, documents, held-out split), :mod:`goat_jax.data.text` (tokens, packing, resumable
+host-sharded batches) and :mod:`goat_jax.data.tokenizers` (bytes, SentencePiece).
 Genomes: :mod:`goat_jax.data.fasta` (the ACGNT tokenizer, FASTA files, indexed random access) and
 :mod:`goat_jax.data.dna` (splits by record, random training crops, fixed eval crops, parquet chunks).
 Images: :mod:`goat_jax.data.images` (TFDS array_record, JPEG folders, Fashion-MNIST; resumable

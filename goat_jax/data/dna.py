@@ -56,6 +56,7 @@ import ml_collections
 import numpy as np
 
 from goat_jax.data import hosts
+from goat_jax.data import documents
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
 from goat_jax.train.validation import Bool, Int, Str, Strs
@@ -446,7 +447,7 @@ def build_tables(cfg: ml_collections.ConfigDict, *, seq_len: int) -> dict[str, C
     _check_config(cfg)
     patterns = [cfg.paths] if isinstance(cfg.paths, str) else list(cfg.paths)
     if cfg.source == "parquet":
-        files = text_lib._expand_paths(patterns, "paths")  # pylint: disable=protected-access
+        files = documents.expand_paths(patterns, "paths")
         return parquet_chunks(files, cfg, seq_len=seq_len)
     files = [f for p in patterns for f in (sorted(glob.glob(p)) or [p])]
     genome = fasta_lib.Genome(files, max_in_memory_bytes=cfg.max_in_memory_bytes)
