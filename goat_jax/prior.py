@@ -131,6 +131,12 @@ class PriorSettings:
         """The setting names (what a flat config section may hold)."""
         return tuple(f.name for f in dataclasses.fields(PriorSettings))
 
+    @classmethod
+    def from_fields(cls, obj: Any) -> "PriorSettings":
+        """The settings named by ``obj``'s attributes (a flat model config such as ``LMConfig``);
+        settings ``obj`` does not have keep their defaults."""
+        return cls(**{n: getattr(obj, n) for n in cls.names() if hasattr(obj, n)})
+
     def for_heads(self, num_heads: int, kv_num_heads: int) -> "PriorSpec":
         """The :class:`PriorSpec` of a layer with ``num_heads`` query / ``kv_num_heads`` KV heads."""
         return PriorSpec(num_heads=num_heads, kv_num_heads=kv_num_heads,

@@ -150,7 +150,7 @@ class LMConfig:
         """The GOAT prior's settings: this config's fields named like PriorSettings' (the others,
         e.g. the frequency bases, keep PriorSettings' defaults). ``training_seq_len`` is shared
         with RoPE-PI."""
-        return PriorSettings(**{n: getattr(self, n) for n in PriorSettings.names() if hasattr(self, n)})
+        return PriorSettings.from_fields(self)
 
     @property
     def kv_heads(self) -> int:

@@ -140,7 +140,7 @@ class ViTConfig:
     @property
     def prior(self) -> PriorSettings:
         """The GOAT prior's settings (PriorSettings defaults for the fields not named here)."""
-        return PriorSettings(**{n: getattr(self, n) for n in PriorSettings.names() if hasattr(self, n)})
+        return PriorSettings.from_fields(self)
 
     @property
     def train_grid(self) -> Tuple[int, int]:
