@@ -32,6 +32,9 @@ _OUT = flags.DEFINE_string("out", "benchmarks/vit.md", "Markdown file to write."
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per encoding and shape.")
 _BATCH_TINY = flags.DEFINE_integer("batch_tiny", 128, "Batch of the tiny shape (its config's).")
 _BATCH_S16 = flags.DEFINE_integer("batch_s16", 4, "Batch of the ViT-S/16 shapes on CPU.")
+_IMPL = flags.DEFINE_string("implementation", "xla", "Attention kernel of every encoding (the "
+                            "committed table: 'xla'; the automatic choice would take 'flash' for "
+                            "the larger shapes).")
 
 ENCODINGS = ("goat", "ape", "rope2d")
 WARMUP = 1  # steps after compilation before timing
@@ -49,6 +52,7 @@ def _step_for(module, encoding: str, resolution: int, batch: int):
     config = module.get_config(encoding)
     config.model.image_size = resolution  # trained at this resolution: the 'ape' table matches
     config.model.dtype = "float32"  # CPU
+    config.model.implementation = _IMPL.value  # one kernel for every encoding, named in the table
     config.data.image_size = resolution
     model = vit_task.build_model(config)
     tx = optax.adamw(1e-4, b1=config.optimizer.b1, b2=config.optimizer.b2, weight_decay=config.optimizer.weight_decay)
@@ -102,9 +106,10 @@ def main(argv):
     lines = [
         "# ViT train step: GOAT vs the official `ape` baseline vs `rope2d`", "",
         "Made by `python -m experiments.bench_vit` "
-        f"(`--steps {_STEPS.value} --batch_tiny {_BATCH_TINY.value} --batch_s16 {_BATCH_S16.value}`) on "
+        f"(`--steps {_STEPS.value} --batch_tiny {_BATCH_TINY.value} --batch_s16 {_BATCH_S16.value} "
+        f"--implementation {_IMPL.value}`) on "
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, jax {jax.__version__}, float32, XLA attention; load average "
+        f"{os.cpu_count()} CPUs, jax {jax.__version__}, float32, attention kernel `{_IMPL.value}`; load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.", "",
         "One step = forward + backward of the task loss (drop-path on) + AdamW update, jitted; time is "
         "the median over the measured steps, encodings interleaved step by step; `x ape` is the time "
