@@ -25,13 +25,13 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import ml_collections
 import numpy as np
 
 from goat_jax.data import synthetic, text
-from goat_jax.eval import extrapolation, retrieval, sinks
+from goat_jax.eval import chunked, extrapolation, retrieval, sinks
 from goat_jax.train import run as run_lib
 
 
@@ -104,11 +104,27 @@ def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]
     return out
 
 
+class HeldoutStream(NamedTuple):
+    """A run's held-out token stream and the BOS id its windows start with (None unless the
+    run trained with ``data.bos_windows``)."""
+
+    tokens: np.ndarray
+    bos_id: Optional[int]
+
+
 def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None,
                    text_file: Optional[str] = None) -> np.ndarray:
     """The held-out token stream of a text run (its data config's eval split, whole), or of
     ``text_file`` (any UTF-8 text, one document, read and tokenized by the run's own pipeline
-    and tokenizer; the tokenizer is never trained on it)."""
+    and tokenizer; the tokenizer is never trained on it). See :func:`heldout_stream`."""
+    return heldout_stream(run, max_tokens, text_file).tokens
+
+
+def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
+                   text_file: Optional[str] = None) -> HeldoutStream:
+    """:func:`heldout_tokens` with the BOS id of a ``data.bos_windows`` run: its evaluation
+    windows start with BOS at every length, as its training windows did (docs/protocols.md,
+    Length extrapolation), and the stream holds no packer-inserted BOS."""
     data = ml_collections.ConfigDict(run.config.data.to_dict())
     data.num_eval_batches = 0  # <= 0: the whole eval split
     data.read_threads = 1
@@ -124,10 +140,13 @@ def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None,
                              "exist (it is never trained on the evaluated text).")
         data.source, data.doc_split = "text_files", "files"
         data.paths = data.eval_paths = (text_file,)
-    _, make_eval, _ = text.make_lm_datasets(data, seq_len=run.train_len, global_batch_size=8,
-                                            seed=int(run.config.seed), process_index=0, process_count=1)
-    tokens = extrapolation.tokens_from_batches(make_eval())
-    return tokens[:max_tokens] if max_tokens else tokens
+    _, make_eval, tokenizer = text.make_lm_datasets(
+        data, seq_len=run.train_len, global_batch_size=8, seed=int(run.config.seed),
+        process_index=0, process_count=1)
+    bos = bool(data.get("bos_windows", False))
+    tokens = extrapolation.tokens_from_batches(make_eval(), bos_windows=bos)
+    return HeldoutStream(tokens[:max_tokens] if max_tokens else tokens,
+                         int(tokenizer.bos_id) if bos else None)
 
 
 def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: int = 8):
@@ -146,26 +165,36 @@ def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: i
 def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
                        stride: Optional[int] = None, max_tokens: Optional[int] = None,
                        num_examples: int = 64, text_file: Optional[str] = None,
-                       ) -> dict[int, dict[str, float]]:
+                       chunk_size: Optional[int] = None) -> dict[int, dict[str, float]]:
     """``{length: {'ppl', 'nll', 'tokens'}}`` at ``m * train_len``.
 
-    Text runs: the held-out stream (or ``text_file``'s, see :func:`heldout_tokens`) in
-    non-overlapping windows (``stride``: sliding), the same tokens for every model. Synthetic
+    Text runs: the held-out stream (or ``text_file``'s, see :func:`heldout_stream`) in
+    non-overlapping windows (``stride``: sliding), the same tokens for every model; windows
+    start with BOS at every length when the run trained with ``data.bos_windows``. Synthetic
     runs: ``num_examples`` fresh windows of the run's task at each length (their perplexity is
-    what the task's scored targets cost).
+    what the task's scored targets cost). ``chunk_size``: evaluate every window through the KV
+    cache in chunks of that many queries (:mod:`goat_jax.eval.chunked`; same numbers, memory
+    bounded by chunk x length instead of length^2).
     """
     apply_fn = extrapolation.model_apply_fn(run.model)
+    nll_fn = None
+    if chunk_size is not None:
+        nll_fn = chunked.make_chunked_nll_fn(run.model, chunk_size)
     if run.is_synthetic and text_file is None:
         out = {}
         for m in multipliers:
             length = int(m * run.train_len)
             r = extrapolation.perplexity_on_batches(apply_fn, run.params,
-                                                    _synthetic_batches(run, length, num_examples))
+                                                    _synthetic_batches(run, length, num_examples),
+                                                    nll_fn=nll_fn)
             out[length] = {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens}
+            log(f"    {run.label} length {length}: ppl {r.ppl:.4g} over {r.num_tokens} tokens")
         return out
-    tokens = heldout_tokens(run, max_tokens, text_file=text_file)
-    res = extrapolation.perplexity_by_length(apply_fn, run.params, tokens, run.train_len,
-                                             multipliers, stride=stride, tokens_per_batch=8192)
+    stream = heldout_stream(run, max_tokens, text_file=text_file)
+    res = extrapolation.perplexity_by_length(
+        apply_fn, run.params, stream.tokens, run.train_len, multipliers, stride=stride,
+        tokens_per_batch=8192, nll_fn=nll_fn, bos_id=stream.bos_id,
+        progress=lambda msg: log(f"    {run.label} {msg}"))
     return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
 
 
@@ -226,9 +255,10 @@ def eval_sinks(run: LMRun, *, length: Optional[int] = None, num_examples: int = 
     if run.is_synthetic:
         tokens = np.concatenate([b["inputs"] for b in _synthetic_batches(run, length, num_examples)])
     else:
-        stream = heldout_tokens(run, max_tokens=num_examples * (length + 1) * 4)
-        starts = extrapolation.window_starts(len(stream), length)[:num_examples]
-        tokens = stream[starts[:, None] + np.arange(length)]
+        stream = heldout_stream(run, max_tokens=num_examples * (length + 1) * 4)
+        bos = stream.bos_id is not None
+        starts = extrapolation.window_starts(len(stream.tokens), length, bos=bos)[:num_examples]
+        tokens, _ = extrapolation.window_batch(stream.tokens, starts, length, stream.bos_id)
     tokens = tokens[:num_examples]
     stats = sinks.sink_statistics(run.model, run.params, tokens)
     out = {"length": length,
@@ -352,19 +382,22 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
 def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *,
                  stride: Optional[int] = None, num_examples: int = 32,
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
-                 text_file: Optional[str] = None) -> dict[str, Any]:
+                 text_file: Optional[str] = None, chunk_size: Optional[int] = None) -> dict[str, Any]:
     """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
-    ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split."""
+    ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
+    ``chunk_size``: extrapolation runs each window through the KV cache in query chunks."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
+    if chunk_size is not None:
+        chunked.check_chunk_size(chunk_size)  # before any evaluation runs
     out: dict[str, Any] = {}
     for name in evals:
         t0 = time.time()
         if name == "extrapolation":
             out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples,
-                                           text_file=text_file)
+                                           text_file=text_file, chunk_size=chunk_size)
         elif name == "passkey":
             variants = ("synthetic",) if run.is_synthetic else ("standard",)
             out[name] = eval_passkey(run, multipliers, variants=variants, num_examples=num_examples,
