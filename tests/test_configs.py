@@ -74,7 +74,7 @@ def test_125m_llama_variant_param_count():
 
 def test_125m_official_recipe_param_count():
     """GPT-2 block: 12 x (4 x 768^2 + 4 x 768 attention biases + 2 x 768 x 3072 + 3072 + 768 MLP
-    + 4 x 768 LayerNorm) + 50257 x 768 + 2 x 768 final LayerNorm (tied embedding) = 124.44M."""
+    + 4 x 768 LayerNorm) + 50257 x 768 + 2 x 768 final LayerNorm (tied embedding) = 123.65M."""
     e, f, v, layers = 768, 3072, 50_257, 12
     dense = layers * (4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e) + v * e + 2 * e
     n = _params(lm_c4_125m.get_config("goat"))
@@ -98,7 +98,7 @@ def test_125m_official_recipe_fields():
         "model.vocab_size": 50_257, "model.use_bias": True, "model.norm_eps": 1e-5,
         "model.tie_embeddings": True, "model.pos_rank": 4, "model.abs_rank": 4,
         "model.init_std": 0.02, "model.training_seq_len": 2048, "model.enable_key_bias": True,
-        "model.init_scale_prior": 1e-3,
+        "model.init_scale_prior": 1e-3, "model.attention_init_std": 0.02,
         "data.tokenizer": "gpt2", "data.bos_windows": True, "data.num_eval_batches": 50,
         "data.tfds_name": "c4/en",
     }
