@@ -127,7 +127,7 @@ SUITES = {
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
                           ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
-        retrieval="configs/retrieval_tiny.py:{task},{enc},paper", toy="configs/toy_copy_mixture.py",
+        retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
         num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32),
 }
 
@@ -499,6 +499,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
             for j in plan(suite, root, encodings)]
         if args.dry_run:
+            if suite.name == "paper":  # sizes, budgets and departures from the official recipes
+                from experiments import paper_table  # pylint: disable=g-import-not-at-top
+                print(paper_table.render(paper_table.rows(plan(suite, root, encodings), load_config)))
             print("\n".join(cmds))
             return 0
         for cmd in cmds:
