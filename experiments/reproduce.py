@@ -54,6 +54,29 @@ def log(msg: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class LMVariant:
+    """An extra row of the LM tables (e.g. an ablation of GOAT's prior): one more run per LM
+    dataset of the suite, evaluated like the encodings and shown next to them, never judged by
+    the headline checks. Its workdir is ``ROOT/<dataset>/<label>``."""
+
+    label: str  # the row label and workdir name, e.g. 'goat+<option>'
+    encoding: str  # fills {enc} of the dataset's config spec (and must be its position encoding)
+    overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.lm_overrides
+    spec: str = ""  # a config spec to use instead of the dataset's ({enc} filled in); '' = the dataset's
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalVariant:
+    """Another version of the synthetic retrieval models (e.g. the official synthetic data):
+    every task x every encoding again, with its own tables next to the default ones. Its runs
+    live in ``ROOT/<task>_<label>/<enc>``."""
+
+    label: str  # names the tables and workdirs, e.g. 'official'
+    spec: str  # config spec with {task} and {enc}, e.g. 'configs/retrieval_tiny.py:{task},{enc},official'
+    overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.retrieval_overrides
+
+
+@dataclasses.dataclass(frozen=True)
 class Suite:
     """One scale of the reproduction. Config specs are ``'file.py:arg'`` with ``{enc}``
     (position encoding) and ``{task}`` (retrieval task) filled in; overrides are dotted
@@ -74,6 +97,12 @@ class Suite:
     standard_trials: int = 8  # standard passkey prompts per length (greedy decoding)
     sink_examples: int = 8  # held-out windows for the sink statistics
     notes: tuple[str, ...] = ()  # how the settings were chosen, and what to read into the numbers
+    encodings: tuple[str, ...] = ENCODINGS  # of the LMs and retrieval models (--encodings)
+    # Extra rows and tables, one line each, e.g.
+    #   lm_variants=(LMVariant("goat+opt", "goat", {"model.some_option": True}),)
+    #   retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)
+    lm_variants: tuple[LMVariant, ...] = ()
+    retrieval_variants: tuple[RetrievalVariant, ...] = ()
 
 
 SUITES = {
@@ -85,7 +114,7 @@ SUITES = {
                       "data.num_eval_batches": 1},
         toy_overrides={"num_train_steps": 4, "checkpoint_every_steps": 4, "eval_every_steps": 0},
         multipliers=(1, 16), num_examples=8, niah_examples=8, niah_depths=(0.5,),
-        standard_trials=2, sink_examples=2),
+        standard_trials=2, sink_examples=2, encodings=("goat", "rope")),
     # ~1 hour on 2 CPU cores. Settings chosen once for all encodings (see REPORT.md).
     "tiny": Suite(
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
@@ -142,24 +171,41 @@ class Job:
     spec: str  # 'configs/file.py:arg'
     overrides: dict
     workdir: str
+    variant: str = ""  # the LMVariant label of an extra LM row ('' for the plain encodings)
+
+    @property
+    def label(self) -> str:
+        """The row label in the report: the encoding, or the LM variant's label."""
+        return self.variant or self.encoding
 
     @property
     def name(self) -> str:
-        """``kind/dataset/encoding`` (what the log says)."""
-        return f"{self.kind}/{self.dataset}/{self.encoding}"
+        """``kind/dataset/label`` (what the log says, and the key of its results)."""
+        return f"{self.kind}/{self.dataset}/{self.label}"
 
 
-def plan(suite: Suite, root: str, encodings: Sequence[str]) -> list[Job]:
-    """Every run of ``suite`` for ``encodings``, in order: LMs, retrieval models, the toy."""
+def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None) -> list[Job]:
+    """Every run of ``suite`` for ``encodings`` (default ``suite.encodings``), in order: per LM
+    dataset the encodings then the LM variants, per task the retrieval models (then each
+    retrieval variant's), the toy."""
+    encodings = list(encodings or suite.encodings)
     jobs = []
     for dataset, spec in suite.lm:
         for enc in encodings:
             jobs.append(Job("lm", dataset, enc, spec.format(enc=enc), dict(suite.lm_overrides),
                             os.path.join(root, dataset, enc)))
-    for task in suite.tasks:
-        for enc in encodings:
-            jobs.append(Job(task, task, enc, suite.retrieval.format(task=task, enc=enc),
-                            dict(suite.retrieval_overrides), os.path.join(root, task, enc)))
+        for v in suite.lm_variants:
+            jobs.append(Job("lm", dataset, v.encoding, (v.spec or spec).format(enc=v.encoding),
+                            {**suite.lm_overrides, **v.overrides}, os.path.join(root, dataset, v.label),
+                            variant=v.label))
+    retrieval = [("", suite.retrieval, {})] + [(f"_{v.label}", v.spec, v.overrides)
+                                               for v in suite.retrieval_variants]
+    for suffix, pattern, overrides in retrieval:
+        for task in suite.tasks:
+            for enc in encodings:
+                jobs.append(Job(task, task + suffix, enc, pattern.format(task=task, enc=enc),
+                                {**suite.retrieval_overrides, **overrides},
+                                os.path.join(root, task + suffix, enc)))
     jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
                     os.path.join(root, "toy")))
     return jobs
@@ -248,33 +294,14 @@ def training_seconds(workdir: str) -> float:
 
 def evaluate(job: Job, suite: Suite) -> dict:
     """The evaluations of ``job`` (cached in ``WORKDIR/reproduce_eval.json``)."""
-    from goat_jax.eval import runs as ev  # pylint: disable=g-import-not-at-top
+    from experiments import report_lm  # pylint: disable=g-import-not-at-top
 
     cache = os.path.join(job.workdir, "reproduce_eval.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
     t0 = time.time()
-    if job.kind == "toy":
-        from goat_jax.eval import toy  # pylint: disable=g-import-not-at-top
-        res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True,
-                          train=False)
-        out = {"summary": res["summary"], "sink": res["checks"]["sink"],
-               "diagonal": res["checks"]["diagonal"], "loss": res["loss"]}
-    else:
-        run = ev.load_lm_run(job.workdir)
-        out = {"train_len": run.train_len, "step": run.step}
-        if job.kind == "lm":
-            out["extrapolation"] = ev.eval_extrapolation(run, suite.multipliers)
-            out["sinks"] = ev.eval_sinks(run, num_examples=suite.sink_examples)
-            out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("standard",),
-                                             num_trials=suite.standard_trials)
-        elif job.kind == "passkey":
-            out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("synthetic",),
-                                             num_examples=suite.num_examples)
-        else:
-            out["niah"] = ev.eval_niah(run, suite.multipliers, depths=suite.niah_depths,
-                                       num_examples=suite.niah_examples)
+    out = report_lm.evaluate_lm_job(job, suite)
     out["eval_seconds"] = time.time() - t0
     with open(cache, "w") as f:
         json.dump(out, f, default=float)
@@ -301,7 +328,9 @@ def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) 
     evals = {"lm": "extrapolation,passkey,sinks", "passkey": "passkey", "niah": "niah"}
     mults = ",".join(str(m) for m in suite.multipliers)
     for (kind, dataset), jobs in groups.items():
-        dirs = " ".join(f"--workdir {j.workdir}" for j in jobs)
+        labelled = any(j.variant for j in jobs)  # variant rows share an encoding: name every run
+        dirs = " ".join(f"--workdir {j.workdir}" + (f" --label {shlex.quote(j.label)}" if labelled else "")
+                        for j in jobs)
         cmds.append(f"{py} experiments.evaluate {dirs} --evals {evals[kind]} --multipliers {mults} "
                     f"--num_examples {suite.num_examples} --num_trials {suite.standard_trials} "
                     f"--out {os.path.join(out, dataset)}")
@@ -315,49 +344,6 @@ def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) 
 # ----------------------------------------------------------------------------------------------
 
 
-def headline_checks(results: dict[str, dict], encodings: Sequence[str]) -> list[tuple[str, Optional[bool], str]]:
-    """The issue's acceptance numbers: ``[(claim, passed or None if not measured, numbers)]``."""
-    lm = {e: results.get(f"lm/jargon/{e}", {}).get("extrapolation") for e in encodings}
-    lm = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in lm.items() if r}
-    pk = {e: results.get(f"passkey/passkey/{e}", {}).get("passkey", {}).get("synthetic") for e in encodings}
-    pk = {e: {int(n): a for n, a in r.items()} for e, r in pk.items() if r}
-    checks = []
-
-    def ratio(e):
-        r = lm.get(e, {})
-        return r[max(r)] / r[min(r)] if len(r) > 1 else None
-
-    g, rr = ratio("goat"), ratio("rope")
-    if g is not None and rr is not None:
-        top = max(lm["goat"]) // min(lm["goat"])
-        checks.append((f"GOAT perplexity at {top}x <= 1.3 x its in-distribution perplexity",
-                       g <= 1.3, f"GOAT {top}x / 1x = {g:.2f}"))
-        checks.append((f"RoPE perplexity at {top}x >= 3 x its in-distribution perplexity",
-                       rr >= 3.0, f"RoPE {top}x / 1x = {rr:.2f}"))
-    base = {e: r[min(r)] for e, r in lm.items() if e != "goat"}
-    if "goat" in lm and base:
-        best = min(base, key=base.get)
-        gap = lm["goat"][min(lm["goat"])] / base[best] - 1
-        checks.append(("GOAT in-distribution perplexity within 2% of the best baseline", gap <= 0.02,
-                       f"GOAT {lm['goat'][min(lm['goat'])]:.3f} vs {best} {base[best]:.3f} ({100 * gap:+.1f}%)"))
-    for e, cmp_, thr in (("goat", ">=", 0.9), ("rope", "<=", 0.5)):
-        r = pk.get(e)
-        if r:
-            n8 = 8 * min(r)
-            acc = r.get(n8)
-            ok = None if acc is None else (acc >= thr if cmp_ == ">=" else acc <= thr)
-            checks.append((f"{'GOAT' if e == 'goat' else 'RoPE'} synthetic passkey accuracy at 8x the "
-                           f"training length {cmp_} {100 * thr:.0f}%", ok,
-                           "not measured" if acc is None else f"{100 * acc:.0f}% at {n8}"))
-    return checks
-
-
-def _table(rows: dict[str, dict[int, float]], train_len: int, pct: bool = False) -> str:
-    """Runs x lengths, each length header also given as a multiple of the training length."""
-    from goat_jax.eval.runs import table  # pylint: disable=g-import-not-at-top
-    return table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
-
-
 def _git_commit() -> str:
     """The repository's HEAD commit (short), or 'unknown' outside a git checkout."""
     try:
@@ -367,22 +353,25 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _train_len(results: dict[str, dict], kind: str) -> int:
-    """The training length of the first evaluated run of ``kind``."""
-    return next(int(r["train_len"]) for name, r in results.items()
-                if name.startswith(kind + "/") and "train_len" in r)
+def _setup_line(job: Job) -> str:
+    """One line of the Setup section: the job's spec, overrides and the resolved settings."""
+    with open(os.path.join(job.workdir, "config.json")) as f:  # what actually ran
+        c = json.load(f)
+    m = c["model"]
+    return (f"`{job.spec}`{' + ' + str(job.overrides) if job.overrides else ''}: "
+            f"{m['num_layers']} layer(s), d {m['embed_dim']}, {m['num_heads']} heads "
+            f"({m['kv_num_heads']} KV), {c['num_train_steps']} steps x {c['global_batch_size']} "
+            f"x {c['seq_len']} tokens, peak lr {c['optimizer']['learning_rate']}")
 
 
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                  command: str, timings: dict[str, float], total_seconds: float) -> str:
     """Writes ``OUT/REPORT.md`` and the figures from the ``results`` of the trained ``jobs``;
     returns the markdown."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top
+    from experiments import report_lm  # pylint: disable=g-import-not-at-top
 
     os.makedirs(out, exist_ok=True)
-    encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind != "toy"))
-    get = lambda kind, ds, e, key: results.get(f"{kind}/{ds}/{e}", {}).get(key)
+    encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind != "toy" and not j.variant))
     md = [f"# GOAT language experiments, `{suite.name}` suite", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
           f"Code: git {_git_commit()}  ",
@@ -391,76 +380,21 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
           f"{sum(v for k, v in timings.items() if k.startswith('train')) / 60:.1f} min); this invocation "
           f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused)", ""]
     md += ["## Setup (identical across position encodings)", ""]
-    for kind in dict.fromkeys(j.kind for j in jobs):
-        job = next(j for j in jobs if j.kind == kind)
-        with open(os.path.join(job.workdir, "config.json")) as f:  # what actually ran
-            c = json.load(f)
-        m = c["model"]
-        md.append(f"* **{kind}**: `{job.spec}`{' + ' + str(job.overrides) if job.overrides else ''}: "
-                  f"{m['num_layers']} layer(s), d {m['embed_dim']}, {m['num_heads']} heads "
-                  f"({m['kv_num_heads']} KV), {c['num_train_steps']} steps x {c['global_batch_size']} "
-                  f"x {c['seq_len']} tokens, peak lr {c['optimizer']['learning_rate']}")
+    for kind, dataset in dict.fromkeys((j.kind, j.dataset) for j in jobs if not j.variant):
+        job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
+        md.append(f"* **{kind if dataset in (kind, 'copy_mixture') or kind == 'lm' else dataset}**: "
+                  + _setup_line(job))
+    md += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j) for j in jobs if j.variant]
     md.append("")
 
-    checks = headline_checks(results, encodings)
+    checks = report_lm.lm_checks(results, encodings)
     md += ["## Headline checks", "", "| claim | result | numbers |", "|---|---|---|"]
     for claim, ok, numbers in checks:
         md.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
     md.append("")
     if suite.notes:
         md += ["## Notes", ""] + [f"* {n}" for n in suite.notes] + [""]
-
-    for dataset, _ in suite.lm:
-        ext = {e: get("lm", dataset, e, "extrapolation") for e in encodings}
-        ext = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in ext.items() if r}
-        if ext:
-            md += [f"## Perplexity by evaluation length ({dataset}, byte level, non-overlapping windows)", "",
-                   _table(ext, _train_len(results, "lm")), "",
-                   "Ratio to the in-distribution (1x) perplexity: " + ", ".join(
-                       f"{e} {r[max(r)] / r[min(r)]:.2f}" for e, r in ext.items()), "",
-                   f"![perplexity](perplexity_{dataset}.png)", ""]
-            plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
-                                            train_len=min(next(iter(ext.values()))),
-                                            title=f"Length extrapolation ({dataset})")
-    pk = {e: get("passkey", "passkey", e, "passkey") for e in encodings}
-    pk = {e: {int(n): a for n, a in r["synthetic"].items()} for e, r in pk.items() if r}
-    if pk:
-        md += ["## Synthetic passkey (official GOAT variant: teacher-forced exact match of the 8-digit key)", "",
-               _table(pk, _train_len(results, "passkey"), pct=True), "", "![passkey](passkey_synthetic.png)", ""]
-        plots.plot_passkey_accuracy(pk, os.path.join(out, "passkey_synthetic.png"),
-                                    train_len=min(next(iter(pk.values()))), title="Synthetic passkey")
-    std = {e: (get("lm", suite.lm[0][0], e, "passkey") or {}).get("standard") for e in encodings}
-    std = {e: {int(n): a for n, a in r.items()} for e, r in std.items() if r}
-    if std:
-        md += ["## Standard passkey prompt (greedy decoding with the KV cache; zero-shot on the LMs above)", "",
-               _table(std, _train_len(results, "lm"), pct=True), ""]
-    niah = {e: get("niah", "niah", e, "niah") for e in encodings}
-    niah = {e: g for e, g in niah.items() if g}
-    if niah:
-        mean = {e: dict(zip([int(n) for n in g["lengths"]], np.mean(g["token_accuracy"], axis=1)))
-                for e, g in niah.items()}
-        md += ["## Needle in a haystack (synthetic; value-span token accuracy, mean over depths)", "",
-               _table(mean, _train_len(results, "niah"), pct=True), ""]
-        for e, g in niah.items():
-            plots.plot_niah_heatmap({k: np.asarray(v) for k, v in g.items()},
-                                    os.path.join(out, f"niah_{e}.png"), title=f"NIAH, {e}")
-        md += [" ".join(f"![niah {e}](niah_{e}.png)" for e in niah), ""]
-    sk = {e: get("lm", suite.lm[0][0], e, "sinks") for e in encodings}
-    sk = {e: s for e, s in sk.items() if s}
-    if sk:
-        md += ["## Attention sinks (LM, held-out windows at the training length; per layer)", "",
-               "| encoding | attention on position 0 (mean over heads) | (max head) | first-key norm / other keys |",
-               "|---|---|---|---|"]
-        for e, s in sk.items():
-            md.append(f"| {e} | " + " / ".join(f"{x:.2f}" for x in s["first_mass"]) + " | " +
-                      " / ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
-                      " / ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
-        md.append("")
-    toy = results.get("toy/copy_mixture/goat")
-    if toy:
-        md += ["## Toy copy mixture: the learned prior (paper Figure 1)", "", "![toy prior](toy_prior.png)", "",
-               "Every layer/head: [toy_prior_all_heads.png](toy_prior_all_heads.png)", "",
-               "```", toy["summary"].strip(), "```", ""]
+    md += report_lm.lm_sections(suite, jobs, results, out)
     md += ["## Run times", "", "| stage | seconds |", "|---|---|"]
     md += [f"| {k} | {v:.0f} |" for k, v in timings.items()]
     md.append("")
@@ -484,12 +418,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--workdir", default=None, help="runs root (default runs/reproduce_<suite>)")
     p.add_argument("--out", default=None, help="report dir (default reports/<suite>)")
     p.add_argument("--encodings", default=None,
-                   help=f"comma list (default: {','.join(ENCODINGS)}; smoke: goat,rope)")
+                   help=f"comma list (default: the suite's, {','.join(ENCODINGS)}; smoke: goat,rope)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
-    encodings = (args.encodings.split(",") if args.encodings
-                 else (["goat", "rope"] if suite.name == "smoke" else list(ENCODINGS)))
+    encodings = args.encodings.split(",") if args.encodings else list(suite.encodings)
     root = args.workdir or os.path.join("runs", f"reproduce_{suite.name}")
     out = args.out or os.path.join("reports", suite.name)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -513,6 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+    from experiments import report_lm  # pylint: disable=g-import-not-at-top
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax INFO lines would drown the progress log
     t_start = time.time()
     jobs = plan(suite, root, encodings)
@@ -524,12 +458,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[job.name] = evaluate(job, suite)
         timings[f"eval {job.name}"] = results[job.name]["eval_seconds"]
         log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
-    toy = next(j for j in jobs if j.kind == "toy")
     os.makedirs(out, exist_ok=True)
-    for name in ("toy_prior.png", "toy_prior_all_heads.png"):
-        if os.path.exists(os.path.join(toy.workdir, name)):
-            with open(os.path.join(toy.workdir, name), "rb") as src, open(os.path.join(out, name), "wb") as dst:
-                dst.write(src.read())
+    report_lm.copy_toy_figures(jobs, out)
     text = write_report(suite, jobs, results, out, command, timings, time.time() - t_start)
     log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
     print(text.split("## Headline checks")[1].split("\n## ")[0] if "## Headline checks" in text else "")

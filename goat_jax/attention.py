@@ -239,7 +239,8 @@ class GoatAttention(nn.Module):
     Attention dropout is not offered: flash kernels have none.
 
     With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
-    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`).
+    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`);
+    while decoding, the probabilities of the chunk over the cache only.
     """
 
     num_heads: int
@@ -376,9 +377,14 @@ class GoatAttention(nn.Module):
             kv_lengths = None
             if cache is not None:
                 k_packed, v, causal_offset, kv_lengths, is_causal = layers.append_to_cache(cache, k_packed, v)
+            sow = layers.wants_attention_maps(self, impl)  # only reached while decoding
             out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
                                  is_causal=is_causal, causal_offset=causal_offset,
-                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
+                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
+                                 return_probs=sow)
+            if sow:
+                out, probs = out
+                layers.sow_attention_probs(self, probs)
             if cache is not None:
                 out = layers.poison_overflow(cache, t, out)
         return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,

@@ -152,6 +152,13 @@ def sow_attention_maps(module: nn.Module, probs: Array, keys: Array, values: Arr
     module.sow("intermediates", "attention_values", values)
 
 
+def sow_attention_probs(module: nn.Module, probs: Array) -> None:
+    """While decoding (a chunk of T queries against the S cached slots), only
+    ``attention_probs`` [B, N, T, S] float32 is sown: the cache holds keys as the kernel sees
+    them (packed, rotated), not the content keys :func:`sow_attention_maps` promises."""
+    module.sow("intermediates", "attention_probs", probs)
+
+
 class DecodeCache(NamedTuple):
     """The 'cache' collection of a decoding layer (Flax variables) and the index before this
     call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""

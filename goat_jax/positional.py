@@ -293,7 +293,8 @@ class PositionalAttention(nn.Module):
 
     With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
     attention probabilities, pre-encoding keys and values
-    (:func:`goat_jax.layers.sow_attention_maps`).
+    (:func:`goat_jax.layers.sow_attention_maps`); while decoding, the probabilities of the
+    chunk over the cache only.
 
     ``kernel_init_std``: None draws the projection kernels Xavier-uniform, a float
     ``N(0, kernel_init_std)`` (as :class:`goat_jax.attention.GoatAttention`).
@@ -471,13 +472,16 @@ class PositionalAttention(nn.Module):
                 (n, self.max_len, self.max_len), self.param_dtype)
             bias = naive_prior_bias(jnp.asarray(table), q_pos, k_pos)  # [B|1, N, T, S] float32
 
-        sow = cache is None and layers.wants_attention_maps(self, impl)
+        sow = layers.wants_attention_maps(self, impl)
         out = kernels.attend(q, k, v, implementation=impl, scale=scale, is_causal=is_causal,
                              causal_offset=causal_offset, key_padding_mask=key_padding_mask,
                              kv_lengths=kv_lengths, bias=bias, return_probs=sow)  # [B, T, N, H]
-        if sow:
+        if sow and cache is None:
             out, probs = out
             layers.sow_attention_maps(self, probs, content_keys, v)
+        elif sow:
+            out, probs = out
+            layers.sow_attention_probs(self, probs)
         if cache is not None:
             out = layers.poison_overflow(cache, t, out)
         return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,

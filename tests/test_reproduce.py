@@ -87,3 +87,54 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1  # LM, passkey, NIAH per encoding + toy
+
+
+def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
+    """An LM variant adds a row to the LM tables and a retrieval variant its own tables, each
+    from one Suite entry (rendered here from made-up results: no training)."""
+    import dataclasses
+
+    from experiments import report_lm
+
+    suite = dataclasses.replace(
+        reproduce.SUITES["smoke"],
+        lm_variants=(reproduce.LMVariant("goat+opt", "goat", {"model.rope_base": 500.0}),),
+        retrieval_variants=(reproduce.RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},smoke"),))
+    jobs = reproduce.plan(suite, "/runs")
+    names = [j.name for j in jobs]
+    assert names[:3] == ["lm/jargon/goat", "lm/jargon/rope", "lm/jargon/goat+opt"]
+    variant = jobs[2]
+    assert variant.workdir == "/runs/jargon/goat+opt" and variant.encoding == "goat"
+    assert variant.overrides == {**suite.lm_overrides, "model.rope_base": 500.0}
+    assert "passkey_official/rope" in " ".join(names) and "niah_official/goat" in " ".join(names)
+    assert [j.workdir for j in jobs if j.dataset == "passkey_official"] == [
+        "/runs/passkey_official/goat", "/runs/passkey_official/rope"]
+    for job in jobs:  # every planned config builds, with the overrides applied
+        config = reproduce.load_config(job.spec, job.overrides)
+        assert config.model.position_encoding == job.encoding
+    # The paper commands name every run when a group holds a variant (two runs share 'goat').
+    cmds = reproduce.paper_commands(suite, "/r", ["goat", "rope"], "/o")
+    lm_eval = next(c for c in cmds if "experiments.evaluate" in c and "/jargon/" in c)
+    assert "--workdir /r/jargon/goat+opt --label goat+opt" in lm_eval and "--label rope" in lm_eval
+
+    rng = iter(range(1, 1000))
+    results = {}
+    for j in jobs:
+        if j.kind == "lm":
+            results[j.name] = {"train_len": 32, "extrapolation": {32: {"ppl": 2.0 + next(rng)}, 512: {"ppl": 9.0}}}
+        elif j.kind == "passkey":
+            results[j.name] = {"train_len": 32, "passkey": {"synthetic": {32: 1.0, 512: next(rng) / 100}}}
+        elif j.kind == "niah":
+            results[j.name] = {"train_len": 32, "niah": {"lengths": [32, 512], "depths": [0.5],
+                                                         "token_accuracy": [[1.0], [0.5]],
+                                                         "exact_match": [[1.0], [0.0]]}}
+    md = "\n".join(report_lm.lm_sections(suite, jobs, results, str(tmp_path)))
+    assert re.search(r"\| goat\+opt \| 5\.000 \| 9\.000 \|", md)  # the variant's own numbers
+    assert "## Synthetic passkey, official variant" in md
+    assert "## Needle in a haystack, official variant" in md
+    assert md.index("## Synthetic passkey (") < md.index("## Synthetic passkey, official")
+    for png in ("passkey_synthetic.png", "passkey_synthetic_official.png", "niah_official_goat.png"):
+        assert (tmp_path / png).stat().st_size > 1000, png
+    # The headline checks judge the plain encodings only.
+    checks = report_lm.lm_checks(results, ["goat", "rope"])
+    assert any("GOAT in-distribution" in c[0] and "rope" in c[2] for c in checks)
