@@ -56,6 +56,7 @@ def _c4(encoding: str) -> Recipe:
         "model.use_bias": True, "model.norm_eps": 1e-5, "model.tie_embeddings": True,
         "model.init_std": 0.02, "model.attention_init_std": 0.02,
         "model.pos_rank": 4, "model.abs_rank": 4, "model.init_scale_prior": 1e-3,
+        "model.enable_key_bias": True,
         "model.training_seq_len": C4_SEQ,
         "data.tokenizer": "gpt2", "data.bos_windows": True, "data.num_eval_batches": 50,
         "data.tfds_name": "c4/en",

@@ -151,7 +151,10 @@ SUITES = {
             "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
             "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
             "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
-        )),
+        ),
+        # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
+        # baselines at attention scale 1) next to ours, every task and encoding.
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
