@@ -328,7 +328,10 @@ def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) 
         flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in job.overrides.items())
         cmds.append(f"{py} experiments.train --config {job.spec} --workdir {job.workdir} {flags}".strip())
         groups.setdefault((job.kind, job.dataset), []).append(job)
-    evals = {"lm": "extrapolation,passkey,sinks", "passkey": "passkey", "niah": "niah"}
+    # Language runs: the official C4 evaluation (docs/protocols.md): 512-query chunks through the
+    # KV cache and the last-layer diagnostics with u(j) curves.
+    evals = {"lm": "extrapolation,passkey,sinks,diagnostics --chunk_size 512", "passkey": "passkey",
+             "niah": "niah"}
     mults = ",".join(str(m) for m in suite.multipliers)
     for (kind, dataset), jobs in groups.items():
         labelled = any(j.variant for j in jobs)  # variant rows share an encoding: name every run

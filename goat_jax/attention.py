@@ -309,7 +309,8 @@ class GoatAttention(nn.Module):
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(
             self.implementation, dtype, qk_dim,
-            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1],
+                          layers.attended_length(self, self.decode, key.shape[1])))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)

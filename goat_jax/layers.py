@@ -159,6 +159,15 @@ def sow_attention_probs(module: nn.Module, probs: Array) -> None:
     module.sow("intermediates", "attention_probs", probs)
 
 
+def attended_length(module: nn.Module, decode: bool, key_len: int) -> int:
+    """S, the number of keys the kernel attends over: the cache's length while decoding (after
+    ``init`` sized it), else ``key_len``. The automatic kernel choice reads it, so that a chunk
+    of queries against a long cache gets the memory-linear kernel, not T x S_cache logits."""
+    if decode and module.has_variable("cache", "cached_key"):
+        return module.get_variable("cache", "cached_key").shape[1]
+    return key_len
+
+
 class DecodeCache(NamedTuple):
     """The 'cache' collection of a decoding layer (Flax variables) and the index before this
     call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""

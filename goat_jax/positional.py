@@ -403,7 +403,8 @@ class PositionalAttention(nn.Module):
         group = n // kv_heads
         channels = default_sink_channels(dtype)
         qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
-        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1], key.shape[1]))
+        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1],
+                                                    layers.attended_length(self, self.decode, key.shape[1])))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
             x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)

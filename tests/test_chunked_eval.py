@@ -47,10 +47,14 @@ def chunked_logits(model, params, tokens, chunk_size):
         params, tokens)
 
 
-@pytest.mark.parametrize("encoding,tsl,chunks", [("goat", None, (4, 5)), ("rope", None, (5,)),
-                                                 ("alibi", 16, (5,))])
-def test_chunked_logits_equal_the_full_window(rng, encoding, tsl, chunks):
-    model, params = random_lm(rng, position_encoding=encoding, training_seq_len=tsl)
+@pytest.mark.parametrize("encoding,tsl,chunks,impl", [
+    ("goat", None, (5,), None), ("goat", 16, (4,), "flash"), ("rope", None, (5,), None),
+    ("alibi", 16, (5,), None)])
+def test_chunked_logits_equal_the_full_window(rng, encoding, tsl, chunks, impl):
+    """impl None: XLA at these sizes; 'flash': the online-softmax kernel with the traced cache
+    offset, which long windows get automatically."""
+    model, params = random_lm(rng, position_encoding=encoding, training_seq_len=tsl,
+                              implementation=impl)
     tokens = jnp.asarray(rng.integers(0, V, (2, W)), jnp.int32)
     full = np.asarray(jax.jit(model.apply)({"params": params}, tokens), np.float64)
     for c in chunks:

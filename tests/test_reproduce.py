@@ -57,7 +57,8 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
     evals = [c for c in cmds if " experiments.evaluate " in c]
     assert len(evals) == 4  # c4, fineweb, passkey, niah: encodings side by side
     assert all(c.count("--workdir") == len(reproduce.ENCODINGS) for c in evals)
-    assert any("--evals extrapolation,passkey,sinks --multipliers 1,2,4,8,16" in c for c in evals)
+    assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
+               in c for c in evals)
     assert cmds[-1].startswith("python -m experiments.toy_prior")
 
 
