@@ -151,12 +151,15 @@ SUITES = {
             "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
             "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
             "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
-        )),
+        ),
+        # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
+        # baselines at attention scale 1) next to ours, every task and encoding.
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
                           ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
-        retrieval="configs/retrieval_tiny.py:{task},{enc},paper", toy="configs/toy_copy_mixture.py",
+        retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
         num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32),
 }
 
@@ -435,6 +438,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
             for j in plan(suite, root, encodings)]
         if args.dry_run:
+            if suite.name == "paper":  # sizes, budgets and departures from the official recipes
+                from experiments import paper_table  # pylint: disable=g-import-not-at-top
+                print(paper_table.render(paper_table.rows(plan(suite, root, encodings), load_config)))
             print("\n".join(cmds))
             return 0
         for cmd in cmds:
