@@ -15,11 +15,20 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
                  non-overlapping windows (``--stride`` for sliding); synthetic runs score
                  fresh batches of their own task at each length instead. ``--text FILE``
                  scores any UTF-8 text file instead, tokenized by each run's own tokenizer.
+                 ``--chunk_size N`` runs each window through the KV cache in chunks of N
+                 queries (the official C4 protocol, N = 512): the same perplexity, with memory
+                 bounded by N x length. Runs trained with ``data.bos_windows`` get BOS at the
+                 start of every window, at every length.
   passkey        synthetic passkey (teacher-forced exact match of the 8-digit key) and the
                  standard prompt (greedy decoding with the KV cache, first integer == key).
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
   sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
                  held-out data at the training length.
+  diagnostics    the official C4 run's (docs/protocols.md, C4 125M): on ``--num_windows``
+                 held-out windows at every length, the last layer's attention mass on token 0,
+                 its max attention weight and the mass on the last ``--recent_keys`` (128) keys,
+                 per head and mean, through the KV cache in chunks of ``--chunk_size`` (default
+                 512) queries; for GOAT also ``u_curves_<label>.png``, u(j) per layer.
   dna            genome runs (configs/dna_*.py) on the FASTA files of ``--fasta``: NLL in nats
                  and bits per base, perplexity and next-base accuracy at ``m x`` the training
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
@@ -54,6 +63,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: none)")
     p.add_argument("--num_examples", type=int, default=32, help="examples per length (retrieval)")
     p.add_argument("--num_trials", type=int, default=8, help="standard passkey prompts per length")
+    p.add_argument("--chunk_size", type=int, default=None, help="extrapolation: evaluate each "
+                   "window through the KV cache in chunks of this many queries (e.g. 512, as the "
+                   "official C4 evaluation); default: whole windows")
+    p.add_argument("--num_windows", type=int, default=4, help="diagnostics: held-out windows "
+                   "per length")
+    p.add_argument("--recent_keys", type=int, default=128, help="diagnostics: the mass on the "
+                   "last N keys (official 128)")
     p.add_argument("--text", default=None, help="extrapolation: a UTF-8 text file to score "
                    "instead of the held-out split (each run's own tokenizer)")
     p.add_argument("--fasta", action="append", default=[], help="dna: FASTA file (repeatable)")
@@ -78,6 +94,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise ValueError(f"--chunk_size must be >= 1 (queries per chunk, e.g. 512), got {args.chunk_size}.")
+    for flag, value in (("--num_windows", args.num_windows), ("--recent_keys", args.recent_keys)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
     mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
@@ -88,7 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
         results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
                                            num_examples=args.num_examples, num_trials=args.num_trials,
-                                           dna_options=dna_options, text_file=args.text)
+                                           dna_options=dna_options, text_file=args.text,
+                                           chunk_size=args.chunk_size,
+                                           diagnostics_options={"num_windows": args.num_windows,
+                                                                "recent": args.recent_keys})
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))

@@ -199,12 +199,15 @@ SUITES = {
             "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
             "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
             "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
-        )),
+        ),
+        # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
+        # baselines at attention scale 1) next to ours, every task and encoding.
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
                           ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
-        retrieval="configs/retrieval_tiny.py:{task},{enc},paper", toy="configs/toy_copy_mixture.py",
+        retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
         num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32,
         vit="configs/vit_s16_imagenet.py:{enc}", dna="configs/dna_hg38.py:{enc}", dna_genomes=_DNA_GENOMES,
         dna_max_bases=1_048_576, dna_memory_lengths=(1024, 4096, 16384)),
@@ -320,7 +323,10 @@ def paper_commands(suite: Suite, root: str, encodings: Optional[Sequence[str]], 
         flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in job.overrides.items())
         cmds.append(f"{py} experiments.train --config {job.spec} --workdir {job.workdir} {flags}".strip())
         groups.setdefault((job.kind, job.dataset), []).append(job)
-    evals = {"lm": "extrapolation,passkey,sinks", "passkey": "passkey", "niah": "niah"}
+    # Language runs: the official C4 evaluation (docs/protocols.md): 512-query chunks through the
+    # KV cache and the last-layer diagnostics with u(j) curves.
+    evals = {"lm": "extrapolation,passkey,sinks,diagnostics --chunk_size 512", "passkey": "passkey",
+             "niah": "niah"}
     mults = ",".join(str(m) for m in suite.multipliers)
     for (kind, dataset), group in groups.items():
         labelled = any(j.variant for j in group)  # variant rows share an encoding: name every run
@@ -465,6 +471,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
             for j in plan(suite, root, encodings, **plan_kwargs)]
         if args.dry_run:
+            if suite.name == "paper":  # sizes, budgets and departures from the official recipes
+                from experiments import paper_table  # pylint: disable=g-import-not-at-top
+                # The language runs: paper_table holds the official language recipes only.
+                print(paper_table.render(paper_table.rows(plan(suite, root, encodings, families=["lm"]), load_config)))
             print("\n".join(cmds))
             return 0
         for cmd in cmds:

@@ -231,10 +231,16 @@ class GoatAttention(nn.Module):
     * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
       (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
 
+    * ``kernel_init_std``: None draws the q/k/v/out projection kernels Xavier-uniform (the
+      official module's own init); a float draws them ``N(0, kernel_init_std)``, as the official
+      GPT-2-style C4 script re-initializes every Linear (0.02; docs/protocols.md, C4 125M).
+      Biases start at zero either way; the prior's own parameters follow ``prior``.
+
     Attention dropout is not offered: flash kernels have none.
 
     With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
-    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`).
+    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`);
+    while decoding, the probabilities of the chunk over the cache only.
     """
 
     num_heads: int
@@ -250,6 +256,7 @@ class GoatAttention(nn.Module):
     implementation: Optional[str] = None
     sink_channels: Optional[int] = None
     decode: bool = False
+    kernel_init_std: Optional[float] = None
 
     def _positions(self, length, offset, explicit, spatial_shape, has_cls, use_2d, name):
         if use_2d:
@@ -302,10 +309,11 @@ class GoatAttention(nn.Module):
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(
             self.implementation, dtype, qk_dim,
-            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1],
+                          layers.attended_length(self, self.decode, key.shape[1])))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
-            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
+            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
         q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
         k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
         v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
@@ -370,12 +378,18 @@ class GoatAttention(nn.Module):
             kv_lengths = None
             if cache is not None:
                 k_packed, v, causal_offset, kv_lengths, is_causal = layers.append_to_cache(cache, k_packed, v)
+            sow = layers.wants_attention_maps(self, impl)  # only reached while decoding
             out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
                                  is_causal=is_causal, causal_offset=causal_offset,
-                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
+                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
+                                 return_probs=sow)
+            if sow:
+                out, probs = out
+                layers.sow_attention_probs(self, probs)
             if cache is not None:
                 out = layers.poison_overflow(cache, t, out)
-        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
+        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,
+                                  self.kernel_init_std)
 
 
 def _refuse_flat_prior_fields(init):

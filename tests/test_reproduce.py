@@ -58,7 +58,12 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
 def test_paper_dry_run_prints_commands_for_every_run(capsys):
     assert reproduce.main(["--suite", "paper", "--dry_run", "--workdir", "/cluster/runs",
                            "--out", "/cluster/report"]) == 0
-    cmds = capsys.readouterr().out.strip().splitlines()
+    lines = capsys.readouterr().out.strip().splitlines()
+    cmds = [c for c in lines if not c.startswith("#")]
+    # First the size / budget / official-recipe table (experiments/paper_table.py), as comments.
+    rows = [c for c in lines if c.startswith("# | ") and "/" in c.split("|")[1]]
+    assert len(rows) == 4 * len(reproduce.ENCODINGS) + 1  # + the toy
+    assert all(c.endswith("| none |") for c in rows if "c4_125m" in c or "retrieval_tiny" in c)
     trains = [c for c in cmds if " experiments.train " in c]
     # 2 LMs (C4 125M, FineWeb 1.23B) + 2 retrieval tasks, each for the 6 encodings; ViT-S/16 and
     # the hg38 genome GPT for their families' encodings.
@@ -69,13 +74,14 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
         assert f"--config configs/lm_c4_125m.py:{enc} --workdir /cluster/runs/c4_125m/{enc}" in cmds[
             [i for i, c in enumerate(cmds) if f"lm_c4_125m.py:{enc} " in c][0]]
         assert any(f"configs/lm_fineweb_1b.py:{enc} " in c for c in trains)
-        assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper " in c for c in trains)
+        assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper,official " in c for c in trains)
     evals = [c for c in cmds if " experiments.evaluate " in c]
     assert len(evals) == 7  # c4, fineweb, passkey, niah, ViT, DNA on 2 genomes: encodings side by side
     assert all(c.count("--workdir") == len(reproduce.ENCODINGS) for c in evals[:4])
+    assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
+               in c for c in evals)
     assert "--evals resolution --resolutions 224,336,448,672" in evals[4]
     assert evals[5].count("--workdir") == len(reproduce.DNA_ENCODINGS) and "--fasta " in evals[5]
-    assert any("--evals extrapolation,passkey,sinks --multipliers 1,2,4,8,16" in c for c in evals)
     assert cmds[-1].startswith("python -m experiments.toy_prior")
 
 
@@ -109,8 +115,10 @@ def test_paper_commands_parse_as_shell():
 def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    # LM, passkey, NIAH per encoding + toy; a ViT per 2D encoding; a genome LM per DNA encoding.
-    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1 + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS)
+    # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
+    # toy; a ViT per 2D encoding; a genome LM per DNA encoding.
+    assert len(lines) == 5 * len(reproduce.ENCODINGS) + 1 + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS)
+    assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     for enc in reproduce.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
         assert f"vit/vit/{enc} (configs/vit_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/vit/{enc}" in lines[
             [i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]

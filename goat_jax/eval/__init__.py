@@ -1,7 +1,9 @@
 """Evaluations of the language experiments.
 
 * :mod:`goat_jax.eval.extrapolation` -- perplexity at 1x..16x the training length
-  (non-overlapping or sliding windows).
+  (non-overlapping or sliding windows, BOS windows for ``data.bos_windows`` runs).
+* :mod:`goat_jax.eval.chunked` -- the same windows through the KV cache in query chunks
+  (memory bounded by chunk x length; the official C4 protocol).
 * :mod:`goat_jax.eval.retrieval` -- passkey (synthetic teacher-forced and standard greedy) and
   the NIAH (length x depth) grid.
 * :mod:`goat_jax.eval.sinks` -- attention mass on position 0 and first-key norms for any LM;

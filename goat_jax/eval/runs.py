@@ -16,6 +16,9 @@ Evaluations (protocols in README.md, section "Experiments"; the metrics live in
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
   sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
                  held-out data at the training length.
+  diagnostics    the official C4 run's: last-layer attention mass on token 0, max attention
+                 and mass on the last 128 keys at every length (KV cache, query chunks), and
+                 GOAT's per-layer u(j) curves.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import ml_collections
 import numpy as np
 
 from goat_jax.data import synthetic, text
-from goat_jax.eval import extrapolation, retrieval, sinks
+from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
 from goat_jax.train import run as run_lib
 
 
@@ -40,7 +43,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks", "dna")
+EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna")
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -104,11 +107,27 @@ def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]
     return out
 
 
+class HeldoutStream(NamedTuple):
+    """A run's held-out token stream and the BOS id its windows start with (None unless the
+    run trained with ``data.bos_windows``)."""
+
+    tokens: np.ndarray
+    bos_id: Optional[int]
+
+
 def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None,
                    text_file: Optional[str] = None) -> np.ndarray:
     """The held-out token stream of a text run (its data config's eval split, whole), or of
     ``text_file`` (any UTF-8 text, one document, read and tokenized by the run's own pipeline
-    and tokenizer; the tokenizer is never trained on it)."""
+    and tokenizer; the tokenizer is never trained on it). See :func:`heldout_stream`."""
+    return heldout_stream(run, max_tokens, text_file).tokens
+
+
+def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
+                   text_file: Optional[str] = None) -> HeldoutStream:
+    """:func:`heldout_tokens` with the BOS id of a ``data.bos_windows`` run: its evaluation
+    windows start with BOS at every length, as its training windows did (docs/protocols.md,
+    Length extrapolation), and the stream holds no packer-inserted BOS."""
     data = ml_collections.ConfigDict(run.config.data.to_dict())
     data.num_eval_batches = 0  # <= 0: the whole eval split
     data.read_threads = 1
@@ -124,10 +143,25 @@ def heldout_tokens(run: LMRun, max_tokens: Optional[int] = None,
                              "exist (it is never trained on the evaluated text).")
         data.source, data.doc_split = "text_files", "files"
         data.paths = data.eval_paths = (text_file,)
-    _, make_eval, _ = text.make_lm_datasets(data, seq_len=run.train_len, global_batch_size=8,
-                                            seed=int(run.config.seed), process_index=0, process_count=1)
-    tokens = extrapolation.tokens_from_batches(make_eval())
-    return tokens[:max_tokens] if max_tokens else tokens
+    _, make_eval, tokenizer = text.make_lm_datasets(
+        data, seq_len=run.train_len, global_batch_size=8, seed=int(run.config.seed),
+        process_index=0, process_count=1)
+    bos = bool(data.get("bos_windows", False))
+    tokens = extrapolation.tokens_from_batches(_until(make_eval(), max_tokens), bos_windows=bos)
+    return HeldoutStream(tokens[:max_tokens] if max_tokens else tokens,
+                         int(tokenizer.bos_id) if bos else None)
+
+
+def _until(batches, max_tokens: Optional[int]):
+    """The eval batches up to the first that brings the real targets to ``max_tokens`` (a
+    window's stream tokens are its real targets, plus its first input without BOS windows), so
+    a few windows of a large split (C4's) do not tokenize all of it."""
+    seen = 0
+    for batch in batches:
+        yield batch
+        seen += int(np.asarray(batch["weights"]).astype(bool).sum())
+        if max_tokens and seen >= max_tokens:
+            return
 
 
 def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: int = 8):
@@ -146,26 +180,36 @@ def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: i
 def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
                        stride: Optional[int] = None, max_tokens: Optional[int] = None,
                        num_examples: int = 64, text_file: Optional[str] = None,
-                       ) -> dict[int, dict[str, float]]:
+                       chunk_size: Optional[int] = None) -> dict[int, dict[str, float]]:
     """``{length: {'ppl', 'nll', 'tokens'}}`` at ``m * train_len``.
 
-    Text runs: the held-out stream (or ``text_file``'s, see :func:`heldout_tokens`) in
-    non-overlapping windows (``stride``: sliding), the same tokens for every model. Synthetic
+    Text runs: the held-out stream (or ``text_file``'s, see :func:`heldout_stream`) in
+    non-overlapping windows (``stride``: sliding), the same tokens for every model; windows
+    start with BOS at every length when the run trained with ``data.bos_windows``. Synthetic
     runs: ``num_examples`` fresh windows of the run's task at each length (their perplexity is
-    what the task's scored targets cost).
+    what the task's scored targets cost). ``chunk_size``: evaluate every window through the KV
+    cache in chunks of that many queries (:mod:`goat_jax.eval.chunked`; same numbers, memory
+    bounded by chunk x length instead of length^2).
     """
     apply_fn = extrapolation.model_apply_fn(run.model)
+    nll_fn = None
+    if chunk_size is not None:
+        nll_fn = chunked.make_chunked_nll_fn(run.model, chunk_size)
     if run.is_synthetic and text_file is None:
         out = {}
         for m in multipliers:
             length = int(m * run.train_len)
             r = extrapolation.perplexity_on_batches(apply_fn, run.params,
-                                                    _synthetic_batches(run, length, num_examples))
+                                                    _synthetic_batches(run, length, num_examples),
+                                                    nll_fn=nll_fn)
             out[length] = {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens}
+            log(f"    {run.label} length {length}: ppl {r.ppl:.4g} over {r.num_tokens} tokens")
         return out
-    tokens = heldout_tokens(run, max_tokens, text_file=text_file)
-    res = extrapolation.perplexity_by_length(apply_fn, run.params, tokens, run.train_len,
-                                             multipliers, stride=stride, tokens_per_batch=8192)
+    stream = heldout_stream(run, max_tokens, text_file=text_file)
+    res = extrapolation.perplexity_by_length(
+        apply_fn, run.params, stream.tokens, run.train_len, multipliers, stride=stride,
+        tokens_per_batch=8192, nll_fn=nll_fn, bos_id=stream.bos_id,
+        progress=lambda msg: log(f"    {run.label} {msg}"))
     return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
 
 
@@ -217,19 +261,63 @@ def eval_niah(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
     return {k: np.asarray(v).tolist() for k, v in grid.items()}
 
 
+def _eval_windows(run: LMRun, length: int, num: int,
+                  stream: Optional[HeldoutStream] = None) -> np.ndarray:
+    """Up to ``num`` held-out input windows [n, length] (BOS windows for a ``bos_windows``
+    run; ``stream`` read once by the caller, or here), or a synthetic run's fresh task inputs."""
+    if run.is_synthetic:
+        tokens = np.concatenate([b["inputs"] for b in _synthetic_batches(run, length, num)])
+        return tokens[:num]
+    stream = stream or heldout_stream(run, max_tokens=num * (length + 1) * 4)
+    starts = extrapolation.window_starts(len(stream.tokens), length,
+                                        bos=stream.bos_id is not None)[:num]
+    return extrapolation.window_batch(stream.tokens, starts, length, stream.bos_id)[0]
+
+
+def eval_diagnostics(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
+                     num_windows: int = 4, chunk_size: Optional[int] = None,
+                     recent: int = diagnostics.DEFAULT_RECENT) -> dict[str, Any]:
+    """The official C4 run's diagnostics (:mod:`goat_jax.eval.diagnostics`) at each
+    ``m * train_len``: the last layer's attention mass on token 0, max attention weight and
+    mass on the last ``recent`` keys, per head and mean, on ``num_windows`` held-out windows
+    run through the KV cache in chunks of ``chunk_size`` queries (default 512); for GOAT, the
+    per-layer ``u(j)`` curves up to the longest length (stored at <= 256 positions each).
+    Lengths without a full held-out window are left out (logged)."""
+    chunk_size = diagnostics.DEFAULT_CHUNK if chunk_size is None else chunked.check_chunk_size(chunk_size)
+    lengths = [int(m * run.train_len) for m in multipliers]
+    stream = None if run.is_synthetic else heldout_stream(
+        run, max_tokens=num_windows * (max(lengths) + 1) + 1)
+    out: dict[str, Any] = {"recent_keys": recent, "chunk_size": chunk_size, "by_length": {}}
+    for length in lengths:
+        tokens = _eval_windows(run, length, num_windows, stream)
+        if not len(tokens):
+            log(f"    {run.label} diagnostics: length {length} skipped (no full held-out window)")
+            continue
+        st = diagnostics.last_layer_attention_stats(run.model, run.params, tokens,
+                                                    chunk_size=chunk_size, recent=recent)
+        row = {k: st[k].tolist() for k in ("first_mass", "max_weight", "recent_mass")}  # [N]
+        row.update({f"{k}_mean": float(np.mean(st[k])) for k in ("first_mass", "max_weight", "recent_mass")})
+        row["windows"] = int(len(tokens))
+        out["by_length"][length] = row
+        log(f"    {run.label} diagnostics at {length}: mass on token 0 {row['first_mass_mean']:.3f}, "
+            f"max attention {row['max_weight_mean']:.3f}, last {recent} keys {row['recent_mass_mean']:.3f}")
+    if run.model.config.position_encoding == "goat" and run.model.config.enable_key_bias:
+        longest = max(lengths)
+        pos = diagnostics.curve_positions(longest)
+        u = diagnostics.sink_curves(run.model, run.params, longest)[:, :, pos]  # [Y, N, P]
+        mlp = diagnostics.sink_curves(run.model, run.params, longest, recency=False)[:, :, pos]
+        out["u_curves"] = {"positions": pos.tolist(), "u": u.tolist()}
+        out["u_curves_without_recency"] = {"positions": pos.tolist(), "u": mlp.tolist()}
+    return out
+
+
 def eval_sinks(run: LMRun, *, length: Optional[int] = None, num_examples: int = 8) -> dict[str, Any]:
     """Per layer: attention mass on position 0 (mean over heads and queries >= 1), first key
     norm / mean other key norm; for GOAT also the prior's own sink margin (nats over the row
     median, :func:`goat_jax.eval.sinks.sink_margin`). On held-out inputs at ``length``
     (default: the training length)."""
     length = int(length or run.train_len)
-    if run.is_synthetic:
-        tokens = np.concatenate([b["inputs"] for b in _synthetic_batches(run, length, num_examples)])
-    else:
-        stream = heldout_tokens(run, max_tokens=num_examples * (length + 1) * 4)
-        starts = extrapolation.window_starts(len(stream), length)[:num_examples]
-        tokens = stream[starts[:, None] + np.arange(length)]
-    tokens = tokens[:num_examples]
+    tokens = _eval_windows(run, length, num_examples)
     stats = sinks.sink_statistics(run.model, run.params, tokens)
     out = {"length": length,
            "first_mass": stats["first_mass"].mean(axis=-1).tolist(),  # [Y]
@@ -302,6 +390,8 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
                       ", ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
                       ", ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
         md.append("")
+    md += _diagnostics_markdown({k: r["diagnostics"] for k, r in results.items() if "diagnostics" in r},
+                                out, train_len)
     md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -320,6 +410,37 @@ def eval_dna(run: LMRun, fasta: Sequence[str], multipliers: Sequence[int] = DEFA
     return dna_eval.evaluate_fasta(run.model, run.params, fasta, run.train_len,
                                    multipliers=multipliers, lengths=lengths, max_bases=max_bases,
                                    gc_num_windows=gc_windows, seed=int(run.config.seed))
+
+
+def _diagnostics_markdown(diag: dict[str, dict[str, Any]], out: str,
+                          train_len: Optional[int]) -> list[str]:
+    """The last-layer diagnostics tables (mean over heads, and the range over heads) and one
+    ``u_curves_<label>.png`` per GOAT run."""
+    if not diag:
+        return []
+    recent = next(iter(diag.values()))["recent_keys"]
+    md = ["## Last-layer attention diagnostics (mean over heads; [min, max] over heads)", ""]
+    for key, title in (("first_mass", "mass on token 0"), ("max_weight", "max attention weight"),
+                       ("recent_mass", f"mass on the last {recent} keys")):
+        md += [f"### {title}", "", table({k: {int(n): r[f"{key}_mean"] for n, r in d["by_length"].items()}
+                                          for k, d in diag.items()}), ""]
+        spread = {k: {int(n): f"[{min(r[key]):.3f}, {max(r[key]):.3f}]" for n, r in d["by_length"].items()}
+                  for k, d in diag.items()}
+        keys = sorted({n for r in spread.values() for n in r})
+        md += ["| model (heads) | " + " | ".join(str(n) for n in keys) + " |", "|---|" + "---|" * len(keys)]
+        md += [f"| {k} | " + " | ".join(r.get(n, "-") for n in keys) + " |" for k, r in spread.items()] + [""]
+    from goat_jax.eval import diagnostics as diag_lib  # pylint: disable=g-import-not-at-top
+    for k, d in diag.items():
+        safe = "".join(c if c.isalnum() else "_" for c in k)
+        for field, stem, what in (("u_curves", "u_curves", "u(j)"),
+                                  ("u_curves_without_recency", "u_mlp_curves",
+                                   "u(j) without the recency slope (sink MLP + bump)")):
+            if field in d:
+                name = f"{stem}_{safe}.png"
+                diag_lib.plot_sink_curves(d[field], os.path.join(out, name), train_len=train_len,
+                                          title=f"{what} per layer, {k}")
+                md += [f"{what} per layer ({k}): `{name}`", ""]
+    return md
 
 
 def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
@@ -352,19 +473,25 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
 def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *,
                  stride: Optional[int] = None, num_examples: int = 32,
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
-                 text_file: Optional[str] = None) -> dict[str, Any]:
+                 text_file: Optional[str] = None, chunk_size: Optional[int] = None,
+                 diagnostics_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
-    ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split."""
+    ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
+    ``chunk_size``: extrapolation runs each window through the KV cache in query chunks (and
+    diagnostics use that chunk size instead of 512). ``diagnostics_options``: keyword
+    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``)."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
+    if chunk_size is not None:
+        chunked.check_chunk_size(chunk_size)  # before any evaluation runs
     out: dict[str, Any] = {}
     for name in evals:
         t0 = time.time()
         if name == "extrapolation":
             out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples,
-                                           text_file=text_file)
+                                           text_file=text_file, chunk_size=chunk_size)
         elif name == "passkey":
             variants = ("synthetic",) if run.is_synthetic else ("standard",)
             out[name] = eval_passkey(run, multipliers, variants=variants, num_examples=num_examples,
@@ -373,6 +500,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
         elif name == "dna":
             out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
+        elif name == "diagnostics":
+            out[name] = eval_diagnostics(run, multipliers, chunk_size=chunk_size,
+                                         **(diagnostics_options or {}))
         else:
             out[name] = eval_sinks(run)
         log(f"  {run.label} {name}: {time.time() - t0:.0f}s")
