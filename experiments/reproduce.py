@@ -417,7 +417,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     for claim, ok, numbers in checks:
         md.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
     md.append("")
-    if suite.notes:
+    if suite.notes and any(j.kind in report_lm.LM_KINDS for j in jobs):  # the notes are the language runs'
         md += ["## Notes", ""] + [f"* {n}" for n in suite.notes] + [""]
     md += report_lm.lm_sections(suite, jobs, results, out)
     md += report_vision.vision_section(jobs, results, out)
