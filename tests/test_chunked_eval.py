@@ -164,6 +164,9 @@ def test_eval_extrapolation_chunked_with_bos_windows(tmp_path):
     path.write_text("A held-out paragraph of plain text, scored by length. " * 8)
     stream = runs.heldout_stream(run, text_file=str(path))
     assert stream.bos_id == 1 and stream.bos_id not in stream.tokens  # byte tokenizer: BOS = 1
+    # max_tokens stops reading early and gives the same prefix.
+    np.testing.assert_array_equal(runs.heldout_stream(run, 50, text_file=str(path)).tokens,
+                                  stream.tokens[:50])
     got = runs.eval_extrapolation(run, (2,), text_file=str(path), chunk_size=5)
     direct = extrapolation.perplexity_by_length(extrapolation.model_apply_fn(model), params,
                                                 stream.tokens, config.seq_len, (2,),

@@ -147,9 +147,21 @@ def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
         data, seq_len=run.train_len, global_batch_size=8, seed=int(run.config.seed),
         process_index=0, process_count=1)
     bos = bool(data.get("bos_windows", False))
-    tokens = extrapolation.tokens_from_batches(make_eval(), bos_windows=bos)
+    tokens = extrapolation.tokens_from_batches(_until(make_eval(), max_tokens), bos_windows=bos)
     return HeldoutStream(tokens[:max_tokens] if max_tokens else tokens,
                          int(tokenizer.bos_id) if bos else None)
+
+
+def _until(batches, max_tokens: Optional[int]):
+    """The eval batches up to the first that brings the real targets to ``max_tokens`` (a
+    window's stream tokens are its real targets, plus its first input without BOS windows), so
+    a few windows of a large split (C4's) do not tokenize all of it."""
+    seen = 0
+    for batch in batches:
+        yield batch
+        seen += int(np.asarray(batch["weights"]).astype(bool).sum())
+        if max_tokens and seen >= max_tokens:
+            return
 
 
 def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: int = 8):
