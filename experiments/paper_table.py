@@ -82,8 +82,8 @@ def _synthetic(task: str, encoding: str) -> Recipe:
         fields["model.baseline_attention_scale"] = 1.0
     if task == "niah":
         fields["seq_len"] = 256  # trained at 256, tested 512-16384
-    return Recipe("official synthetic.py settings (docs/protocols.md, Passkey / NIAH); sizes ours",
-                  fields)
+    return Recipe("official synthetic.py settings (docs/protocols.md, Passkey / NIAH); model sizes, "
+                  "steps and the passkey length ours", fields)
 
 
 def official_recipe(kind: str, dataset: str, encoding: str) -> Optional[Recipe]:

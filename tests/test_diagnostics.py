@@ -115,9 +115,13 @@ def test_eval_diagnostics_tables_and_png(tmp_path):
         assert os.path.getsize(tmp_path / "out" / name) > 0
 
 
-@pytest.mark.parametrize("flag,value", [("--chunk_size", "0"), ("--num_windows", "0"),
-                                        ("--recent_keys", "-1")])
-def test_evaluate_refuses_bad_diagnostics_arguments(tmp_path, flag, value):
+@pytest.mark.parametrize("evals,flag,value,match", [
+    ("extrapolation,diagnostics", "--chunk_size", "0", "--chunk_size must be >= 1"),
+    ("extrapolation,diagnostics", "--num_windows", "0", "--num_windows must be >= 1"),
+    ("diagnostics", "--recent_keys", "-1", "--recent_keys must be >= 1"),
+    ("passkey", "--chunk_size", "512", "--chunk_size applies to --evals extrapolation and diagnostics"),
+    ("extrapolation", "--recent_keys", "64", "--recent_keys applies to --evals diagnostics only")])
+def test_evaluate_refuses_bad_or_unused_arguments(tmp_path, evals, flag, value, match):
     from experiments import evaluate
-    with pytest.raises(ValueError, match=f"{flag} must be >= 1"):
-        evaluate.main(["--workdir", str(tmp_path), "--evals", "extrapolation,diagnostics", flag, value])
+    with pytest.raises(ValueError, match=match):
+        evaluate.main(["--workdir", str(tmp_path), "--evals", evals, flag, value])

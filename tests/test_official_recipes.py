@@ -36,7 +36,7 @@ def test_attention_init_std_draws_normal_projections(encoding):
     """``attention_init_std=0.02``: every q/k/v/out kernel (GOAT's included) is N(0, 0.02);
     all other parameters are bit-identical to the default init at the same seed, and the
     default projections are Xavier-uniform over each [fan_in, fan_out] matrix."""
-    base = lm_lib.LMConfig(num_layers=2, embed_dim=256, num_heads=4, mlp_dim=64, vocab_size=64,
+    base = lm_lib.LMConfig(num_layers=1, embed_dim=256, num_heads=4, mlp_dim=64, vocab_size=64,
                            block="gpt2", use_bias=True, position_encoding=encoding)
     default = _flat_params(base)
     normal = _flat_params(lm_lib.LMConfig(**{**base.__dict__, "attention_init_std": 0.02}))
