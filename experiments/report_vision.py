@@ -177,8 +177,8 @@ def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
         md += [f"### GOAT's learned 2D prior (block 0, head mean, centre patch's query over a "
                f"{grid[0]} x {grid[1]} key grid; trained on {r1 // int(_patch(jobs))} x "
                f"{r1 // int(_patch(jobs))})", "", "![GOAT prior](vit_prior_goat.png)", "",
-               f"The prior starts uniform (0 everywhere); its learned range on this grid is {spread:.3f} nats "
-               "(how far it moved from uniform).", "",
+               f"Trained from `prior_init='uniform'`; its range on this grid (max - min of the head-mean "
+               f"log-prior: how strongly it prefers some keys over others) is {spread:.3f} nats.", "",
                "Shift-invariance error per block (largest change of the head-mean log-prior when query "
                "and key move by the same patches, relative to its range over the grid; 0 = exactly "
                "shift-invariant): on a 16 x 16 grid, shift (3, 5): "
