@@ -147,12 +147,12 @@ def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
           f"resolution (resize the shorter side to r * 256/224, centre crop r); trained at {r1} px "
           f"only. Images/s: median training throughput from the run's metrics.jsonl (a shared "
           f"CPU: read side by side with care).", "",
-          f"| encoding | step | {head} | 1x -> 2x (points) | train images/s |",
+          f"| encoding | step | {head} | top-1 lost 1x -> 2x (points) | train images/s |",
           "|---|---:|" + "---:|" * len(rs) + "---:|---:|"]
     for label, e in runs.items():
         cells = [f"{100 * t:.2f}" if (t := _top1(e, r)) is not None else "-" for r in rs]
         t2 = _top1(e, 2 * r1)
-        drop = f"{100 * (_top1(e, r1) - t2):+.2f}" if t2 is not None else "-"
+        drop = f"{100 * (_top1(e, r1) - t2):.2f}" if t2 is not None else "-"
         ips = e.get("images_per_sec")
         md.append(f"| {label} | {e['step']} | " + " | ".join(cells) + f" | {drop} | "
                   f"{'-' if ips is None else f'{ips:,.0f}'} |")
