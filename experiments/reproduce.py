@@ -151,7 +151,13 @@ SUITES = {
             "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
             "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
             "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
-        )),
+            "goat+linear_sink is GOAT with the sink MLP continued linearly past the training "
+            "length (model.sink_extrapolation='linear', docs/extrapolation.md). Up to 64 keys it "
+            "is the official prior, so it trains as goat (the same function; float32 rounding of "
+            "a differently compiled program makes the runs drift apart slightly) and differs "
+            "only past 1x.",
+        ),
+        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),)),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),

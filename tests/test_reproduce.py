@@ -86,7 +86,9 @@ def test_paper_commands_parse_as_shell():
 def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1  # LM, passkey, NIAH per encoding + toy
+    s = reproduce.SUITES["tiny"]
+    extra = len(s.lm_variants) + len(s.retrieval_variants) * len(s.tasks) * len(reproduce.ENCODINGS)
+    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1 + extra  # LM, passkey, NIAH per encoding + toy + variants
 
 
 def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
