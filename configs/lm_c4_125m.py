@@ -12,10 +12,12 @@ N(0, 1e-3), GPT-2 BPE with every 2048-token window starting with BOS, AdamW peak
 3e-5 / 2000 warmup / cosine, 128 x 2048 tokens per step for 4B tokens, weight decay 0.1 with the
 official grouping, seed 1337 (+33 for GOAT), evaluation every 2000 steps on 50 batches. Where
 this config differs from the script, the field's comment says so ("ours:"); the known
-differences are: the attention projections start Xavier-uniform (goat_jax's layers have no
-N(0, 0.02) option yet), C4 is read from TFDS with a full per-epoch shuffle (the script streams
+differences are: C4 is read from TFDS with a full per-epoch shuffle (the script streams
 ``allenai/c4`` with a 10k shuffle buffer), and our warmup reaches the peak one update earlier
-(lr(k) = peak (k + 1) / 2000 for the 0-based update k).
+(lr(k) = peak (k + 1) / 2000 for the 0-based update k). The attention projections (GOAT's
+included) are drawn N(0, 0.02) like every other Linear (``model.attention_init_std``); the
+script's re-draw of the sink MLP at N(0, 1e-3) is what our seeded prior init draws at
+``init_scale_prior`` 1e-3 (both kernels N(0, 1e-3), biases 0).
 
 'llama' is ours (no official script): RMSNorm + SwiGLU 2560, no biases, R = M = 8, a 32k
 SentencePiece vocabulary trained on C4, GPT-3-small optimization (6e-4, 0.5M tokens per step).
@@ -27,8 +29,9 @@ TFDS (``c4/en``) prepared as array_record in ``data.tfds_data_dir``
 
 Parameters, official (all counted, tied embedding once, GOAT prior included): 12 x (4 x 768^2 +
 4 x 768 attention biases + 2 x 768 x 3072 + 3072 + 768 MLP + 4 x 768 LayerNorms) + 50257 x 768
-+ 2 x 768 ~= 124.4M. Llama variant: 12 x (4 x 768^2 + 3 x 768 x 2560 + 2 x 768) + 32000 x 768
-+ 768 ~= 123.7M (mlp_dim 2560 rather than 8/3 x 768 brings it to the "125M" class).
++ 2 x 768 = 123.65M (GPT-2 small without its 1024 x 768 position table). Llama variant:
+12 x (4 x 768^2 + 3 x 768 x 2560 + 2 x 768) + 32000 x 768 + 768 ~= 123.7M (mlp_dim 2560 rather
+than 8/3 x 768 brings it to the "125M" class).
 """
 
 import ml_collections
@@ -120,6 +123,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
         c.model.vocab_size = 50_257  # GPT-2 BPE, <|endoftext|> = 50256
         c.model.mlp_dim = 3072  # 4 x 768
         c.model.use_bias = True  # biases in every Linear
+        c.model.attention_init_std = 0.02  # q/k/v/out kernels N(0, 0.02), as every Linear
         c.model.norm_eps = 1e-5  # LayerNorm epsilon
         c.model.pos_rank = 4  # GOAT relative rank R (official C4)
         c.model.abs_rank = 4  # GOAT absolute rank M (official C4)
@@ -143,6 +147,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
         c.model.vocab_size = 32_000  # = data.spm_vocab_size
         c.model.mlp_dim = 2560  # SwiGLU hidden (see the module docstring)
         c.model.use_bias = False  # Llama: no biases
+        c.model.attention_init_std = None  # ours: Xavier-uniform projections (the module's own)
         c.model.norm_eps = 1e-6  # RMSNorm epsilon
         c.model.pos_rank = 8  # GOAT relative rank R (the official module's default)
         c.model.abs_rank = 8  # GOAT absolute rank M (the official module's default)

@@ -53,6 +53,25 @@ from goat_jax.eval import runs
 from goat_jax.eval.runs import EVALS
 
 
+def _check_chunk_and_diagnostics_flags(args, evals: Sequence[str]) -> dict[str, int]:
+    """Refuses a bad or unused ``--chunk_size`` / ``--num_windows`` / ``--recent_keys`` (a flag
+    that no requested evaluation reads would be silently ignored); returns the diagnostics'
+    keyword arguments."""
+    for flag, value in (("--chunk_size", args.chunk_size), ("--num_windows", args.num_windows),
+                        ("--recent_keys", args.recent_keys)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}"
+                             + (" (queries per chunk, e.g. 512)." if flag == "--chunk_size" else "."))
+    if args.chunk_size is not None and not {"extrapolation", "diagnostics"} & set(evals):
+        raise ValueError(f"--chunk_size applies to --evals extrapolation and diagnostics; got "
+                         f"--evals {','.join(evals)}. Drop --chunk_size or add one of them.")
+    for flag, value in (("--num_windows", args.num_windows), ("--recent_keys", args.recent_keys)):
+        if value is not None and "diagnostics" not in evals:
+            raise ValueError(f"{flag} applies to --evals diagnostics only; got --evals "
+                             f"{','.join(evals)}. Drop {flag} or add diagnostics.")
+    return {"num_windows": args.num_windows or 4, "recent": args.recent_keys or 128}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """CLI entry point (argparse); returns ``{label: {eval: result}}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -66,10 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--chunk_size", type=int, default=None, help="extrapolation: evaluate each "
                    "window through the KV cache in chunks of this many queries (e.g. 512, as the "
                    "official C4 evaluation); default: whole windows")
-    p.add_argument("--num_windows", type=int, default=4, help="diagnostics: held-out windows "
-                   "per length")
-    p.add_argument("--recent_keys", type=int, default=128, help="diagnostics: the mass on the "
-                   "last N keys (official 128)")
+    p.add_argument("--num_windows", type=int, default=None, help="diagnostics: held-out windows "
+                   "per length (default 4)")
+    p.add_argument("--recent_keys", type=int, default=None, help="diagnostics: the mass on the "
+                   "last N keys (default 128, the official)")
     p.add_argument("--text", default=None, help="extrapolation: a UTF-8 text file to score "
                    "instead of the held-out split (each run's own tokenizer)")
     p.add_argument("--fasta", action="append", default=[], help="dna: FASTA file (repeatable)")
@@ -82,6 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
+    diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -94,11 +114,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
-    if args.chunk_size is not None and args.chunk_size < 1:
-        raise ValueError(f"--chunk_size must be >= 1 (queries per chunk, e.g. 512), got {args.chunk_size}.")
-    for flag, value in (("--num_windows", args.num_windows), ("--recent_keys", args.recent_keys)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}.")
     mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     results, train_lens = {}, {}
@@ -111,8 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                            num_examples=args.num_examples, num_trials=args.num_trials,
                                            dna_options=dna_options, text_file=args.text,
                                            chunk_size=args.chunk_size,
-                                           diagnostics_options={"num_windows": args.num_windows,
-                                                                "recent": args.recent_keys})
+                                           diagnostics_options=diagnostics_options)
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))

@@ -157,12 +157,15 @@ SUITES = {
             "a differently compiled program makes the runs drift apart slightly) and differs "
             "only past 1x.",
         ),
-        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),)),
+        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
+        # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
+        # baselines at attention scale 1) next to ours, every task and encoding.
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
                           ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
-        retrieval="configs/retrieval_tiny.py:{task},{enc},paper", toy="configs/toy_copy_mixture.py",
+        retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
         num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32),
 }
 
@@ -331,7 +334,10 @@ def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) 
         flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in job.overrides.items())
         cmds.append(f"{py} experiments.train --config {job.spec} --workdir {job.workdir} {flags}".strip())
         groups.setdefault((job.kind, job.dataset), []).append(job)
-    evals = {"lm": "extrapolation,passkey,sinks", "passkey": "passkey", "niah": "niah"}
+    # Language runs: the official C4 evaluation (docs/protocols.md): 512-query chunks through the
+    # KV cache and the last-layer diagnostics with u(j) curves.
+    evals = {"lm": "extrapolation,passkey,sinks,diagnostics --chunk_size 512", "passkey": "passkey",
+             "niah": "niah"}
     mults = ",".join(str(m) for m in suite.multipliers)
     for (kind, dataset), jobs in groups.items():
         labelled = any(j.variant for j in jobs)  # variant rows share an encoding: name every run
@@ -438,6 +444,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
             for j in plan(suite, root, encodings)]
         if args.dry_run:
+            if suite.name == "paper":  # sizes, budgets and departures from the official recipes
+                from experiments import paper_table  # pylint: disable=g-import-not-at-top
+                print(paper_table.render(paper_table.rows(plan(suite, root, encodings), load_config)))
             print("\n".join(cmds))
             return 0
         for cmd in cmds:

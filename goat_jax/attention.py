@@ -231,6 +231,11 @@ class GoatAttention(nn.Module):
     * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
       (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
 
+    * ``kernel_init_std``: None draws the q/k/v/out projection kernels Xavier-uniform (the
+      official module's own init); a float draws them ``N(0, kernel_init_std)``, as the official
+      GPT-2-style C4 script re-initializes every Linear (0.02; docs/protocols.md, C4 125M).
+      Biases start at zero either way; the prior's own parameters follow ``prior``.
+
     Attention dropout is not offered: flash kernels have none.
 
     With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
@@ -251,6 +256,7 @@ class GoatAttention(nn.Module):
     implementation: Optional[str] = None
     sink_channels: Optional[int] = None
     decode: bool = False
+    kernel_init_std: Optional[float] = None
 
     def _positions(self, length, offset, explicit, spatial_shape, has_cls, use_2d, name):
         if use_2d:
@@ -303,10 +309,11 @@ class GoatAttention(nn.Module):
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(
             self.implementation, dtype, qk_dim,
-            logits_shape=(query.shape[0], self.num_heads, query.shape[1], key.shape[1]))
+            logits_shape=(query.shape[0], self.num_heads, query.shape[1],
+                          layers.attended_length(self, self.decode, key.shape[1])))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
-            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
+            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
         q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
         k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
         v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
@@ -381,7 +388,8 @@ class GoatAttention(nn.Module):
                 layers.sow_attention_probs(self, probs)
             if cache is not None:
                 out = layers.poison_overflow(cache, t, out)
-        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
+        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,
+                                  self.kernel_init_std)
 
 
 def _refuse_flat_prior_fields(init):

@@ -68,6 +68,17 @@ def check_qkv(query: Array, key: Array, value: Array) -> None:
                          f"{key.shape}, {value.shape}.")
 
 
+def projection_init(fan_in_dims: int, init_std: Optional[float] = None):
+    """A projection kernel's initializer: Xavier-uniform over the ``[fan_in, fan_out]`` matrix
+    (``init_std=None``, the official module's own init) or ``N(0, init_std)`` elementwise (the
+    GPT-2 recipes, e.g. the official C4 script's 0.02 on every Linear; docs/protocols.md)."""
+    if init_std is None:
+        return _xavier_over_matrix(fan_in_dims)
+    if not init_std > 0:
+        raise ValueError(f"init_std must be > 0 (or None for Xavier-uniform), got {init_std}.")
+    return nn.initializers.normal(init_std)
+
+
 def _xavier_over_matrix(fan_in_dims: int):
     """Xavier-uniform over the [prod(shape[:fan_in_dims]), prod(rest)] matrix, reshaped to the
     full kernel shape. Initializing at the full shape (rather than DenseGeneral's flattened 2D
@@ -80,7 +91,8 @@ def _xavier_over_matrix(fan_in_dims: int):
 
 
 class _Projection(nn.Module):
-    """``y = einsum(spec, x, kernel) + bias`` with a full-rank logically named kernel."""
+    """``y = einsum(spec, x, kernel) + bias`` with a full-rank logically named kernel
+    (initialized by :func:`projection_init`; biases start at zero)."""
 
     spec: str
     kernel_shape: Tuple[int, ...]
@@ -89,11 +101,13 @@ class _Projection(nn.Module):
     use_bias: bool
     dtype: Dtype
     param_dtype: Dtype
+    init_std: Optional[float] = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         kernel = self.param("kernel", with_logical_partitioning(
-            _xavier_over_matrix(self.fan_in_dims), self.kernel_axes), self.kernel_shape, self.param_dtype)
+            projection_init(self.fan_in_dims, self.init_std), self.kernel_axes), self.kernel_shape,
+            self.param_dtype)
         bias = None
         if self.use_bias:
             out_shape = self.kernel_shape[self.fan_in_dims:]
@@ -105,18 +119,21 @@ class _Projection(nn.Module):
 
 
 def project_heads(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str],
-                  use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
+                  use_bias: bool, dtype: Dtype, param_dtype: Dtype,
+                  init_std: Optional[float] = None) -> Array:
     """``[B, L, E] -> [B, L, heads, head_dim]`` (``q_proj``/``k_proj``/``v_proj``; kernel
     ``[E, heads, head_dim]``); ``axes`` are the logical names of the two output dims, e.g.
-    ``('heads', 'kv')``."""
+    ``('heads', 'kv')``. ``init_std``: see :func:`projection_init`."""
     return _Projection("ble,enh->blnh", (x.shape[-1], heads, head_dim), ("embed",) + tuple(axes), 1,
-                       use_bias, dtype, param_dtype, name=name)(x)
+                       use_bias, dtype, param_dtype, init_std, name=name)(x)
 
 
-def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype) -> Array:
-    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``; kernel ``[N, H, features]``)."""
+def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype,
+                init_std: Optional[float] = None) -> Array:
+    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``; kernel ``[N, H, features]``).
+    ``init_std``: see :func:`projection_init`."""
     return _Projection("btnh,nhe->bte", (out.shape[-2], out.shape[-1], features), ("heads", "kv", "embed"), 2,
-                       use_bias, dtype, param_dtype, name="out_proj")(out.astype(dtype))
+                       use_bias, dtype, param_dtype, init_std, name="out_proj")(out.astype(dtype))
 
 
 def wants_attention_maps(module: nn.Module, implementation: str) -> bool:
@@ -140,6 +157,15 @@ def sow_attention_probs(module: nn.Module, probs: Array) -> None:
     ``attention_probs`` [B, N, T, S] float32 is sown: the cache holds keys as the kernel sees
     them (packed, rotated), not the content keys :func:`sow_attention_maps` promises."""
     module.sow("intermediates", "attention_probs", probs)
+
+
+def attended_length(module: nn.Module, decode: bool, key_len: int) -> int:
+    """S, the number of keys the kernel attends over: the cache's length while decoding (after
+    ``init`` sized it), else ``key_len``. The automatic kernel choice reads it, so that a chunk
+    of queries against a long cache gets the memory-linear kernel, not T x S_cache logits."""
+    if decode and module.has_variable("cache", "cached_key"):
+        return module.get_variable("cache", "cached_key").shape[1]
+    return key_len
 
 
 class DecodeCache(NamedTuple):

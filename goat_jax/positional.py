@@ -133,8 +133,10 @@ def alibi_bias(num_heads: int, q_positions: Array, k_positions: Array) -> Array:
     return -slopes[:, None, None] * dist[:, None]  # [B|1, N, T, S]
 
 
-def pack_alibi_query(q: Array, group_size: int, channels: int, dtype: Dtype) -> Array:
-    """Queries for packed causal ALiBi: ``[q / sqrt(H), onehot_g x c]``.
+def pack_alibi_query(q: Array, group_size: int, channels: int, dtype: Dtype,
+                     scale: Optional[float] = None) -> Array:
+    """Queries for packed causal ALiBi: ``[q * scale, onehot_g x c]`` (``scale`` default
+    ``1 / sqrt(H)``).
 
     Query head ``n`` (group member ``g = n % G`` of KV head ``n // G``) carries ones in the
     ``c`` channels of its own slope block ``g`` and zeros in the other ``G - 1`` blocks, so each
@@ -146,8 +148,9 @@ def pack_alibi_query(q: Array, group_size: int, channels: int, dtype: Dtype) -> 
       [B, T, N, H + G c] in ``dtype`` (use with attention scale 1).
     """
     b, t, n, h = q.shape
-    # 1/sqrt(H) folded in float32 before the cast, as in attention.pack_query.
-    scaled = (q.astype(jnp.float32) / math.sqrt(h)).astype(dtype)
+    # The scale is folded in float32 before the cast, as in attention.pack_query.
+    q32 = q.astype(jnp.float32)
+    scaled = (q32 / math.sqrt(h) if scale is None else q32 * scale).astype(dtype)
     onehot = jnp.repeat(jnp.eye(group_size, dtype=dtype), channels, axis=-1)  # [G, G c]
     select = jnp.tile(onehot, (n // group_size, 1))  # [N, G c]; row n -> block n % G
     return jnp.concatenate([scaled, jnp.broadcast_to(select, (b, t, n, select.shape[-1]))], axis=-1)
@@ -293,6 +296,13 @@ class PositionalAttention(nn.Module):
     (:func:`goat_jax.layers.sow_attention_maps`); while decoding, the probabilities of the
     chunk over the cache only.
 
+    ``kernel_init_std``: None draws the projection kernels Xavier-uniform, a float
+    ``N(0, kernel_init_std)`` (as :class:`goat_jax.attention.GoatAttention`).
+    ``attention_scale``: the factor on ``q . k`` before the softmax; None is ``1 / sqrt(head_dim)``,
+    1.0 is the official synthetic script's baselines (queries multiplied by ``sqrt(head_dim)``
+    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior')
+    are added unscaled either way.
+
     Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len`` ('rope_pi', required);
     ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
     """
@@ -310,9 +320,14 @@ class PositionalAttention(nn.Module):
     param_dtype: Dtype = jnp.float32
     implementation: Optional[str] = None
     decode: bool = False
+    kernel_init_std: Optional[float] = None
+    attention_scale: Optional[float] = None
 
     def _validate(self) -> None:
         enc = self.position_encoding
+        if self.attention_scale is not None and not self.attention_scale > 0:
+            raise ValueError(f"attention_scale must be > 0 (or None for 1 / sqrt(head_dim)), got "
+                             f"{self.attention_scale}.")
         if enc not in POSITION_ENCODINGS:
             raise ValueError(
                 f"Unknown position_encoding={enc!r}; choose one of {POSITION_ENCODINGS} (absolute "
@@ -388,10 +403,11 @@ class PositionalAttention(nn.Module):
         group = n // kv_heads
         channels = default_sink_channels(dtype)
         qk_dim = head_dim + (group * channels if enc == "alibi_packed" else 0)
-        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1], key.shape[1]))
+        impl = self._implementation(dtype, qk_dim, (query.shape[0], n, query.shape[1],
+                                                    layers.attended_length(self, self.decode, key.shape[1])))
 
         proj = lambda x, name, heads, axes: layers.project_heads(
-            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype)
+            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
         q = proj(query, "q_proj", n, ("heads", "kv"))
         k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))
         v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))
@@ -417,7 +433,7 @@ class PositionalAttention(nn.Module):
 
         # --- the encoding on q/k (what the cache stores) ----------------------------------------
         content_keys = k  # before the encoding: what a key-norm "sink" statistic reads
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = 1.0 / math.sqrt(head_dim) if self.attention_scale is None else self.attention_scale
         if enc in ("rope", "rope_pi"):
             pi = max(1.0, key_len / self.training_seq_len) if enc == "rope_pi" else 1.0
             q = apply_rope(q, q_pos, self.rope_base, pi)
@@ -429,7 +445,7 @@ class PositionalAttention(nn.Module):
             q = apply_rope_2d(q, coords, self.rope_base)
             k = apply_rope_2d(k, coords, self.rope_base)
         elif enc == "alibi_packed":
-            q = pack_alibi_query(q, group, channels, dtype)  # [B, T, N, H + G c], scale folded in
+            q = pack_alibi_query(q, group, channels, dtype, self.attention_scale)  # [B, T, N, H + G c], scale folded in
             k = pack_alibi_key(k, k_pos, n, channels, dtype)  # [B, S, K, H + G c]
             scale = 1.0
 
@@ -469,4 +485,5 @@ class PositionalAttention(nn.Module):
             layers.sow_attention_probs(self, probs)
         if cache is not None:
             out = layers.poison_overflow(cache, t, out)
-        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype)
+        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,
+                                  self.kernel_init_std)

@@ -47,10 +47,14 @@ def chunked_logits(model, params, tokens, chunk_size):
         params, tokens)
 
 
-@pytest.mark.parametrize("encoding,tsl,chunks", [("goat", None, (4, 5)), ("rope", None, (5,)),
-                                                 ("alibi", 16, (5,))])
-def test_chunked_logits_equal_the_full_window(rng, encoding, tsl, chunks):
-    model, params = random_lm(rng, position_encoding=encoding, training_seq_len=tsl)
+@pytest.mark.parametrize("encoding,tsl,chunks,impl", [
+    ("goat", None, (5,), None), ("goat", 16, (4,), "flash"), ("rope", None, (5,), None),
+    ("alibi", 16, (5,), None)])
+def test_chunked_logits_equal_the_full_window(rng, encoding, tsl, chunks, impl):
+    """impl None: XLA at these sizes; 'flash': the online-softmax kernel with the traced cache
+    offset, which long windows get automatically."""
+    model, params = random_lm(rng, position_encoding=encoding, training_seq_len=tsl,
+                              implementation=impl)
     tokens = jnp.asarray(rng.integers(0, V, (2, W)), jnp.int32)
     full = np.asarray(jax.jit(model.apply)({"params": params}, tokens), np.float64)
     for c in chunks:
@@ -160,6 +164,9 @@ def test_eval_extrapolation_chunked_with_bos_windows(tmp_path):
     path.write_text("A held-out paragraph of plain text, scored by length. " * 8)
     stream = runs.heldout_stream(run, text_file=str(path))
     assert stream.bos_id == 1 and stream.bos_id not in stream.tokens  # byte tokenizer: BOS = 1
+    # max_tokens stops reading early and gives the same prefix.
+    np.testing.assert_array_equal(runs.heldout_stream(run, 50, text_file=str(path)).tokens,
+                                  stream.tokens[:50])
     got = runs.eval_extrapolation(run, (2,), text_file=str(path), chunk_size=5)
     direct = extrapolation.perplexity_by_length(extrapolation.model_apply_fn(model), params,
                                                 stream.tokens, config.seq_len, (2,),

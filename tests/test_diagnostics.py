@@ -68,13 +68,16 @@ def test_last_layer_statistics_known_patterns_and_full_maps(rng):
 def test_sink_curves_equal_the_float64_reference(rng):
     model, params = random_lm(rng, position_encoding="goat", training_seq_len=8, kv_num_heads=1)
     curves = diagnostics.sink_curves(model, params, 40)  # 5x the training length
-    assert curves.shape == (2, 2, 40)
+    no_slope = diagnostics.sink_curves(model, params, 40, recency=False)
+    assert curves.shape == no_slope.shape == (2, 2, 40)
     cfg = dict(num_heads=2, kv_num_heads=1, abs_rank=2, training_seq_len=8)
     k = np.arange(40, dtype=np.float64)
     for layer in range(2):
         p = ref.unboxed({"params": params[f"layer_{layer}"]["attention"]["prior"]})
         want = ref.sink_prior(p, cfg, k, k, np.zeros(40, bool), None, True)  # [K, S]
         np.testing.assert_allclose(curves[layer], np.repeat(want, 2, axis=0), rtol=1e-5, atol=1e-5)
+        want = ref.sink_prior(p, cfg, k, k, np.zeros(40, bool), None, False)  # no recency slope
+        np.testing.assert_allclose(no_slope[layer], np.repeat(want, 2, axis=0), rtol=1e-5, atol=1e-5)
     pos = diagnostics.curve_positions(5000, 64)
     assert pos[0] == 0 and pos[-1] == 4999 and len(pos) <= 64 and np.all(np.diff(pos) > 0)
     np.testing.assert_array_equal(diagnostics.curve_positions(10), np.arange(10))
@@ -108,12 +111,17 @@ def test_eval_diagnostics_tables_and_png(tmp_path):
     assert np.asarray(res["u_curves"]["u"]).shape == (1, config.model.num_heads, 64)
     md = runs.write_outputs({"goat": {"diagnostics": res}}, str(tmp_path / "out"), {"goat": 16})
     assert "mass on token 0" in md and "mass on the last 4 keys" in md
-    assert os.path.getsize(tmp_path / "out" / "u_curves_goat.png") > 0
+    for name in ("u_curves_goat.png", "u_mlp_curves_goat.png"):
+        assert os.path.getsize(tmp_path / "out" / name) > 0
 
 
-@pytest.mark.parametrize("flag,value", [("--chunk_size", "0"), ("--num_windows", "0"),
-                                        ("--recent_keys", "-1")])
-def test_evaluate_refuses_bad_diagnostics_arguments(tmp_path, flag, value):
+@pytest.mark.parametrize("evals,flag,value,match", [
+    ("extrapolation,diagnostics", "--chunk_size", "0", "--chunk_size must be >= 1"),
+    ("extrapolation,diagnostics", "--num_windows", "0", "--num_windows must be >= 1"),
+    ("diagnostics", "--recent_keys", "-1", "--recent_keys must be >= 1"),
+    ("passkey", "--chunk_size", "512", "--chunk_size applies to --evals extrapolation and diagnostics"),
+    ("extrapolation", "--recent_keys", "64", "--recent_keys applies to --evals diagnostics only")])
+def test_evaluate_refuses_bad_or_unused_arguments(tmp_path, evals, flag, value, match):
     from experiments import evaluate
-    with pytest.raises(ValueError, match=f"{flag} must be >= 1"):
-        evaluate.main(["--workdir", str(tmp_path), "--evals", "extrapolation,diagnostics", flag, value])
+    with pytest.raises(ValueError, match=match):
+        evaluate.main(["--workdir", str(tmp_path), "--evals", evals, flag, value])

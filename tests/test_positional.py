@@ -46,8 +46,9 @@ def np_dense(w, name, x, heads):
         w[name]["bias"], np.float64)
 
 
-def np_reference(params, xq, xkv, enc, kv_heads, causal, q_pos, k_pos, pad=None):
-    """Dense softmax attention layer in float64. q_pos [T], k_pos [S] positions."""
+def np_reference(params, xq, xkv, enc, kv_heads, causal, q_pos, k_pos, pad=None, scale=None):
+    """Dense softmax attention layer in float64. q_pos [T], k_pos [S] positions; ``scale`` on
+    q . k (default 1 / sqrt(H))."""
     w = nn.meta.unbox(params)
     xq, xkv = np.asarray(xq, np.float64), np.asarray(xkv, np.float64)
     q = np_dense(w, "q_proj", xq, N)
@@ -61,7 +62,7 @@ def np_reference(params, xq, xkv, enc, kv_heads, causal, q_pos, k_pos, pad=None)
         q, k = np_rotate(q, q_pos / f), np_rotate(k, k_pos / f)
     k = np.repeat(k, N // kv_heads, axis=2)
     v = np.repeat(v, N // kv_heads, axis=2)
-    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * (1 / np.sqrt(H) if scale is None else scale)
     if enc in ("alibi", "alibi_packed"):
         logits -= np_slopes(N)[:, None, None] * np.abs(q_pos[:, None] - k_pos[None, :])
     if enc == "naive_prior":
@@ -125,6 +126,23 @@ def test_matches_reference(enc, causal, kv_heads, rng):
     p = offset + np.arange(t, dtype=np.float64)
     ref = np_reference(params, x, x, enc, kv_heads, causal, p, p, pad)
     assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("enc", ALL)
+def test_attention_scale_matches_reference(enc, rng):
+    """``attention_scale=1`` (the official synthetic baselines: q . k unscaled) and a random
+    scale, against the float64 reference; biases stay unscaled."""
+    b, t = 2, 10
+    x = jnp.asarray(rng.normal(size=(b, t, E)), jnp.float32)
+    p = np.arange(t, dtype=np.float64)
+    for scale in (1.0, float(rng.uniform(0.05, 2.0))):
+        module = make(enc, 2, attention_scale=scale)
+        params = init(module, rng, x, is_causal=True)
+        y = module.apply({"params": params}, x, is_causal=True)
+        ref = np_reference(params, x, x, enc, 2, True, p, p, scale=scale)
+        assert rel_err(y, ref) <= 1e-5, scale
+        if scale == 1.0:  # sqrt(8) x the default: the option changes the output
+            assert rel_err(np_reference(params, x, x, enc, 2, True, p, p), ref) > 1e-3
 
 
 @pytest.mark.parametrize("enc", ("nope", "rope", "rope_pi", "alibi", "naive_prior"))
@@ -275,6 +293,9 @@ def test_learned_position_embedding(rng):
 
 
 def test_errors():
+    with pytest.raises(ValueError, match="attention_scale must be > 0"):
+        x = jnp.zeros((1, 4, E))
+        make("rope", attention_scale=0.0).init(jax.random.PRNGKey(0), x)
     x = jnp.zeros((1, 8, E))
     key = jax.random.PRNGKey(0)
     with pytest.raises(ValueError, match=r"max_len=4"):

@@ -40,7 +40,12 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
 def test_paper_dry_run_prints_commands_for_every_run(capsys):
     assert reproduce.main(["--suite", "paper", "--dry_run", "--workdir", "/cluster/runs",
                            "--out", "/cluster/report"]) == 0
-    cmds = capsys.readouterr().out.strip().splitlines()
+    lines = capsys.readouterr().out.strip().splitlines()
+    cmds = [c for c in lines if not c.startswith("#")]
+    # First the size / budget / official-recipe table (experiments/paper_table.py), as comments.
+    rows = [c for c in lines if c.startswith("# | ") and "/" in c.split("|")[1]]
+    assert len(rows) == 4 * len(reproduce.ENCODINGS) + 1  # + the toy
+    assert all(c.endswith("| none |") for c in rows if "c4_125m" in c or "retrieval_tiny" in c)
     trains = [c for c in cmds if " experiments.train " in c]
     # 2 LMs (C4 125M, FineWeb 1.23B) + 2 retrieval tasks, each for the 6 encodings.
     assert len(trains) == 4 * len(reproduce.ENCODINGS)
@@ -48,11 +53,12 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
         assert f"--config configs/lm_c4_125m.py:{enc} --workdir /cluster/runs/c4_125m/{enc}" in cmds[
             [i for i, c in enumerate(cmds) if f"lm_c4_125m.py:{enc} " in c][0]]
         assert any(f"configs/lm_fineweb_1b.py:{enc} " in c for c in trains)
-        assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper " in c for c in trains)
+        assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper,official " in c for c in trains)
     evals = [c for c in cmds if " experiments.evaluate " in c]
     assert len(evals) == 4  # c4, fineweb, passkey, niah: encodings side by side
     assert all(c.count("--workdir") == len(reproduce.ENCODINGS) for c in evals)
-    assert any("--evals extrapolation,passkey,sinks --multipliers 1,2,4,8,16" in c for c in evals)
+    assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
+               in c for c in evals)
     assert cmds[-1].startswith("python -m experiments.toy_prior")
 
 
@@ -86,9 +92,11 @@ def test_paper_commands_parse_as_shell():
 def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    s = reproduce.SUITES["tiny"]
-    extra = len(s.lm_variants) + len(s.retrieval_variants) * len(s.tasks) * len(reproduce.ENCODINGS)
-    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1 + extra  # LM, passkey, NIAH per encoding + toy + variants
+    # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the toy,
+    # and the extra LM rows
+    assert len(lines) == 5 * len(reproduce.ENCODINGS) + 1 + len(reproduce.SUITES["tiny"].lm_variants)
+    assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
+    assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
 
 
 def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):

@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # no field, test_configs.py covers them).
 VARIANTS = {
     "lm_tiny": ["", "smoke", "rope,smoke"],
-    "retrieval_tiny": ["passkey", "niah", "passkey,smoke", "niah,smoke", "passkey,paper", "niah,paper"],
+    "retrieval_tiny": ["passkey", "niah", "passkey,smoke", "niah,smoke", "passkey,paper", "niah,paper",
+                       "passkey,official", "niah,smoke,official", "passkey,paper,official"],
     "toy_copy_mixture": ["", "smoke"],
     "lm_c4_125m": ["goat"],
     "lm_fineweb_1b": ["rope"],

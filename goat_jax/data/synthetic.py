@@ -23,6 +23,12 @@ Tasks:
   niah_batch           synthetic needle-in-a-haystack: random-word haystack, "key=value" needle
                        at depth d, "key=" question at the end, value span scored.
 
+Loss weighting (training only): ``data.span_loss_weight = w`` replaces the span-only weights
+of the training batches by :func:`span_loss_weights`, so the trained loss is ``(mean CE over
+all targets + w * mean CE over the scored span) / (1 + w)`` (the official synthetic script:
+w = 10). Evaluation batches keep the span-only weights: ``eval_loss`` and the retrieval scores
+measure the span whatever the training objective.
+
 Training: :class:`SyntheticIterator` wraps any generator as an infinite iterator whose batch at
 step ``s`` is drawn from ``default_rng([seed, role, process_index, s])``, so its state is just
 ``{'step': s}`` (JSON) and ``set_state`` resumes exactly. :func:`make_synthetic_datasets`
@@ -361,6 +367,33 @@ def niah_batch(rng: np.random.Generator, batch_size: int, seq_len: int, *,
     return batch, meta
 
 
+def span_loss_weights(span: np.ndarray, span_loss_weight: float) -> np.ndarray:
+    """Per-target weights for ``(global + w * span) / (1 + w)`` (docs/protocols.md, Passkey).
+
+    With these weights the weighted mean cross-entropy of each example, and so of a batch (the
+    engine divides the weighted sum by the summed weight), is ``(mean over its T targets + w *
+    mean over its scored span) / (1 + w)``: each row is ``(1 / T + w * span / K) / (1 + w)``
+    with ``K`` its number of scored targets, and sums to 1, so examples count equally (for a
+    fixed span length, as passkey and NIAH have, this is also the batch-level mean of each term).
+
+    Args:
+      span: [B, T] the span-only weights of a batch (1 on the scored targets, 0 elsewhere).
+      span_loss_weight: ``w >= 0``.
+    Returns:
+      [B, T] float32.
+    """
+    span = np.asarray(span, np.float64)
+    if not span_loss_weight >= 0:
+        raise ValueError(f"span_loss_weight must be >= 0, got {span_loss_weight}.")
+    if span.ndim != 2 or np.any((span != 0) & (span != 1)):
+        raise ValueError(f"span must be a [batch, length] 0/1 mask, got shape {span.shape}.")
+    count = span.sum(axis=-1, keepdims=True)
+    if np.any(count == 0):
+        raise ValueError("span_loss_weights: every example needs at least one scored target.")
+    weights = (1.0 / span.shape[-1] + span_loss_weight * span / count) / (1.0 + span_loss_weight)
+    return weights.astype(np.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Resumable iterators and the engine-facing entry point
 # ----------------------------------------------------------------------------------------------
@@ -437,6 +470,7 @@ def default_synthetic_config(kind: str = "copy_mixture") -> ml_collections.Confi
     c.niah_key_len = 5  # NIAH: letters of the key
     c.niah_value_len = 6  # NIAH: digits of the value (the scored span)
     c.depth = -1.0  # needle depth in [0, 1]; < 0: uniform random per example
+    c.span_loss_weight = ml_collections.config_dict.placeholder(float)  # None: span-only loss; w: (all + w span) / (1 + w); official 10
     c.num_eval_batches = 8  # batches per make_eval_iter() call
     return c
 
@@ -454,6 +488,7 @@ FIELD_SPECS = {
     "niah_key_len": Int(min=1),
     "niah_value_len": Int(min=1),
     "depth": Float(max=1.0, doc="needle depth in [0, 1]; < 0: uniform random per example"),
+    "span_loss_weight": Float(min=0.0, optional=True, doc="None: span-only training loss"),
     "num_eval_batches": Int(min=1),
 }
 
@@ -480,7 +515,8 @@ def make_synthetic_datasets(data_config: ml_collections.ConfigDict, *, seq_len: 
 
     Returns:
       (train_iter, make_eval_iter, tokenizer): ``train_iter`` is a :class:`SyntheticIterator`
-      of this host's ``global_batch_size // process_count`` examples per batch;
+      of this host's ``global_batch_size // process_count`` examples per batch (weights from
+      :func:`span_loss_weights` when ``span_loss_weight`` is set);
       ``make_eval_iter()`` returns a fresh finite iterator of ``num_eval_batches`` batches,
       the same ones every call (a stream disjoint from training); ``tokenizer`` is the byte
       tokenizer (passkey, NIAH) or an :class:`IntegerTokenizer` (copy mixture).
@@ -489,7 +525,12 @@ def make_synthetic_datasets(data_config: ml_collections.ConfigDict, *, seq_len: 
         raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
                          f"process_count={process_count}.")
     make_batch = make_batch_fn(data_config, global_batch_size // process_count, seq_len)
-    train = SyntheticIterator(make_batch, seed, process_index=process_index)
+    train_batch, weight = make_batch, data_config.get("span_loss_weight")
+    if weight is not None:  # the training objective only; eval batches keep span weights
+        def train_batch(rng):
+            batch, meta = make_batch(rng)
+            return {**batch, "weights": span_loss_weights(batch["weights"], weight)}, meta
+    train = SyntheticIterator(train_batch, seed, process_index=process_index)
 
     def make_eval_iter() -> Iterator[Batch]:
         it = SyntheticIterator(make_batch, seed, process_index=process_index, role=_EVAL)

@@ -8,6 +8,8 @@
   the NIAH (length x depth) grid.
 * :mod:`goat_jax.eval.sinks` -- attention mass on position 0 and first-key norms for any LM;
   the learned GOAT prior (sink ``u(j)``, ``kappa``) and the checks on it.
+* :mod:`goat_jax.eval.diagnostics` -- the official C4 run's last-layer attention statistics
+  (mass on token 0, max weight, mass on the last 128 keys) at any length, and GOAT's u(j) curves.
 * :mod:`goat_jax.eval.plots` -- the figures (imported lazily: it pulls in matplotlib).
 
 Models enter as ``apply_fn(params, tokens [B, T]) -> logits [B, T, V]``

@@ -15,8 +15,9 @@
   never window x window, so the statistics exist at 16x the training length too.
 * Per-layer ``u(j)`` curves (:func:`sink_curves`): GOAT's learned key-only sink term of the
   prior, ``u_h(j) = gain_h mlp(phi(j)) + bump_h [j = 0] + softplus(slope_h) j`` (the causal
-  recency slope included, as the softmax sees it), per layer and query head, for ``j`` up to
-  the longest evaluation length; :func:`plot_sink_curves` draws one panel per layer.
+  recency slope included, as the softmax sees it; or without it, where the slope would hide
+  the MLP's shape), per layer and query head, for ``j`` up to the longest evaluation length;
+  :func:`plot_sink_curves` draws one panel per layer.
 
 Definitions in docs/protocols.md, C4 125M. Shape legend: Y layers, B windows, W window length,
 N query heads, C chunk queries, S keys (= W).
@@ -96,22 +97,24 @@ def _stats_sums(model, params, tokens, chunk_size, recent, min_query):
                                mutable=("cache", "intermediates"))
 
 
-def sink_curves(model, params: Any, length: int) -> np.ndarray:
+def sink_curves(model, params: Any, length: int, recency: bool = True) -> np.ndarray:
     """GOAT's ``u_h(j)`` for ``j = 0..length-1``, every layer and query head: [Y, N, length]
-    float32 (the causal recency slope included; module doc). Computed from the key positions
-    alone (O(length) per layer), never through a length x length prior."""
+    float32, with the causal recency slope ``softplus(slope_h) j`` (module doc) or, with
+    ``recency=False``, without it (the sink MLP and the bump: the part whose absolute-position
+    features leave their trained range beyond the training length). Computed from the key
+    positions alone (O(length) per layer), never through a length x length prior."""
     length = _check_int("length", length, 1)
     spec = sinks.prior_spec(model)
     if not spec.enable_key_bias:
         raise ValueError("sink_curves: the model's prior has enable_key_bias=False (no u(j)).")
     return np.stack([np.asarray(_sink_curve(spec, sinks.layer_params(model, params, i)["attention"]["prior"],
-                                            length), np.float32)
+                                            length, recency), np.float32)
                      for i in range(model.config.num_layers)])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _sink_curve(spec: prior_lib.PriorSpec, p, length: int):
-    u = prior_lib.sink(spec, p, prior_lib.positions_1d(length), True)  # [S, K]
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _sink_curve(spec: prior_lib.PriorSpec, p, length: int, recency: bool):
+    u = prior_lib.sink(spec, p, prior_lib.positions_1d(length), recency)  # [S, K]
     return jnp.repeat(u.T, spec.group_size, axis=0)  # [N, S]
 
 
@@ -127,8 +130,9 @@ def curve_positions(length: int, max_points: int = 256) -> np.ndarray:
 
 def plot_sink_curves(curves: dict[str, Any], path: str, *, train_len: Optional[int] = None,
                      title: str = "GOAT sink u(j) per layer") -> str:
-    """One panel per layer, one line per head: ``curves`` as :func:`eval_diagnostics` stores
-    them (``{'positions': [P], 'u': [Y][N][P]}``); a dashed line at the training length."""
+    """One panel per layer, one line per head: ``curves`` as
+    :func:`goat_jax.eval.runs.eval_diagnostics` stores them (``{'positions': [P],
+    'u': [Y][N][P]}``); a dashed line at the training length."""
     from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top  # matplotlib: on use
     from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 

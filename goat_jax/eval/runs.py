@@ -147,9 +147,21 @@ def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
         data, seq_len=run.train_len, global_batch_size=8, seed=int(run.config.seed),
         process_index=0, process_count=1)
     bos = bool(data.get("bos_windows", False))
-    tokens = extrapolation.tokens_from_batches(make_eval(), bos_windows=bos)
+    tokens = extrapolation.tokens_from_batches(_until(make_eval(), max_tokens), bos_windows=bos)
     return HeldoutStream(tokens[:max_tokens] if max_tokens else tokens,
                          int(tokenizer.bos_id) if bos else None)
+
+
+def _until(batches, max_tokens: Optional[int]):
+    """The eval batches up to the first that brings the real targets to ``max_tokens`` (a
+    window's stream tokens are its real targets, plus its first input without BOS windows), so
+    a few windows of a large split (C4's) do not tokenize all of it."""
+    seen = 0
+    for batch in batches:
+        yield batch
+        seen += int(np.asarray(batch["weights"]).astype(bool).sum())
+        if max_tokens and seen >= max_tokens:
+            return
 
 
 def _synthetic_batches(run: LMRun, length: int, num_examples: int, batch_size: int = 8):
@@ -293,7 +305,9 @@ def eval_diagnostics(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIER
         longest = max(lengths)
         pos = diagnostics.curve_positions(longest)
         u = diagnostics.sink_curves(run.model, run.params, longest)[:, :, pos]  # [Y, N, P]
+        mlp = diagnostics.sink_curves(run.model, run.params, longest, recency=False)[:, :, pos]
         out["u_curves"] = {"positions": pos.tolist(), "u": u.tolist()}
+        out["u_curves_without_recency"] = {"positions": pos.tolist(), "u": mlp.tolist()}
     return out
 
 
@@ -417,11 +431,15 @@ def _diagnostics_markdown(diag: dict[str, dict[str, Any]], out: str,
         md += [f"| {k} | " + " | ".join(r.get(n, "-") for n in keys) + " |" for k, r in spread.items()] + [""]
     from goat_jax.eval import diagnostics as diag_lib  # pylint: disable=g-import-not-at-top
     for k, d in diag.items():
-        if "u_curves" in d:
-            name = "u_curves_" + "".join(c if c.isalnum() else "_" for c in k) + ".png"
-            diag_lib.plot_sink_curves(d["u_curves"], os.path.join(out, name), train_len=train_len,
-                                      title=f"u(j) per layer, {k}")
-            md += [f"u(j) per layer ({k}): `{name}`", ""]
+        safe = "".join(c if c.isalnum() else "_" for c in k)
+        for field, stem, what in (("u_curves", "u_curves", "u(j)"),
+                                  ("u_curves_without_recency", "u_mlp_curves",
+                                   "u(j) without the recency slope (sink MLP + bump)")):
+            if field in d:
+                name = f"{stem}_{safe}.png"
+                diag_lib.plot_sink_curves(d[field], os.path.join(out, name), train_len=train_len,
+                                          title=f"{what} per layer, {k}")
+                md += [f"{what} per layer ({k}): `{name}`", ""]
     return md
 
 

@@ -7,7 +7,8 @@ genome recipes: LayerNorm instead of RMSNorm and a GELU(tanh) MLP ``wo(gelu(x wi
 (set ``use_bias=True`` and ``norm_eps=1e-5`` for GPT-2 itself). Only the attention module (and, for 'sinusoidal' / 'learned', an
 absolute embedding added to the token embeddings) changes with ``position_encoding``;
 everything else -- widths, norms, MLP, initialization -- is identical, so comparisons between
-encodings are fair.
+encodings are fair (``baseline_attention_scale``, the official synthetic script's logit scale for
+the baselines, is the one field that applies to the baselines only).
 
 Sharding: every parameter carries logical axis names (``nn.with_logical_partitioning``) and the
 residual stream, MLP hidden and logits carry ``nn.with_logical_constraint`` names; a trainer
@@ -77,6 +78,10 @@ FIELD_SPECS = {
     "scan_layers": Bool(),
     "implementation": Str(choices=IMPLEMENTATIONS, optional=True, doc="None: auto"),
     "init_std": Float(min=0.0, min_inclusive=False),
+    "attention_init_std": Float(min=0.0, min_inclusive=False, optional=True,
+                                doc="None: Xavier-uniform projections"),
+    "baseline_attention_scale": Float(min=0.0, min_inclusive=False, optional=True,
+                                      doc="None: 1 / sqrt(head_dim)"),
 }
 
 
@@ -120,6 +125,8 @@ class LMConfig:
     scan_layers: bool = False  # nn.scan over blocks: params stacked on a 'layers' axis, one compile
     implementation: Optional[str] = None  # attention kernel: None (auto) | 'xla' | 'cudnn' | 'splash' | 'dense'
     init_std: float = 0.02  # std of the normal init of embeddings and MLP kernels
+    attention_init_std: Optional[float] = None  # q/k/v/out kernels: None Xavier-uniform, else N(0, std) (C4: 0.02)
+    baseline_attention_scale: Optional[float] = None  # non-GOAT q.k factor; None: 1/sqrt(H) (official synthetic: 1)
 
     def __post_init__(self):
         if self.block not in BLOCKS:
@@ -265,14 +272,17 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                   param_dtype=cfg.weight_dtype, implementation=cfg.implementation, decode=decode,
-                  name=name)
+                  kernel_init_std=cfg.attention_init_std, name=name)
     if cfg.position_encoding == "goat":
+        # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
+        # module); baseline_attention_scale applies to the baselines only.
         return GoatAttention(prior=cfg.prior, **common)
     from goat_jax.positional import PositionalAttention  # baselines live in their own module
 
     encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
-                               max_len=cfg.max_len, training_seq_len=cfg.training_seq_len, **common)
+                               max_len=cfg.max_len, training_seq_len=cfg.training_seq_len,
+                               attention_scale=cfg.baseline_attention_scale, **common)
 
 
 class DecoderBlock(nn.Module):
