@@ -18,6 +18,7 @@ import datetime
 import platform
 import statistics
 import time
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -49,14 +50,24 @@ _TIMED_DTYPE = flags.DEFINE_string("timed_dtype", "", "Compute dtype for tokens/
 ENCODINGS = ("goat", "rope")
 
 
-def make_step(encoding: str, seq_len: int, batch: int, dtype: str):
+def _flag(holder):
+    """A flag's value, or its default when the flags were never parsed (a library caller)."""
+    return holder.value if flags.FLAGS.is_parsed() else holder.default
+
+
+def make_step(encoding: str, seq_len: int, batch: int, dtype: str, implementation: Optional[str] = None,
+              model_overrides: Optional[dict] = None):
     """(jitted train step, state, batch) of the official model at ``seq_len``: the task's loss,
-    AdamW as in the recipe, one fixed random batch."""
+    AdamW as in the recipe, one fixed random batch. ``implementation``: the attention kernel
+    (default: ``--implementation``, '' = auto); ``model_overrides``: model fields to change
+    (e.g. a smaller model for tests)."""
     config = dna_hg38.get_config(encoding)
     config.seq_len = seq_len
     config.model.training_seq_len = 1024  # trained at the official L, whatever the length here
     config.model.dtype = dtype
-    config.model.implementation = _IMPL.value or None
+    config.model.implementation = (_flag(_IMPL) if implementation is None else implementation) or None
+    for key, value in (model_overrides or {}).items():
+        config.model[key] = value
     task = tasks.get_task(config.task)
     model = task.build_model(config)
     rng = np.random.default_rng(0)
@@ -81,17 +92,24 @@ def make_step(encoding: str, seq_len: int, batch: int, dtype: str):
     return jax.jit(step, donate_argnums=0), state, data
 
 
-def memory_row(encoding: str, seq_len: int, dtype: str) -> dict:
-    """Compiled memory (MiB) of one training step; device peak bytes on GPUs."""
-    batch = max(1, _TOKENS.value // seq_len)
-    step, state, data = make_step(encoding, seq_len, batch, dtype)
+def memory_row(encoding: str, seq_len: int, dtype: str, *, tokens_per_step: Optional[int] = None,
+               timed_steps: Optional[int] = None, implementation: Optional[str] = None,
+               model_overrides: Optional[dict] = None) -> dict:
+    """Compiled memory (MiB) of one training step; device peak bytes on GPUs (after
+    ``timed_steps`` steps). Arguments left None take the command-line flags' values (parsed or
+    default), so other programs can call this without absl."""
+    tokens_per_step = tokens_per_step or _flag(_TOKENS)
+    timed_steps = _flag(_TIMED_STEPS) if timed_steps is None else timed_steps
+    implementation = _flag(_IMPL) if implementation is None else implementation
+    batch = max(1, tokens_per_step // seq_len)
+    step, state, data = make_step(encoding, seq_len, batch, dtype, implementation, model_overrides)
     mem = step.lower(state, data).compile().memory_analysis()
     row = {"encoding": encoding, "length": seq_len, "batch": batch,
            "arguments": mem.argument_size_in_bytes / 2**20, "temporaries": mem.temp_size_in_bytes / 2**20,
            "outputs": mem.output_size_in_bytes / 2**20, "peak": None}
     device = jax.devices()[0]
     if device.platform == "gpu":
-        for _ in range(_TIMED_STEPS.value):
+        for _ in range(timed_steps):
             state, loss = step(state, data)
         jax.block_until_ready(loss)
         row["peak"] = device.memory_stats().get("peak_bytes_in_use", 0) / 2**20

@@ -1,26 +1,38 @@
-"""Reproduce the paper's language experiments at one scale: one command -> REPORT.md + figures.
+"""Reproduce the paper's experiments at one scale: one command -> REPORT.md + figures.
 
-    python -m experiments.reproduce --suite tiny                   # ~1 h on 2 CPU cores
-    python -m experiments.reproduce --suite smoke --out /tmp/rep   # seconds: the harness end to end
+    python -m experiments.reproduce --suite tiny                   # ~2.5 h on 2 CPU cores
+    python -m experiments.reproduce --suite tiny --families dna    # one family: lm, vit or dna
+    python -m experiments.reproduce --suite smoke --out /tmp/rep   # minutes: the harness end to end
     python -m experiments.reproduce --suite paper --dry_run        # the cluster commands, printed
 
-For every position encoding (GOAT and the baselines RoPE, RoPE-PI, ALiBi, sinusoidal, NoPE, all
-with the same model, steps and data) the suite trains
+Three families, each comparing position encodings with everything else identical:
 
-* a byte-level LM on the Jargon File -> perplexity at 1x..16x the training length
+* ``lm`` (language; ``--encodings``: GOAT, RoPE, RoPE-PI, ALiBi, sinusoidal, NoPE), per encoding
+  a byte-level LM on the Jargon File -> perplexity at 1x..16x the training length
   (non-overlapping windows), the standard passkey prompt (greedy, KV cache), attention sinks;
-* a synthetic passkey model -> teacher-forced key accuracy at 1x..16x;
-* a synthetic NIAH model -> span token accuracy over lengths x depths (heatmaps);
+  a synthetic passkey model -> teacher-forced key accuracy at 1x..16x; a synthetic NIAH model
+  -> span token accuracy over lengths x depths (heatmaps); plus the toy copy-mixture GOAT model
+  and its prior figure (experiments/report_lm.py).
+* ``vit`` (vision; ``--vit_encodings``: goat, ape, sincos2d, rope2d, nope): a ViT on
+  Fashion-MNIST per encoding -> top-1 and loss at 1x, 1.5x, 2x, 3x the training resolution,
+  GOAT's learned 2D prior, CLS attention maps, train images/s (experiments/report_vision.py).
+* ``dna`` (genomes; ``--dna_encodings``: goat, rope, alibi, nope): a genome LM on E. coli per
+  encoding -> bits per base, perplexity, accuracy at 1x..8x the training length on held-out
+  E. coli, another strain and human DNA, GC agreement, compiled train-step memory GOAT vs RoPE,
+  train tokens/s (experiments/report_dna.py).
 
-plus the toy copy-mixture GOAT model and its prior figure, then writes ``OUT/REPORT.md`` (the
-command, date, settings, the headline checks with PASS/FAIL, all tables) and its PNGs. Runs
-live under ``--workdir`` and resume: re-running after an interruption retrains nothing that
-finished, and evaluations are cached per run (``reproduce_eval.json``).
+Then it writes ``OUT/REPORT.md`` (the command, date, settings, the headline checks of every
+family with PASS/FAIL and their numbers, all tables) and its PNGs. Runs live under
+``--workdir`` and resume: re-running after an interruption retrains nothing that finished, and
+evaluations are cached per run (``reproduce_eval.json``). A suite is a :class:`Suite` in
+:data:`SUITES`; extra LM rows (:class:`LMVariant`) and retrieval variants
+(:class:`RetrievalVariant`) are one-line entries there (README, section "Experiments").
 
 ``--suite paper`` cannot run on a CPU: it builds the same runs with the full-scale configs
-(configs/lm_c4_125m.py, configs/lm_fineweb_1b.py, configs/retrieval_tiny.py:*,paper) as shell
-commands (``experiments.train`` + ``experiments.evaluate``) and runs them one after another,
-or prints them with ``--dry_run`` for a cluster scheduler.
+(configs/lm_c4_125m.py, configs/lm_fineweb_1b.py, configs/retrieval_tiny.py:*,paper,
+configs/vit_s16_imagenet.py, configs/dna_hg38.py) as shell commands (``experiments.train`` +
+``experiments.evaluate``) and runs them one after another, or prints them with ``--dry_run``
+for a cluster scheduler.
 """
 
 from __future__ import annotations
@@ -34,12 +46,14 @@ import platform
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Optional
 
-ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")
+ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's
+VIT_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")  # the vision family's
+DNA_ENCODINGS = ("goat", "rope", "alibi", "nope")  # the genome family's
+FAMILIES = ("lm", "vit", "dna")  # --families: language (LM, retrieval, toy), vision, DNA
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -103,6 +117,28 @@ class Suite:
     #   retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)
     lm_variants: tuple[LMVariant, ...] = ()
     retrieval_variants: tuple[RetrievalVariant, ...] = ()
+    # Vision: one ViT per encoding (spec with {enc}), evaluated at these multiples of its
+    # training resolution on the first vit_eval_batches test batches (0: the whole split).
+    vit: str = ""  # '' = no vision family in this suite
+    vit_encodings: tuple[str, ...] = VIT_ENCODINGS
+    vit_overrides: dict = dataclasses.field(default_factory=dict)
+    vit_scales: tuple[float, ...] = (1, 1.5, 2, 3)
+    vit_eval_batches: Optional[int] = None  # None: the config's data.num_eval_batches
+    # DNA: one genome LM per encoding (spec with {enc}), scored at these multiples of its
+    # training length on the first dna_max_bases bases of the held-out region and of each genome.
+    dna: str = ""  # '' = no DNA family in this suite
+    dna_encodings: tuple[str, ...] = DNA_ENCODINGS
+    dna_overrides: dict = dataclasses.field(default_factory=dict)
+    dna_multipliers: tuple[int, ...] = (1, 2, 4, 8)
+    dna_max_bases: Optional[int] = 131_072  # per scored set (None: all of it)
+    dna_genomes: tuple[tuple[str, str], ...] = ()  # (label, FASTA path) scored besides the held-out region
+    dna_gc_windows: int = 256  # GC agreement windows (README: N >= 256)
+    dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
+    dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
+
+
+_DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"),
+                ("human chr17 (40 kb)", "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"))
 
 
 SUITES = {
@@ -114,7 +150,14 @@ SUITES = {
                       "data.num_eval_batches": 1},
         toy_overrides={"num_train_steps": 4, "checkpoint_every_steps": 4, "eval_every_steps": 0},
         multipliers=(1, 16), num_examples=8, niah_examples=8, niah_depths=(0.5,),
-        standard_trials=2, sink_examples=2, encodings=("goat", "rope")),
+        standard_trials=2, sink_examples=2, encodings=("goat", "rope"),
+        vit="configs/vit_tiny.py:{enc},smoke", vit_encodings=("goat", "ape"), vit_scales=(1, 2),
+        vit_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
+        vit_eval_batches=1,
+        dna="configs/dna_tiny.py:{enc},smoke", dna_encodings=("goat", "rope"), dna_multipliers=(1, 4),
+        dna_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
+        dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:], dna_gc_windows=4, dna_memory_lengths=(64,),
+        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}),
     # ~1 hour on 2 CPU cores. Settings chosen once for all encodings (see REPORT.md).
     "tiny": Suite(
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
@@ -125,6 +168,11 @@ SUITES = {
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000, "checkpoint_every_steps": 1000},
         retrieval_overrides={},
+        # ViT and DNA runs: their configs as they are. Evaluations capped to minutes per run on
+        # 2 cores: 4,096 of the 10k test images (32 x 128) at every resolution (top-1 standard
+        # error ~0.6 points at 85%), 65,536 bases of each DNA set (~32 windows at 8x).
+        vit="configs/vit_tiny.py:{enc}", vit_eval_batches=32,
+        dna="configs/dna_tiny.py:{enc}", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
         notes=(
             "Settings were fixed for all encodings before this run, from single probe runs (same "
             "seeds, not part of this report): with lm_tiny's GQA (2 KV heads) GOAT reached 8.9 "
@@ -166,7 +214,9 @@ SUITES = {
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
                           ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
         retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
-        num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32),
+        num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32,
+        vit="configs/vit_s16_imagenet.py:{enc}", dna="configs/dna_hg38.py:{enc}", dna_genomes=_DNA_GENOMES,
+        dna_max_bases=1_048_576, dna_memory_lengths=(1024, 4096, 16384)),
 }
 
 
@@ -193,11 +243,31 @@ class Job:
         return f"{self.kind}/{self.dataset}/{self.label}"
 
 
-def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None) -> list[Job]:
-    """Every run of ``suite`` for ``encodings`` (default ``suite.encodings``), in order: per LM
-    dataset the encodings then the LM variants, per task the retrieval models (then each
-    retrieval variant's), the toy."""
-    encodings = list(encodings or suite.encodings)
+def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
+         families: Sequence[str] = FAMILIES, vit_encodings: Optional[Sequence[str]] = None,
+         dna_encodings: Optional[Sequence[str]] = None) -> list[Job]:
+    """Every run of ``suite``'s ``families``, in order. Language (``encodings``, default
+    ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
+    retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
+    ``vit_encodings`` in ``ROOT/vit/<enc>``. DNA: a genome LM per ``dna_encodings`` in
+    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family."""
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}.")
+    jobs = []
+    if "lm" in families:
+        jobs += _plan_language(suite, root, list(encodings or suite.encodings))
+    for family, spec, encs, overrides in (
+            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides),
+            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides)):
+        if family in families and spec:
+            jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
+                         os.path.join(root, family, enc)) for enc in encs]
+    return jobs
+
+
+def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
+    """The language family's runs (see :func:`plan`)."""
     jobs = []
     for dataset, spec in suite.lm:
         for enc in encodings:
@@ -241,94 +311,19 @@ def load_config(spec: str, overrides: Optional[dict] = None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Running one job: train (with a progress watcher), then evaluate (cached)
-# ----------------------------------------------------------------------------------------------
-
-
-class _Watcher(threading.Thread):
-    """Logs ``step N/M, loss, elapsed`` of a training run every ``period`` seconds by reading
-    its metrics.jsonl (the trainer flushes each row), so a log file shows where the suite is."""
-
-    def __init__(self, job: Job, total: int, period: float = 30.0):
-        super().__init__(daemon=True)
-        self.job, self.total, self.period = job, total, period
-        self.stop = threading.Event()
-        self.start_time = time.time()
-
-    def run(self):
-        path = os.path.join(self.job.workdir, "metrics.jsonl")
-        while not self.stop.wait(self.period):
-            try:
-                with open(path) as f:
-                    rows = [json.loads(line) for line in f if '"train_loss"' in line]
-            except (OSError, json.JSONDecodeError):
-                continue
-            if rows:
-                log(f"  {self.job.name}: step {rows[-1]['step']}/{self.total}, loss "
-                    f"{rows[-1]['train_loss']:.3f}, {time.time() - self.start_time:.0f}s")
-
-
-def train(job: Job) -> dict:
-    """Trains (or resumes / skips a finished) ``job``; returns ``{'seconds', 'summary'}``."""
-    from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
-
-    config = load_config(job.spec, job.overrides)
-    config.progress_bar = False  # the watcher logs instead (readable in a log file)
-    t0 = time.time()
-    watcher = _Watcher(job, int(config.num_train_steps))
-    watcher.start()
-    try:
-        summary = trainer.train_and_evaluate(config, job.workdir)
-    finally:
-        watcher.stop.set()
-    loss = summary.get("train_loss")  # absent when the run had already finished
-    log(f"  {job.name}: at step {summary['step']} after {time.time() - t0:.0f}s "
-        f"({'train loss %.3f' % loss if loss is not None else 'already trained'})")
-    return {"seconds": training_seconds(job.workdir), "summary": summary}
-
-
-def training_seconds(workdir: str) -> float:
-    """Wall time of a run's training from its metrics.jsonl (``elapsed_s`` of the last row), so
-    a report regenerated later from the workdirs still shows the original times."""
-    elapsed = 0.0
-    from goat_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
-    with open(run_lib.metrics_path(workdir)) as f:
-        for line in f:
-            try:
-                elapsed = max(elapsed, float(json.loads(line).get("elapsed_s") or 0.0))
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
-    return elapsed
-
-
-def evaluate(job: Job, suite: Suite) -> dict:
-    """The evaluations of ``job`` (cached in ``WORKDIR/reproduce_eval.json``)."""
-    from experiments import report_lm  # pylint: disable=g-import-not-at-top
-
-    cache = os.path.join(job.workdir, "reproduce_eval.json")
-    if os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)
-    t0 = time.time()
-    out = report_lm.evaluate_lm_job(job, suite)
-    out["eval_seconds"] = time.time() - t0
-    with open(cache, "w") as f:
-        json.dump(out, f, default=float)
-    log(f"  {job.name}: evaluated in {out['eval_seconds']:.0f}s")
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # The paper suite: shell commands for a cluster
 # ----------------------------------------------------------------------------------------------
 
 
-def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) -> list[str]:
+def paper_commands(suite: Suite, root: str, encodings: Optional[Sequence[str]], out: str,
+                   **plan_kwargs) -> list[str]:
     """``experiments.train`` per run, then ``experiments.evaluate`` per group of runs (all
-    encodings side by side), then the toy. Override values are passed as ``--config.x=y``."""
+    encodings side by side), then the toy. Override values are passed as ``--config.x=y``.
+    ``plan_kwargs``: :func:`plan`'s ``families``, ``vit_encodings``, ``dna_encodings``."""
     py = "python -m"
     cmds, groups = [], {}
-    for job in plan(suite, root, encodings):
+    jobs = plan(suite, root, encodings, **plan_kwargs)
+    for job in jobs:
         if job.kind == "toy":
             continue
         flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in job.overrides.items())
@@ -339,15 +334,29 @@ def paper_commands(suite: Suite, root: str, encodings: Sequence[str], out: str) 
     evals = {"lm": "extrapolation,passkey,sinks,diagnostics --chunk_size 512", "passkey": "passkey",
              "niah": "niah"}
     mults = ",".join(str(m) for m in suite.multipliers)
-    for (kind, dataset), jobs in groups.items():
-        labelled = any(j.variant for j in jobs)  # variant rows share an encoding: name every run
+    for (kind, dataset), group in groups.items():
+        labelled = any(j.variant for j in group)  # variant rows share an encoding: name every run
         dirs = " ".join(f"--workdir {j.workdir}" + (f" --label {shlex.quote(j.label)}" if labelled else "")
-                        for j in jobs)
-        cmds.append(f"{py} experiments.evaluate {dirs} --evals {evals[kind]} --multipliers {mults} "
-                    f"--num_examples {suite.num_examples} --num_trials {suite.standard_trials} "
-                    f"--out {os.path.join(out, dataset)}")
-    cmds.append(f"{py} experiments.toy_prior --config {suite.toy} --workdir {os.path.join(root, 'toy')} "
-                "--all_heads")
+                        for j in group)
+        if kind == "vit":
+            from experiments import report_vision  # pylint: disable=g-import-not-at-top
+            res = report_vision.resolutions_for(load_config(group[0].spec, group[0].overrides), suite.vit_scales)
+            what = f"--evals resolution --resolutions {','.join(map(str, res))}"
+        elif kind == "dna":  # one command per genome: --max_bases caps the files together
+            for _, path in suite.dna_genomes:
+                name = os.path.basename(path).split(".")[0]
+                cmds.append(f"{py} experiments.evaluate {dirs} --evals dna --fasta {shlex.quote(path)} "
+                            f"--multipliers {','.join(map(str, suite.dna_multipliers))} --gc_windows "
+                            f"{suite.dna_gc_windows}" + (f" --max_bases {suite.dna_max_bases}" if suite.dna_max_bases
+                                                         else "") + f" --out {os.path.join(out, 'dna_' + name)}")
+            continue
+        else:
+            what = (f"--evals {evals[kind]} --multipliers {mults} --num_examples {suite.num_examples} "
+                    f"--num_trials {suite.standard_trials}")
+        cmds.append(f"{py} experiments.evaluate {dirs} {what} --out {os.path.join(out, dataset)}")
+    if any(j.kind == "toy" for j in jobs):
+        cmds.append(f"{py} experiments.toy_prior --config {suite.toy} --workdir {os.path.join(root, 'toy')} "
+                    "--all_heads")
     return cmds
 
 
@@ -370,21 +379,30 @@ def _setup_line(job: Job) -> str:
     with open(os.path.join(job.workdir, "config.json")) as f:  # what actually ran
         c = json.load(f)
     m = c["model"]
-    return (f"`{job.spec}`{' + ' + str(job.overrides) if job.overrides else ''}: "
-            f"{m['num_layers']} layer(s), d {m['embed_dim']}, {m['num_heads']} heads "
-            f"({m['kv_num_heads']} KV), {c['num_train_steps']} steps x {c['global_batch_size']} "
-            f"x {c['seq_len']} tokens, peak lr {c['optimizer']['learning_rate']}")
+    head = f"`{job.spec}`{' + ' + str(job.overrides) if job.overrides else ''}: "
+    if job.kind == "vit":
+        from experiments import report_vision  # pylint: disable=g-import-not-at-top
+        return head + report_vision.setup_line(c)
+    return head + (f"{m['num_layers']} layer(s), d {m['embed_dim']}, {m['num_heads']} heads "
+                   f"({m.get('kv_num_heads') or m['num_heads']} KV), {c['num_train_steps']} steps x "
+                   f"{c['global_batch_size']} x {c['seq_len']} {'bases' if job.kind == 'dna' else 'tokens'}, "
+                   f"peak lr {c['optimizer']['learning_rate']}"
+                   + (f", seed {c['seed']}" if job.kind == "dna" else ""))
 
 
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                  command: str, timings: dict[str, float], total_seconds: float) -> str:
     """Writes ``OUT/REPORT.md`` and the figures from the ``results`` of the trained ``jobs``;
     returns the markdown."""
-    from experiments import report_lm  # pylint: disable=g-import-not-at-top
+    from experiments import report_dna, report_lm, report_vision  # pylint: disable=g-import-not-at-top
 
     os.makedirs(out, exist_ok=True)
-    encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind != "toy" and not j.variant))
-    md = [f"# GOAT language experiments, `{suite.name}` suite", "",
+    encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in report_lm.LM_KINDS[:-1]
+                                   and not j.variant))
+    memory = report_dna.dna_memory(suite, jobs)
+    families = ", ".join(f for f, kinds in (("language", report_lm.LM_KINDS), ("vision", ("vit",)),
+                                            ("DNA", ("dna",))) if any(j.kind in kinds for j in jobs))
+    md = [f"# GOAT experiments ({families}), `{suite.name}` suite", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
           f"Code: git {_git_commit()}  ",
           f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), no accelerator  ",
@@ -399,14 +417,17 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     md += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j) for j in jobs if j.variant]
     md.append("")
 
-    checks = report_lm.lm_checks(results, encodings)
+    checks = (report_lm.lm_checks(results, encodings) + report_vision.vision_checks(jobs, results)
+              + report_dna.dna_checks(jobs, results, memory))
     md += ["## Headline checks", "", "| claim | result | numbers |", "|---|---|---|"]
     for claim, ok, numbers in checks:
         md.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
     md.append("")
-    if suite.notes:
+    if suite.notes and any(j.kind in report_lm.LM_KINDS for j in jobs):  # the notes are the language runs'
         md += ["## Notes", ""] + [f"* {n}" for n in suite.notes] + [""]
     md += report_lm.lm_sections(suite, jobs, results, out)
+    md += report_vision.vision_section(jobs, results, out)
+    md += report_dna.dna_section(suite, jobs, results, memory)
     md += ["## Run times", "", "| stage | seconds |", "|---|---|"]
     md += [f"| {k} | {v:.0f} |" for k, v in timings.items()]
     md.append("")
@@ -429,24 +450,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--suite", choices=sorted(SUITES), default="tiny")
     p.add_argument("--workdir", default=None, help="runs root (default runs/reproduce_<suite>)")
     p.add_argument("--out", default=None, help="report dir (default reports/<suite>)")
-    p.add_argument("--encodings", default=None,
-                   help=f"comma list (default: the suite's, {','.join(ENCODINGS)}; smoke: goat,rope)")
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help="comma list of families to run and report: lm (language models, retrieval, toy), "
+                   "vit (vision), dna (genomes); default all")
+    p.add_argument("--encodings", default=None, help="language family (LMs, retrieval): comma list "
+                   f"(default: the suite's, {','.join(ENCODINGS)}; smoke: goat,rope)")
+    p.add_argument("--vit_encodings", default=None, help="vision family: comma list (default: the "
+                   f"suite's, {','.join(VIT_ENCODINGS)}; smoke: goat,ape)")
+    p.add_argument("--dna_encodings", default=None, help="DNA family: comma list (default: the "
+                   f"suite's, {','.join(DNA_ENCODINGS)}; smoke: goat,rope)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
-    encodings = args.encodings.split(",") if args.encodings else list(suite.encodings)
+    split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
+    encodings = split(args.encodings) or list(suite.encodings)
+    plan_kwargs = {"families": split(args.families) or [], "vit_encodings": split(args.vit_encodings),
+                   "dna_encodings": split(args.dna_encodings)}
+    if not plan_kwargs["families"]:
+        raise ValueError(f"--families is empty; give some of {','.join(FAMILIES)}.")
     root = args.workdir or os.path.join("runs", f"reproduce_{suite.name}")
     out = args.out or os.path.join("reports", suite.name)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
     if suite.name == "paper" or args.dry_run:
-        cmds = paper_commands(suite, root, encodings, out) if suite.name == "paper" else [
+        cmds = paper_commands(suite, root, encodings, out, **plan_kwargs) if suite.name == "paper" else [
             f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
-            for j in plan(suite, root, encodings)]
+            for j in plan(suite, root, encodings, **plan_kwargs)]
         if args.dry_run:
             if suite.name == "paper":  # sizes, budgets and departures from the official recipes
                 from experiments import paper_table  # pylint: disable=g-import-not-at-top
-                print(paper_table.render(paper_table.rows(plan(suite, root, encodings), load_config)))
+                # The language runs: paper_table holds the official language recipes only.
+                print(paper_table.render(paper_table.rows(plan(suite, root, encodings, families=["lm"]), load_config)))
             print("\n".join(cmds))
             return 0
         for cmd in cmds:
@@ -459,9 +493,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
     from experiments import report_lm  # pylint: disable=g-import-not-at-top
+    from experiments.reproduce_jobs import evaluate, train  # pylint: disable=g-import-not-at-top
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax INFO lines would drown the progress log
     t_start = time.time()
-    jobs = plan(suite, root, encodings)
+    jobs = plan(suite, root, encodings, **plan_kwargs)
+    if not jobs:
+        raise ValueError(f"--families {args.families}: suite {suite.name!r} has no runs there.")
     log(f"suite {suite.name}: {len(jobs)} runs under {root}, report in {out}")
     results, timings = {}, {}
     for i, job in enumerate(jobs):

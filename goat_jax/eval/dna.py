@@ -248,7 +248,7 @@ def read_fasta_records(paths: Sequence[str], max_bases: Optional[int] = None
 
     genome = fasta_lib.Genome(list(paths))
     records, names, left = [], [], max_bases
-    for name in genome.names:
+    for name in genome.names:  # fetch only what is kept: an indexed genome is read a slice at a time
         n = genome.lengths[name] if left is None else min(left, genome.lengths[name])
         if n <= 0:
             break
@@ -260,19 +260,61 @@ def read_fasta_records(paths: Sequence[str], max_bases: Optional[int] = None
     return records, info
 
 
-def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
-                   multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
-                   lengths: Optional[Sequence[int]] = None, max_bases: Optional[int] = None,
-                   gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
-                   seed: int = 0, tokens_per_batch: int = 16384) -> dict[str, Any]:
-    """Likelihood at ``m * train_len`` and GC agreement of a Linen LM on FASTA files.
+def first_bases(records: Sequence[np.ndarray], names: Sequence[str], max_bases: Optional[int]
+                ) -> tuple[list[np.ndarray], list[str]]:
+    """The first ``max_bases`` bases of in-memory ``records`` in order (all when None): whole
+    records, then a prefix of the next one, and their names."""
+    out, kept, left = [], [], max_bases
+    for rec, name in zip(records, names):
+        if left is not None and left <= 0:
+            break
+        out.append(rec if left is None else rec[:left])
+        kept.append(name)
+        left = None if left is None else left - len(out[-1])
+    return out, kept
 
-    Returns a JSON-able dict: ``{'data': info, 'by_length': {W: DnaScores as dict},
-    'gc': GCAgreement as dict (or {'error': reason} when the files are too short)}``.
-    ``lengths`` (window lengths in bases) replaces ``multipliers`` when given; lengths longer
-    than every record are left out. ``gc_num_windows=0`` skips the GC metric.
+
+def heldout_records(data_config, split: str = "valid") -> tuple[list[np.ndarray], dict[str, Any]]:
+    """``(records as int32 id arrays, info)`` of a FASTA data config's held-out ``split``
+    ('valid' or 'test': the pieces of ``data.valid_records`` / ``data.test_records``, e.g. the
+    last 10% of E. coli in configs/dna_tiny.py); ``info``: files, records named
+    ``NAME:START-END`` (1-based, inclusive), their lengths, and ``n_bases`` (N ids among them).
+    :func:`first_bases` cuts them to a budget."""
+    import glob  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.data import dna as dna_data  # pylint: disable=g-import-not-at-top
+    from goat_jax.data import fasta as fasta_lib  # pylint: disable=g-import-not-at-top
+
+    if data_config.source != "fasta":
+        raise ValueError(f"heldout_records reads FASTA data; data.source={data_config.source!r} "
+                         "(score parquet chunks through the trainer's eval split instead).")
+    if split not in ("valid", "test"):
+        raise ValueError(f"split={split!r} must be 'valid' or 'test'.")
+    patterns = [data_config.paths] if isinstance(data_config.paths, str) else list(data_config.paths)
+    files = [f for p in patterns for f in (sorted(glob.glob(p)) or [p])]
+    genome = fasta_lib.Genome(files, max_in_memory_bytes=data_config.max_in_memory_bytes)
+    pieces = dna_data.split_pieces(data_config, genome.lengths, allow_regions=True)[split]
+    if not pieces:
+        raise ValueError(f"data.{split}_records is empty: the config holds nothing out for {split!r}.")
+    records = [genome.fetch(name, a, b).astype(np.int32) for name, a, b in pieces]
+    names = [f"{name}:{a + 1}-{b}" for name, a, b in pieces]
+    info = {"files": files, "records": names, "bases": [len(r) for r in records],
+            "n_bases": int(sum(int((r == N_ID).sum()) for r in records))}  # N or IUPAC read as N
+    return records, info
+
+
+def evaluate_records(model, params: Any, records: Sequence[np.ndarray], train_len: int, *,
+                     multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
+                     lengths: Optional[Sequence[int]] = None, gc_records: Optional[Sequence[np.ndarray]] = None,
+                     gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
+                     seed: int = 0, tokens_per_batch: int = 16384) -> dict[str, Any]:
+    """Likelihood at ``m * train_len`` (or at ``lengths`` bases) of a Linen LM on ``records``,
+    and GC agreement on ``gc_records`` (default: ``records``).
+
+    Returns a JSON-able dict: ``{'by_length': {W: DnaScores as dict}, 'gc': GCAgreement as dict
+    (or {'error': reason} when the sequence is too short)}``. Lengths longer than every record
+    are left out. ``gc_num_windows=0`` skips the GC metric.
     """
-    records, info = read_fasta_records(paths, max_bases)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     if lengths:
         scores = score_by_length(apply_fn, params, records, 1, list(lengths),
@@ -280,12 +322,11 @@ def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
     else:
         scores = score_by_length(apply_fn, params, records, train_len, multipliers,
                                  tokens_per_batch=tokens_per_batch)
-    out: dict[str, Any] = {"data": info,
-                           "by_length": {w: s._asdict() for w, s in scores.items()}}
+    out: dict[str, Any] = {"by_length": {w: s._asdict() for w, s in scores.items()}}
     if gc_num_windows:
         try:
-            windows, skipped = gc_windows(records, num_windows=gc_num_windows,
-                                          length=gc_prompt_len + gc_sample_len)
+            windows, skipped = gc_windows(records if gc_records is None else gc_records,
+                                          num_windows=gc_num_windows, length=gc_prompt_len + gc_sample_len)
         except ValueError as e:
             out["gc"] = {"error": str(e)}
         else:
@@ -293,3 +334,11 @@ def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
             gc = gc_agreement(sampler, windows, prompt_len=gc_prompt_len)._asdict()
             out["gc"] = {**gc, "windows_skipped_for_n": skipped}
     return out
+
+
+def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
+                   max_bases: Optional[int] = None, **kwargs) -> dict[str, Any]:
+    """:func:`evaluate_records` on the records of FASTA ``paths`` (the first ``max_bases`` bases
+    in all when given), with ``'data'``: :func:`read_fasta_records`'s info."""
+    records, info = read_fasta_records(paths, max_bases)
+    return {"data": info, **evaluate_records(model, params, records, train_len, **kwargs)}

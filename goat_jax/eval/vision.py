@@ -199,6 +199,53 @@ def plot_log_prior(grid_values: np.ndarray, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def evaluate_vision_run(workdir: str, resolutions: Sequence[int], *, batch_size: Optional[int] = None,
+                        num_eval_batches: Optional[int] = None, log: Callable[[str], None] = print):
+    """Top-1 and loss of one ViT run (a workdir of ``experiments.train`` with ``config.task =
+    'vit'``, read-only) at each resolution, plus :func:`shift_invariance_error` of every block's
+    prior for GOAT runs.
+
+    Args:
+      batch_size: images per eval batch (default: the run's ``global_batch_size``).
+      num_eval_batches: eval batches per resolution (default: the run's
+        ``data.num_eval_batches``; 0: the whole split).
+    Returns:
+      ``(entry, run, make_eval_at)``: ``entry`` = ``{'step', 'train_resolution', 'encoding',
+      'resolution': {r: {'top1', 'loss', 'images'}}, 'eval_images'}`` (and for GOAT
+      ``'shift_invariance_error'`` of block 0 and ``'shift_invariance_by_layer'`` on a 16 x 16
+      grid, shift (3, 5), and ``'shift_invariance_train_grid'``: ``{'grid', 'shift',
+      'by_layer'}`` on the training grid, shift a quarter of it); the loaded
+      run and its ``resolution -> eval batches`` function, for figures on the same images.
+    """
+    from goat_jax.data import images
+    from goat_jax.train import run as run_lib
+
+    run = run_lib.load_run(workdir)
+    if run.config.task != "vit":
+        raise ValueError(f"--evals resolution needs a ViT run (config.task='vit'); {workdir} has task "
+                         f"{run.config.task!r}.")
+    data = run.config.data
+    if num_eval_batches is not None:
+        data = data.copy_and_resolve_references()
+        data.num_eval_batches = int(num_eval_batches)
+    _, make_eval_at, _ = images.make_image_datasets(data, global_batch_size=batch_size or run.config.global_batch_size,
+                                                    seed=run.config.seed, process_index=0, process_count=1)
+    cfg = run.model.config
+    by_res = evaluate_resolutions(run.model, run.params, make_eval_at, resolutions, log)
+    entry = {"step": run.step, "train_resolution": cfg.image_size, "encoding": cfg.position_encoding,
+             "resolution": by_res, "eval_images": min(v["images"] for v in by_res.values())}
+    if cfg.position_encoding == "goat":
+        errors = [shift_invariance_error(run.params, cfg, layer=i) for i in range(cfg.num_layers)]
+        entry["shift_invariance_error"] = errors[0]
+        entry["shift_invariance_by_layer"] = errors
+        # The same on the training grid, where the prior was learned (shift: a quarter of it).
+        grid = (cfg.image_size // cfg.patch_size,) * 2
+        shift = (max(1, grid[0] // 4), max(1, grid[1] // 4))
+        entry["shift_invariance_train_grid"] = {"grid": list(grid), "shift": list(shift), "by_layer": [
+            shift_invariance_error(run.params, cfg, grid, layer=i, shift=shift) for i in range(cfg.num_layers)]}
+    return entry, run, make_eval_at
+
+
 def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolutions: Sequence[int], out: str,
                          batch_size: Optional[int] = None, log: Callable[[str], None] = print) -> Dict[str, Any]:
     """The ``--evals resolution`` evaluation of ``experiments.evaluate`` on ViT runs.
@@ -219,33 +266,21 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
     import json
     import os
 
-    from goat_jax.data import images
-    from goat_jax.train import run as run_lib
-
     results: Dict[str, Any] = {}
     shown = (min(resolutions), max(resolutions))
     cls_images: Dict[int, np.ndarray] = {}
     cls_maps: Dict[str, Dict[int, np.ndarray]] = {}
     for workdir, label in zip(workdirs, labels):
-        run = run_lib.load_run(workdir)
-        if run.config.task != "vit":
-            raise ValueError(f"--evals resolution needs a ViT run (config.task='vit'); {workdir} has task "
-                             f"{run.config.task!r}.")
-        log(f"evaluating {label} ({workdir}, step {run.step}) at {list(resolutions)} px")
-        _, make_eval_at, _ = images.make_image_datasets(run.config.data,
-                                                        global_batch_size=batch_size or run.config.global_batch_size,
-                                                        seed=run.config.seed, process_index=0, process_count=1)
-        cfg = run.model.config
-        entry = {"step": run.step, "train_resolution": cfg.image_size, "encoding": cfg.position_encoding,
-                 "resolution": evaluate_resolutions(run.model, run.params, make_eval_at, resolutions, log)}
+        log(f"evaluating {label} ({workdir}) at {list(resolutions)} px")
+        entry, run, make_eval_at = evaluate_vision_run(workdir, resolutions, batch_size=batch_size, log=log)
         for r in shown:  # the same first eval images for every run
             cls_images.setdefault(r, next(make_eval_at(r))["image"][:4])
         cls_maps[label] = {r: cls_attention_maps(run.model, run.params, cls_images[r]) for r in shown}
-        if cfg.position_encoding == "goat":
+        if entry["encoding"] == "goat":
             os.makedirs(out, exist_ok=True)
-            plot_log_prior(centre_log_prior(run.params, cfg, (32, 32)), os.path.join(out, f"prior_{label}.png"),
+            plot_log_prior(centre_log_prior(run.params, run.model.config, (32, 32)),
+                           os.path.join(out, f"prior_{label}.png"),
                            title=f"{label}: block 0, centre patch, 32x32 grid")
-            entry["shift_invariance_error"] = shift_invariance_error(run.params, cfg)
         results[label] = entry
 
     os.makedirs(out, exist_ok=True)

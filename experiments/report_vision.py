@@ -1,0 +1,204 @@
+"""The vision family of ``experiments.reproduce``: ViTs on Fashion-MNIST (configs/vit_tiny.py)
+with every 2D position encoding, evaluated zero-shot at larger input resolutions.
+
+Per run (cached with the run's other evaluations): top-1 and loss at each ``Suite.vit_scales``
+multiple of the training resolution (goat_jax.eval.vision.evaluate_vision_run, what
+``experiments.evaluate --evals resolution`` runs), train images/s from its metrics.jsonl, and
+the figure inputs in ``WORKDIR/reproduce_vision.npz``: the last block's CLS attention on the
+first eval images at the smallest and largest resolution, and for GOAT block 0's centre-patch
+log-prior on a 32 x 32 grid and its shift-invariance error per block.
+
+The report section: tables of top-1 and loss by resolution, images/s, the figures, and the
+paper's three vision claims with numbers (thresholds in :func:`vision_checks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+PRIOR_GRID = (32, 32)  # the centre-patch log-prior figure's key grid (as experiments.evaluate)
+SHIFT_TOLERANCE = 0.10  # shift-invariant: a shifted prior moves by <= 10% of its range (see vision_checks)
+CLS_IMAGES = 4  # eval images in the CLS attention figure
+
+
+def resolutions_for(config, scales: Sequence[float]) -> list[int]:
+    """The evaluation resolutions ``scale x image_size`` of a ViT config (e.g. 28 px: 1, 1.5, 2,
+    3 -> 28, 42, 56, 84), each a multiple of the patch size; ValueError naming the scale when
+    one is not (the grid must be whole for every encoding)."""
+    from goat_jax.tasks import vit as vit_task  # pylint: disable=g-import-not-at-top
+    model = vit_task.model_config(config)  # resolves a preset ('s16': 224 px, patch 16)
+    size, patch = int(model.image_size), int(model.patch_size)
+    out = []
+    for s in scales:
+        r = s * size
+        if r != int(r) or int(r) % patch:
+            raise ValueError(f"vit_scales: {s} x {size} px = {r:g} px is not a multiple of the patch "
+                             f"size {patch}; choose scales that give whole patch grids.")
+        out.append(int(r))
+    return out
+
+
+def evaluate_vit_job(job, suite) -> dict[str, Any]:
+    """The evaluations of one ViT ``job`` (uncached; ``experiments.reproduce`` caches them):
+    ``{'step', 'train_resolution', 'encoding', 'resolution': {r: {'top1', 'loss', 'images'}},
+    'eval_images', 'images_per_sec', ...}``; writes ``WORKDIR/reproduce_vision.npz``."""
+    from experiments import reproduce, reproduce_jobs  # pylint: disable=g-import-not-at-top
+    from goat_jax.eval import vision  # pylint: disable=g-import-not-at-top
+
+    config = reproduce.load_config(job.spec, job.overrides)
+    resolutions = resolutions_for(config, suite.vit_scales)
+    entry, run, make_eval_at = vision.evaluate_vision_run(
+        job.workdir, resolutions, num_eval_batches=suite.vit_eval_batches, log=reproduce.log)
+    shown = (min(resolutions), max(resolutions))
+    arrays = {}
+    for r in shown:  # the first eval images: the same for every run (same data config and seed)
+        images = next(make_eval_at(r))["image"][:CLS_IMAGES]
+        arrays[f"images_{r}"] = images
+        arrays[f"cls_{r}"] = vision.cls_attention_maps(run.model, run.params, images)
+    if entry["encoding"] == "goat":
+        arrays["centre_log_prior"] = vision.centre_log_prior(run.params, run.model.config, PRIOR_GRID)
+    np.savez(os.path.join(job.workdir, "reproduce_vision.npz"), **arrays)
+    entry["images_per_sec"] = reproduce_jobs.train_rate(job.workdir)
+    return entry
+
+
+def setup_line(config: dict) -> str:
+    """The resolved settings of a ViT run (its config.json) for the report's Setup section."""
+    m = config["model"]
+    return (f"{m['num_layers']} layer(s), d {m['embed_dim']}, {m['num_heads']} heads, patch "
+            f"{m['patch_size']} at {m['image_size']} px, {config['num_train_steps']} steps x "
+            f"{config['global_batch_size']} images, peak lr {config['optimizer']['learning_rate']}, "
+            f"seed {config['seed']}")
+
+
+def _runs(jobs, results: dict[str, dict]) -> dict[str, dict]:
+    """``{label: result}`` of the evaluated ViT runs, in plan order."""
+    return {j.label: results[j.name] for j in jobs if j.kind == "vit" and j.name in results}
+
+
+def _top1(entry: dict, r: int) -> Optional[float]:
+    v = entry["resolution"].get(str(r), entry["resolution"].get(r))
+    return None if v is None else v["top1"]
+
+
+def vision_checks(jobs, results: dict[str, dict]) -> list[tuple[str, Optional[bool], str]]:
+    """The paper's vision claims at this scale: ``[(claim, passed or None, numbers)]``.
+
+    * GOAT loses less top-1 than 'ape' from 1x to 2x the training resolution (points).
+    * GOAT's top-1 at 1x is within 1 point of the best encoding's.
+    * GOAT's prior is shift-invariant: for every block, moving query and key by the same
+      number of patches changes the head-mean log-prior by at most :data:`SHIFT_TOLERANCE` of
+      its range (goat_jax.eval.vision.shift_invariance_error; the relative part is invariant by
+      construction, the learned sink u(j) is what can vary). Judged twice: on the training grid
+      (shift: a quarter of it), where the prior was learned, and on a 16 x 16 grid (shift
+      (3, 5)), where u(j) is extrapolated.
+    """
+    runs = _runs(jobs, results)
+    checks = []
+    if not runs:
+        return checks
+    first = next(iter(runs.values()))
+    r1 = int(first["train_resolution"])
+    r2 = 2 * r1
+    g, a = runs.get("goat"), runs.get("ape")
+    if g and a and _top1(g, r2) is not None:
+        dg, da = (_top1(g, r1) - _top1(g, r2)), (_top1(a, r1) - _top1(a, r2))
+        checks.append((f"ViT: GOAT loses less top-1 than ape at 2x the training resolution ({r2} px)",
+                       dg < da, f"drop 1x -> 2x: GOAT {100 * dg:.2f} points, ape {100 * da:.2f} points"))
+    if g and len(runs) > 1:
+        best = max(runs, key=lambda k: _top1(runs[k], r1))
+        gap = _top1(runs[best], r1) - _top1(g, r1)
+        checks.append((f"ViT: GOAT top-1 at 1x ({r1} px) within 1 point of the best encoding",
+                       gap <= 0.01, f"GOAT {100 * _top1(g, r1):.2f}%, best {best} "
+                       f"{100 * _top1(runs[best], r1):.2f}% ({100 * gap:.2f} points behind)"))
+    if g and "shift_invariance_train_grid" in g:
+        t = g["shift_invariance_train_grid"]
+        errs = t["by_layer"]
+        checks.append((f"ViT: GOAT's learned 2D prior is shift-invariant on the training grid "
+                       f"({t['grid'][0]}x{t['grid'][1]}, shift {tuple(t['shift'])}; max relative change <= "
+                       f"{SHIFT_TOLERANCE:g} in every block)", max(errs) <= SHIFT_TOLERANCE,
+                       "per block: " + ", ".join(f"{e:.3f}" for e in errs)))
+    if g and "shift_invariance_by_layer" in g:
+        errs = g["shift_invariance_by_layer"]
+        checks.append((f"ViT: GOAT's learned 2D prior is shift-invariant on a larger grid (16x16, shift "
+                       f"(3, 5); max relative change <= {SHIFT_TOLERANCE:g} in every block)",
+                       max(errs) <= SHIFT_TOLERANCE, "per block: " + ", ".join(f"{e:.3f}" for e in errs)))
+    return checks
+
+
+def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
+    """The vision section (markdown lines); writes its PNGs into ``out``."""
+    from goat_jax.eval import vision  # pylint: disable=g-import-not-at-top
+
+    runs = _runs(jobs, results)
+    if not runs:
+        return []
+    first = next(iter(runs.values()))
+    r1 = int(first["train_resolution"])
+    rs = sorted({int(r) for e in runs.values() for r in e["resolution"]})
+    head = " | ".join(f"{r} px ({r / r1:g}x)" for r in rs)
+    md = ["## Vision: zero-shot resolution extrapolation (ViT on Fashion-MNIST)", "",
+          f"Top-1 (%) on the first {first['eval_images']:,} test images, the same for every encoding and "
+          f"resolution (resize the shorter side to r * 256/224, centre crop r); trained at {r1} px "
+          f"only. Images/s: median training throughput from the run's metrics.jsonl (a shared "
+          f"CPU: read side by side with care).", "",
+          f"| encoding | step | {head} | 1x -> 2x (points) | train images/s |",
+          "|---|---:|" + "---:|" * len(rs) + "---:|---:|"]
+    for label, e in runs.items():
+        cells = [f"{100 * t:.2f}" if (t := _top1(e, r)) is not None else "-" for r in rs]
+        t2 = _top1(e, 2 * r1)
+        drop = f"{100 * (_top1(e, r1) - t2):+.2f}" if t2 is not None else "-"
+        ips = e.get("images_per_sec")
+        md.append(f"| {label} | {e['step']} | " + " | ".join(cells) + f" | {drop} | "
+                  f"{'-' if ips is None else f'{ips:,.0f}'} |")
+    md += ["", "Loss (nats per image) by resolution:", "",
+           f"| encoding | {head} |", "|---|" + "---:|" * len(rs)]
+    for label, e in runs.items():
+        res = {int(k): v for k, v in e["resolution"].items()}
+        md.append(f"| {label} | " + " | ".join(f"{res[r]['loss']:.4f}" if r in res else "-" for r in rs) + " |")
+    md += ["", "![top-1 vs resolution](vit_resolution.png)", ""]
+    vision.plot_resolutions({k: {int(r): v for r, v in e["resolution"].items()} for k, e in runs.items()},
+                            os.path.join(out, "vit_resolution.png"), r1)
+
+    arrays = {j.label: dict(np.load(os.path.join(j.workdir, "reproduce_vision.npz")))
+              for j in jobs if j.kind == "vit" and j.label in runs
+              and os.path.exists(os.path.join(j.workdir, "reproduce_vision.npz"))}
+    if "goat" in arrays and "centre_log_prior" in arrays["goat"]:
+        g = runs["goat"]
+        grid = arrays["goat"]["centre_log_prior"].shape
+        vision.plot_log_prior(arrays["goat"]["centre_log_prior"], os.path.join(out, "vit_prior_goat.png"),
+                              title=f"GOAT block 0: centre-patch log-prior, {grid[0]}x{grid[1]} grid")
+        spread = float(np.ptp(arrays["goat"]["centre_log_prior"]))
+        md += [f"### GOAT's learned 2D prior (block 0, head mean, centre patch's query over a "
+               f"{grid[0]} x {grid[1]} key grid; trained on {r1 // int(_patch(jobs))} x "
+               f"{r1 // int(_patch(jobs))})", "", "![GOAT prior](vit_prior_goat.png)", "",
+               f"The prior starts uniform (0 everywhere); its learned range on this grid is {spread:.3f} nats "
+               "(how far it moved from uniform).", "",
+               "Shift-invariance error per block (largest change of the head-mean log-prior when query "
+               "and key move by the same patches, relative to its range over the grid; 0 = exactly "
+               "shift-invariant): on a 16 x 16 grid, shift (3, 5): "
+               + ", ".join(f"{x:.3f}" for x in g.get("shift_invariance_by_layer", []))
+               + "; on the training grid: " + ", ".join(
+                   f"{x:.3f}" for x in g.get("shift_invariance_train_grid", {}).get("by_layer", [])), ""]
+    pair = [k for k in ("goat", "ape") if k in arrays]
+    if pair:
+        shown = sorted(int(k.split("_")[1]) for k in arrays[pair[0]] if k.startswith("cls_"))
+        vision.plot_cls_attention({r: arrays[pair[0]][f"images_{r}"] for r in shown},
+                                  {k: {r: arrays[k][f"cls_{r}"] for r in shown} for k in pair},
+                                  os.path.join(out, "vit_cls_attention.png"))
+        md += [f"### CLS attention ({' vs '.join(pair)}, last block, head mean; the same "
+               f"{CLS_IMAGES} test images at {shown[0]} and {shown[-1]} px)", "",
+               "![CLS attention](vit_cls_attention.png)", ""]
+    return md
+
+
+def _patch(jobs) -> int:
+    """The patch size of the first ViT run (from its config.json)."""
+    job = next(j for j in jobs if j.kind == "vit")
+    with open(os.path.join(job.workdir, "config.json")) as f:
+        return int(json.load(f)["model"]["patch_size"])
