@@ -1,8 +1,8 @@
 """PriorSettings.sink_extrapolation='linear': the sink continued linearly past training_seq_len.
 
-The float64-reference checks of the option (every CPU kernel, GQA/MQA, offsets, KV-cache
-decoding, gradients) live with the rest of the prior's in tests/test_attention.py; here: what the
-option promises on top (docs/extrapolation.md).
+The float64-reference checks of the option (xla, flash and dense kernels, GQA with position
+offsets; gradients against finite differences, marked slow) live with the rest of the prior's
+in tests/test_attention.py; here: what the option promises on top (docs/extrapolation.md).
 """
 
 import flax
@@ -46,6 +46,23 @@ def test_training_length_outputs_are_identical(randomize, rng):
     np.testing.assert_array_equal(b[:, :L], a[:, :L])
     if randomize:  # at init the sink MLP is ~1e-6 and both continuations agree to rounding
         assert np.abs(b[:, L:] - a[:, L:]).max() > 1e-3
+
+
+def test_kv_cache_decoding_across_the_window_end(rng):
+    """A prefill inside the window, then a chunk that crosses ``training_seq_len``: the cached
+    keys and the new ones get the same continued sink as the full forward."""
+    _, linear, params = _pair(rng, 2 * L, randomize=True)
+    x = jnp.asarray(rng.normal(size=(2, 2 * L, E)), jnp.float32)
+    full = linear.apply(params, x, is_causal=True)
+    dec = linear.clone(decode=True)
+    cache = dec.init(jax.random.key(0), x, is_causal=True)["cache"]
+    outs = []
+    for start, stop in [(0, L - 2), (L - 2, 2 * L)]:
+        out, mutated = dec.apply({**params, "cache": cache}, x[:, start:stop], is_causal=True, mutable=["cache"])
+        cache = mutated["cache"]
+        outs.append(out)
+    got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
+    assert np.abs(got - np.asarray(full)).max() <= 1e-5 * np.abs(np.asarray(full)).max()
 
 
 def test_log_prior_is_translation_invariant_past_the_window(rng):
