@@ -5,8 +5,10 @@
 
 The argument names the position encoding (default 'goat'; any of
 goat_jax.models.lm.POSITION_ENCODINGS), optionally followed by ',smoke': a seconds-long variant
-(1 layer, 64 wide, 64 bytes, batch 8) for tests, e.g. ``configs/lm_tiny.py:rope,smoke``.
-Everything else is identical across encodings.
+(1 layer, 64 wide, 64 bytes, batch 8) for tests, e.g. ``configs/lm_tiny.py:rope,smoke``, and
+for GOAT by ',linear_sink': the sink continued linearly past the training length
+(``model.sink_extrapolation='linear'``, docs/extrapolation.md), e.g.
+``configs/lm_tiny.py:goat,linear_sink``. Everything else is identical across encodings.
 """
 
 import ml_collections
@@ -19,9 +21,12 @@ from goat_jax.train import sharding
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
-    """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
+    """The tiny config; ``arg`` = ``'<position_encoding>[,smoke][,linear_sink]'``."""
     args = parse_config_arg(arg, "configs/lm_tiny.py", encoding=(lm.POSITION_ENCODINGS, "goat"),
-                            size=(("smoke",), None))
+                            size=(("smoke",), None), sink=(("linear_sink",), None))
+    if args["sink"] and args["encoding"] != "goat":
+        raise ValueError(f"configs/lm_tiny.py: 'linear_sink' is an option of GOAT's sink; drop it "
+                         f"or use the encoding 'goat' (got {args['encoding']!r}).")
     smoke, encoding = args["size"] == "smoke", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction (goat_jax.train.tasks)
@@ -75,6 +80,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.prior_init = "seeded"  # ALiBi-like start
     c.model.prior_gate = "none"  # no query-norm gate
     c.model.enable_key_bias = True  # learned sink u(j)
+    c.model.sink_extrapolation = "linear" if args["sink"] else "official"  # sink MLP past seq_len
     c.model.norm_eps = 1e-6  # RMSNorm epsilon
     c.model.dtype = "float32"  # compute dtype (CPU: float32)
     c.model.param_dtype = "float32"  # parameter dtype

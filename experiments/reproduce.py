@@ -199,7 +199,13 @@ SUITES = {
             "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
             "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
             "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
+            "goat+linear_sink is GOAT with the sink MLP continued linearly past the training "
+            "length (model.sink_extrapolation='linear', docs/extrapolation.md). Up to 64 keys it "
+            "is the official prior, so it trains as goat (the same function; float32 rounding of "
+            "a differently compiled program makes the runs drift apart slightly) and differs "
+            "only past 1x.",
         ),
+        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
         retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),

@@ -170,6 +170,12 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
         raise ValueError("to_official: out_features must equal embed_dim for the official module.")
     kv = module.kv_num_heads or module.num_heads
     pr = module.prior
+    if pr.sink_extrapolation != "official":
+        raise ValueError(
+            f"to_official: prior.sink_extrapolation={pr.sink_extrapolation!r} has no counterpart in "
+            "the official package, whose sink MLP would give other outputs past training_seq_len. "
+            "Export a module with sink_extrapolation='official' (same parameters, official "
+            "behaviour) if that is what you want.")
     m = goat.GoatAttention(
         embed_dim=e, num_heads=n, kv_num_heads=kv, batch_first=True, bias=module.use_bias,
         pos_rank=pr.pos_rank, abs_rank=pr.abs_rank, pos_base=pr.pos_base, abs_base=pr.abs_base,

@@ -10,6 +10,9 @@ learned one. For query position ``p_i`` and key position ``p_j`` of head ``h``::
 * ``u_h(j) = gain_h * mlp(phi(j)) + bump_h * [t_j == 0] + [causal] softplus(slope_h) * t_j``:
   a key-only "sink" term. ``phi(j)`` are absolute Fourier features of the key position plus
   ``t_j / L_n`` and ``log1p(t_j) / log1p(L_n)``.
+* Option ``sink_extrapolation='linear'`` (ours, not in the official package; off by default):
+  beyond the training window the sink MLP's output continues along a straight line instead of
+  being evaluated on inputs it never saw (:func:`sink_mlp_values`; why: docs/extrapolation.md).
 
 The parametrization (names, shapes, initial values, frequency formula, 2D frequency split)
 is exactly that of the official PyTorch package ``goat-attention`` 0.1.1, so parameters map
@@ -78,6 +81,9 @@ def inverse_softplus(y: np.ndarray) -> np.ndarray:
 # Hyper-parameters
 # ----------------------------------------------------------------------------------------------
 
+# How the sink MLP's output is defined past the training window (PriorSettings.sink_extrapolation).
+SINK_EXTRAPOLATIONS = ("official", "linear")
+
 
 @dataclasses.dataclass(frozen=True)
 class PriorSettings:
@@ -100,6 +106,11 @@ class PriorSettings:
       prior_init: 'seeded' (lambda_sym ~ N(0, 1e-2), ALiBi recency slopes) or 'uniform' (flat
         prior: zero coefficients, zero MLP output, no recency), as the official package.
       init_scale_prior: std of the sink MLP's initial weights.
+      sink_extrapolation: 'official' (the sink MLP is evaluated at every key position, as the
+        official package does) or 'linear' (ours: on the keys of a training window, indices
+        ``0 .. training_seq_len - 1``, exactly the official sink; beyond, the MLP's output
+        continues along its secant over the window's second half, see
+        :func:`sink_mlp_values`). 'linear' needs ``training_seq_len`` and 1D positions.
     """
 
     pos_rank: int = 8
@@ -111,6 +122,7 @@ class PriorSettings:
     prior_gate: str = "none"
     prior_init: str = "seeded"
     init_scale_prior: float = 1e-3
+    sink_extrapolation: str = "official"
 
     def __post_init__(self):
         if self.pos_rank < 0 or self.abs_rank < 0:
@@ -125,6 +137,14 @@ class PriorSettings:
             raise ValueError(f"pos_base ({self.pos_base}) and abs_base ({self.abs_base}) must be > 1.")
         if not self.init_scale_prior >= 0.0:
             raise ValueError(f"init_scale_prior must be >= 0, got {self.init_scale_prior}.")
+        if self.sink_extrapolation not in SINK_EXTRAPOLATIONS:
+            raise ValueError(f"sink_extrapolation must be one of {SINK_EXTRAPOLATIONS}, got "
+                             f"{self.sink_extrapolation!r}.")
+        if self.sink_extrapolation == "linear" and (self.training_seq_len or 0) < 2:
+            raise ValueError(
+                f"sink_extrapolation='linear' continues the sink beyond the training window, so it "
+                f"needs training_seq_len >= 2 (the training context length), got "
+                f"training_seq_len={self.training_seq_len}.")
 
     @classmethod
     def names(cls) -> Tuple[str, ...]:
@@ -473,16 +493,51 @@ def sink_mlp(mlp_params: Params, x: Array) -> Array:
     return dense("fc2", jax.nn.silu(dense("fc1", x)))[..., 0]
 
 
+def sink_mlp_values(spec: PriorSpec, mlp_params: Params, k_pos: Positions) -> Array:
+    """The sink MLP's output ``m(t)`` at each key, [..., S] float32.
+
+    'official': ``m(t) = mlp(phi(t))`` at every key.
+
+    'linear' (1D positions): with ``e = L_n - 1`` (the last key index of a training window,
+    ``L_n = training_seq_len``) and ``h = L_n // 2``::
+
+        m(t) = mlp(phi(t))                                          t <= e
+        m(t) = mlp(phi(e)) + (t - e) * (mlp(phi(e)) - mlp(phi(e - h))) / h   t > e
+
+    Why: trained at one length, the MLP learns a ramp in ``t`` that acts as extra recency (the
+    causal softmax only sees differences of ``u`` between keys), from inputs (``t / L_n``,
+    ``log1p(t)``, slow Fourier features) whose values beyond ``L_n`` it never saw, so past the
+    window the ramp stalls or turns over and the heads lose their locality. The secant carries the
+    learned ramp on as the ALiBi-like linear term it acts as; a linear ``u`` is exactly
+    translation invariant. The second half of the window sets the slope so that a sink shaped
+    at the first tokens does not tilt it. Measurements: docs/extrapolation.md.
+    """
+    if spec.sink_extrapolation == "official":
+        return sink_mlp(mlp_params, sink_mlp_inputs(spec, k_pos))
+    if k_pos.is_2d:
+        raise ValueError("sink_extrapolation='linear' is defined for 1D positions (a sequence "
+                         "longer than training_seq_len); use 'official' for 2D grids.")
+    end, half = float(spec.training_seq_len - 1), float(spec.training_seq_len // 2)
+    t = k_pos.index.astype(real_dtype())
+    inside = jnp.minimum(t, end)  # NaN (invalid traced positions) stays NaN
+    m_inside = sink_mlp(mlp_params, sink_mlp_inputs(spec, Positions(index=inside, coords=inside)))
+    anchors = jnp.asarray([end, end - half], real_dtype())
+    m_end, m_mid = sink_mlp(mlp_params, sink_mlp_inputs(spec, Positions(index=anchors, coords=anchors)))
+    extended = m_end + (t - end) * ((m_end - m_mid) / half)
+    return jnp.where(t > end, extended, m_inside)  # exactly the official m(t) inside the window
+
+
 def sink(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> Array:
     """The key-only log-prior ``u_h(j)``, [..., S, K] float32 (zeros [..., S, 0] if disabled).
 
-    ``u = gain_h * mlp(phi(j)) + bump_h * [t_j == 0] + [causal] softplus(slope_h) * t_j``.
-    The recency slope is only added under causal masking, where ``slope * t_j`` equals the
-    ALiBi penalty ``-slope * (t_i - t_j)`` up to a per-row constant that softmax ignores.
+    ``u = gain_h * m(t_j) + bump_h * [t_j == 0] + [causal] softplus(slope_h) * t_j`` with
+    ``m`` the sink MLP's output (:func:`sink_mlp_values`). The recency slope is only added
+    under causal masking, where ``slope * t_j`` equals the ALiBi penalty ``-slope * (t_i - t_j)``
+    up to a per-row constant that softmax ignores.
     """
     if not spec.enable_key_bias:
         return jnp.zeros(k_pos.index.shape + (0,), real_dtype())
-    m = sink_mlp(params["key_bias"], sink_mlp_inputs(spec, k_pos))[..., None]  # [..., S, 1]
+    m = sink_mlp_values(spec, params["key_bias"], k_pos)[..., None]  # [..., S, 1]
     t = k_pos.index.astype(real_dtype())[..., None]  # [..., S, 1]
     u = params["sink_gain"].astype(real_dtype()) * m + params["sink_bump"].astype(real_dtype()) * (
         t == 0

@@ -76,11 +76,24 @@ def sink_prior(p, cfg, k_index, k_coords, k_cls, grid, is_causal):
         ph = np.concatenate([k_coords[:, :1] * wa[:m_row], k_coords[:, 1:] * wa[m_row:]], axis=1)
     feats = np.concatenate([np.cos(ph), np.sin(ph)], axis=1) * ~k_cls[:, None]
     ln = cfg.get("training_seq_len") or max(s - 1, 1)
-    x = np.concatenate([feats, k_index[:, None] / ln, np.log1p(k_index)[:, None] / np.log1p(ln)], axis=1)
     kb = p["key_bias"]
-    hdn = x @ kb["fc1"]["kernel"] + kb["fc1"]["bias"]
-    hdn = hdn / (1.0 + np.exp(-hdn))  # SiLU
-    mlp = (hdn @ kb["fc2"]["kernel"] + kb["fc2"]["bias"])[:, 0]  # [S]
+
+    def mlp_at(t, feats):
+        x = np.concatenate([feats, t[:, None] / ln, np.log1p(t)[:, None] / np.log1p(ln)], axis=1)
+        hdn = x @ kb["fc1"]["kernel"] + kb["fc1"]["bias"]
+        hdn = hdn / (1.0 + np.exp(-hdn))  # SiLU
+        return (hdn @ kb["fc2"]["kernel"] + kb["fc2"]["bias"])[:, 0]  # [len(t)]
+
+    mlp = mlp_at(k_index, feats)  # [S]
+    if cfg.get("sink_extrapolation", "official") == "linear":
+        # Past the last training key e = L - 1 the MLP output follows the straight line through
+        # its values at e - L // 2 and e (1D positions only).
+        assert grid is None
+        e, h = ln - 1, ln // 2
+        anchors = np.array([e - h, e], np.float64)
+        m_mid, m_end = mlp_at(anchors, np.concatenate([np.cos(anchors[:, None] * wa), np.sin(anchors[:, None] * wa)], axis=1))
+        line = m_end + (m_end - m_mid) / h * (k_index - e)
+        mlp = np.where(k_index > e, line, mlp)
     u = p["sink_gain"][:, None] * mlp[None] + p["sink_bump"][:, None] * (k_index == 0)[None]
     if is_causal:
         u = u + _softplus(p["recency_slope_raw"])[:, None] * k_index[None]
@@ -90,7 +103,8 @@ def sink_prior(p, cfg, k_index, k_coords, k_cls, grid, is_causal):
 def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask=None,
                    offset_q=0, offset_k=0, grid=None, has_cls=False, return_logits=False):
     """Reference GoatAttention forward. ``cfg``: num_heads, kv_num_heads, head_dim, pos_rank,
-    abs_rank, [pos_base, abs_base, training_seq_len, prior_gate, enable_key_bias]."""
+    abs_rank, [pos_base, abs_base, training_seq_len, prior_gate, enable_key_bias,
+    sink_extrapolation]."""
     p = unboxed(params)
     xq, xk, xv = (np.asarray(x, np.float64) for x in (xq, xk, xv))
     n, kv, h = cfg["num_heads"], cfg["kv_num_heads"], cfg["head_dim"]

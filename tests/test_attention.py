@@ -46,7 +46,8 @@ def ref_cfg(module):
     return dict(num_heads=module.num_heads, kv_num_heads=module.kv_num_heads or module.num_heads,
                 head_dim=module.head_dim or E // module.num_heads, pos_rank=module.prior.pos_rank,
                 abs_rank=module.prior.abs_rank, training_seq_len=module.prior.training_seq_len,
-                prior_gate=module.prior.prior_gate, enable_key_bias=module.prior.enable_key_bias)
+                prior_gate=module.prior.prior_gate, enable_key_bias=module.prior.enable_key_bias,
+                sink_extrapolation=module.prior.sink_extrapolation)
 
 
 CASES = {
@@ -57,6 +58,9 @@ CASES = {
     "cross_offsets": (dict(kv_num_heads=2), dict(is_causal=False, offset_q=100, offset_k=3), 8, 20),
     "query_norm_gate": (dict(prior_gate="query_norm"), dict(is_causal=True), 16, 16),
     "no_key_bias": (dict(enable_key_bias=False, pos_rank=6), dict(is_causal=True), 16, 16),
+    # Keys on both sides of training_seq_len: the sink's linear continuation (docs/extrapolation.md).
+    "linear_sink_gqa_offsets": (dict(kv_num_heads=2, training_seq_len=8, sink_extrapolation="linear"),
+                                dict(is_causal=True, offset_q=9, offset_k=3), 12, 12),
     "grid_2d": (dict(pos_encoding="2d"), dict(grid=(3, 5)), 15, 15),
     "grid_2d_cls_offsets": (dict(pos_encoding="2d", has_cls_token_default=True, pos_rank=5, abs_rank=3),
                             dict(grid=(4, 3), has_cls=True, offset_q=(2, 1), offset_k=(0, 3)), 13, 13),
@@ -190,14 +194,18 @@ def test_kv_cache_decoding_equals_full_forward(implementation, rng):
     assert np.isnan(np.asarray(over)).all()
 
 
-def test_prior_gradients_match_finite_differences(rng):
+@pytest.mark.parametrize("fields", [
+    dict(prior_gate="query_norm"),
+    pytest.param(dict(training_seq_len=6, sink_extrapolation="linear"), marks=pytest.mark.slow)])
+def test_prior_gradients_match_finite_differences(fields, rng):
     """float64 autodiff vs central differences on every prior parameter ('dense' path, which
     computes in float64; the XLA kernel runs its softmax in float32), then the packed 'xla'
-    path's gradient against the dense one."""
+    path's gradient against the dense one. The second case puts 4 of the 10 keys past
+    training_seq_len, where the sink MLP's parameters act through its linear continuation."""
     with jax.enable_x64(True):
         module, params = make_module_and_params(
-            rng, 10, kv_num_heads=2, prior_gate="query_norm", param_dtype=jnp.float64,
-            dtype=jnp.float64, implementation="dense")
+            rng, 10, kv_num_heads=2, param_dtype=jnp.float64,
+            dtype=jnp.float64, implementation="dense", **fields)
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
         x = jnp.asarray(rng.normal(size=(1, 10, E)), jnp.float64)
         target = jnp.asarray(rng.normal(size=(1, 10, E)), jnp.float64)

@@ -116,9 +116,11 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
-    # toy; a ViT per 2D encoding; a genome LM per DNA encoding.
-    assert len(lines) == 5 * len(reproduce.ENCODINGS) + 1 + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS)
+    # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding.
+    assert len(lines) == (5 * len(reproduce.ENCODINGS) + 1 + len(reproduce.SUITES["tiny"].lm_variants)
+                          + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS))
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
+    assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
     for enc in reproduce.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
         assert f"vit/vit/{enc} (configs/vit_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/vit/{enc}" in lines[
             [i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.attention import GoatAttention
-from goat_jax.prior import PriorSettings
+from goat_jax.prior import SINK_EXTRAPOLATIONS, PriorSettings
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.train.validation import Bool, Float, Int, Str
 
@@ -69,6 +69,7 @@ FIELD_SPECS = {
     "prior_gate": Str(choices=("none", "query_norm")),
     "enable_key_bias": Bool(),
     "init_scale_prior": Float(min=0.0, min_inclusive=False),
+    "sink_extrapolation": Str(choices=SINK_EXTRAPOLATIONS, doc="'linear' needs training_seq_len"),
     "use_bias": Bool(),
     "norm_eps": Float(min=0.0, min_inclusive=False, doc="epsilon of the block norms (RMSNorm for block=llama, LayerNorm for block=gpt2)"),
     "dtype": Str(choices=_DTYPES),
@@ -115,6 +116,7 @@ class LMConfig:
     prior_gate: str = _PRIOR.prior_gate  # GOAT: 'none' or 'query_norm'
     enable_key_bias: bool = _PRIOR.enable_key_bias  # GOAT: the learned key-only sink u(j)
     init_scale_prior: float = _PRIOR.init_scale_prior  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
+    sink_extrapolation: str = _PRIOR.sink_extrapolation  # GOAT: sink past training_seq_len, 'official' | 'linear' (docs/extrapolation.md)
     use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
     norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
     dtype: Any = "float32"  # compute dtype of activations
