@@ -390,52 +390,100 @@ def _setup_line(job: Job) -> str:
                    + (f", seed {c['seed']}" if job.kind == "dna" else ""))
 
 
-def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
-                 command: str, timings: dict[str, float], total_seconds: float) -> str:
-    """Writes ``OUT/REPORT.md`` and the figures from the ``results`` of the trained ``jobs``;
-    returns the markdown."""
+FAMILY_TITLES = {"lm": "Language", "vit": "Vision", "dna": "DNA"}  # REPORT.md's family sections, in order
+
+
+def family_of(job: Job) -> str:
+    """``'lm'`` (LMs, retrieval, toy), ``'vit'`` or ``'dna'``: the family a job belongs to."""
+    from experiments import report_lm  # pylint: disable=g-import-not-at-top
+    return "lm" if job.kind in report_lm.LM_KINDS else job.kind
+
+
+def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
+                   command: str, timings: dict[str, float], total_seconds: float) -> str:
+    """One family's part of REPORT.md (``## <Family>`` and its subsections): the provenance of
+    this invocation (command, date, commit, compute), the setup, the headline checks with their
+    numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's)."""
     from experiments import report_dna, report_lm, report_vision  # pylint: disable=g-import-not-at-top
 
-    os.makedirs(out, exist_ok=True)
-    encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in report_lm.LM_KINDS[:-1]
-                                   and not j.variant))
-    memory = report_dna.dna_memory(suite, jobs)
-    families = ", ".join(f for f, kinds in (("language", report_lm.LM_KINDS), ("vision", ("vit",)),
-                                            ("DNA", ("dna",))) if any(j.kind in kinds for j in jobs))
-    md = [f"# GOAT experiments ({families}), `{suite.name}` suite", "",
+    mine = {k: v for k, v in timings.items() if k.split(" ", 1)[1] in {j.name for j in jobs}}
+    md = [f"## {FAMILY_TITLES[family]}", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
           f"Code: git {_git_commit()}  ",
           f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), no accelerator  ",
-          f"Compute: {sum(timings.values()) / 60:.1f} min over all stages (training "
-          f"{sum(v for k, v in timings.items() if k.startswith('train')) / 60:.1f} min); this invocation "
+          f"Compute: {sum(mine.values()) / 60:.1f} min over this family's stages (training "
+          f"{sum(v for k, v in mine.items() if k.startswith('train')) / 60:.1f} min); the invocation "
           f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused)", ""]
-    md += ["## Setup (identical across position encodings)", ""]
+    body = ["## Setup (identical across position encodings)", ""]
     for kind, dataset in dict.fromkeys((j.kind, j.dataset) for j in jobs if not j.variant):
         job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
-        md.append(f"* **{kind if dataset in (kind, 'copy_mixture') or kind == 'lm' else dataset}**: "
-                  + _setup_line(job))
-    md += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j) for j in jobs if j.variant]
-    md.append("")
-
-    checks = (report_lm.lm_checks(results, encodings) + report_vision.vision_checks(jobs, results)
-              + report_dna.dna_checks(jobs, results, memory))
-    md += ["## Headline checks", "", "| claim | result | numbers |", "|---|---|---|"]
+        body.append(f"* **{kind if dataset in (kind, 'copy_mixture') or kind == 'lm' else dataset}**: "
+                    + _setup_line(job))
+    body += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j) for j in jobs if j.variant]
+    body.append("")
+    if family == "lm":
+        encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in report_lm.LM_KINDS[:-1]
+                                       and not j.variant))
+        checks = report_lm.lm_checks(results, encodings)
+    elif family == "vit":
+        checks = report_vision.vision_checks(jobs, results)
+    else:
+        memory = report_dna.dna_memory(suite, jobs)
+        checks = report_dna.dna_checks(jobs, results, memory)
+    body += ["## Headline checks", "", "| claim | result | numbers |", "|---|---|---|"]
     for claim, ok, numbers in checks:
-        md.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
-    md.append("")
-    if suite.notes and any(j.kind in report_lm.LM_KINDS for j in jobs):  # the notes are the language runs'
-        md += ["## Notes", ""] + [f"* {n}" for n in suite.notes] + [""]
-    md += report_lm.lm_sections(suite, jobs, results, out)
-    md += report_vision.vision_section(jobs, results, out)
-    md += report_dna.dna_section(suite, jobs, results, memory)
-    md += ["## Run times", "", "| stage | seconds |", "|---|---|"]
-    md += [f"| {k} | {v:.0f} |" for k, v in timings.items()]
-    md.append("")
-    text = "\n".join(md)
+        body.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
+    body.append("")
+    if family == "lm":
+        if suite.notes:  # the suite's notes are about the language runs
+            body += ["## Notes", ""] + [f"* {n}" for n in suite.notes] + [""]
+        body += report_lm.lm_sections(suite, jobs, results, out)
+    elif family == "vit":
+        body += report_vision.vision_section(jobs, results, out)
+    else:
+        body += report_dna.dna_section(suite, jobs, results, memory)
+    body += ["## Run times", "", "| stage | seconds |", "|---|---|"]
+    body += [f"| {k} | {v:.0f} |" for k, v in mine.items()]
+    # One level deeper than a standalone report: the family is the ## heading.
+    md += [("#" + line) if line.startswith("##") else line for line in body]
+    return "\n".join(md) + "\n"
+
+
+def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
+                 command: str, timings: dict[str, float], total_seconds: float) -> str:
+    """Writes the sections of the families in ``jobs`` to ``OUT/sections/<family>.md``, then
+    ``OUT/REPORT.md``: every family section found in ``OUT/sections`` (a family not run this
+    time keeps the section of the invocation that last ran it, with that invocation's command,
+    date and commit), and merges ``results`` into ``OUT/results.json``. Returns the markdown."""
+    os.makedirs(os.path.join(out, "sections"), exist_ok=True)
+    for family in FAMILY_TITLES:
+        fam_jobs = [j for j in jobs if family_of(j) == family]
+        if fam_jobs:
+            text = family_section(family, suite, fam_jobs, results, out, command, timings, total_seconds)
+            with open(os.path.join(out, "sections", f"{family}.md"), "w") as f:
+                f.write(text)
+    sections = []
+    for family in FAMILY_TITLES:
+        path = os.path.join(out, "sections", f"{family}.md")
+        if os.path.exists(path):
+            with open(path) as f:
+                sections.append((family, f.read()))
+    md = [f"# GOAT experiments, `{suite.name}` suite", "",
+          "Each family below was produced by the command, at the date and commit, written under its "
+          "heading: `python -m experiments.reproduce --suite " + suite.name + "` runs every family, "
+          "`--families vit,dna` (say) reruns those and keeps the other sections as they were "
+          "(`sections/<family>.md`).", ""]
+    md += [f"* [{FAMILY_TITLES[f]}](#{FAMILY_TITLES[f].lower()})" for f, _ in sections] + [""]
+    text = "\n".join(md) + "\n" + "\n".join(body for _, body in sections)
     with open(os.path.join(out, "REPORT.md"), "w") as f:
         f.write(text)
+    merged = {}
+    if os.path.exists(os.path.join(out, "results.json")):
+        with open(os.path.join(out, "results.json")) as f:
+            merged = json.load(f)
+    merged.update(results)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=float)
+        json.dump(merged, f, indent=1, default=float)
     return text
 
 
@@ -511,7 +559,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report_lm.copy_toy_figures(jobs, out)
     text = write_report(suite, jobs, results, out, command, timings, time.time() - t_start)
     log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
-    print(text.split("## Headline checks")[1].split("\n## ")[0] if "## Headline checks" in text else "")
+    for part in text.split("### Headline checks")[1:]:  # every family's verdicts, for the log
+        print("### Headline checks" + part.split("\n## ")[0].split("\n### ", 1)[0])
     return 0
 
 

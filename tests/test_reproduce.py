@@ -2,6 +2,7 @@
 extrapolation, standard and synthetic passkey, NIAH, sinks, the toy figure, REPORT.md), and the
 paper suite's dry run (commands built from configs that validate, nothing run)."""
 
+import json
 import os
 import re
 import shlex
@@ -50,9 +51,18 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     log = capsys.readouterr().out
     assert "[1/6] lm/jargon/goat" in log and "at step 4 after" in log and "evaluated in" in log
     assert "[5/6] vit/vit/goat" in log and "[6/6] dna/dna/goat" in log
-    # A second run finds every run trained and evaluated (cached) and only rewrites the report.
-    assert reproduce.main(argv) == 0
+    # A second run of one family finds its runs trained and evaluated (cached) and rewrites its
+    # own section only: the others keep the first invocation's text, and results.json keeps all.
+    sections = {f: (out / "sections" / f"{f}.md").read_text() for f in ("lm", "vit", "dna")}
+    assert reproduce.main(argv + ["--families", "dna"]) == 0
     assert "evaluated in" not in capsys.readouterr().out
+    report = (out / "REPORT.md").read_text()
+    assert (out / "sections" / "lm.md").read_text() == sections["lm"]
+    assert (out / "sections" / "vit.md").read_text() == sections["vit"]
+    assert sections["lm"] in report and sections["vit"] in report
+    assert "--families dna`" in (out / "sections" / "dna.md").read_text()
+    assert report.index("## Language") < report.index("## Vision") < report.index("## DNA")
+    assert {"lm/jargon/goat", "vit/vit/goat", "dna/dna/goat"} <= set(json.loads((out / "results.json").read_text()))
 
 
 def test_paper_dry_run_prints_commands_for_every_run(capsys):
