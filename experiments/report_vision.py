@@ -147,12 +147,12 @@ def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
           f"resolution (resize the shorter side to r * 256/224, centre crop r); trained at {r1} px "
           f"only. Images/s: median training throughput from the run's metrics.jsonl (a shared "
           f"CPU: read side by side with care).", "",
-          f"| encoding | step | {head} | 1x -> 2x (points) | train images/s |",
+          f"| encoding | step | {head} | top-1 lost 1x -> 2x (points) | train images/s |",
           "|---|---:|" + "---:|" * len(rs) + "---:|---:|"]
     for label, e in runs.items():
         cells = [f"{100 * t:.2f}" if (t := _top1(e, r)) is not None else "-" for r in rs]
         t2 = _top1(e, 2 * r1)
-        drop = f"{100 * (_top1(e, r1) - t2):+.2f}" if t2 is not None else "-"
+        drop = f"{100 * (_top1(e, r1) - t2):.2f}" if t2 is not None else "-"
         ips = e.get("images_per_sec")
         md.append(f"| {label} | {e['step']} | " + " | ".join(cells) + f" | {drop} | "
                   f"{'-' if ips is None else f'{ips:,.0f}'} |")
@@ -177,8 +177,8 @@ def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
         md += [f"### GOAT's learned 2D prior (block 0, head mean, centre patch's query over a "
                f"{grid[0]} x {grid[1]} key grid; trained on {r1 // int(_patch(jobs))} x "
                f"{r1 // int(_patch(jobs))})", "", "![GOAT prior](vit_prior_goat.png)", "",
-               f"The prior starts uniform (0 everywhere); its learned range on this grid is {spread:.3f} nats "
-               "(how far it moved from uniform).", "",
+               f"Trained from `prior_init='uniform'`; its range on this grid (max - min of the head-mean "
+               f"log-prior: how strongly it prefers some keys over others) is {spread:.3f} nats.", "",
                "Shift-invariance error per block (largest change of the head-mean log-prior when query "
                "and key move by the same patches, relative to its range over the grid; 0 = exactly "
                "shift-invariant): on a 16 x 16 grid, shift (3, 5): "
