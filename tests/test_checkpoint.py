@@ -83,6 +83,39 @@ def test_incompatible_config_fails_without_touching_checkpoints(tmp_path):
     ckpt.close()
 
 
+def test_field_added_at_its_default_resumes_and_other_values_do_not(tmp_path):
+    """A run saved before a config field existed resumes when the field is set to the task's
+    default for it (the same computation); any other value is a difference, as is a new field
+    the task declares no default for."""
+    ckpt = checkpoint.Checkpointer(str(tmp_path), CONFIG)
+    ckpt.save(5, _state(), {"i": 5}, wait=True)
+    ckpt.close()
+    defaults = {"model.sink": "official", "model.extra": None}
+    for sink, extra, ok in (("official", None, True), ("linear", None, False), ("official", 0.5, False)):
+        newer = json.loads(json.dumps(CONFIG))
+        newer["model"].update(sink=sink, extra=extra)
+        ckpt = checkpoint.Checkpointer(str(tmp_path), newer, field_defaults=defaults)
+        if ok:
+            assert ckpt.check_compatible() == {}
+        else:
+            with pytest.raises(checkpoint.IncompatibleCheckpointError, match="checkpoint '<absent>' vs now"):
+                ckpt.check_compatible()
+        ckpt.close()
+    newer = json.loads(json.dumps(CONFIG))
+    newer["model"]["sink"] = "official"
+    ckpt = checkpoint.Checkpointer(str(tmp_path), newer)  # no defaults declared: refused
+    with pytest.raises(checkpoint.IncompatibleCheckpointError, match="model.sink"):
+        ckpt.check_compatible()
+    ckpt.close()
+
+
+def test_task_defaults_are_the_model_dataclass_defaults():
+    from goat_jax.tasks import lm, vit
+    defaults = lm.TASK.field_defaults()
+    assert defaults["model.sink_extrapolation"] == "official" and defaults["data.span_loss_weight"] is None
+    assert vit.TASK.field_defaults()["model.position_encoding"] == "goat"
+
+
 def test_leftover_temporary_directory_is_ignored(tmp_path):
     """A save interrupted by SIGKILL leaves a tmp directory; it is not a checkpoint."""
     ckpt = checkpoint.Checkpointer(str(tmp_path), CONFIG)

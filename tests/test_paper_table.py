@@ -4,7 +4,6 @@ rendered rows are shell comments with the right budget arithmetic."""
 
 import jax
 import numpy as np
-import pytest
 
 from experiments import paper_table, reproduce
 from goat_jax.train import tasks

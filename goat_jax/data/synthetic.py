@@ -525,12 +525,14 @@ def make_synthetic_datasets(data_config: ml_collections.ConfigDict, *, seq_len: 
         raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
                          f"process_count={process_count}.")
     make_batch = make_batch_fn(data_config, global_batch_size // process_count, seq_len)
-    train_batch, weight = make_batch, data_config.get("span_loss_weight")
-    if weight is not None:  # the training objective only; eval batches keep span weights
-        def train_batch(rng):
-            batch, meta = make_batch(rng)
-            return {**batch, "weights": span_loss_weights(batch["weights"], weight)}, meta
-    train = SyntheticIterator(train_batch, seed, process_index=process_index)
+    weight = data_config.get("span_loss_weight")
+
+    def weighted_batch(rng):  # the training objective only; eval batches keep span weights
+        batch, meta = make_batch(rng)
+        return {**batch, "weights": span_loss_weights(batch["weights"], weight)}, meta
+
+    train = SyntheticIterator(make_batch if weight is None else weighted_batch, seed,
+                              process_index=process_index)
 
     def make_eval_iter() -> Iterator[Batch]:
         it = SyntheticIterator(make_batch, seed, process_index=process_index, role=_EVAL)

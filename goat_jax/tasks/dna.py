@@ -149,6 +149,7 @@ TASK = tasks.Task(
     # kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
+    field_defaults=lambda: tasks.dataclass_defaults(lm.LMConfig, "model"),
     no_decay_names=models.NO_DECAY_NAMES,
     # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): decay everything.
     decay_groupings={"official_genome": decay_every_parameter},

@@ -142,4 +142,6 @@ TASK = tasks.Task(
                         "model.implementation"),
     no_decay_names=models.NO_DECAY_NAMES,
     decay_groupings={"official_c4": models.official_c4_decay_mask},
+    # Fields a config may leave out (runs from before they existed resume under their defaults).
+    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None},
 )

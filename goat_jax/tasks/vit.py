@@ -134,4 +134,5 @@ TASK = tasks.Task(
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.implementation"),
     # timm/DeiT exclude the position table and CLS token from weight decay, besides biases and norms.
     no_decay_names=models.NO_DECAY_NAMES | {"pos_embed", "cls"},
+    field_defaults=lambda: tasks.dataclass_defaults(vit.ViTConfig, "model"),
 )

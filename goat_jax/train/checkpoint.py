@@ -74,6 +74,17 @@ def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
+def _unflatten(flat: Dict[str, Any]) -> Dict[str, Any]:
+    tree: Dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
 def fingerprint_fields(config_dict: Dict[str, Any], resume_safe_fields: Iterable[str] = ()) -> Dict[str, Any]:
     """The flattened ``{'a.b': value}`` fields of a resolved config that a checkpoint depends
     on (everything except :data:`RESUME_SAFE_FIELDS` and the task's ``resume_safe_fields``),
@@ -157,6 +168,9 @@ class Checkpointer:
       keep: keep the last ``keep`` checkpoints.
       async_save: write the train state in a background thread.
       resume_safe_fields: the task's fields left out of the fingerprint.
+      field_defaults: ``{'a.b': default}`` (the task's :attr:`~goat_jax.train.tasks.Task.field_defaults`):
+        a field missing from one config and at this value in the other is no difference, so
+        runs written before a field was added resume.
       read_only: for readers of a run that may still be training (evaluation): never creates,
         writes, deletes or cleans up anything under ``directory`` -- in particular not the
         trainer's in-progress temporary checkpoint -- and :meth:`save` raises. The directory
@@ -164,8 +178,10 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, config_dict: Dict[str, Any], *, keep: int = 3, async_save: bool = True,
-                 resume_safe_fields: Iterable[str] = (), read_only: bool = False):
+                 resume_safe_fields: Iterable[str] = (), field_defaults: Optional[Dict[str, Any]] = None,
+                 read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        self.field_defaults = fingerprint_fields(dict(_unflatten(field_defaults or {})))
         self.read_only = read_only
         self.fields = fingerprint_fields(config_dict, resume_safe_fields)
         self.fingerprint = config_fingerprint(config_dict, resume_safe_fields)
@@ -216,6 +232,13 @@ class Checkpointer:
         keys = sorted(set(saved) | set(self.fields))
         changed = {k: (saved.get(k, "<absent>"), self.fields.get(k, "<absent>")) for k in keys
                    if saved.get(k, "<absent>") != self.fields.get(k, "<absent>")}
+        # A field added to the config after the checkpoint was written, at its default value
+        # (or one dropped while at its default), computes the same run.
+        changed = {k: v for k, v in changed.items()
+                   if not ("<absent>" in v and k in self.field_defaults
+                           and self.field_defaults[k] in v)}
+        if not changed:
+            return {}
         adjustable = set(changed) <= RESUME_ADJUSTABLE_FIELDS
         if allow_changes and adjustable:
             return changed

@@ -155,7 +155,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
         raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint yet.")
     ckpt = checkpoint_lib.Checkpointer(directory, config.to_dict(), keep=int(config.keep_checkpoints),
                                        async_save=False, resume_safe_fields=task.resume_safe_fields,
-                                       read_only=True)
+                                       field_defaults=task.field_defaults(), read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:

@@ -106,6 +106,10 @@ class Task:
       field_specs: ``config -> {section: {field: validation.Field}}``, the type and range of
         the task's fields ('' for its top-level ones), checked before any work
         (:mod:`goat_jax.train.validation`).
+      field_defaults: ``() -> {'section.field': default}``, the value a field takes when a
+        config leaves it out (e.g. the model dataclass's defaults). A checkpoint written before
+        a field existed resumes under a config that sets it to this value: absent and default
+        are the same run (:meth:`goat_jax.train.checkpoint.Checkpointer.check_compatible`).
     """
 
     name: str
@@ -125,6 +129,14 @@ class Task:
     no_decay_names: FrozenSet[str] = frozenset()
     decay_groupings: Dict[str, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
     field_specs: Callable[[Any], Dict[str, Dict[str, Any]]] = lambda config: {}
+    field_defaults: Callable[[], Dict[str, Any]] = lambda: {}
+
+
+def dataclass_defaults(cls: Any, section: str) -> Dict[str, Any]:
+    """``{'<section>.<field>': default}`` of a dataclass's fields that have a plain default
+    (a :attr:`Task.field_defaults` helper: the model section is its config dataclass)."""
+    return {f"{section}.{f.name}": f.default for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
 
 
 def builtin_tasks() -> Tuple[str, ...]:

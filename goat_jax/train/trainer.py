@@ -310,7 +310,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
                                                keep=config.keep_checkpoints,
-                                               resume_safe_fields=task.resume_safe_fields)
+                                               resume_safe_fields=task.resume_safe_fields,
+                                               field_defaults=task.field_defaults())
     changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
         # Written whole then renamed: a reader of the live run never sees a partial file.
