@@ -58,6 +58,7 @@ def test_attention_init_std_draws_normal_projections(encoding):
         assert abs(_kurtosis(old) - 1.8) < 0.1, path
 
 
+@pytest.mark.slow  # ~10-25 s: a 12-layer model init (the init option itself: the test above)
 def test_official_c4_init_std():
     """The official C4 recipe's init (docs/protocols.md, C4 125M) at its own depth, head size
     and ranks, narrowed (d 192, 3 heads of 64, vocab 512) so it initializes in a second: every
