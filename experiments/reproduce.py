@@ -50,6 +50,8 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
+from experiments import report_notes
+
 ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's
 VIT_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")  # the vision family's
 DNA_ENCODINGS = ("goat", "rope", "alibi", "nope")  # the genome family's
@@ -175,59 +177,9 @@ SUITES = {
         # error ~0.6 points at 85%), 65,536 bases of each DNA set (~32 windows at 8x).
         vit="configs/vit_tiny.py:{enc}", vit_eval_batches=32,
         dna="configs/dna_tiny.py:{enc}", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
-        notes=(
-            "Settings were fixed for all encodings before this run, from single probe runs (same "
-            "seeds, not part of this report): with lm_tiny's GQA (2 KV heads) GOAT reached 8.9 "
-            "in-distribution perplexity against RoPE's 7.6 (600 steps at 128 tokens): GOAT's prior "
-            "is per KV head, so that model had only two priors per layer. With MHA the gap was "
-            "7.78 vs 7.57 at 600 steps and 6.29 vs 6.27 at 1000. GQA passkey probes (800 steps) "
-            "scored 0-53% (GOAT) and 0-25% (RoPE) beyond 1x; the retrieval models use MHA too, "
-            "chosen from the LM probes before any MHA retrieval model was trained.",
-            "Training length: at 128 tokens (1000 steps x 16) GOAT's 16x / 1x perplexity ratio "
-            "was 1.00 and RoPE's 2.44, i.e. below the 3x of the RoPE claim; at 64 tokens (this "
-            "run) the ratios are larger for both. The RoPE >= 3x claim holds here only at the "
-            "shorter training length.",
-            "GOAT's perplexity rises at 2x and then stays flat. The cause, measured on the "
-            "trained model (docs/extrapolation.md): the sink MLP learns most heads' recency as a "
-            "ramp in absolute key position (the learned recency slopes barely move from their "
-            "init); past 64 tokens its inputs leave the range seen in training and the ramp turns "
-            "over on positions ~80-127, so those heads lose their locality. The goat+linear_sink "
-            "row continues the ramp linearly past the training length.",
-            "The standard passkey prompt is scored zero-shot on the Jargon LMs: byte models of "
-            "this size have never seen the task and score 0% at every length; the row shows the "
-            "protocol running (greedy decoding with the KV cache), not a capability.",
-            "RoPE-PI equals RoPE at 1x by construction (interpolation scale L / 64 = 1); beyond, "
-            "it is evaluated without the fine-tuning that position interpolation relies on, so "
-            "it sees positions at a resolution it never trained on.",
-            "Sinusoidal trails in-distribution: its fixed encoding (unit amplitude per dimension, "
-            "norm 8 at d 128) is ~35x the 0.02-scale token embeddings at init, and the model "
-            "shares lm_tiny's init with every other encoding (no sqrt(d) embedding scale).",
-            "goat+linear_sink is GOAT with the sink MLP continued linearly past the training "
-            "length (model.sink_extrapolation='linear', docs/extrapolation.md). Up to 64 keys it "
-            "is the official prior, so it trains as goat (the same function; float32 rounding of "
-            "a differently compiled program makes the runs drift apart slightly) and differs "
-            "only past 1x.",
-        ),
-        vit_notes=(
-            "Every encoding loses 35-65 points at 2x: with a fixed 7-pixel patch, a 56-px image "
-            "puts a quarter of a training patch's content in each patch, so the patch embedding "
-            "sees inputs unlike any in training whatever the position encoding; the encodings "
-            "differ in how much more they lose.",
-            "GOAT's prior hardly moved from its uniform start in 2 epochs (range 0.17 nats over "
-            "the centre patch's keys) and GOAT tracks NoPE at every resolution (84.4 vs 84.5% "
-            "at 1x, 41.9 vs 42.6% at 2x). When query and key move together only the key-only "
-            "term u(j) changes (kappa depends on the offset alone), so the failed "
-            "shift-invariance checks say that u(j), varying with the key's row (the stripes of "
-            "the figure), is a large part of the little that was learned. The paper's claims are "
-            "for 300-epoch ImageNet-1k runs (configs/vit_s16_imagenet.py); at this scale they "
-            "are not reached, which is what the checks report.",
-            "ape keeps the most accuracy from 1.5x on: its table is bicubically resized to the "
-            "new grid (the official baseline), i.e. it reads interpolated positions, while "
-            "sincos2d and rope2d see positions they never saw and fall furthest.",
-            "Train images/s are medians of runs that shared the 2 cores with other jobs (from "
-            "2 to 5 at a time), so they are not comparable between encodings here; "
-            "benchmarks/vit.md has the side-by-side step times.",
-        ),
+        notes=report_notes.LM_NOTES,
+        vit_notes=report_notes.VIT_NOTES,
+        dna_notes=report_notes.DNA_NOTES,
         lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
@@ -581,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
     os.makedirs(out, exist_ok=True)
     report_lm.copy_toy_figures(jobs, out)
-    text = write_report(suite, jobs, results, out, command, timings, time.time() - t_start)
+    write_report(suite, jobs, results, out, command, timings, time.time() - t_start)
     log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
     for family in dict.fromkeys(family_of(j) for j in jobs):  # this invocation's verdicts, for the log
         with open(os.path.join(out, "sections", f"{family}.md")) as f:
