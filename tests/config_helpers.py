@@ -1,4 +1,9 @@
-"""Config helpers shared by the engine tests."""
+"""Config and model helpers shared by the tests."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from configs import lm_tiny
 
@@ -19,3 +24,17 @@ def lm_smoke_config(**overrides):
     config = lm_tiny.get_config("goat,smoke")
     config.progress_bar = False
     return set_fields(config, **overrides)
+
+
+def random_params(model, length: int, rng: np.random.Generator, std: float = 0.3):
+    """Parameters of ``model`` (an LM taking ``[1, length]`` token ids) filled with N(0, std)
+    NumPy draws (norm scales 1 + 0.1 N(0, std)), from ``eval_shape``: no init compile."""
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, length), jnp.int32)))
+
+    def fill(path, x):
+        noise = rng.normal(0.0, std, x.shape)
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            noise = 1.0 + 0.1 * noise
+        return jnp.asarray(noise, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes["params"])

@@ -15,6 +15,7 @@ import pytest
 from goat_jax.eval import chunked, extrapolation
 from goat_jax.models import LMConfig, TransformerLM
 from tests import goat_reference as ref
+from tests.config_helpers import random_params
 from tests.test_gpt2_block import _gelu_tanh, _layer_norm
 
 V, W = 61, 12
@@ -24,15 +25,7 @@ def random_lm(rng, **overrides):
     cfg = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
                abs_rank=2, training_seq_len=None)
     model = TransformerLM(LMConfig(**{**cfg, **overrides}))
-    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, W), jnp.int32)))
-
-    def fill(path, x):
-        noise = rng.normal(0.0, 0.3, x.shape)
-        if jax.tree_util.keystr(path).endswith("['scale']"):
-            noise = 1.0 + 0.1 * noise
-        return jnp.asarray(noise, x.dtype)
-
-    return model, jax.tree_util.tree_map_with_path(fill, shapes["params"])
+    return model, random_params(model, W, rng)
 
 
 def chunked_logits(model, params, tokens, chunk_size):

@@ -19,6 +19,7 @@ from goat_jax.data import synthetic, text
 from goat_jax.data.tokenizers import ByteTokenizer
 from goat_jax.eval import extrapolation, plots, retrieval, sinks
 from goat_jax.models import LMConfig, TransformerLM
+from tests.config_helpers import random_params
 
 V = 259
 TINY = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
@@ -28,16 +29,7 @@ TINY = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, p
 def tiny_lm(seed=0, t=16, **overrides):
     """A tiny TransformerLM and numpy-filled random params (no init compile)."""
     model = TransformerLM(LMConfig(**{**TINY, **overrides}))
-    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, t), jnp.int32)))
-    rng = np.random.default_rng(seed)
-
-    def fill(path, x):
-        noise = rng.normal(0.0, 0.3, x.shape)
-        if jax.tree_util.keystr(path).endswith("['scale']"):
-            noise = 1.0 + 0.1 * noise
-        return jnp.asarray(noise, x.dtype)
-
-    return model, jax.tree_util.tree_map_with_path(fill, shapes["params"])
+    return model, random_params(model, t, np.random.default_rng(seed))
 
 
 def fresh_prior_lm():
