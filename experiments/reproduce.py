@@ -483,9 +483,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    f"suite's, {','.join(VIT_ENCODINGS)}; smoke: goat,ape)")
     p.add_argument("--dna_encodings", default=None, help="DNA family: comma list (default: the "
                    f"suite's, {','.join(DNA_ENCODINGS)}; smoke: goat,rope)")
+    p.add_argument("--retrieval_variants", default=None,
+                   help="comma list of the suite's retrieval variants to train and report (default: all "
+                   "of them; 'none': only the default retrieval runs)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
+    if args.retrieval_variants is not None:
+        wanted = [v for v in args.retrieval_variants.split(",") if v and v != "none"]
+        known = [v.label for v in suite.retrieval_variants]
+        if set(wanted) - set(known):
+            raise ValueError(f"--retrieval_variants {args.retrieval_variants}: suite {suite.name!r} has "
+                             f"{', '.join(known) or 'none'}; give some of them or 'none'.")
+        suite = dataclasses.replace(suite, retrieval_variants=tuple(
+            v for v in suite.retrieval_variants if v.label in wanted))
     split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
     encodings = split(args.encodings) or list(suite.encodings)
     plan_kwargs = {"families": split(args.families) or [], "vit_encodings": split(args.vit_encodings),

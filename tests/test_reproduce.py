@@ -143,6 +143,13 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert [l.split()[5] for l in lines] == ["vit/vit/goat", "vit/vit/ape"]
     with pytest.raises(ValueError, match="--families: unknown \\['images'\\]"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm,images"])
+    # The language family without its retrieval variants; a variant the suite lacks is named.
+    assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1 + len(reproduce.SUITES["tiny"].lm_variants)
+    assert not any("official" in l for l in lines)
+    with pytest.raises(ValueError, match="--retrieval_variants paper: suite 'tiny' has official"):
+        reproduce.main(["--suite", "tiny", "--dry_run", "--retrieval_variants", "paper"])
 
 
 def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
