@@ -45,8 +45,8 @@ VIT_NOTES = (
     "the centre patch's keys) and GOAT tracks NoPE at every resolution (84.4 vs 84.5% "
     "at 1x, 41.9 vs 42.6% at 2x). When query and key move together only the key-only "
     "term u(j) changes (kappa depends on the offset alone), so the failed "
-    "shift-invariance checks say that u(j), varying with the key's row (the stripes of "
-    "the figure), is a large part of the little that was learned. The paper's claims are "
+    "shift-invariance checks say that u(j) is a large part of the little that was "
+    "learned (the figure shows kappa and u together). The paper's claims are "
     "for 300-epoch ImageNet-1k runs (configs/vit_s16_imagenet.py); at this scale they "
     "are not reached, which is what the checks report.",
     "ape keeps the most accuracy from 1.5x on: its table is bicubically resized to the "
