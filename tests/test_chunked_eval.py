@@ -6,7 +6,6 @@ of 2; one-token decoding is tests/test_lm.py's); GOAT without ``training_seq_len
 normalization must stay at the full window's) and with it, RoPE and ALiBi.
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,17 +141,11 @@ def test_eval_extrapolation_chunked_with_bos_windows(tmp_path):
     perplexities of full BOS windows scored directly; a bad chunk_size is refused by name."""
     from configs import lm_tiny
     from goat_jax.eval import runs
-    from goat_jax.train import tasks
+    from tests.config_helpers import random_lm_run
 
     config = lm_tiny.get_config("goat,smoke")
     config.data.bos_windows = True
-    task = tasks.get_task("lm")
-    model = task.build_model(config)
-    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype),
-                                    shapes["params"])
-    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = random_lm_run(tmp_path, config)
     path = tmp_path / "held_out.txt"
     path.write_text("A held-out paragraph of plain text, scored by length. " * 8)
     stream = runs.heldout_stream(run, text_file=str(path))
@@ -161,7 +154,7 @@ def test_eval_extrapolation_chunked_with_bos_windows(tmp_path):
     np.testing.assert_array_equal(runs.heldout_stream(run, 50, text_file=str(path)).tokens,
                                   stream.tokens[:50])
     got = runs.eval_extrapolation(run, (2,), text_file=str(path), chunk_size=5)
-    direct = extrapolation.perplexity_by_length(extrapolation.model_apply_fn(model), params,
+    direct = extrapolation.perplexity_by_length(extrapolation.model_apply_fn(run.model), run.params,
                                                 stream.tokens, config.seq_len, (2,),
                                                 bos_id=stream.bos_id)
     assert sorted(got) == sorted(direct) == [2 * config.seq_len]

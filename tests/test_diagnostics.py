@@ -86,8 +86,7 @@ def test_sink_curves_equal_the_float64_reference(rng):
 def test_eval_diagnostics_tables_and_png(tmp_path):
     from configs import lm_tiny
     from goat_jax.eval import runs
-    from goat_jax.train import tasks
-    import flax.linen as nn
+    from tests.config_helpers import random_lm_run
 
     path = tmp_path / "doc.txt"
     path.write_text("Held-out text for the diagnostics, long enough for windows. " * 12)
@@ -95,13 +94,7 @@ def test_eval_diagnostics_tables_and_png(tmp_path):
     config.seq_len = 16
     config.data.paths, config.data.eval_paths, config.data.doc_split = [str(path)], [str(path)], "files"
     config.data.bos_windows = True
-    task = tasks.get_task("lm")
-    model = task.build_model(config)
-    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype),
-                                    shapes["params"])
-    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = random_lm_run(tmp_path, config)
     res = runs.evaluate_run(run, ["diagnostics"], (1, 4), chunk_size=8,
                             diagnostics_options={"num_windows": 2, "recent": 4})["diagnostics"]
     assert sorted(res["by_length"]) == [16, 64] and res["recent_keys"] == 4
