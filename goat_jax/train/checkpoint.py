@@ -74,17 +74,6 @@ def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def _unflatten(flat: Dict[str, Any]) -> Dict[str, Any]:
-    tree: Dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
 def fingerprint_fields(config_dict: Dict[str, Any], resume_safe_fields: Iterable[str] = ()) -> Dict[str, Any]:
     """The flattened ``{'a.b': value}`` fields of a resolved config that a checkpoint depends
     on (everything except :data:`RESUME_SAFE_FIELDS` and the task's ``resume_safe_fields``),
@@ -181,7 +170,8 @@ class Checkpointer:
                  resume_safe_fields: Iterable[str] = (), field_defaults: Optional[Dict[str, Any]] = None,
                  read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        self.field_defaults = fingerprint_fields(dict(_unflatten(field_defaults or {})))
+        # JSON-normalized like the fingerprinted fields they are compared with (tuples -> lists).
+        self.field_defaults = json.loads(json.dumps(field_defaults or {}, default=str))
         self.read_only = read_only
         self.fields = fingerprint_fields(config_dict, resume_safe_fields)
         self.fingerprint = config_fingerprint(config_dict, resume_safe_fields)
