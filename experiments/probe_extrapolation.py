@@ -18,7 +18,8 @@ and reports the perplexity of the targets at window positions [0, L), [L, 2L), [
 
 plus 1x windows with every position shifted by L, 4L and (multiple - 1) L (only the sink MLP's
 absolute inputs and the first-key bump see a shift). The interventions replace functions of
-``goat_jax.prior`` / ``goat_jax.kernels`` inside this process while they are evaluated and
+``goat_jax.prior.sink_term`` / ``goat_jax.prior.fourier`` / ``goat_jax.kernels`` (the modules
+that define them, so every caller sees the replacement) inside this process while they are evaluated and
 restore them after; nothing is written to the run. Results: ``OUT/probe.json`` and
 ``OUT/probe.md``.
 """
@@ -39,6 +40,7 @@ import numpy as np
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
+from goat_jax.prior import fourier, sink_term
 from goat_jax.eval import extrapolation, runs
 from goat_jax.models import lm
 
@@ -79,10 +81,10 @@ def _interventions(train_len: int):
     none = contextlib.nullcontext
     return {
         "as trained": ({}, none),
-        "sink inputs clamped": ({}, lambda: patched(prior_lib, "sink_mlp_inputs", clamped_inputs)),
-        "sink MLP removed": ({}, lambda: patched(prior_lib, "sink", no_mlp)),
-        "slopes removed": ({}, lambda: patched(prior_lib, "sink", no_slope)),
-        "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(prior_lib, "kappa", clamped_kappa)),
+        "sink inputs clamped": ({}, lambda: patched(sink_term, "sink_mlp_inputs", clamped_inputs)),
+        "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp)),
+        "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope)),
+        "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(fourier, "kappa", clamped_kappa)),
         "last L keys": ({"implementation": "dense"}, lambda: patched(kernels, "_dense", last_keys)),
         "linear sink": ({"sink_extrapolation": "linear"}, none),
     }

@@ -1,0 +1,63 @@
+"""The relative prior: geometric frequencies, Fourier features of positions and
+``kappa_h(d) = sum_r A[h, r] cos(w_r d) + B[h, r] sin(w_r d)`` (paper section 3).
+
+Shape legend: L tokens, F frequencies, R relative rank, H heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax.prior.positions import Positions, real_dtype
+
+Array = jax.Array
+
+
+def frequencies(rank: int, base: float) -> Array:
+    """Geometric frequencies ``w_r = base ** (-r / max(rank - 1, 1))``, r = 0..rank-1; [rank] f32.
+
+    Note the ``rank - 1`` denominator (official convention): the lowest frequency is ``1/base``.
+    """
+    r = np.arange(rank, dtype=np.float64)
+    return jnp.asarray(base ** (-r / max(rank - 1, 1)), real_dtype())
+
+
+def fourier_features(pos: Positions, freqs: Array) -> Array:
+    """``[cos(w . p), sin(w . p)]`` of each token, [..., L, 2F] float32 for F frequencies.
+
+    1D: ``p`` is the position. 2D: the first ``F - F // 2`` frequencies go to the row, the
+    remaining ``F // 2`` to the column, laid out ``[cos_row, cos_col, sin_row, sin_col]``
+    (official order), so the dot product of two tokens' features is a separable sum over axes.
+    CLS tokens get zeros.
+    """
+    f = freqs.shape[0]
+    if not pos.is_2d:
+        phase = pos.coords[..., None] * freqs  # [..., L, F]
+    else:
+        f_row = f - f // 2
+        phase = jnp.concatenate(
+            [pos.coords[..., 0:1] * freqs[:f_row], pos.coords[..., 1:2] * freqs[f_row:]], axis=-1
+        )  # [..., L, F]
+    feats = jnp.concatenate([jnp.cos(phase), jnp.sin(phase)], axis=-1)
+    if pos.is_cls is not None:
+        feats = jnp.where(pos.is_cls[..., None], 0.0, feats)
+    return feats
+
+
+def kappa(delta: Array, lam_sym: Array, lam_asym: Array, freqs: Array) -> Array:
+    """The relative prior ``kappa(d) = sum_r A_r cos(w_r d) + B_r sin(w_r d)``.
+
+    Args:
+      delta: [...] position differences ``p_i - p_j`` (1D).
+      lam_sym, lam_asym: [H, R] coefficients A, B.
+      freqs: [R].
+    Returns:
+      [H, ...] float32.
+    """
+    phase = jnp.asarray(delta, real_dtype())[..., None] * freqs  # [..., R]
+    out = jnp.einsum("...r,hr->h...", jnp.cos(phase), lam_sym) + jnp.einsum(
+        "...r,hr->h...", jnp.sin(phase), lam_asym
+    )
+    return out

@@ -1,0 +1,171 @@
+"""Where each token sits: :class:`Positions` (1D integer positions, or a 2D (row, col) grid
+with an optional CLS token whose Fourier features are zero, the official convention), their
+validation, and the dtype the prior is computed in.
+
+Valid positions are integers in ``[0, MAX_POSITION)`` (:func:`validate_positions`). Negative
+positions have no meaning for the sink (``log1p(t)`` is NaN below -1, the official package too
+gives NaN), and the float32 phases ``w * p`` lose accuracy linearly in ``p``: measured against a
+float64 reference with O(1) prior coefficients (R = M = 8), the row-centred logit error is
+6.5e-3 at p ~ 2**16, 1-3e-2 at 2**17, 0.11 at 2**20 and 4.3 at 2**24 (where float32 stops
+holding integers; tests/test_layer_edges.py re-measures the bound). ``MAX_POSITION = 2**17``
+keeps it at the level of bf16 rounding of the content logits (~1e-2) and covers 64x the
+paper's training length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def real_dtype():
+    """float32, or float64 when JAX runs with x64 enabled (float64 gradient checks). The prior is
+    never computed below float32: positions times frequencies need the mantissa."""
+    return jnp.result_type(float)
+
+
+
+class Positions(NamedTuple):
+    """Where each token sits.
+
+    Attributes:
+      index: [..., L] sequence index of each token (float32). In 1D it is the position itself;
+        in 2D it is the token's index in the flattened sequence (CLS = 0), which the official
+        package uses for the sink MLP's linear/log inputs, the first-token bump and the causal
+        recency slope.
+      coords: [..., L] (1D positions) or [..., L, 2] ((row, col)) float32 coordinates entering
+        the Fourier features.
+      is_cls: None, or [..., L] bool; CLS tokens get zero Fourier features (2D only).
+    """
+
+    index: Array
+    coords: Array
+    is_cls: Optional[Array] = None
+
+    @property
+    def is_2d(self) -> bool:
+        return self.coords.ndim == self.index.ndim + 1
+
+
+# Positions must lie in [0, MAX_POSITION): the module docstring has the measurement.
+MAX_POSITION = 2 ** 17
+
+
+def concrete_range(x: Any) -> Optional[Tuple[int, int]]:
+    """``(min(x), max(x))`` as Python ints when ``x`` is known at trace time (not a tracer),
+    else None. Empty ``x`` gives None."""
+    try:
+        arr = np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    if arr.size == 0:
+        return None
+    return int(np.min(arr)), int(np.max(arr))
+
+
+def validate_positions(positions: Any, name: str) -> Array:
+    """Integer positions -> float positions (``real_dtype``), checked to lie in
+    ``[0, MAX_POSITION)``.
+
+    The dtype is checked at trace time (float positions raise). Values known at trace time
+    (Python ints, NumPy arrays, concrete jax arrays) raise ValueError when out of range.
+    Traced values cannot raise inside ``jit``; out-of-range ones become NaN, so the attention
+    output is NaN where they are used: loud (the trainer's NaN guard stops), never a silently
+    wrong prior, and without ``checkify`` at every call site.
+
+    Args:
+      positions: [...] integer positions (a Python int, NumPy or JAX array).
+      name: the argument's name, for the error message.
+    Returns:
+      [...] float positions, NaN where out of range (traced inputs only).
+    """
+    if isinstance(positions, (bool, np.bool_)) or not (
+            isinstance(positions, (int, np.integer))
+            or jnp.issubdtype(getattr(positions, "dtype", np.float64), jnp.integer)):
+        raise ValueError(
+            f"{name} must be integer token positions, got {getattr(positions, 'dtype', type(positions).__name__)}. "
+            "Positions index tokens; pass e.g. jnp.arange(T, dtype=jnp.int32) + offset.")
+    span = concrete_range(positions)
+    if span is not None:
+        if span[0] < 0 or span[1] >= MAX_POSITION:
+            raise ValueError(
+                f"{name} spans [{span[0]}, {span[1]}], outside [0, MAX_POSITION={MAX_POSITION}). "
+                "Positions must be >= 0 (shift them so the first token is 0), and below "
+                "MAX_POSITION, where the float32 prior stays accurate (goat_jax/prior/positions.py "
+                "module docstring).")
+        return jnp.asarray(np.asarray(positions), real_dtype())
+    p = jnp.asarray(positions)
+    ok = (p >= 0) & (p < MAX_POSITION)
+    return jnp.where(ok, p.astype(real_dtype()), jnp.nan)
+
+
+def positions_1d(length: int, offset: Any = 0, positions: Optional[Array] = None,
+                 name: str = "positions") -> Positions:
+    """1D positions ``offset + arange(length)``, or explicit integer ``positions`` [L] / [B, L].
+
+    ``offset`` may be a traced integer scalar (KV-cache decoding). Positions are validated by
+    :func:`validate_positions` (``name`` is used in its messages): integers in
+    ``[0, MAX_POSITION)``.
+    """
+    if positions is None:
+        off = validate_positions(offset, f"the position offset of {name}")
+        span = concrete_range(offset)
+        if span is not None and span[1] + length > MAX_POSITION:
+            raise ValueError(
+                f"{name}: offset {span[1]} + {length} tokens reaches past MAX_POSITION="
+                f"{MAX_POSITION} (goat_jax/prior/positions.py module docstring).")
+        pos = jnp.arange(length, dtype=real_dtype()) + off
+        if span is None:  # traced offset: the last position may pass the bound
+            pos = jnp.where(pos < MAX_POSITION, pos, jnp.nan)
+    else:
+        pos = validate_positions(positions, name)
+        if pos.shape[-1] != length:
+            raise ValueError(
+                f"{name} has length {pos.shape[-1]} but the sequence has {length} tokens."
+            )
+    return Positions(index=pos, coords=pos, is_cls=None)
+
+
+def check_grid(length: int, spatial_shape: Sequence[int], has_cls: bool, name: str = "spatial_shape"):
+    """Raises ValueError unless ``length == H * W + has_cls``."""
+    if len(spatial_shape) != 2:
+        raise ValueError(f"{name} must be (rows, cols), got {spatial_shape!r}.")
+    h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    if h < 1 or w < 1 or h * w + int(has_cls) != length:
+        raise ValueError(
+            f"{name}={tuple(spatial_shape)} with has_cls_token={has_cls} describes "
+            f"{h * w + int(has_cls)} tokens but the sequence has {length}. Pass the patch grid "
+            "(rows, cols) of this input and set has_cls_token to whether token 0 is a CLS token."
+        )
+
+
+def positions_2d(
+    spatial_shape: Sequence[int], has_cls: bool, offset: Tuple[int, int] = (0, 0)
+) -> Positions:
+    """Row-major (row, col) grid positions, CLS (if any) first with zero features.
+
+    Returns Positions with ``index`` = arange(L), ``coords`` [L, 2] = (row + offset_row,
+    col + offset_col) (0 for CLS), ``is_cls`` [L].
+    """
+    h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    for axis, (o, size) in enumerate(zip(offset, (h, w))):
+        validate_positions(o, f"2D offset[{axis}]")
+        if o + size > MAX_POSITION:
+            raise ValueError(f"2D offset[{axis}]={o} + {size} reaches past MAX_POSITION={MAX_POSITION}.")
+    rows, cols = np.meshgrid(np.arange(h) + offset[0], np.arange(w) + offset[1], indexing="ij")
+    coords = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1).astype(np.float32)
+    is_cls = np.zeros(h * w, bool)
+    if has_cls:
+        coords = np.concatenate([np.zeros((1, 2), np.float32), coords], axis=0)
+        is_cls = np.concatenate([[True], is_cls])
+    length = coords.shape[0]
+    return Positions(
+        index=jnp.arange(length, dtype=real_dtype()),
+        coords=jnp.asarray(coords, real_dtype()),
+        is_cls=jnp.asarray(is_cls),
+    )

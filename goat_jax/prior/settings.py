@@ -1,0 +1,139 @@
+"""The GOAT prior's hyper-parameters: :class:`PriorSettings` (declared once, taken by layers and
+models) and :class:`PriorSpec` (the settings plus a layer's head counts, what the pure functions
+of :mod:`goat_jax.prior` read). No JAX in this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+# How the sink MLP's output is defined past the training window (PriorSettings.sink_extrapolation).
+SINK_EXTRAPOLATIONS = ("official", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorSettings:
+    """The GOAT prior's hyper-parameters, declared once.
+
+    Layers (``GoatAttention(prior=...)``), models (``LMConfig.prior``) and the parameter
+    module (:class:`PriorSpec` adds the head counts) all take this one object, so a setting is
+    added, documented, defaulted and validated here only.
+
+    Attributes:
+      pos_rank: R, number of relative frequencies (0 disables kappa); uses 2R head dims.
+      abs_rank: M, number of absolute frequencies fed to the sink MLP.
+      pos_base, abs_base: geometric frequency bases.
+      enable_key_bias: whether the sink u(j) exists (one extra q/k channel).
+      training_seq_len: ``L_n`` normalizing the sink MLP's linear/log position inputs. ``None``
+        means "current key length - 1" (the official default); set it for KV-cache decoding and
+        length extrapolation, where the key length changes.
+      prior_gate: 'none' or 'query_norm' (``g = sigmoid(b_h - softplus(s_h) * ||q_c||)``
+        multiplies the query-side prior features).
+      prior_init: 'seeded' (lambda_sym ~ N(0, 1e-2), ALiBi recency slopes) or 'uniform' (flat
+        prior: zero coefficients, zero MLP output, no recency), as the official package.
+      init_scale_prior: std of the sink MLP's initial weights.
+      sink_extrapolation: 'official' (the sink MLP is evaluated at every key position, as the
+        official package does) or 'linear' (ours: on the keys of a training window, indices
+        ``0 .. training_seq_len - 1``, exactly the official sink; beyond, the MLP's output
+        continues along its secant over the window's second half, see
+        :func:`goat_jax.prior.sink_term.sink_mlp_values`). 'linear' needs ``training_seq_len`` and 1D positions.
+    """
+
+    pos_rank: int = 8
+    abs_rank: int = 8
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    enable_key_bias: bool = True
+    training_seq_len: Optional[int] = None
+    prior_gate: str = "none"
+    prior_init: str = "seeded"
+    init_scale_prior: float = 1e-3
+    sink_extrapolation: str = "official"
+
+    def __post_init__(self):
+        if self.pos_rank < 0 or self.abs_rank < 0:
+            raise ValueError(f"pos_rank ({self.pos_rank}) and abs_rank ({self.abs_rank}) must be >= 0.")
+        if self.prior_gate not in ("none", "query_norm"):
+            raise ValueError(f"prior_gate must be 'none' or 'query_norm', got {self.prior_gate!r}.")
+        if self.prior_init not in ("seeded", "uniform"):
+            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {self.prior_init!r}.")
+        if self.training_seq_len is not None and self.training_seq_len < 1:
+            raise ValueError(f"training_seq_len must be >= 1 or None, got {self.training_seq_len}.")
+        if not (self.pos_base > 1.0 and self.abs_base > 1.0):
+            raise ValueError(f"pos_base ({self.pos_base}) and abs_base ({self.abs_base}) must be > 1.")
+        if not self.init_scale_prior >= 0.0:
+            raise ValueError(f"init_scale_prior must be >= 0, got {self.init_scale_prior}.")
+        if self.sink_extrapolation not in SINK_EXTRAPOLATIONS:
+            raise ValueError(f"sink_extrapolation must be one of {SINK_EXTRAPOLATIONS}, got "
+                             f"{self.sink_extrapolation!r}.")
+        if self.sink_extrapolation == "linear" and (self.training_seq_len or 0) < 2:
+            raise ValueError(
+                f"sink_extrapolation='linear' continues the sink beyond the training window, so it "
+                f"needs training_seq_len >= 2 (the training context length), got "
+                f"training_seq_len={self.training_seq_len}.")
+
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        """The setting names (what a flat config section may hold)."""
+        return tuple(f.name for f in dataclasses.fields(PriorSettings))
+
+    @classmethod
+    def from_fields(cls, obj: Any) -> "PriorSettings":
+        """The settings named by ``obj``'s attributes (a flat model config such as ``LMConfig``);
+        settings ``obj`` does not have keep their defaults."""
+        return cls(**{n: getattr(obj, n) for n in cls.names() if hasattr(obj, n)})
+
+    def for_heads(self, num_heads: int, kv_num_heads: int) -> "PriorSpec":
+        """The :class:`PriorSpec` of a layer with ``num_heads`` query / ``kv_num_heads`` KV heads."""
+        return PriorSpec(num_heads=num_heads, kv_num_heads=kv_num_heads,
+                         **{n: getattr(self, n) for n in PriorSettings.names()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PriorSpec(PriorSettings):
+    """Everything the pure functions of :mod:`goat_jax.prior` need: :class:`PriorSettings` plus the head counts.
+
+    Attributes:
+      num_heads: query heads N.
+      kv_num_heads: key/value heads K (N % K == 0); the relative coefficients and the sink are
+        per KV head and shared across each group of G = N // K query heads, as in the official
+        package.
+    """
+
+    num_heads: int
+    kv_num_heads: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_heads < 1 or self.kv_num_heads < 1:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) and kv_num_heads ({self.kv_num_heads}) must be >= 1."
+            )
+        if self.num_heads % self.kv_num_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of kv_num_heads="
+                f"{self.kv_num_heads}; GQA/MQA needs each KV head to serve a whole group of "
+                "query heads. Choose kv_num_heads among the divisors of num_heads."
+            )
+
+    @property
+    def prior_dim(self) -> int:
+        """Head dims the prior takes from q/k in the official layout: ``2R + [key bias]``."""
+        return 2 * self.pos_rank + int(self.enable_key_bias)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+    def content_dim(self, head_dim: int) -> int:
+        """Content dims ``d_c = head_dim - prior_dim``; raises if the head is too small."""
+        d_c = head_dim - self.prior_dim
+        if d_c < 1:
+            raise ValueError(
+                f"head_dim={head_dim} is too small for the prior: it needs 2*pos_rank"
+                f"{' + 1 (key bias)' if self.enable_key_bias else ''} = {self.prior_dim} dims and "
+                "at least one content dim. Increase the head dim (embed_dim / num_heads) or "
+                "reduce pos_rank."
+            )
+        return d_c
