@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -195,7 +195,7 @@ class GoatPrior(nn.Module):
 # GoatAttention
 # ----------------------------------------------------------------------------------------------
 
-Offset = Union[None, int, Array, Tuple[int, int]]
+Offset = layers.Offset  # re-exported: the type of position_offset_q / position_offset_k
 
 
 def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int]]:
@@ -208,119 +208,70 @@ def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int
     return None
 
 
-class GoatAttention(nn.Module):
+class _GoatPlan(NamedTuple):
+    """What GoatAttention decides before any work (see :class:`goat_jax.layers.AttentionBase`)."""
+
+    qk_dim: int  # d_c + 2R + sink channels: the packed width the kernel and the cache see
+    implementation: str
+    prior: "GoatPrior"
+    d_c: int  # content dims
+    sink_channels: int
+    use_2d: bool
+    has_cls: bool
+    spatial_shape: Optional[Tuple[int, int]]
+
+
+class GoatAttention(layers.AttentionBase):
     """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
 
-    Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
-    spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
-    q_positions=None, k_positions=None)`` with ``query`` [B, T, E] and ``key``/``value``
-    [B, S, E'] (default: ``query``, i.e. self-attention). Returns [B, T, out_features or E].
+    Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
+    (:class:`goat_jax.layers.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
+    (default ``query``); returns [B, T, out_features or E].
 
-    * ``key_padding_mask``: [B, S] bool, True = padding (PyTorch/official convention).
     * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
       decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]; they move
-      the prior only; causal masking is always by sequence index).
+      the prior only; causal masking is by sequence index, shifted by the 1D offsets as in the
+      official package).
     * 2D: ``pos_encoding='2d'`` (or 'auto' with a ``spatial_shape``) uses (row, col) positions
       of a row-major ``spatial_shape`` grid, CLS first if ``has_cls_token``; offsets are
       (row, col) pairs.
-    * ``decode=True``: KV-cache decoding (Flax 'cache' collection). ``init`` with a full-length
-      input sizes the cache; each ``apply(..., mutable=['cache'])`` appends the new tokens at
-      the cache index and attends causally over the cache. Needs ``training_seq_len`` when the
-      sink is enabled, because otherwise the sink normalizes positions by the key length, which
-      changes while decoding.
+    * ``decode=True`` needs ``training_seq_len`` when the sink is enabled, because otherwise the
+      sink normalizes positions by the key length, which changes while decoding. The cache holds
+      the packed keys.
     * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
       (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
-
-    * ``kernel_init_std``: None draws the q/k/v/out projection kernels Xavier-uniform (the
-      official module's own init); a float draws them ``N(0, kernel_init_std)``, as the official
-      GPT-2-style C4 script re-initializes every Linear (0.02; docs/protocols.md, C4 125M).
-      Biases start at zero either way; the prior's own parameters follow ``prior``.
+    * ``kernel_init_std``: as the official GPT-2-style C4 script re-initializes every Linear
+      (0.02; docs/protocols.md, C4 125M); the prior's own parameters follow ``prior``.
+    * ``implementation='dense'`` attends over the content dims with the materialized log-prior
+      as a bias (the reference); every other kernel gets the packed q/k.
 
     Attention dropout is not offered: flash kernels have none.
-
-    With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
-    attention probabilities, content keys and values (:func:`goat_jax.layers.sow_attention_maps`);
-    while decoding, the probabilities of the chunk over the cache only.
     """
 
-    num_heads: int
-    kv_num_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    out_features: Optional[int] = None
     prior: prior_lib.PriorSettings = prior_lib.PriorSettings()
     pos_encoding: str = "1d"
     has_cls_token_default: bool = False
-    use_bias: bool = True
-    dtype: Optional[Dtype] = None
-    param_dtype: Dtype = jnp.float32
-    implementation: Optional[str] = None
     sink_channels: Optional[int] = None
-    decode: bool = False
-    kernel_init_std: Optional[float] = None
 
-    def _positions(self, length, offset, explicit, spatial_shape, has_cls, use_2d, name):
-        if use_2d:
-            prior_lib.check_grid(length, spatial_shape, has_cls)
-            if offset is None:
-                offset = (0, 0)
-            if isinstance(offset, (int, np.integer)):
-                if offset != 0:
-                    raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
-                offset = (0, 0)
-            return prior_lib.positions_2d(spatial_shape, has_cls, tuple(offset))
-        if isinstance(offset, (tuple, list)):
-            raise ValueError(f"{name} must be an integer in 1D mode, got {offset}.")
-        return prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
-                                      name=name[-1] + "_positions")  # 'q_positions' / 'k_positions'
-
-    @nn.compact
-    def __call__(
-        self,
-        query: Array,
-        key: Optional[Array] = None,
-        value: Optional[Array] = None,
-        *,
-        is_causal: bool = False,
-        key_padding_mask: Optional[Array] = None,
-        spatial_shape: Optional[Sequence[int]] = None,
-        has_cls_token: Optional[bool] = None,
-        position_offset_q: Offset = None,
-        position_offset_k: Offset = None,
-        q_positions: Optional[Array] = None,
-        k_positions: Optional[Array] = None,
-    ) -> Array:
-        key = query if key is None else key
-        value = key if value is None else value
-        layers.check_qkv(query, key, value)
-        embed_dim = query.shape[-1]
-        kv_heads, head_dim = layers.head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
-        dtype = self.dtype or jnp.result_type(query.dtype, self.param_dtype)
+    def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _GoatPlan:
         if not isinstance(self.prior, prior_lib.PriorSettings):
             raise ValueError(
                 f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
                 f"{type(self.prior).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
         settings = self.prior
-        prior = GoatPrior(settings.for_heads(self.num_heads, kv_heads), name="prior")
-        d_c = prior.spec.content_dim(head_dim)
+        prior = GoatPrior(settings.for_heads(self.num_heads, shape.kv_heads), name="prior")
+        d_c = prior.spec.content_dim(shape.head_dim)
         sink_channels = int(settings.enable_key_bias) * (
-            self.sink_channels if self.sink_channels is not None else default_sink_channels(dtype))
+            self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
         if settings.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
-        impl = kernels.resolve_implementation(
-            self.implementation, dtype, qk_dim,
-            logits_shape=(query.shape[0], self.num_heads, query.shape[1],
-                          layers.attended_length(self, self.decode, key.shape[1])))
+        impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
+                                              logits_shape=shape.logits_shape)
 
-        proj = lambda x, name, heads, axes: layers.project_heads(
-            x, name, heads, head_dim, axes, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
-        q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
-        k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
-        v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
-        b, t, s = q.shape[0], q.shape[1], k.shape[1]
-
-        # --- positions -------------------------------------------------------------------------
-        has_cls = self.has_cls_token_default if has_cls_token is None else bool(has_cls_token)
+        t, s = call.query.shape[1], call.key.shape[1]
+        spatial_shape = call.spatial_shape
+        has_cls = self.has_cls_token_default if call.has_cls_token is None else bool(call.has_cls_token)
         if self.pos_encoding not in ("1d", "2d", "auto"):
             raise ValueError(f"pos_encoding must be '1d', '2d' or 'auto', got {self.pos_encoding!r}.")
         if self.pos_encoding == "auto" and spatial_shape is None:
@@ -334,62 +285,48 @@ class GoatAttention(nn.Module):
                 "for (row, col) positions.")
         if use_2d and self.decode:
             raise ValueError("KV-cache decoding supports 1D positions only.")
+        if self.decode and settings.enable_key_bias and settings.training_seq_len is None:
+            raise ValueError(
+                "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
+                "it; without it the normalization follows the key length, which grows while "
+                "decoding). Set training_seq_len to the training context length.")
+        return _GoatPlan(qk_dim, impl, prior, d_c, sink_channels, use_2d, has_cls, spatial_shape)
 
-        cache = None
-        if self.decode:
-            if settings.enable_key_bias and settings.training_seq_len is None:
-                raise ValueError(
-                    "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
-                    "it; without it the normalization follows the key length, which grows while "
-                    "decoding). Set training_seq_len to the training context length.")
-            cache = layers.open_decode_cache(
-                self, query=query, key=key, is_causal=is_causal,
-                positions_given=q_positions is not None or position_offset_q is not None,
-                key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, qk_dim),
-                value_shape=(b, s, kv_heads, head_dim), dtype=dtype)
-            if cache is not None:
-                position_offset_q = position_offset_k = cache.start
+    def _positions(self, call: layers.AttentionCall, plan: _GoatPlan, t: int, s: int):
+        if not plan.use_2d:
+            return self._positions_1d(call, t, s)
+        out = []
+        for name, length, offset in (("position_offset_q", t, call.position_offset_q),
+                                     ("position_offset_k", s, call.position_offset_k)):
+            prior_lib.check_grid(length, plan.spatial_shape, plan.has_cls)
+            if offset is None:
+                offset = (0, 0)
+            if isinstance(offset, (int, np.integer)):
+                if offset != 0:
+                    raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
+                offset = (0, 0)
+            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset)))
+        return tuple(out)
 
-        q_pos = self._positions(t, position_offset_q, q_positions, spatial_shape, has_cls, use_2d, "position_offset_q")
-        k_pos = self._positions(s, position_offset_k, k_positions, spatial_shape, has_cls, use_2d, "position_offset_k")
-
+    def _encode(self, call: layers.AttentionCall, shape: layers.LayerShape, plan: _GoatPlan,
+                q: Array, k: Array, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions,
+                cache: Optional[layers.DecodeCache]) -> layers.Encoded:
         # Causal masking is by sequence index, shifted by the 1D offsets (official semantics).
         causal_offset = 0
-        if not use_2d:
-            causal_offset = (0 if position_offset_q is None else position_offset_q) - (
-                0 if position_offset_k is None else position_offset_k)
-
+        if not plan.use_2d:
+            causal_offset = (0 if call.position_offset_q is None else call.position_offset_q) - (
+                0 if call.position_offset_k is None else call.position_offset_k)
+        d_c, prior = plan.d_c, plan.prior
         q_content, k_content = q[..., :d_c], k[..., :d_c]
-        if impl == "dense" and cache is None:
+        if plan.implementation == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
-            bias = prior.log_prior(q_pos, k_pos, is_causal, q_content=q_content)  # [B|1, N, T, S]
-            sow = layers.wants_attention_maps(self, impl)
-            out = kernels.attend(q_content, k_content, v, implementation="dense", scale=1.0 / math.sqrt(d_c),
-                                 is_causal=is_causal, causal_offset=causal_offset,
-                                 key_padding_mask=key_padding_mask, bias=bias, return_probs=sow)
-            if sow:
-                out, probs = out
-                layers.sow_attention_maps(self, probs, k_content, v)
-        else:
-            q_rel, q_sink, _ = prior.query(q_pos, q_content)
-            k_rel, u = prior.key(k_pos, is_causal)
-            q_packed = pack_query(q_content, q_rel, q_sink, sink_channels, dtype)  # [B, T, N, qk_dim]
-            k_packed = pack_key(k_content, k_rel, u, sink_channels, dtype)  # [B, S, K, qk_dim]
-            kv_lengths = None
-            if cache is not None:
-                k_packed, v, causal_offset, kv_lengths, is_causal = layers.append_to_cache(cache, k_packed, v)
-            sow = layers.wants_attention_maps(self, impl)  # only reached while decoding
-            out = kernels.attend(q_packed, k_packed, v, implementation=impl, scale=1.0,
-                                 is_causal=is_causal, causal_offset=causal_offset,
-                                 key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
-                                 return_probs=sow)
-            if sow:
-                out, probs = out
-                layers.sow_attention_probs(self, probs)
-            if cache is not None:
-                out = layers.poison_overflow(cache, t, out)
-        return layers.project_out(out, self.out_features or embed_dim, self.use_bias, dtype, self.param_dtype,
-                                  self.kernel_init_std)
+            bias = prior.log_prior(q_pos, k_pos, call.is_causal, q_content=q_content)  # [B|1, N, T, S]
+            return layers.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
+        q_rel, q_sink, _ = prior.query(q_pos, q_content)
+        k_rel, u = prior.key(k_pos, call.is_causal)
+        q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
+        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype)  # [B, S, K, qk_dim]
+        return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 
 def _refuse_flat_prior_fields(init):

@@ -1,20 +1,24 @@
-"""Pieces every attention layer shares: head bookkeeping, projections, the KV cache.
+"""Pieces every attention layer shares: head bookkeeping, projections, the KV cache, and
+:class:`AttentionBase`, the one layer shell (call signature, projections, positions, cache,
+kernel call, sowing) that :class:`goat_jax.attention.GoatAttention` and
+:class:`goat_jax.positional.PositionalAttention` extend, so that they have the same parameter
+names, logical axes and cache collection and a model can swap one for the other.
 
-:class:`goat_jax.attention.GoatAttention` and :class:`goat_jax.positional.PositionalAttention`
-use these so that they have the same parameter names, logical axes and cache collection and a
-model can swap one for the other. Shape legend: B batch, T new tokens, S keys, E model dim,
-N query heads, K kv heads, H head dim.
+Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from goat_jax import kernels
+from goat_jax import prior as prior_lib
 
 Array = jax.Array
 Dtype = Any
@@ -226,3 +230,203 @@ def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
     """NaN outputs once the cache overflows: ``dynamic_update_slice`` would clamp the write
     silently, and an overflow must not go unnoticed."""
     return jnp.where(cache.start + t > cache.length, jnp.nan, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared attention layer: call signature, projections, positions, cache, kernel, sowing
+# ----------------------------------------------------------------------------------------------
+
+# A position offset: None, an int or traced int scalar (1D), or a (row, col) pair (GOAT's 2D mode).
+Offset = Union[None, int, Array, Tuple[int, int]]
+
+
+class AttentionCall(NamedTuple):
+    """The arguments of one attention call (see :class:`AttentionBase`), with ``key`` and
+    ``value`` already defaulted; while decoding, both offsets are the cache index."""
+
+    query: Array
+    key: Array
+    value: Array
+    is_causal: bool
+    key_padding_mask: Optional[Array]
+    spatial_shape: Optional[Tuple[int, ...]]
+    has_cls_token: Optional[bool]
+    position_offset_q: Offset
+    position_offset_k: Offset
+    q_positions: Optional[Array]
+    k_positions: Optional[Array]
+
+
+class LayerShape(NamedTuple):
+    """Head bookkeeping of one call: N query heads, K kv heads, H head dim, the compute dtype,
+    E the model dim and the (B, N, T, S attended) logits shape the automatic kernel choice reads."""
+
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    embed_dim: int
+    logits_shape: Tuple[int, int, int, int]
+
+    @property
+    def group(self) -> int:
+        """G = N // K, the query heads sharing one kv head."""
+        return self.num_heads // self.kv_heads
+
+
+class Encoded(NamedTuple):
+    """What a layer's position handling hands to the kernel.
+
+    Attributes:
+      q: [B, T, N, Hqk] queries as the kernel sees them (rotated, packed, ...).
+      k: [B, S, K, Hqk] keys as the kernel sees them: what the KV cache stores.
+      scale: the factor on ``q . k`` (1.0 when a scale is folded into packed queries).
+      content_keys: [B, S, K, Hk] keys before any position encoding (sown for evaluations).
+      causal_offset: shift of the causal mask (GOAT's 1D offsets; replaced by the cache index
+        while decoding).
+      bias: None, or an additive [B or 1, N, T, S attended] float32 bias (xla/dense kernels).
+    """
+
+    q: Array
+    k: Array
+    scale: float
+    content_keys: Array
+    causal_offset: Any = 0
+    bias: Optional[Array] = None
+
+
+class AttentionBase(nn.Module):
+    """Multi-head attention, written once for every layer of this package: GOAT
+    (:class:`goat_jax.attention.GoatAttention`) and the position-encoding baselines
+    (:class:`goat_jax.positional.PositionalAttention`) differ only in how positions enter.
+
+    Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
+    spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
+    q_positions=None, k_positions=None)`` with ``query`` [B, T, E] and ``key``/``value``
+    [B, S, E'] (default: ``query``, i.e. self-attention). Returns [B, T, out_features or E].
+
+    * ``key_padding_mask``: [B, S] bool, True = padding (PyTorch/official convention).
+    * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
+      decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]).
+    * ``decode=True``: KV-cache decoding in the 'cache' collection (``cached_key``,
+      ``cached_value``, ``cache_index``): ``init`` with a full-length input sizes the cache;
+      each ``apply(..., mutable=['cache'])`` appends the new tokens at the cache index and
+      attends causally over the cache, which holds keys as the kernel sees them.
+    * With ``implementation='dense'`` and ``mutable=['intermediates']``, the layer sows its
+      attention probabilities, content keys and values (:func:`sow_attention_maps`); while
+      decoding, the probabilities of the chunk over the cache only.
+    * ``kernel_init_std``: None draws the q/k/v/out projection kernels Xavier-uniform (the
+      official module's own init); a float draws them ``N(0, kernel_init_std)``
+      (:func:`projection_init`). Biases start at zero either way.
+
+    A subclass adds its fields and three steps, each called once per call in this order:
+
+    * ``_plan(call, shape)``: validates everything (before any parameter or cache is made) and
+      returns an object with ``qk_dim`` (the key width the kernel and cache see) and
+      ``implementation`` (a resolved kernel name), plus whatever the later steps need.
+    * ``_positions(call, plan, t, s)``: ``(q_pos, k_pos)`` :class:`goat_jax.prior.Positions`;
+      the default is 1D (:meth:`_positions_1d`).
+    * ``_encode(call, shape, plan, q, k, q_pos, k_pos, cache)``: :class:`Encoded` from the raw
+      projections q [B, T, N, H], k [B, S, K, H]; ``cache`` is None unless decoding.
+    """
+
+    num_heads: int
+    kv_num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    out_features: Optional[int] = None
+    use_bias: bool = True
+    dtype: Optional[Dtype] = None
+    param_dtype: Dtype = jnp.float32
+    implementation: Optional[str] = None
+    decode: bool = False
+    kernel_init_std: Optional[float] = None
+
+    def _plan(self, call: AttentionCall, shape: LayerShape) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define _plan (see AttentionBase).")
+
+    def _encode(self, call: AttentionCall, shape: LayerShape, plan: Any, q: Array, k: Array,
+                q_pos: Any, k_pos: Any, cache: Optional["DecodeCache"]) -> Encoded:
+        raise NotImplementedError(f"{type(self).__name__} must define _encode (see AttentionBase).")
+
+    def _positions(self, call: AttentionCall, plan: Any, t: int, s: int):
+        """``(q_pos, k_pos)``; subclasses with other position modes (GOAT's 2D) override."""
+        return self._positions_1d(call, t, s)
+
+    @staticmethod
+    def _positions_1d(call: AttentionCall, t: int, s: int):
+        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys."""
+        out = []
+        for name, length, offset, explicit in (("q", t, call.position_offset_q, call.q_positions),
+                                               ("k", s, call.position_offset_k, call.k_positions)):
+            if isinstance(offset, (tuple, list)):
+                raise ValueError(f"position_offset_{name} must be an integer (1D positions), got {offset}.")
+            out.append(prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
+                                              name=f"{name}_positions"))
+        return tuple(out)
+
+    @nn.compact
+    def __call__(
+        self,
+        query: Array,
+        key: Optional[Array] = None,
+        value: Optional[Array] = None,
+        *,
+        is_causal: bool = False,
+        key_padding_mask: Optional[Array] = None,
+        spatial_shape: Optional[Tuple[int, ...]] = None,
+        has_cls_token: Optional[bool] = None,
+        position_offset_q: Offset = None,
+        position_offset_k: Offset = None,
+        q_positions: Optional[Array] = None,
+        k_positions: Optional[Array] = None,
+    ) -> Array:
+        key = query if key is None else key
+        value = key if value is None else value
+        check_qkv(query, key, value)
+        call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
+                             position_offset_q, position_offset_k, q_positions, k_positions)
+        embed_dim = query.shape[-1]
+        kv_heads, head_dim = head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
+        shape = LayerShape(self.num_heads, kv_heads, head_dim,
+                           self.dtype or jnp.result_type(query.dtype, self.param_dtype), embed_dim,
+                           (query.shape[0], self.num_heads, query.shape[1],
+                            attended_length(self, self.decode, key.shape[1])))
+        plan = self._plan(call, shape)
+
+        proj = lambda x, name, heads, axes: project_heads(
+            x, name, heads, head_dim, axes, self.use_bias, shape.dtype, self.param_dtype, self.kernel_init_std)
+        q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
+        k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
+        v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+
+        cache = None
+        if self.decode:
+            cache = open_decode_cache(
+                self, query=query, key=key, is_causal=is_causal,
+                positions_given=q_positions is not None or position_offset_q is not None,
+                key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, plan.qk_dim),
+                value_shape=(b, s, kv_heads, head_dim), dtype=shape.dtype)
+            if cache is not None:
+                call = call._replace(position_offset_q=cache.start, position_offset_k=cache.start)
+        q_pos, k_pos = self._positions(call, plan, t, s)
+        enc = self._encode(call, shape, plan, q, k, q_pos, k_pos, cache)
+
+        keys, causal_offset, kv_lengths = enc.k, enc.causal_offset, None
+        if cache is not None:
+            keys, v, causal_offset, kv_lengths, is_causal = append_to_cache(cache, keys, v)
+        sow = wants_attention_maps(self, plan.implementation)
+        out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
+                             is_causal=is_causal, causal_offset=causal_offset,
+                             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, bias=enc.bias,
+                             return_probs=sow)  # [B, T, N, Hv]
+        if sow:
+            out, probs = out
+            if cache is None:
+                sow_attention_maps(self, probs, enc.content_keys, v)
+            else:
+                sow_attention_probs(self, probs)
+        if cache is not None:
+            out = poison_overflow(cache, t, out)
+        return project_out(out, self.out_features or embed_dim, self.use_bias, shape.dtype, self.param_dtype,
+                           self.kernel_init_std)

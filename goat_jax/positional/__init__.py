@@ -1,0 +1,64 @@
+"""Positional-encoding baselines behind GoatAttention's interface, for fair comparisons.
+
+Relative encodings act inside attention, in :class:`PositionalAttention` (same call signature,
+projections, parameter names and cache collection as :class:`goat_jax.attention.GoatAttention`:
+both are :class:`goat_jax.layers.AttentionBase`, so models swap the two freely), chosen by
+``position_encoding``, one of ``POSITION_ENCODINGS``:
+
+=================  =============================================================================
+'nope'             no positional information in attention (Kazemnejad et al. 2023)   ``nope.py``
+'rope'             rotary embeddings (Su et al. 2021), rotate-half layout            ``rope.py``
+'rope_pi'          RoPE with position interpolation (Chen et al. 2023): positions times
+                   ``training_seq_len / key_length`` once the keys outgrow the training length
+'alibi'            ALiBi (Press et al. 2022) as a materialized [N, T, S] additive     ``alibi.py``
+                   bias: the textbook form; XLA / dense kernels only
+'alibi_packed'     the same ALiBi logits packed into q/k channels exactly like GOAT's causal
+                   recency slope, so it runs on flash kernels; causal only
+'naive_prior'      a learned dense per-head [N, max_len, max_len] log-prior: the L x L
+                   prior that GOAT's packing avoids (its memory is the point)  ``naive_prior.py``
+'rope2d'           axial 2D RoPE for patch grids (Heo et al. 2024, "RoPE-Axial"): half of each
+                   head rotated by the row, half by the column; needs ``spatial_shape`` (rope.py)
+=================  =============================================================================
+
+Absolute encodings are added to the token embeddings before the first layer, not inside
+attention (``absolute.py``): :func:`sinusoidal_embedding` (Vaswani et al. 2017),
+:func:`sincos_2d_embedding` (big_vision's ViT default) and :class:`LearnedPositionEmbedding`.
+A model using them runs its attention with ``position_encoding='nope'``.
+
+Adding an encoding
+------------------
+Write one module here with a subclass of :class:`PositionEncoding` (``base.py``) and add its
+instance to ``ENCODINGS`` in ``layer.py`` (``POSITION_ENCODINGS`` is read from it). The class
+says, as attributes: its ``name``; ``positions`` ('1d', '2d' or 'any'); ``causal_only`` (the
+reason, if it needs ``is_causal=True``); ``materialized_bias`` (True: it returns a
+[.., N, T, S] bias and runs on the 'xla'/'dense' kernels only; False: it runs on every kernel).
+It overrides only the hooks it needs, each given the layer (its fields, ``layer.param`` for
+its parameters) and an :class:`EncodingContext` (positions, the keys attended while decoding,
+head shapes, dtype, scale):
+
+* ``check_layer(layer)``: raise for a missing field (e.g. 'rope_pi' without ``training_seq_len``);
+* ``extra_qk_dims(shape, channels)``: channels appended to each q/k head when it packs a term
+  into q/k (the KV cache is sized with them);
+* ``encode(layer, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);
+* ``bias(layer, ctx)``: an additive bias, or None.
+
+Projections, positions, the KV cache, the kernel call and sowing are written once, in
+:class:`goat_jax.layers.AttentionBase`. A model that offers the encoding also lists it in its
+own ``POSITION_ENCODINGS`` (``goat_jax.models.lm`` / ``goat_jax.models.vit``).
+
+Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
+H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
+"""
+
+from goat_jax.positional.absolute import LearnedPositionEmbedding, sincos_2d_embedding, sinusoidal_embedding
+from goat_jax.positional.alibi import alibi_bias, pack_alibi_key, pack_alibi_query
+from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding
+from goat_jax.positional.naive_prior import naive_prior_bias
+from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
+
+__all__ = [
+    "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "LearnedPositionEmbedding", "PositionEncoding",
+    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "get_encoding", "naive_prior_bias",
+    "pack_alibi_key", "pack_alibi_query", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
+]

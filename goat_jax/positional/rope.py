@@ -1,0 +1,119 @@
+"""Rotary encodings: RoPE (Su et al. 2021, rotate-half layout as GPT-NeoX / Llama), RoPE with
+position interpolation (Chen et al. 2023) and axial 2D RoPE for patch grids (Heo et al. 2024).
+
+Each rotates q and k by their positions so that ``q . k`` depends on positions only through
+their difference; no bias, so every kernel runs them, and the KV cache stores rotated keys.
+
+Shape legend: B batch, L/T/S tokens, N heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from goat_jax import prior as prior_lib
+from goat_jax.positional.base import EncodingContext, PositionEncoding
+
+Array = jax.Array
+
+
+def rope_frequencies(dim: int, base: float = 10_000.0) -> Array:
+    """RoPE inverse frequencies ``theta_i = base ** (-2 i / dim)``, i = 0..dim/2-1; [dim/2] f32."""
+    if dim < 2 or dim % 2:
+        raise ValueError(f"RoPE needs an even head dim >= 2, got {dim}.")
+    # float64 on the host, so the lowest frequencies are correctly rounded once.
+    return jnp.asarray(base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
+
+
+def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float = 1.0) -> Array:
+    """Rotates ``x`` by its positions (rotate-half layout, as GPT-NeoX / Llama).
+
+    Dim ``i < H/2`` is paired with dim ``i + H/2`` and the pair is rotated by the angle
+    ``(p / scale) * theta_i`` (:func:`rope_frequencies`). Then ``apply_rope(q, p_i) .
+    apply_rope(k, p_j)`` depends on the positions only through ``p_i - p_j``. ``scale > 1`` is
+    position interpolation (positions divided by ``scale``).
+
+    Args:
+      x: [B, T, N, H].
+      positions: [T] or [B, T] (integer or float) positions.
+    Returns:
+      [B, T, N, H] in ``x``'s dtype; the rotation is computed in float32 (angles reach
+      ``p * theta_0 = p`` radians, too coarse in bfloat16).
+    """
+    h = x.shape[-1]
+    angle = (jnp.asarray(positions, jnp.float32) / scale)[..., None] * rope_frequencies(h, base)
+    cos = jnp.cos(angle)[..., None, :]  # [(B,) T, 1, H/2]
+    sin = jnp.sin(angle)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope_2d(x: Array, coords: Array, base: float = 100.0) -> Array:
+    """Axial 2D RoPE (Heo et al. 2024, "Rotary Position Embedding for Vision Transformer").
+
+    The first half of each head is rotated by the row, the second half by the column, each half
+    with :func:`apply_rope` (rotate-half layout, frequencies ``base ** (-4 i / H)``, i <
+    H/4). Then ``q . k`` depends on the positions only through the row and column differences.
+    A CLS token at coordinates (0, 0) is not rotated (the angle is 0), as in Heo et al.
+
+    Args:
+      x: [B, L, N, H] with H divisible by 4.
+      coords: [L, 2] (row, col) positions (``prior.positions_2d(...).coords``).
+      base: frequency base; Heo et al. use 100 for 14x14 grids.
+    Returns:
+      [B, L, N, H] in ``x``'s dtype (the rotation is computed in float32).
+    """
+    h = x.shape[-1]
+    if h % 4:
+        raise ValueError(f"position_encoding='rope2d' needs a head dim divisible by 4 (two axes of "
+                         f"rotated pairs), got {h}.")
+    return jnp.concatenate([apply_rope(x[..., : h // 2], coords[..., 0], base),
+                            apply_rope(x[..., h // 2:], coords[..., 1], base)], axis=-1)
+
+
+class Rope(PositionEncoding):
+    """'rope': q and k rotated by their 1D positions (``rope_base``)."""
+
+    name = "rope"
+
+    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+        return apply_rope(q, ctx.q_pos, layer.rope_base), apply_rope(k, ctx.k_pos, layer.rope_base), ctx.scale
+
+
+class RopePI(PositionEncoding):
+    """'rope_pi': RoPE with positions times ``training_seq_len / key_length`` once the keys outgrow
+    the training length. While decoding the key length is the cache's, i.e. that of the full
+    forward the decoding reproduces."""
+
+    name = "rope_pi"
+
+    def check_layer(self, layer: nn.Module) -> None:
+        if layer.training_seq_len is None:
+            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
+                             "positions are interpolated back to).")
+
+    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+        pi = max(1.0, ctx.key_len / layer.training_seq_len)
+        return (apply_rope(q, ctx.q_pos, layer.rope_base, pi), apply_rope(k, ctx.k_pos, layer.rope_base, pi),
+                ctx.scale)
+
+
+class Rope2D(PositionEncoding):
+    """'rope2d': axial 2D RoPE over the (row, col) grid of ``spatial_shape`` (a CLS token, if
+    ``has_cls_token``, sits at (0, 0) and is not rotated)."""
+
+    name = "rope2d"
+    positions = "2d"
+
+    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+        has_cls = bool(ctx.call.has_cls_token)
+        prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
+        coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]
+        return apply_rope_2d(q, coords, layer.rope_base), apply_rope_2d(k, coords, layer.rope_base), ctx.scale
+
+
+ROPE, ROPE_PI, ROPE2D = Rope(), RopePI(), Rope2D()
