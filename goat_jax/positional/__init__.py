@@ -5,20 +5,26 @@ projections, parameter names and cache collection as :class:`goat_jax.attention.
 both are :class:`goat_jax.layers.AttentionBase`, so models swap the two freely), chosen by
 ``position_encoding``, one of ``POSITION_ENCODINGS``:
 
-=================  =============================================================================
-'nope'             no positional information in attention (Kazemnejad et al. 2023)   ``nope.py``
-'rope'             rotary embeddings (Su et al. 2021), rotate-half layout            ``rope.py``
-'rope_pi'          RoPE with position interpolation (Chen et al. 2023): positions times
-                   ``training_seq_len / key_length`` once the keys outgrow the training length
-'alibi'            ALiBi (Press et al. 2022) as a materialized [N, T, S] additive     ``alibi.py``
-                   bias: the textbook form; XLA / dense kernels only
-'alibi_packed'     the same ALiBi logits packed into q/k channels exactly like GOAT's causal
-                   recency slope, so it runs on flash kernels; causal only
-'naive_prior'      a learned dense per-head [N, max_len, max_len] log-prior: the L x L
-                   prior that GOAT's packing avoids (its memory is the point)  ``naive_prior.py``
-'rope2d'           axial 2D RoPE for patch grids (Heo et al. 2024, "RoPE-Axial"): half of each
-                   head rotated by the row, half by the column; needs ``spatial_shape`` (rope.py)
-=================  =============================================================================
+==============  ==============  ==============================================================
+name            module          what it is
+==============  ==============  ==============================================================
+'nope'          nope.py         no positional information in attention (Kazemnejad et al. 2023)
+'rope'          rope.py         rotary embeddings (Su et al. 2021), rotate-half layout
+'rope_pi'       rope.py         RoPE with position interpolation (Chen et al. 2023): positions
+                                times ``training_seq_len / key_length`` once the keys outgrow
+                                the training length
+'rope2d'        rope.py         axial 2D RoPE for patch grids (Heo et al. 2024, "RoPE-Axial"):
+                                half of each head rotated by the row, half by the column;
+                                needs ``spatial_shape``
+'alibi'         alibi.py        ALiBi (Press et al. 2022) as a materialized [N, T, S] additive
+                                bias: the textbook form; XLA / dense kernels only
+'alibi_packed'  alibi.py        the same ALiBi logits packed into q/k channels exactly like
+                                GOAT's causal recency slope, so it runs on flash kernels;
+                                causal only
+'naive_prior'   naive_prior.py  a learned dense per-head [N, max_len, max_len] log-prior: the
+                                L x L prior that GOAT's packing avoids (its memory is the
+                                point of the comparison); XLA / dense kernels only
+==============  ==============  ==============================================================
 
 Absolute encodings are added to the token embeddings before the first layer, not inside
 attention (``absolute.py``): :func:`sinusoidal_embedding` (Vaswani et al. 2017),
