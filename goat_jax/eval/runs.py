@@ -30,7 +30,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 import numpy as np
 
 from goat_jax.data import synthetic, text

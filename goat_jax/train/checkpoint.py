@@ -25,8 +25,11 @@ import os
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import jax
-import orbax.checkpoint as ocp
-from etils import epath
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import orbax.checkpoint as ocp
+    from etils import epath
 
 # Engine fields that may change between a run and its resumption without changing what is
 # computed: cadences, the device layout (the state is resharded on restore) and the batch split

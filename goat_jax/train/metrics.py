@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from goat_jax import _extras
 from goat_jax.train import run as run_lib
 
 # Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
@@ -121,10 +122,12 @@ class MetricsWriter:
             return
         truncate_jsonl(self.path, initial_step)
         self._file = open(self.path, "a")
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
         self._tb = SummaryWriter(run_lib.tensorboard_dir(workdir))
         if progress_bar:
-            from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+            with _extras.imports(__name__):
+                from tqdm import tqdm  # pylint: disable=g-import-not-at-top
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
                              smoothing=0.1)
         self._bar_step = initial_step

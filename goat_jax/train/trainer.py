@@ -38,9 +38,12 @@ from typing import Any, Callable, Dict
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-import optax
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import metrics as metrics_lib
