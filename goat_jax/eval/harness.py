@@ -306,3 +306,55 @@ def require() -> None:
     import this module lazily)."""
     with _extras.imports(__name__):
         import lm_eval  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+
+
+# Keys of lm-eval's result dict kept in results.json (the rest is environment information, and
+# the per-request samples go to their own files).
+RESULT_KEYS = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better",
+               "n-samples", "configs", "lm_eval_version")
+
+
+def _jsonable(value: Any) -> Any:
+    import json  # pylint: disable=g-import-not-at-top
+    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def evaluate_lm_run(run: Any, tasks: Sequence[str], *, include_path: Optional[str] = None,
+                    num_fewshot: Optional[int] = None, limit: Optional[float] = None,
+                    batch_size: int = 8, max_length: Optional[int] = None,
+                    samples_dir: Optional[str] = None, bootstrap_iters: int = 100000,
+                    label: Optional[str] = None) -> dict[str, Any]:
+    """``experiments.evaluate --evals lm_eval``: :func:`evaluate` of a :class:`GoatLM` over
+    ``run``; returns the JSON-ready part of lm-eval's result (:data:`RESULT_KEYS`) plus
+    ``table`` (lm-eval's markdown table). With ``samples_dir``, every request with its
+    arguments and responses is written to ``samples_dir/<label>/<task>.jsonl``."""
+    import json  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    lm = GoatLM(run, batch_size=batch_size, max_length=max_length)
+    raw = evaluate(lm, tasks, include_path=include_path, num_fewshot=num_fewshot, limit=limit,
+                   log_samples=samples_dir is not None, seed=int(run.config.seed),
+                   bootstrap_iters=bootstrap_iters)
+    out = {k: _jsonable(raw[k]) for k in RESULT_KEYS if k in raw}
+    out["table"] = markdown_table(raw)
+    out["window"] = lm.max_length
+    if samples_dir is not None:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in (label or run.label))
+        directory = os.path.join(samples_dir, safe)
+        os.makedirs(directory, exist_ok=True)
+        for task, samples in raw.get("samples", {}).items():
+            with open(os.path.join(directory, f"{task}.jsonl"), "w") as f:
+                for sample in samples:
+                    f.write(json.dumps(_jsonable(sample)) + "\n")
+        out["samples_dir"] = directory
+    return out
+
+
+def results_markdown(by_label: dict[str, dict[str, Any]]) -> list[str]:
+    """The ``results.md`` section of ``--evals lm_eval``: lm-eval's table per run."""
+    if not by_label:
+        return []
+    md = ["## lm-evaluation-harness", ""]
+    for label, result in by_label.items():
+        md += [f"### {label} (window {result['window']} tokens; longer contexts truncated from "
+               "the left)", "", result["table"].strip(), ""]
+    return md
