@@ -38,7 +38,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 RESUME_SAFE_FIELDS = frozenset({
     "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
     "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
-    "per_device_batch_size",
+    "per_device_batch_size", "profile_steps", "wandb",
 })
 
 
