@@ -240,3 +240,19 @@ def test_bad_lm_eval_flags_fail_before_any_work(tmp_path):
         evaluate.main(["--workdir", str(tmp_path / "nope"), "--evals", "lm_eval", "--lm_eval_tasks",
                        "x", "--lm_eval_include_path", str(tmp_path / "missing")])
     assert not os.listdir(tmp_path)
+
+
+def test_goat_lm_refuses_synthetic_runs_and_bad_arguments(tmp_path):
+    from goat_jax.eval import harness
+    from tests.config_helpers import random_lm_run
+
+    run = random_lm_run(tmp_path, lm_smoke_config())
+    for kwargs, match in (({"batch_size": 0}, "batch_size"), ({"max_length": 1}, "max_length"),
+                          ({"max_gen_toks": True}, "max_gen_toks")):
+        with pytest.raises(ValueError, match=match):
+            harness.GoatLM(run, **kwargs)
+    run.config.data.source = "synthetic"
+    with pytest.raises(ValueError, match="synthetic-task run has no text tokenizer"):
+        harness.GoatLM(run)
+    assert harness.bucket_length(1, 64) == 16 and harness.bucket_length(17, 64) == 32
+    assert harness.bucket_length(33, 40) == 40

@@ -10,6 +10,7 @@ environment with the core dependencies only (from PyPI), then runs the README's 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -125,9 +126,18 @@ def test_other_import_errors_are_not_disguised_as_a_missing_extra():
 def test_wheel_in_a_fresh_venv_with_core_dependencies_runs_the_readme_example(tmp_path):
     """Builds the wheel, installs it (no extras; jax, flax, numpy from PyPI, or pip's cache)
     into a new venv without system site-packages, and runs the README example there."""
-    dist = tmp_path / "dist"
+    # Built from a copy, so that no build/ or egg-info lands in the checkout (an egg-info on
+    # sys.path would also make pip think goat-jax is installed already).
+    src, dist = tmp_path / "src", tmp_path / "dist"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    shutil.copytree(os.path.join(ROOT, "goat_jax"), src / "goat_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), ROOT], check=True, capture_output=True, timeout=600)
+                    "-w", str(dist), str(src)], check=True, capture_output=True, timeout=600,
+                   cwd=str(src), env=clean_env)
     wheel = next(dist.glob("goat_jax-*.whl"))
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
@@ -142,7 +152,7 @@ def test_wheel_in_a_fresh_venv_with_core_dependencies_runs_the_readme_example(tm
     # metadata decides what else comes (flax's dependencies).
     proc = subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)] +
                           [f"{k}=={v}" for k, v in pins.items()], capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=1200, env=clean_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
     for heavy in ("tensorflow-datasets", "grain", "matplotlib", "lm_eval", "lm-eval", "wandb",
@@ -153,3 +163,15 @@ def test_wheel_in_a_fresh_venv_with_core_dependencies_runs_the_readme_example(tm
                           env={"PATH": os.environ.get("PATH", ""), "JAX_PLATFORMS": "cpu"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wheel-ok" in proc.stdout
+
+
+def test_every_extra_named_in_the_errors_is_declared_in_pyproject():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    extras = project["optional-dependencies"]
+    assert set(_extras.EXTRA_OF_MODULE.values()) <= set(extras)
+    assert project["dependencies"] == ["jax>=0.10", "flax>=0.12", "numpy"]
+    # [all] is every extra but the test one
+    assert extras["all"] == [f"goat-jax[{','.join(sorted(set(extras) - {'all', 'test'}, key=list(extras).index))}]"]
