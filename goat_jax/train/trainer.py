@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
+from goat_jax.train import lock as lock_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
 from goat_jax.train import run as run_lib
@@ -293,6 +294,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ``checkpoint.RESUME_ADJUSTABLE_FIELDS`` (the optimizer's, ``num_train_steps``) differ from
     the checkpoint's; the change is recorded in ``workdir/config_changes.jsonl``.
 
+    Only one trainer at a time may use ``workdir`` (:mod:`goat_jax.train.lock`): another live
+    one holding it raises WorkdirLockedError before anything is written.
+
     Raises ValueError on an invalid config (before any work), IncompatibleCheckpointError when the
     workdir holds another config's checkpoint, FloatingPointError on a non-finite loss, gradient
     or state (only finite states are saved; the last one is kept).
@@ -301,13 +305,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
+    os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
+    # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
+    with lock_lib.hold(workdir, jax.process_index()):
+        return _train_locked(config, workdir, global_batch, resume_with_changes)
+
+
+def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
+                  resume_with_changes: bool) -> Dict[str, Any]:
+    """The body of :func:`train_and_evaluate`, run holding the workdir lock."""
     task = tasks_lib.get_task(config.task)
     resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
     resolved.global_batch_size = global_batch
     config_dict = resolved.to_dict()
     is_primary = jax.process_index() == 0
 
-    os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
                                                keep=config.keep_checkpoints,
                                                resume_safe_fields=task.resume_safe_fields,
