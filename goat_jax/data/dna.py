@@ -72,10 +72,10 @@ def default_dna_data_config() -> ml_collections.ConfigDict:
     """Defaults: E. coli K-12 MG1655 (Debian ``ragout-examples``), its last 10% held out."""
     c = ml_collections.ConfigDict()
     c.source = "fasta"  # 'fasta' (plain/gzip/bgzip, .fai for random access) | 'parquet'.
-    c.paths = [ECOLI_MG1655]  # FASTA files, or parquet files/globs of the 6 kbp dataset.
-    c.train_records = []  # Record specs for training; [] = everything not in valid/test.
-    c.valid_records = ["K-12-MG1655:4175708-4639675"]  # The genome's last 10% (463,968 bp).
-    c.test_records = []  # Record specs held out for test (never trained on).
+    c.paths = (ECOLI_MG1655,)  # FASTA files, or parquet files/globs of the 6 kbp dataset.
+    c.train_records = ()  # Record specs for training; () = everything not in valid/test.
+    c.valid_records = ("K-12-MG1655:4175708-4639675",)  # The genome's last 10% (463,968 bp).
+    c.test_records = ()  # Record specs held out for test (never trained on).
     c.eval_split = "valid"  # Split make_eval_iter reads: 'valid' | 'test'.
     c.fasta_stride = 0  # FASTA crop starts per chunk; 0 = seq_len + 1 (eval crops tile).
     c.max_offset = 200  # parquet: crops start in [0, max_offset] of each row (official: 200).
