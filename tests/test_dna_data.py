@@ -1,6 +1,7 @@
 """The DNA tokenizer, FASTA reading and the genome crop pipeline (goat_jax.data.fasta / dna)."""
 
 import gzip
+import warnings
 
 import numpy as np
 import pytest
@@ -346,3 +347,42 @@ def test_parquet_chunks_splits_offsets_and_short_rows(tmp_path, rng):
     cfg.short_records = "error"
     with pytest.raises(ValueError, match=r"b.parquet row group \d row \d \(chromosome='22'\) has 20"):
         dna.build_tables(cfg, seq_len=seq_len)
+
+
+def _fasta_text(rng, n=120_000):
+    seq = _random_dna(rng, n)
+    return (">r1\n" + "\n".join(seq[i:i + 60] for i in range(0, n, 60)) + "\n").encode()
+
+
+def test_truncated_or_corrupt_gzip_is_one_error_naming_the_file(tmp_path, rng):
+    """A cut-short gzip (EOFError), a damaged one (CRC / zlib.error) and a truncated bgzip with
+    its index all give one ValueError naming the file and the fix, at open time."""
+    data = gzip.compress(_fasta_text(rng))
+    cut = tmp_path / "cut.fa.gz"
+    cut.write_bytes(data[:len(data) // 2])
+    flipped = bytearray(data)
+    for i in range(len(flipped) // 3, len(flipped) // 3 + 64):
+        flipped[i] ^= 0x5A
+    bad = tmp_path / "bad.fa.gz"
+    bad.write_bytes(bytes(flipped))
+    for path in (cut, bad):
+        with pytest.raises(ValueError, match=rf"{path}: the compressed FASTA is truncated or corrupt"
+                                             r" \((EOFError|BadGzipFile|error): .*Copy or download it again"):
+            fasta.Genome([str(path)])
+
+
+def test_truncated_bgzip_with_its_index_is_found_at_open(tmp_path, rng):
+    pyfaidx = pytest.importorskip("pyfaidx")
+    bgzf = pytest.importorskip("Bio.bgzf")
+    path = tmp_path / "g.fa.gz"
+    with bgzf.BgzfWriter(str(path), "wb") as w:
+        w.write(_fasta_text(rng, 600_000))  # ~10 bgzip blocks
+    pyfaidx.Faidx(str(path)).close()
+    raw = path.read_bytes()
+    # Cut in the middle (pyfaidx opens it; the last base fails) or near the start (the open fails).
+    for keep, expected in ((len(raw) // 2, "the compressed FASTA is truncated or corrupt or its index is stale"),
+                           (30, "could not open with its index .* the file is truncated or corrupt")):
+        path.write_bytes(raw[:keep])
+        with warnings.catch_warnings(), pytest.raises(ValueError, match=rf"{path}: {expected}"):
+            warnings.simplefilter("ignore", RuntimeWarning)  # pyfaidx: the index is older
+            fasta.Genome([str(path)], max_in_memory_bytes=0)
