@@ -43,7 +43,15 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna")
+# Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
+# language evaluations read a text or synthetic LM run's own data and tokenizer, 'dna' scores
+# FASTA bases with a genome run, 'resolution' (goat_jax.eval.vision) a ViT. A mismatch is refused
+# before any work by :func:`check_evals_fit`.
+EVAL_TASKS = {
+    "extrapolation": ("lm",), "passkey": ("lm",), "niah": ("lm",), "sinks": ("lm",),
+    "diagnostics": ("lm",), "dna": ("dna",), "resolution": ("vit",),
+}
+EVALS = tuple(e for e in EVAL_TASKS if e != "resolution")  # what evaluate_run runs
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -81,6 +89,64 @@ def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
         raise ValueError(f"{workdir}: config.task={run.config.task!r} trained model "
                          f"{run.config.model.get('name')!r}; the language evaluations need model 'lm'.")
     return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
+
+
+def evals_for_task(task: str) -> list[str]:
+    """The evaluations that apply to a run of ``config.task = task`` (:data:`EVAL_TASKS`)."""
+    return [e for e, tasks in EVAL_TASKS.items() if task in tasks]
+
+
+def check_evals_fit(workdirs: Sequence[str], evals: Sequence[str]) -> None:
+    """Refuses, before any work, an evaluation that does not apply to a run's task (e.g.
+    ``passkey`` on a DNA run), or an unknown one; reads only each ``config.json``.
+
+    Raises:
+      ValueError: naming the evaluation, the run and its task, and listing the evaluations
+        that fit it.
+    """
+    unknown = sorted(set(evals) - set(EVAL_TASKS))
+    if unknown:
+        raise ValueError(f"unknown evaluation(s) {unknown}; choose from {tuple(EVAL_TASKS)}.")
+    for workdir in workdirs:
+        task = str(run_lib.read_config(workdir).get("task"))
+        wrong = [e for e in evals if task not in EVAL_TASKS[e]]
+        if wrong:
+            fits = evals_for_task(task)
+            raise ValueError(
+                f"--evals {','.join(wrong)} does not apply to {workdir}, a run of "
+                f"config.task={task!r}; the evaluations for it are: "
+                f"{', '.join(fits) if fits else 'none (no evaluation knows this task)'}.")
+
+
+def check_output_dir(out: str) -> None:
+    """Refuses, before any evaluation runs, an ``--out`` that cannot take the results: an
+    existing path that is not a directory, a directory (or its nearest existing parent) that
+    is not writable, or a place inside a run's workdir (a directory holding ``config.json`` or
+    ``checkpoints/``, or any folder below one: evaluation never writes into a run, which may
+    still be training).
+
+    Raises:
+      ValueError: naming ``--out`` and the fix.
+    """
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {out} exists and is not a directory; give a directory (it is "
+                         f"created if missing), e.g. --out {out}_eval.")
+    probe = path
+    while True:
+        if os.path.isfile(run_lib.config_path(probe)) or os.path.isdir(run_lib.checkpoint_dir(probe)):
+            raise ValueError(f"--out {out} is inside the run workdir {probe}; evaluation never "
+                             "writes into a run (it may still be training). Use a directory "
+                             f"outside it, e.g. --out {os.path.normpath(probe)}_eval.")
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable; choose another directory.")
 
 
 def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
@@ -484,6 +550,12 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
+    task = str(run.config.get("task"))
+    wrong = [e for e in evals if task not in EVAL_TASKS[e]]
+    if wrong:  # before any evaluation runs
+        raise ValueError(f"evaluation(s) {wrong} do not apply to {run.workdir}, a run of "
+                         f"config.task={task!r}; the evaluations for it are: "
+                         f"{', '.join(evals_for_task(task)) or 'none'}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
     out: dict[str, Any] = {}
