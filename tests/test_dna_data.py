@@ -386,3 +386,13 @@ def test_truncated_bgzip_with_its_index_is_found_at_open(tmp_path, rng):
         with warnings.catch_warnings(), pytest.raises(ValueError, match=rf"{path}: {expected}"):
             warnings.simplefilter("ignore", RuntimeWarning)  # pyfaidx: the index is older
             fasta.Genome([str(path)], max_in_memory_bytes=0)
+
+
+def test_n_targets_get_weight_zero_in_training_and_eval_crops():
+    """N is never a target to learn or score (goat_jax/data/dna.py, 'N targets'); N inputs stay."""
+    window = fasta.encode("ACGNNTTNA")[0]
+    ex = dna.crop_example(window)
+    np.testing.assert_array_equal(ex["inputs"], window[:-1])
+    np.testing.assert_array_equal(ex["targets"], window[1:])
+    np.testing.assert_array_equal(ex["weights"], [1, 0, 0, 1, 1, 0, 1])
+    assert ex["weights"].dtype == np.float32

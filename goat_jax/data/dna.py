@@ -14,7 +14,14 @@ process_count examples per host):
 
     inputs  int32   [b, seq_len]   base ids, "ACGNT" -> 0..4 (see goat_jax.data.fasta)
     targets int32   [b, seq_len]   the next base
-    weights float32 [b, seq_len]   1, or 0 on the padding windows that fill the last eval batches
+    weights float32 [b, seq_len]   1; 0 where the target is N (an unknown base is not a base to
+                                   predict) and on the padding windows of the last eval batches
+
+N targets. The official recipe (``genome.py``) trains and evaluates on every character,
+N included (it is one of the 5 tokens); goat-jax gives N targets weight 0 in training and
+evaluation alike, so neither the loss nor bits per base or accuracy count an unknown base
+(hg38 holds ~150 Mbp of N). N stays an input token. On N-free genomes (the E. coli references
+of the tiny configs) both rules are the same.
 
 Chunks. A FASTA piece (a record, or a region of one) of n bases has n - seq_len crop starts;
 they are cut into chunks of ``fasta_stride`` consecutive starts (0: seq_len + 1, so the chunks'
@@ -337,6 +344,15 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in key])
 
 
+def crop_example(window: np.ndarray) -> Batch:
+    """A crop of seq_len + 1 base ids -> one example; targets that are N (an unknown base:
+    assembly gaps, IUPAC codes read as N) get weight 0, so N is never trained or scored as a
+    base (goat_jax/eval/dna.py excludes them likewise)."""
+    example = text_lib._window_example(np.asarray(window, np.int32), len(window))  # pylint: disable=protected-access
+    example["weights"] = example["weights"] * (example["targets"] != fasta_lib.N_ID)
+    return example
+
+
 class TrainCrops(grain.MapDataset):
     """Example ``i`` of this host's endless training stream (see the module docstring).
 
@@ -391,7 +407,7 @@ class TrainCrops(grain.MapDataset):
         window = self._table.read(chunk, offset, self._seq_len + 1)
         if self._rc and rng.random() < 0.5:
             window = fasta_lib.reverse_complement(window)
-        return text_lib._window_example(window.astype(np.int32), self._seq_len + 1)  # pylint: disable=protected-access
+        return crop_example(window)
 
 
 def eval_offset(table: ChunkTable, i: int, mode: str) -> int:
@@ -418,7 +434,7 @@ class EvalCrops(grain.MapDataset):
     def __getitem__(self, index: int) -> Batch:
         chunk = int(self._chunks[index])
         window = self._table.read(chunk, eval_offset(self._table, chunk, self._mode), self._seq_len + 1)
-        return text_lib._window_example(window.astype(np.int32), self._seq_len + 1)  # pylint: disable=protected-access
+        return crop_example(window)
 
 
 def host_chunks(table: ChunkTable, process_index: int, process_count: int) -> np.ndarray:

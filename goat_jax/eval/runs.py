@@ -521,6 +521,10 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
         md += [f"### {title} by evaluation length", "",
                table({k: {int(n): v[key] for n, v in r["by_length"].items()} for k, r in dna.items()},
                      pct=pct), ""]
+    excluded = {int(n): v.get("excluded_n", 0) for r in dna.values() for n, v in r["by_length"].items()}
+    if any(excluded.values()):
+        md += ["N targets (unknown bases) are not scored; left out per window length: " +
+               ", ".join(f"{n}: {c:,}" for n, c in sorted(excluded.items())) + ".", ""]
     md += ["### GC agreement (Pearson r; README, section DNA)", "",
            "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
            "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]

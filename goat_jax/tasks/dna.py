@@ -5,7 +5,7 @@ block of the official recipe, :func:`official_model_config`) over the 5 tokens "
 is :mod:`goat_jax.data.dna` (crops of ``seq_len + 1`` bases, splits by chromosome). Training and
 the loss are those of the LM task; evaluation adds what genome papers report per base:
 
-    eval_loss            NLL in nats per base
+    eval_loss            NLL in nats per base (N targets carry weight 0: goat_jax/data/dna.py)
     eval_bits_per_base   eval_loss / ln 2
     eval_ppl             exp(eval_loss)
     eval_accuracy        next-base accuracy (argmax == target)
