@@ -1,6 +1,7 @@
 """The DNA tokenizer, FASTA reading and the genome crop pipeline (goat_jax.data.fasta / dna)."""
 
 import gzip
+import os
 import warnings
 
 import numpy as np
@@ -396,3 +397,25 @@ def test_n_targets_get_weight_zero_in_training_and_eval_crops():
     np.testing.assert_array_equal(ex["targets"], window[1:])
     np.testing.assert_array_equal(ex["weights"], [1, 0, 0, 1, 1, 0, 1])
     assert ex["weights"].dtype == np.float32
+
+
+def test_an_empty_eval_split_after_skipping_short_records_is_refused_before_training(tmp_path, rng):
+    """Every held-out record skipped as short: the trainer stops before its first step (it used
+    to train, checkpoint, and only fail at the first evaluation)."""
+    from configs import dna_tiny  # pylint: disable=g-import-not-at-top
+    from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
+
+    path = _write_fasta(tmp_path / "g.fa", {"chr1": _random_dna(rng, 2000), "tiny": "ACGTACGTAC"})
+    cfg = _cfg([path], valid_records=["tiny"], short_records="skip")
+    kw = dict(seq_len=20, global_batch_size=2, seed=0, process_index=0, process_count=1)
+    dna.make_dna_datasets(cfg, **kw)  # no evaluation asked for: fine
+    with pytest.raises(ValueError, match=r"data.eval_split='valid': the split is empty: all 1 of its "
+                                         r"record\(s\) were skipped as shorter than seq_len \+ 1 = 21"):
+        dna.make_dna_datasets(cfg, require_eval=True, **kw)
+    config = dna_tiny.get_config("goat,smoke")
+    config.progress_bar = False
+    config.data.paths, config.data.valid_records, config.data.short_records = (str(path),), ("tiny",), "skip"
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match="the split is empty"):
+        trainer.train_and_evaluate(config, str(workdir))
+    assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")

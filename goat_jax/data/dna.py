@@ -480,12 +480,15 @@ def make_dna_datasets(
     seed: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    require_eval: bool = False,
 ) -> tuple[grain.DatasetIterator, Callable[[], Iterator[Batch]], fasta_lib.DnaTokenizer]:
     """Builds the training iterator, the eval-iterator factory and the tokenizer.
 
     Same contract as ``goat_jax.data.text.make_lm_datasets`` (see the module docstring for the
     sampling). Raises ValueError naming the field or file for bad input: unknown records,
-    overlapping splits, short records (unless ``short_records='skip'``), invalid characters.
+    overlapping splits, short records (unless ``short_records='skip'``), invalid characters,
+    and with ``require_eval`` (the trainer evaluates) an empty ``data.eval_split``, here rather
+    than at the first evaluation.
     """
     cfg = data_config
     if seq_len < 1:
@@ -511,6 +514,13 @@ def make_dna_datasets(
         grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=4 * local_batch)))
 
     eval_table = tables[cfg.eval_split]
+    if require_eval and not len(eval_table):
+        skipped = eval_table.skipped
+        why = (f": all {len(skipped)} of its record(s) were skipped as shorter than seq_len + 1 = "
+               f"{seq_len + 1} bases (data.short_records='skip'): {skipped[:5]}" if skipped else "")
+        raise ValueError(f"data.eval_split={cfg.eval_split!r}: the split is empty{why}. Set "
+                         f"data.{cfg.eval_split}_records to longer held-out records, shorten "
+                         "seq_len, or set eval_every_steps=0 to train without evaluation.")
     eval_chunks = host_chunks(eval_table, process_index, process_count)
     padding = text_lib._window_example(np.full(seq_len + 1, fasta_lib.N_ID, np.int32), 0)  # pylint: disable=protected-access
 

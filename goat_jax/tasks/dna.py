@@ -77,7 +77,8 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
                          "(the DNA tokens ACGNT).")
     train, make_eval, tokenizer = dna.make_dna_datasets(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
-        process_index=process_index, process_count=process_count)
+        process_index=process_index, process_count=process_count,
+        require_eval=bool(config.eval_every_steps))  # an empty held-out split: before training
     return tasks.Datasets(train=train, make_eval=make_eval, info={"tokenizer": tokenizer})
 
 
