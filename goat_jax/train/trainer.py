@@ -44,6 +44,7 @@ import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import lock as lock_lib
+from goat_jax.train import memory as memory_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
 from goat_jax.train import run as run_lib
@@ -245,6 +246,26 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
 
 
+def _compile_and_check_memory(steps: ShardedSteps, abstract_state, dummy: Dict[str, Any],
+                              batch_shardings: Dict[str, Any]):
+    """``(compiled train step or None, abstract batch)``; raises ValueError (with the estimate)
+    when XLA's memory plan of one step exceeds the machine's memory (:mod:`memory_lib`)."""
+    def global_shape(local):  # this host's rows -> the global batch's (rows split over hosts)
+        return (local[0] * jax.process_count(),) + tuple(local[1:])
+
+    abstract_batch = {k: jax.ShapeDtypeStruct(global_shape(np.shape(v)),
+                                              jax.dtypes.canonicalize_dtype(np.asarray(v).dtype),
+                                              sharding=batch_shardings[k]) for k, v in dummy.items()}
+    try:
+        compiled = steps.train_step.lower(abstract_state, abstract_batch).compile()
+    except (TypeError, ValueError, NotImplementedError) as e:  # e.g. a task's batch the dummy misses
+        logging.info("no ahead-of-time compile of the train step (%s); no memory check", e)
+        return None, abstract_batch
+    memory_lib.check_fits(memory_lib.step_bytes(compiled), jax.local_devices()[0],
+                          jax.local_device_count())
+    return compiled, abstract_batch
+
+
 # ----------------------------------------------------------------------------------------------
 # Preemption: SIGTERM -> checkpoint at the end of the current step, then exit cleanly
 # ----------------------------------------------------------------------------------------------
@@ -353,6 +374,9 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     steps = make_sharded_steps(task, config, mesh, rules, batch_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             steps.abstract_state, steps.state_shardings)
+    # Compiled ahead of the first step, so that a step that cannot fit in memory is refused
+    # with XLA's estimate before any state is allocated (goat_jax/train/memory.py).
+    compiled_step, abstract_batch = _compile_and_check_memory(steps, abstract, dummy, batch_shardings)
     start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
     start_step = start_step or 0
     if start_step:
@@ -366,7 +390,15 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
         state = steps.init(jax.random.PRNGKey(config.seed))
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(steps.abstract_state.params))
     logging.info("%s: %.2fM parameters", task.name, num_params / 1e6)
-    train_step, eval_step = steps.train_step, steps.eval_step
+    eval_step = steps.eval_step
+
+    def train_step(state, batch):
+        # The ahead-of-time executable serves batches of the dummy batch's shapes and dtypes (all
+        # of them, for the built-in tasks); any other batch goes through jit as before.
+        if compiled_step is not None and all(
+                (batch[k].shape, batch[k].dtype) == (a.shape, a.dtype) for k, a in abstract_batch.items()):
+            return compiled_step(state, batch)
+        return steps.train_step(state, batch)
 
     # One fused reduction on device, run only before a save; the host reads back a single bool.
     def all_finite(tree) -> jax.Array:
