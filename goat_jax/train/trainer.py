@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
+from goat_jax.train import failures as failures_lib
 from goat_jax.train import lock as lock_lib
 from goat_jax.train import memory as memory_lib
 from goat_jax.train import metrics as metrics_lib
@@ -318,6 +319,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     Only one trainer at a time may use ``workdir`` (:mod:`goat_jax.train.lock`): another live
     one holding it raises WorkdirLockedError before anything is written.
 
+    A full disk raises :class:`~goat_jax.train.failures.DiskFullError` and a dead peer of a
+    multi-host run :class:`~goat_jax.train.failures.PeerFailedError`, one line each naming the
+    step, the last complete checkpoint and what to do.
+
     Raises ValueError on an invalid config (before any work), IncompatibleCheckpointError when the
     workdir holds another config's checkpoint, FloatingPointError on a non-finite loss, gradient
     or state (only finite states are saved; the last one is kept).
@@ -329,12 +334,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
-        return _train_locked(config, workdir, global_batch, resume_with_changes)
+        progress = {"step": 0}  # the step being run, for the failure message
+        try:
+            return _train_locked(config, workdir, global_batch, resume_with_changes, progress)
+        except Exception as e:  # pylint: disable=broad-except
+            # A full disk or a dead peer, buried in orbax/JAX errors: one line that says so.
+            explained = failures_lib.explain(
+                e, step=progress["step"], checkpoint_dir=run_lib.checkpoint_dir(workdir),
+                process_count=jax.process_count(), process_index=jax.process_index())
+            if explained is None:
+                raise
+            raise explained from e
 
 
 def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
-                  resume_with_changes: bool) -> Dict[str, Any]:
-    """The body of :func:`train_and_evaluate`, run holding the workdir lock."""
+                  resume_with_changes: bool, progress: Dict[str, int]) -> Dict[str, Any]:
+    """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
+    ``progress['step']`` at the step being run."""
     task = tasks_lib.get_task(config.task)
     resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
     resolved.global_batch_size = global_batch
@@ -379,6 +395,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     compiled_step, abstract_batch = _compile_and_check_memory(steps, abstract, dummy, batch_shardings)
     start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
     start_step = start_step or 0
+    progress["step"] = start_step
     if start_step:
         data.train.set_state(data_state)
         logging.info("resumed from step %d", start_step)
@@ -480,6 +497,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
             batch = next(data.train)
             data_state = data.train.get_state()
             step += 1
+            progress["step"] = step
             state, step_metrics = train_step(state, to_device(batch))
             if pending is not None:
                 process(*pending)
@@ -514,7 +532,9 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
             process(*pending)
     finally:
         preemption.restore()
-        writer.close()
-        checkpointer.close()
+        try:
+            writer.close()
+        finally:
+            checkpointer.close()  # also when closing the writer failed (e.g. a full disk)
     summary["step"] = step
     return summary
