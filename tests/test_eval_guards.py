@@ -64,3 +64,8 @@ def test_out_is_checked_before_any_evaluation(tmp_path):
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]
     runs.check_output_dir(str(tmp_path / "new" / "deeper"))  # a fresh place is fine
     runs.check_output_dir(str(tmp_path))  # and so is the folder that holds runs
+
+
+def test_a_stray_config_json_is_not_a_run(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"editor": "vim"}))
+    runs.check_output_dir(str(tmp_path / "eval"))

@@ -118,12 +118,25 @@ def check_evals_fit(workdirs: Sequence[str], evals: Sequence[str]) -> None:
                 f"{', '.join(fits) if fits else 'none (no evaluation knows this task)'}.")
 
 
+def _is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a trainer's workdir: its ``config.json`` names a task, or its
+    ``checkpoints/`` holds a step (a stray config.json of another tool does not count)."""
+    try:
+        with open(run_lib.config_path(path)) as f:
+            if "task" in json.load(f):
+                return True
+    except (OSError, ValueError, TypeError):
+        pass
+    directory = run_lib.checkpoint_dir(path)
+    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+
 def check_output_dir(out: str) -> None:
     """Refuses, before any evaluation runs, an ``--out`` that cannot take the results: an
     existing path that is not a directory, a directory (or its nearest existing parent) that
-    is not writable, or a place inside a run's workdir (a directory holding ``config.json`` or
-    ``checkpoints/``, or any folder below one: evaluation never writes into a run, which may
-    still be training).
+    is not writable, or a place inside a run's workdir (a directory whose ``config.json`` names
+    a task or whose ``checkpoints/`` holds a step, or any folder below one: evaluation never
+    writes into a run, which may still be training).
 
     Raises:
       ValueError: naming ``--out`` and the fix.
@@ -134,7 +147,7 @@ def check_output_dir(out: str) -> None:
                          f"created if missing), e.g. --out {out}_eval.")
     probe = path
     while True:
-        if os.path.isfile(run_lib.config_path(probe)) or os.path.isdir(run_lib.checkpoint_dir(probe)):
+        if _is_run_dir(probe):
             raise ValueError(f"--out {out} is inside the run workdir {probe}; evaluation never "
                              "writes into a run (it may still be training). Use a directory "
                              f"outside it, e.g. --out {os.path.normpath(probe)}_eval.")
