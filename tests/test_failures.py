@@ -78,6 +78,9 @@ def test_disk_full_while_logging_and_no_empty_events_file(tmp_path, monkeypatch)
      "reached the barrier: /job:jax_worker/replica:0/task:1", [1]),
     ("UNAVAILABLE: Task 2 heartbeat timeout. This indicates that the remote task has failed", [2]),
     ("Gloo all-reduce failed: Connection reset by peer", []),
+    # JAX's coordination service, as a killed process 1's peer logs it (a real 2-process run).
+    ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks "
+     "have crashed. Check the task logs for an earlier error", [1]),
 ])
 def test_a_dead_peer_is_named_with_what_is_safe(tmp_path, text, dead):
     (tmp_path / "checkpoints" / "8").mkdir(parents=True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import sys
 import traceback
-from typing import Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 
 class DiskFullError(OSError):
@@ -83,15 +84,45 @@ def _safe(checkpoint_dir: str) -> tuple:
     return None, "no checkpoint is on disk yet"
 
 
+# JAX's coordination service lists the dead tasks after "stopped sending heartbeats):".
+_UNHEALTHY = re.compile(r"stopped sending heartbeats\)?:?\s*((?:\d+[\s,]*)+)")
+
+
 def dead_tasks(exc: BaseException, process_count: int, own: int) -> Sequence[int]:
-    """The other process indices named in ``exc``'s chain ("task 1", "/task:1", ...)."""
+    """The other process indices named in ``exc``'s chain ("task 1", "/task:1", JAX's
+    "unhealthy (stopped sending heartbeats): 1", ...)."""
     found = []
     for e in _chain(exc):
-        for m in _TASK.finditer(str(e)):
-            i = int(m.group(1))
+        text = str(e)
+        numbers = [int(m.group(1)) for m in _TASK.finditer(text)]
+        for m in _UNHEALTHY.finditer(text):
+            numbers += [int(n) for n in re.findall(r"\d+", m.group(1))]
+        for i in numbers:
             if i != own and 0 <= i < process_count and i not in found:
                 found.append(i)
     return found
+
+
+# The run in progress in this process, for :func:`on_missed_heartbeat` (set by the trainer).
+RUN: Dict[str, Any] = {"checkpoint_dir": None, "step": 0, "process_count": 1, "process_index": 0}
+
+
+def on_missed_heartbeat(*status: Any) -> None:
+    """JAX's distributed client calls this (from its own thread) when the coordination service
+    reports a dead task; JAX's default aborts the process with a C++ stack trace. Here: the
+    one-line :class:`PeerFailedError` message on stderr, then exit status 1."""
+    text = " ".join(str(s) for s in status) or "heartbeat timeout"
+    error = None
+    if RUN["checkpoint_dir"]:
+        error = explain(RuntimeError(f"{text} (heartbeat)"), step=RUN["step"],
+                        checkpoint_dir=RUN["checkpoint_dir"],
+                        process_count=max(int(RUN["process_count"]), 2),
+                        process_index=int(RUN["process_index"]))
+    message = str(error) if error is not None else (
+        f"another process of this multi-host job died or stopped responding (JAX: "
+        f"{' '.join(text.split())[:300]}); restart all processes with the same command.")
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)  # pylint: disable=protected-access  # from a JAX thread: no unwinding
 
 
 def explain(exc: BaseException, *, step: int, checkpoint_dir: str, process_count: int = 1,

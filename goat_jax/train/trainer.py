@@ -334,7 +334,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
-        progress = {"step": 0}  # the step being run, for the failure message
+        progress = failures_lib.RUN  # the step being run, for the failure messages
+        progress.update(step=0, checkpoint_dir=run_lib.checkpoint_dir(workdir),
+                        process_count=jax.process_count(), process_index=jax.process_index())
         try:
             return _train_locked(config, workdir, global_batch, resume_with_changes, progress)
         except Exception as e:  # pylint: disable=broad-except
@@ -348,7 +350,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
-                  resume_with_changes: bool, progress: Dict[str, int]) -> Dict[str, Any]:
+                  resume_with_changes: bool, progress: Dict[str, Any]) -> Dict[str, Any]:
     """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
     ``progress['step']`` at the step being run."""
     task = tasks_lib.get_task(config.task)
