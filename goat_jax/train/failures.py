@@ -7,6 +7,14 @@ timeout". :func:`explain` finds either anywhere in an exception's chain (``__cau
 ``__context__``) and returns one error that says what failed, at which step, what is safe on
 disk and what to do; the trainer raises it in place of the original (kept as its cause, shown
 with ``GOAT_DEBUG=1``).
+
+Where JAX does not raise but ends the process itself (its coordination service aborts the
+survivors of a SIGKILLed process after the heartbeat timeout, logging "Terminating process
+because the JAX distributed service detected fatal errors ... stopped sending heartbeats: 1"),
+no Python code runs: that line is JAX's. JAX's client takes a ``missed_heartbeat_callback``,
+but jaxlib 0.10 cannot pass the status to a Python one (it aborts with ``std::bad_cast``), so
+it is not used. What is safe on disk is the same either way: every checkpoint directory
+named by its step is complete on every host.
 """
 
 from __future__ import annotations
@@ -14,9 +22,8 @@ from __future__ import annotations
 import errno
 import os
 import re
-import sys
 import traceback
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 
 class DiskFullError(OSError):
@@ -101,28 +108,6 @@ def dead_tasks(exc: BaseException, process_count: int, own: int) -> Sequence[int
             if i != own and 0 <= i < process_count and i not in found:
                 found.append(i)
     return found
-
-
-# The run in progress in this process, for :func:`on_missed_heartbeat` (set by the trainer).
-RUN: Dict[str, Any] = {"checkpoint_dir": None, "step": 0, "process_count": 1, "process_index": 0}
-
-
-def on_missed_heartbeat(*status: Any) -> None:
-    """JAX's distributed client calls this (from its own thread) when the coordination service
-    reports a dead task; JAX's default aborts the process with a C++ stack trace. Here: the
-    one-line :class:`PeerFailedError` message on stderr, then exit status 1."""
-    text = " ".join(str(s) for s in status) or "heartbeat timeout"
-    error = None
-    if RUN["checkpoint_dir"]:
-        error = explain(RuntimeError(f"{text} (heartbeat)"), step=RUN["step"],
-                        checkpoint_dir=RUN["checkpoint_dir"],
-                        process_count=max(int(RUN["process_count"]), 2),
-                        process_index=int(RUN["process_index"]))
-    message = str(error) if error is not None else (
-        f"another process of this multi-host job died or stopped responding (JAX: "
-        f"{' '.join(text.split())[:300]}); restart all processes with the same command.")
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    os._exit(1)  # pylint: disable=protected-access  # from a JAX thread: no unwinding
 
 
 def explain(exc: BaseException, *, step: int, checkpoint_dir: str, process_count: int = 1,

@@ -122,27 +122,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
     # Only the CPU client's collectives (the default there is none, so multi-process CPU jobs
     # could not communicate); accelerator backends keep their own (NCCL, ICI).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # A dead peer: JAX's client aborts the process with a C++ stack trace by default; ours says
-    # which task died and what is safe on disk in one line (goat_jax/train/failures.py). JAX's
-    # initialize has no argument for it, so the client factory it calls gets it (private API:
-    # without it, JAX's default stays).
-    from goat_jax.train import failures  # pylint: disable=g-import-not-at-top
-    try:
-        from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
-        original = _jax.get_distributed_runtime_client
-    except (ImportError, AttributeError):
-        jax.distributed.initialize(**kwargs)
-        return
-
-    def client_with_callback(*args, **kw):
-        kw.setdefault("missed_heartbeat_callback", failures.on_missed_heartbeat)
-        return original(*args, **kw)
-
-    _jax.get_distributed_runtime_client = client_with_callback
-    try:
-        jax.distributed.initialize(**kwargs)
-    finally:
-        _jax.get_distributed_runtime_client = original
+    jax.distributed.initialize(**kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -334,9 +334,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
-        progress = failures_lib.RUN  # the step being run, for the failure messages
-        progress.update(step=0, checkpoint_dir=run_lib.checkpoint_dir(workdir),
-                        process_count=jax.process_count(), process_index=jax.process_index())
+        progress = {"step": 0}  # the step being run, for the failure message
         try:
             return _train_locked(config, workdir, global_batch, resume_with_changes, progress)
         except Exception as e:  # pylint: disable=broad-except
