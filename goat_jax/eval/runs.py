@@ -19,6 +19,8 @@ Evaluations (protocols in README.md, section "Experiments"; the metrics live in
   diagnostics    the official C4 run's: last-layer attention mass on token 0, max attention
                  and mass on the last 128 keys at every length (KV cache, query chunks), and
                  GOAT's per-layer u(j) curves.
+  lm_eval        EleutherAI's lm-evaluation-harness tasks (:mod:`goat_jax.eval.harness`, the
+                 ``[eval]`` extra), scored with the run's own tokenizer.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 import numpy as np
 
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
+from goat_jax.eval.checks import EVAL_TASKS, check_evals_fit, check_output_dir, evals_for_task  # noqa: F401
 from goat_jax.train import run as run_lib
 
 
@@ -43,14 +48,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
-# language evaluations read a text or synthetic LM run's own data and tokenizer, 'dna' scores
-# FASTA bases with a genome run, 'resolution' (goat_jax.eval.vision) a ViT. A mismatch is refused
-# before any work by :func:`check_evals_fit`.
-EVAL_TASKS = {
-    "extrapolation": ("lm",), "passkey": ("lm",), "niah": ("lm",), "sinks": ("lm",),
-    "diagnostics": ("lm",), "dna": ("dna",), "resolution": ("vit",),
-}
 EVALS = tuple(e for e in EVAL_TASKS if e != "resolution")  # what evaluate_run runs
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
@@ -89,77 +86,6 @@ def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
         raise ValueError(f"{workdir}: config.task={run.config.task!r} trained model "
                          f"{run.config.model.get('name')!r}; the language evaluations need model 'lm'.")
     return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
-
-
-def evals_for_task(task: str) -> list[str]:
-    """The evaluations that apply to a run of ``config.task = task`` (:data:`EVAL_TASKS`)."""
-    return [e for e, tasks in EVAL_TASKS.items() if task in tasks]
-
-
-def check_evals_fit(workdirs: Sequence[str], evals: Sequence[str]) -> None:
-    """Refuses, before any work, an evaluation that does not apply to a run's task (e.g.
-    ``passkey`` on a DNA run), or an unknown one; reads only each ``config.json``.
-
-    Raises:
-      ValueError: naming the evaluation, the run and its task, and listing the evaluations
-        that fit it.
-    """
-    unknown = sorted(set(evals) - set(EVAL_TASKS))
-    if unknown:
-        raise ValueError(f"unknown evaluation(s) {unknown}; choose from {tuple(EVAL_TASKS)}.")
-    for workdir in workdirs:
-        task = str(run_lib.read_config(workdir).get("task"))
-        wrong = [e for e in evals if task not in EVAL_TASKS[e]]
-        if wrong:
-            fits = evals_for_task(task)
-            raise ValueError(
-                f"--evals {','.join(wrong)} does not apply to {workdir}, a run of "
-                f"config.task={task!r}; the evaluations for it are: "
-                f"{', '.join(fits) if fits else 'none (no evaluation knows this task)'}.")
-
-
-def _is_run_dir(path: str) -> bool:
-    """Whether ``path`` is a trainer's workdir: its ``config.json`` names a task, or its
-    ``checkpoints/`` holds a step (a stray config.json of another tool does not count)."""
-    try:
-        with open(run_lib.config_path(path)) as f:
-            if "task" in json.load(f):
-                return True
-    except (OSError, ValueError, TypeError):
-        pass
-    directory = run_lib.checkpoint_dir(path)
-    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
-
-
-def check_output_dir(out: str) -> None:
-    """Refuses, before any evaluation runs, an ``--out`` that cannot take the results: an
-    existing path that is not a directory, a directory (or its nearest existing parent) that
-    is not writable, or a place inside a run's workdir (a directory whose ``config.json`` names
-    a task or whose ``checkpoints/`` holds a step, or any folder below one: evaluation never
-    writes into a run, which may still be training).
-
-    Raises:
-      ValueError: naming ``--out`` and the fix.
-    """
-    path = os.path.abspath(out)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out {out} exists and is not a directory; give a directory (it is "
-                         f"created if missing), e.g. --out {out}_eval.")
-    probe = path
-    while True:
-        if _is_run_dir(probe):
-            raise ValueError(f"--out {out} is inside the run workdir {probe}; evaluation never "
-                             "writes into a run (it may still be training). Use a directory "
-                             f"outside it, e.g. --out {os.path.normpath(probe)}_eval.")
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {existing} is not writable; choose another directory.")
 
 
 def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
@@ -472,6 +398,10 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
     md += _diagnostics_markdown({k: r["diagnostics"] for k, r in results.items() if "diagnostics" in r},
                                 out, train_len)
     md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
+    lm_eval = {k: r["lm_eval"] for k, r in results.items() if "lm_eval" in r}
+    if lm_eval:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        md += harness.results_markdown(lm_eval)
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text_md)
@@ -557,13 +487,15 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                  stride: Optional[int] = None, num_examples: int = 32,
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
                  text_file: Optional[str] = None, chunk_size: Optional[int] = None,
-                 diagnostics_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 diagnostics_options: Optional[dict[str, Any]] = None,
+                 lm_eval_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
     ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
     ``chunk_size``: extrapolation runs each window through the KV cache in query chunks (and
     diagnostics use that chunk size instead of 512). ``diagnostics_options``: keyword
-    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``)."""
+    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``). ``lm_eval_options``:
+    keyword arguments of :func:`goat_jax.eval.harness.evaluate_lm_run` (``tasks``, ...)."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
@@ -575,6 +507,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                          f"{', '.join(evals_for_task(task)) or 'none'}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
+    if "lm_eval" in evals:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        harness.require()  # before any evaluation runs
     out: dict[str, Any] = {}
     for name in evals:
         t0 = time.time()
@@ -589,6 +524,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
         elif name == "dna":
             out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
+        elif name == "lm_eval":
+            from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top
+            out[name] = harness.evaluate_lm_run(run, **(lm_eval_options or {}))
         elif name == "diagnostics":
             out[name] = eval_diagnostics(run, multipliers, chunk_size=chunk_size,
                                          **(diagnostics_options or {}))
