@@ -103,6 +103,30 @@ def test_a_dead_peer_is_named_with_what_is_safe(tmp_path, text, dead):
     assert failures.explain(KeyError("x"), step=1, checkpoint_dir=str(tmp_path), process_count=4) is None
 
 
+def test_trim_events_drops_later_steps_and_keeps_the_rest(tmp_path):
+    """Event files written by tensorboardX, trimmed at step 3, read back: steps 1..3 stay with
+    their values, 4..6 are gone; a torn last record (a kill mid-write) is dropped too."""
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 7):
+        writer.add_scalar("train_loss", 10.0 - step, step)
+        writer.add_scalar("grad_norm", float(step), step)
+    writer.close()
+    (name,) = os.listdir(tmp_path)
+    with open(tmp_path / name, "ab") as f:
+        f.write(b"\x20\x00\x00")  # the start of a record cut short
+    assert len(metrics.read_events(str(tmp_path))) == 12
+    metrics.trim_events(str(tmp_path), 3)
+    got = sorted(metrics.read_events(str(tmp_path)))
+    assert got == sorted([(s, "train_loss", 10.0 - s) for s in (1, 2, 3)] +
+                         [(s, "grad_norm", float(s)) for s in (1, 2, 3)])
+    (tmp_path / "events.out.tfevents.0.empty").write_bytes(b"")
+    metrics.trim_events(str(tmp_path), 3)
+    assert os.listdir(tmp_path) == [name]  # the empty file is removed, the trimmed one kept
+
+
+@pytest.mark.slow
 def test_tensorboard_events_are_not_duplicated_on_resume(tmp_path):
     """A run killed after logging step 4 but before its checkpoint: the resumed run logs 3 and
     4 again, and TensorBoard sees each step once, with the resumed values."""
