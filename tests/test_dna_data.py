@@ -395,7 +395,7 @@ def test_n_targets_get_weight_zero_in_training_and_eval_crops():
     ex = dna.crop_example(window)
     np.testing.assert_array_equal(ex["inputs"], window[:-1])
     np.testing.assert_array_equal(ex["targets"], window[1:])
-    np.testing.assert_array_equal(ex["weights"], [1, 0, 0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(ex["weights"], [1, 1, 0, 0, 1, 1, 0, 1])  # targets CGNNTTNA
     assert ex["weights"].dtype == np.float32
 
 
