@@ -1,0 +1,171 @@
+"""Segment ids on the attention kernels (document-aware packing): every CPU kernel against the
+float64 reference and against running each document alone (outputs and gradients), rows
+without a key of their segment, flash tile skipping, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from goat_jax import flash
+from goat_jax import kernels
+from tests import goat_reference as ref
+
+CPU_KERNELS = ["xla", "flash", "dense", "splash_interpret"]
+PAD = np.iinfo(np.int32).max  # the data packer's padding id (goat_jax.data.packing)
+FLASH_BLOCKS = dict(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=16)
+T = 128  # splash needs lengths that are multiples of 128
+
+
+def _packed_ids(rng, b, t, pad_tail):
+    """[B, T] non-decreasing ids of random documents (ids need not start at 0 or be dense),
+    the last ``pad_tail`` positions of row 0 padding (PAD)."""
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t - pad_tail), size=4, replace=False))
+        ids[row] = np.repeat(np.arange(5) * 3 + 7 * row, np.diff([0, *cuts, t]))
+    ids[0, t - pad_tail:] = PAD
+    return ids
+
+
+def _run(implementation, q, k, v, ct, **kw):
+    """(out, dq, dk, dv) of loss = sum(out * ct) on one kernel, as float64 numpy."""
+    kw = {key: jnp.asarray(val) if isinstance(val, np.ndarray) else val for key, val in kw.items()}
+    if implementation == "flash":
+        seg = kw.pop("segment_ids", None)
+        if seg is not None:
+            kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+        f = lambda a, c, d: flash.flash_attention(a, c, d, **kw, **FLASH_BLOCKS)
+    else:
+        f = lambda a, c, d: kernels.attend(a, c, d, implementation=implementation, **kw)
+
+    def value_and_grads(a, c, d, e):
+        out, vjp = jax.vjp(f, a, c, d)
+        return (out, *vjp(e))
+
+    args = (jnp.asarray(x, jnp.float32) for x in (q, k, v, ct))
+    return [np.asarray(x, np.float64) for x in jax.jit(value_and_grads)(*args)]
+
+
+def _close(got, want, tol=1e-5, what=""):
+    """Max error relative to the largest reference entry (at least 1: a one-token document's
+    dq is exactly 0 in float64 and ~1e-7 in float32)."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1.0)
+        assert err < tol, f"{what}{name}: relative error {err:.2e}"
+
+
+def _slow_unless(condition):
+    return [] if condition else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("implementation, is_causal", [
+    pytest.param(impl, causal, marks=_slow_unless(causal or impl == "flash"))
+    for impl in CPU_KERNELS for causal in (True, False)])
+def test_packed_rows_equal_reference_and_documents_alone(implementation, is_causal, rng):
+    # GQA (4 query heads on 2 kv heads), packed documents, trailing padding with its own id,
+    # and a padded key inside a document (key_padding_mask still applies).
+    b, n, kh, h = 2, 4, 2, 8
+    q, k, v = rng.normal(size=(b, T, n, h)), rng.normal(size=(b, T, kh, h)), rng.normal(size=(b, T, kh, h))
+    ct = rng.normal(size=(b, T, n, h))
+    ids = _packed_ids(rng, b, T, pad_tail=9)
+    kpm = np.zeros((b, T), bool)
+    kpm[1, 40] = True
+    kw = dict(scale=h ** -0.5, is_causal=is_causal, key_padding_mask=kpm)
+    got = _run(implementation, q, k, v, ct, segment_ids=ids, **kw)
+    _close(got, ref.attention_and_grads(q, k, v, ct, q_segment_ids=ids, kv_segment_ids=ids, **kw))
+
+    # Each document alone, without segment ids: the float64 reference, and for 'flash' (the
+    # kernel that skips tiles) the kernel itself on row 0's longest document.
+    longest = max(np.unique(ids[0][ids[0] != PAD]), key=lambda d: np.sum(ids[0] == d))
+    for row in range(b):
+        for doc in np.unique(ids[row]):
+            at = np.flatnonzero(ids[row] == doc)
+            sl = (slice(row, row + 1), slice(at[0], at[-1] + 1))
+            alone = dict(scale=h ** -0.5, is_causal=is_causal, key_padding_mask=kpm[sl])
+            piece = ref.attention_and_grads(q[sl], k[sl], v[sl], ct[sl], **alone)
+            _close([x[sl] for x in got], piece, what=f"row {row} document {doc} ")
+            if implementation == "flash" and row == 0 and doc == longest:
+                _close(_run("flash", q[sl], k[sl], v[sl], ct[sl], **alone), piece,
+                       what=f"flash alone, document {doc} ")
+
+
+@pytest.mark.parametrize("implementation", [
+    pytest.param(impl, marks=_slow_unless(impl != "splash_interpret")) for impl in CPU_KERNELS])
+def test_cross_segments_rows_without_their_segment_are_zero(implementation, rng):
+    # Decoding-like: queries against a longer key sequence with a causal offset; some query ids
+    # appear among no key, and some keys are padded: those rows are zeros with zero gradient.
+    b, n, kh, h, s = 2, 2, 1, 8, 2 * T
+    if implementation.startswith("splash"):
+        offset = 0  # splash's causal offset must be static; 0 keeps its native mask
+    else:
+        offset = s - T
+    q, k, v = rng.normal(size=(b, T, n, h)), rng.normal(size=(b, s, kh, h)), rng.normal(size=(b, s, kh, h))
+    ct = rng.normal(size=(b, T, n, h))
+    q_ids = np.repeat(np.array([[3, 4, 9, 5], [1, 1, 2, 8]], np.int32), T // 4, axis=1)
+    kv_ids = np.repeat(np.array([[3, 3, 4, 4], [2, 1, 2, 1]], np.int32), s // 4, axis=1)
+    kpm = np.zeros((b, s), bool)
+    kpm[1, : s // 4] = True
+    kw = dict(scale=h ** -0.5, is_causal=True, causal_offset=offset, key_padding_mask=kpm)
+    seg = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    got = _run(implementation, q, k, v, ct, **seg, **kw)
+    want = ref.attention_and_grads(q, k, v, ct, **seg, **kw)
+    _close(got, want)
+    empty = ~np.isin(q_ids[0], kv_ids[0])
+    assert empty.any() and np.all(got[0][0, empty] == 0) and np.all(got[1][0, empty] == 0)
+
+
+def test_flash_skips_tiles_whose_segments_cannot_meet(rng):
+    # Documents aligned to 32-blocks. NaN values in document 2 poison any forward tile of a
+    # document-1 query block that visits a document-2 key block (0 * NaN); NaN queries in
+    # document 1 poison, in the backward pass, document 2's key gradients through any tile
+    # (document-2 key block, document-1 query block) it visits. Finite results = skipped.
+    b, n, h = 1, 2, 8
+    ids = np.repeat(np.array([[1, 1, 2, 2]], np.int32), 32, axis=1)
+    q, k, v = rng.normal(size=(b, T, n, h)), rng.normal(size=(b, T, n, h)), rng.normal(size=(b, T, n, h))
+    v_nan = v.copy()
+    v_nan[:, 64:] = np.nan
+    out = _run("flash", q, k, v_nan, np.ones((b, T, n, h)), segment_ids=ids, is_causal=False)[0]
+    assert np.isfinite(out[:, :64]).all() and np.isnan(out[:, 64:]).all()
+    q_nan = q.copy()
+    q_nan[:, :64] = np.nan
+    _, _, dk, dv = _run("flash", q_nan, k, v, np.ones((b, T, n, h)), segment_ids=ids, is_causal=False)
+    assert np.isfinite(dk[:, 64:]).all() and np.isfinite(dv[:, 64:]).all()
+    assert np.isnan(dk[:, :64]).all()
+    # Control: with one id the same NaNs reach every row (the tiles are visited).
+    out = _run("flash", q, k, v_nan, np.ones((b, T, n, h)), segment_ids=np.ones_like(ids),
+               is_causal=False)[0]
+    assert np.isnan(out).all()
+
+
+def test_flash_non_contiguous_ids_are_exact(rng):
+    # Ids that repeat non-contiguously (A B A): no tile can be skipped wrongly.
+    b, n, h = 2, 2, 8
+    ids = np.tile(np.repeat(np.array([5, 6, 5, 7], np.int32), 10), (b, 1))
+    ids[1] = ids[1][::-1]
+    q, k, v, ct = (rng.normal(size=(b, 40, n, h)) for _ in range(4))
+    kw = dict(scale=h ** -0.5, is_causal=True)
+    _close(_run("flash", q, k, v, ct, segment_ids=ids, **kw),
+           ref.attention_and_grads(q, k, v, ct, q_segment_ids=ids, kv_segment_ids=ids, **kw))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(segment_ids=np.zeros((2, 16), np.float32)), "segment_ids must be integer ids"),
+    (dict(segment_ids=np.zeros((2, 15), np.int32)), r"q_segment_ids must have shape \(2, 16\)"),
+    (dict(q_segment_ids=np.zeros((2, 16), np.int32)), "kv_segment_ids is missing"),
+    (dict(segment_ids=np.zeros((2, 16), np.int32), kv_segment_ids=np.zeros((2, 16), np.int32)),
+     "not both"),
+])
+def test_bad_segment_ids_name_the_argument(kwargs, match):
+    q = jnp.zeros((2, 16, 2, 8))
+    kwargs = {key: jnp.asarray(val) for key, val in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        kernels.attend(q, q, q, implementation="xla", **kwargs)
+
+
+def test_segment_ids_need_equal_lengths_and_cudnn_refuses():
+    q, k = jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 12, 2, 8))
+    with pytest.raises(ValueError, match="q_segment_ids .B, T. and kv_segment_ids"):
+        kernels.attend(q, k, k, implementation="xla", segment_ids=jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="'cudnn' cannot honour segment_ids"):
+        kernels.attend(q, q, q, implementation="cudnn", segment_ids=jnp.zeros((1, 8), jnp.int32))
