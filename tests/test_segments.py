@@ -60,7 +60,7 @@ def _slow_unless(condition):
 
 
 @pytest.mark.parametrize("implementation, is_causal", [
-    pytest.param(impl, causal, marks=_slow_unless(causal or impl == "flash"))
+    pytest.param(impl, causal, marks=_slow_unless(causal))
     for impl in CPU_KERNELS for causal in (True, False)])
 def test_packed_rows_equal_reference_and_documents_alone(implementation, is_causal, rng):
     # GQA (4 query heads on 2 kv heads), packed documents, trailing padding with its own id,
@@ -116,36 +116,41 @@ def test_cross_segments_rows_without_their_segment_are_zero(implementation, rng)
 
 
 def test_flash_skips_tiles_whose_segments_cannot_meet(rng):
-    # Documents aligned to 32-blocks. NaN values in document 2 poison any forward tile of a
-    # document-1 query block that visits a document-2 key block (0 * NaN); NaN queries in
-    # document 1 poison, in the backward pass, document 2's key gradients through any tile
-    # (document-2 key block, document-1 query block) it visits. Finite results = skipped.
-    b, n, h = 1, 2, 8
-    ids = np.repeat(np.array([[1, 1, 2, 2]], np.int32), 32, axis=1)
+    # Row 0: documents aligned to 32-blocks; row 1: one document (it needs every tile). NaN
+    # values in row 0's document 2 poison any forward tile of a document-1 query block that
+    # visits a document-2 key block (0 * NaN); NaN queries in row 0's document 1 poison, in the
+    # backward pass, document 2's key gradients through any such tile. Finite = skipped.
+    b, n, h = 2, 2, 8
+    ids = np.repeat(np.array([[1, 1, 2, 2], [1, 1, 1, 1]], np.int32), 32, axis=1)
     q, k, v = rng.normal(size=(b, T, n, h)), rng.normal(size=(b, T, n, h)), rng.normal(size=(b, T, n, h))
+    ones = np.ones((b, T, n, h))
     v_nan = v.copy()
-    v_nan[:, 64:] = np.nan
-    out = _run("flash", q, k, v_nan, np.ones((b, T, n, h)), segment_ids=ids, is_causal=False)[0]
-    assert np.isfinite(out[:, :64]).all() and np.isnan(out[:, 64:]).all()
+    v_nan[0, 64:] = np.nan
+    out = _run("flash", q, k, v_nan, ones, segment_ids=ids, is_causal=False)[0]
+    assert np.isfinite(out[0, :64]).all() and np.isnan(out[0, 64:]).all()
+    assert np.isfinite(out[1]).all()
     q_nan = q.copy()
-    q_nan[:, :64] = np.nan
-    _, _, dk, dv = _run("flash", q_nan, k, v, np.ones((b, T, n, h)), segment_ids=ids, is_causal=False)
-    assert np.isfinite(dk[:, 64:]).all() and np.isfinite(dv[:, 64:]).all()
-    assert np.isnan(dk[:, :64]).all()
-    # Control: with one id the same NaNs reach every row (the tiles are visited).
-    out = _run("flash", q, k, v_nan, np.ones((b, T, n, h)), segment_ids=np.ones_like(ids),
-               is_causal=False)[0]
-    assert np.isnan(out).all()
+    q_nan[0, :64] = np.nan
+    _, _, dk, dv = _run("flash", q_nan, k, v, ones, segment_ids=ids, is_causal=False)
+    assert np.isfinite(dk[0, 64:]).all() and np.isfinite(dv[0, 64:]).all()
+    assert np.isnan(dk[0, :64]).all() and np.isfinite(dk[1]).all()
+    # Control: with per_example=False the batch visits the union of the rows' tiles, which
+    # row 1 makes all of them, so the NaNs reach row 0's document 1.
+    out = _run("flash", q, k, v_nan, ones, segment_ids=ids, is_causal=False, per_example=False)[0]
+    assert np.isnan(out[0]).all()
 
 
-def test_flash_non_contiguous_ids_are_exact(rng):
-    # Ids that repeat non-contiguously (A B A): no tile can be skipped wrongly.
+# per_example=True (the default) is covered by the packed-rows test; the union path here.
+@pytest.mark.parametrize("per_example", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_flash_non_contiguous_ids_are_exact(per_example, rng):
+    # Ids that repeat non-contiguously (A B A), rows packed differently: no tile may be skipped
+    # wrongly, whether each example skips its own tiles or the batch visits their union.
     b, n, h = 2, 2, 8
     ids = np.tile(np.repeat(np.array([5, 6, 5, 7], np.int32), 10), (b, 1))
     ids[1] = ids[1][::-1]
     q, k, v, ct = (rng.normal(size=(b, 40, n, h)) for _ in range(4))
     kw = dict(scale=h ** -0.5, is_causal=True)
-    _close(_run("flash", q, k, v, ct, segment_ids=ids, **kw),
+    _close(_run("flash", q, k, v, ct, segment_ids=ids, per_example=per_example, **kw),
            ref.attention_and_grads(q, k, v, ct, q_segment_ids=ids, kv_segment_ids=ids, **kw))
 
 
