@@ -17,13 +17,14 @@
   dynamic (the backward is hand-written, so the loops need no reverse-mode autodiff).
 * Segment ids (document-aware packing, :mod:`goat_jax.kernels` masking contract): each tile
   masks pairs of different ids, and a tile is skipped when the ``[min, max]`` id ranges of its
-  query block and of its key block's unmasked keys are disjoint in every row of the batch.
+  query block and of its key block's unmasked keys are disjoint in every example it holds.
   The loops run over the key (query) blocks between the first and the last one that can meet
   a query (key) block, so with non-decreasing ids (packed documents) only the tiles on the
   block diagonal of the documents are visited; with any other ids the result is the same,
-  only fewer tiles are skipped. One tile holds every example, so by default the examples run
-  one after another (``per_example``), each visiting only its own tiles; with
-  ``per_example=False`` they run together and visit the union of their tiles.
+  only fewer tiles are skipped. One tile holds every example, so on a single device the
+  examples run one after another (``per_example``), each visiting only its own tiles;
+  otherwise (the batch may be sharded over devices) they run together and visit the union of
+  their tiles.
 * Rows with no visible key (every key masked) output zeros and pass zero gradient.
 
 Dtypes: any float input; matmuls accumulate in float32 (``preferred_element_type``), the
@@ -321,7 +322,7 @@ def flash_attention(
     kv_lengths: Optional[Array] = None,
     q_segment_ids: Optional[Array] = None,
     kv_segment_ids: Optional[Array] = None,
-    per_example: bool = True,
+    per_example: Optional[bool] = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     bwd_block_q: int = DEFAULT_BWD_BLOCK_Q,
@@ -340,10 +341,12 @@ def flash_attention(
         query i sees key j only if their ids are equal; tiles whose id ranges cannot meet are
         skipped (module doc). :func:`goat_jax.kernels.attend` checks them.
       per_example: with segment ids and B > 1, run the examples one after another
-        (``lax.map``), each skipping its own tiles (default), instead of all at once over the
-        union of their tiles: rows packed differently share few skippable tiles (on the CPU,
-        4 packed Jargon rows of 2048 tokens: the union ran as slow as no segments, per example
-        0.71x of it), and the FLOPs, not the tile's batch parallelism, dominate there.
+        (``lax.map``), each skipping its own tiles, instead of all at once over the union of
+        their tiles: rows packed differently share few skippable tiles (on the CPU, 4 packed
+        Jargon rows of 2048 tokens: the union ran as slow as no segments, per example 0.71x
+        of it). But a loop over a batch sharded over devices makes XLA all-gather the batch
+        (every device would compute every example), so None (default) means True only when
+        JAX has a single device.
       block_q, block_k: forward tile lengths; bwd_block_q, bwd_block_k: backward ones. Lengths
         need not be multiples (inputs are zero-padded to whole blocks, padded keys masked).
     Returns:
@@ -380,6 +383,8 @@ def flash_attention(
         # (padded keys are masked by `valid` anyway, padded query rows are sliced off).
         q_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
         kv_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), [(0, 0), (0, sp - s)], mode="edge")
+        if per_example is None:
+            per_example = jax.device_count() == 1
         if per_example and b > 1:
             # One example at a time, each with its own tile bounds (module doc).
             valid_b = None if valid is None else jnp.broadcast_to(valid, (b, sp))

@@ -23,15 +23,16 @@ Masking contract (shared by all kernels):
     (the data packer, :mod:`goat_jax.data.packing`, gives trailing padding
     ``PAD_SEGMENT_ID`` = int32 max, so padding tokens see only each other and ids stay
     non-decreasing). 'flash' skips a tile when no query id of its block can equal a key id of
-    its block (``[min, max]`` ranges per block, each example on its own); that is effective
-    when each row's ids are non-decreasing along the sequence (packed documents), and still
-    exact, only slower, when they are not. 'cudnn' refuses segment ids (see :func:`attend`).
+    its block (``[min, max]`` ranges per block; on one device each example on its own, see
+    :func:`goat_jax.flash.flash_attention`); that is effective when each row's ids are
+    non-decreasing along the sequence (packed documents), and still exact, only slower, when
+    they are not. 'cudnn' refuses segment ids (see :func:`attend`).
 A query row with no visible key (every key padded, before the first key under causal
-masking with a negative offset, or no key of its segment) outputs **zeros on every kernel**, and no gradient flows through
-it: the kernels themselves disagree there (NaN from a dense softmax over ``-inf`` logits, a
-uniform average of the values from XLA and splash), so :func:`attend` selects zeros for such
-rows after the kernel (:func:`rows_with_keys`, O(B (S + T)) or O(B (S + T) log S) with segment
-ids, no T x S mask on flash paths).
+masking with a negative offset, or no key of its segment) outputs **zeros on every kernel**,
+and no gradient flows through it: the kernels themselves disagree there (NaN from a dense
+softmax over ``-inf`` logits, a uniform average of the values from XLA and splash), so
+:func:`attend` selects zeros for such rows after the kernel (:func:`rows_with_keys`,
+O(B (S + T)), or O(B (S + T) log S) with segment ids; no T x S mask on flash paths).
 
 Kernels: 'xla' (``jax.nn.dot_product_attention``'s XLA path: materializes the T x S logits),
 'flash' (:mod:`goat_jax.flash`: pure-JAX online-softmax attention with a recomputing custom

@@ -116,6 +116,8 @@ def test_cross_segments_rows_without_their_segment_are_zero(implementation, rng)
 
 
 def test_flash_skips_tiles_whose_segments_cannot_meet(rng):
+    # On this single-device process each example skips its own tiles (per_example default).
+    assert jax.device_count() == 1
     # Row 0: documents aligned to 32-blocks; row 1: one document (it needs every tile). NaN
     # values in row 0's document 2 poison any forward tile of a document-1 query block that
     # visits a document-2 key block (0 * NaN); NaN queries in row 0's document 1 poison, in the
@@ -134,8 +136,8 @@ def test_flash_skips_tiles_whose_segments_cannot_meet(rng):
     _, _, dk, dv = _run("flash", q_nan, k, v, ones, segment_ids=ids, is_causal=False)
     assert np.isfinite(dk[0, 64:]).all() and np.isfinite(dv[0, 64:]).all()
     assert np.isnan(dk[0, :64]).all() and np.isfinite(dk[1]).all()
-    # Control: with per_example=False the batch visits the union of the rows' tiles, which
-    # row 1 makes all of them, so the NaNs reach row 0's document 1.
+    # Control: with per_example=False (the default with several devices) the batch visits the
+    # union of the rows' tiles, which row 1 makes all of them: the NaNs reach document 1.
     out = _run("flash", q, k, v_nan, ones, segment_ids=ids, is_causal=False, per_example=False)[0]
     assert np.isnan(out[0]).all()
 
