@@ -189,3 +189,32 @@ def test_segment_ids_need_equal_lengths_and_cudnn_refuses():
         kernels.attend(q, k, k, implementation="xla", segment_ids=jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match="'cudnn' cannot honour segment_ids"):
         kernels.attend(q, q, q, implementation="cudnn", segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from goat_jax import flash
+sh = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+q = jax.device_put(jnp.ones((8, 64, 2, 8)), sh)
+ids = jax.device_put(jnp.zeros((8, 64), jnp.int32), sh)
+loss = lambda q_, s_: jnp.sum(flash.flash_attention(q_, q_, q_, q_segment_ids=s_, kv_segment_ids=s_,
+                                                    block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16))
+print("ALLGATHERS", jax.jit(jax.grad(loss)).lower(q, ids).compile().as_text().count("all-gather"))
+"""
+
+
+@pytest.mark.slow
+def test_flash_segments_keep_a_sharded_batch_local():
+    # With several devices the default runs the examples together: a loop over a batch sharded
+    # over 'data' would make XLA all-gather it (every device computing every example).
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("ALLGATHERS ")[-1].strip() == "0"
