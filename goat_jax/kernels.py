@@ -471,7 +471,8 @@ def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengt
         if pad is not None:
             # An id below every query id of the row (above them all if the minimum is int32's).
             low = jnp.min(seg_q, axis=-1, keepdims=True)
-            never = jnp.where(low > jnp.iinfo(jnp.int32).min, low - 1, jnp.max(seg_q, axis=-1, keepdims=True) + 1)
+            high = jnp.max(seg_q, axis=-1, keepdims=True)
+            never = jnp.where(low > jnp.iinfo(jnp.int32).min, low - 1, high + 1)
             seg_kv = jnp.where(pad, never, seg_kv)
     elif pad is not None:
         # Padded keys get segment 1, queries segment 0: they never match.
