@@ -169,3 +169,25 @@ def test_lm_task_refuses_documents_until_the_model_reads_segment_ids():
     lm_task.validate(config_helpers.lm_smoke_config())  # 'concat' passes
     with pytest.raises(ValueError, match="data.packing='documents' is not yet wired"):
         lm_task.validate(config_helpers.lm_smoke_config(**{"data.packing": "documents"}))
+
+
+def test_segment_positions_reproduce_the_packers_positions(corpus, rng):
+    import jax.numpy as jnp
+
+    from goat_jax import segments
+
+    _, make_eval, _ = _make(_config(corpus[0]))
+    for b in make_eval():
+        np.testing.assert_array_equal(np.asarray(segments.segment_positions(b["segment_ids"])),
+                                      b["positions"])
+    # Any ids (runs may repeat an id): a loop written from the definition.
+    ids = rng.integers(0, 3, size=(3, 40)).astype(np.int32)
+    want = np.zeros_like(ids)
+    for r in range(3):
+        for i in range(1, 40):
+            want[r, i] = 0 if ids[r, i] != ids[r, i - 1] else want[r, i - 1] + 1
+    np.testing.assert_array_equal(np.asarray(segments.segment_positions(jnp.asarray(ids))), want)
+    with pytest.raises(ValueError, match="segment_ids must be integer ids"):
+        segments.segment_positions(jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\]"):
+        segments.segment_positions(jnp.zeros((4,), jnp.int32))
