@@ -43,8 +43,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import grain
 import numpy as np
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import grain
 
 PACKINGS = ("concat", "documents")
 PAD_SEGMENT_ID = int(np.iinfo(np.int32).max)  # above every document id: rows stay non-decreasing
