@@ -32,7 +32,7 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
   dna            genome runs (configs/dna_*.py) on the FASTA files of ``--fasta``: NLL in nats
                  and bits per base, perplexity and next-base accuracy at ``m x`` the training
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
-                 (definition: README, section DNA), e.g.
+                 (definition: docs/experiments.md, section DNA), e.g.
                  ``--evals dna --fasta DH1.fasta.gz --multipliers 1,2,4,8``.
   resolution     ViT runs (config.task 'vit'), on its own: top-1 and loss at each
                  ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for

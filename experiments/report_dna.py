@@ -8,7 +8,7 @@ Per run (cached with the run's other evaluations; goat_jax.eval.dna does the sco
   perplexity and next-base accuracy on non-overlapping windows of 1x..8x the training length;
 * the same on each of ``Suite.dna_genomes`` (a different E. coli strain, DH1, and 40 kb of
   human chr17), capped alike;
-* GC agreement (README, section DNA) on ``Suite.dna_gc_windows`` windows spread over the whole
+* GC agreement (docs/experiments.md, section DNA) on ``Suite.dna_gc_windows`` windows spread over the whole
   held-out region, with its two model-free references;
 * train tokens/s from the run's metrics.jsonl.
 
@@ -165,7 +165,7 @@ def dna_section(suite, jobs, results: dict[str, dict], memory: list[dict]) -> li
                "Perplexity (per base; 4 is a uniform guess over ACGT):", "",
                table(ppl, first_col="encoding", header_fmt=fmt), "",
                "Next-base accuracy:", "", table(acc, pct=True, first_col="encoding", header_fmt=fmt), ""]
-    md += ["### GC agreement on the held-out region (README, section DNA)", "",
+    md += ["### GC agreement on the held-out region (docs/experiments.md, section DNA)", "",
            "| encoding | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model | "
            "mean GC sample / truth | windows |", "|---|---:|---:|---:|---:|---:|"]
     for k, e in runs.items():

@@ -26,7 +26,7 @@ family with PASS/FAIL and their numbers, all tables) and its PNGs. Runs live und
 ``--workdir`` and resume: re-running after an interruption retrains nothing that finished, and
 evaluations are cached per run (``reproduce_eval.json``). A suite is a :class:`Suite` in
 :data:`SUITES`; extra LM rows (:class:`LMVariant`) and retrieval variants
-(:class:`RetrievalVariant`) are one-line entries there (README, section "Experiments").
+(:class:`RetrievalVariant`) are one-line entries there (docs/experiments.md, "Adding rows").
 
 ``--suite paper`` cannot run on a CPU: it builds the same runs with the full-scale configs
 (configs/lm_c4_125m.py, configs/lm_fineweb_1b.py, configs/retrieval_tiny.py:*,paper,
@@ -136,7 +136,7 @@ class Suite:
     dna_multipliers: tuple[int, ...] = (1, 2, 4, 8)
     dna_max_bases: Optional[int] = 131_072  # per scored set (None: all of it)
     dna_genomes: tuple[tuple[str, str], ...] = ()  # (label, FASTA path) scored besides the held-out region
-    dna_gc_windows: int = 256  # GC agreement windows (README: N >= 256)
+    dna_gc_windows: int = 256  # GC agreement windows (docs/experiments.md: N >= 256)
     dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
     dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
 

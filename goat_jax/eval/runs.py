@@ -5,7 +5,7 @@
     results = evaluate_run(run, ["extrapolation", "sinks"], multipliers=(1, 2, 4))
     write_outputs({run.label: results}, out_dir, {run.label: run.train_len})
 
-Evaluations (protocols in README.md, section "Experiments"; the metrics live in
+Evaluations (protocols in docs/experiments.md; the metrics live in
 :mod:`goat_jax.eval.extrapolation`, :mod:`~goat_jax.eval.retrieval`, :mod:`~goat_jax.eval.sinks`):
 
   extrapolation  perplexity on the held-out stream at ``m x`` the training length,
@@ -455,7 +455,7 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
         md += [f"### {title} by evaluation length", "",
                table({k: {int(n): v[key] for n, v in r["by_length"].items()} for k, r in dna.items()},
                      pct=pct), ""]
-    md += ["### GC agreement (Pearson r; README, section DNA)", "",
+    md += ["### GC agreement (Pearson r; docs/experiments.md, section DNA)", "",
            "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
            "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]
     for k, r in dna.items():
