@@ -49,6 +49,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from goat_jax import cli
 from goat_jax.eval import runs
 from goat_jax.eval.runs import EVALS
 
@@ -111,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                              "--evals resolution --resolutions 28,42,56,84.")
         labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
         out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
-        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
+        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=cli.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
@@ -119,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = runs.load_lm_run(workdir)
-        runs.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
+        cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
         results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
@@ -130,10 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))
-    runs.log(f"wrote {out}/results.md, results.json and figures")
+    cli.log(f"wrote {out}/results.md, results.json and figures")
     return results
 
 
 if __name__ == "__main__":
-    from goat_jax import cli  # pylint: disable=g-import-not-at-top
     cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

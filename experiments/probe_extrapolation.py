@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import cli
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.eval import extrapolation, runs
@@ -119,14 +120,14 @@ def probe(run: runs.LMRun, multiple: int = 16, tokens: Optional[np.ndarray] = No
     buckets = {}
     for label, (changes, context) in _interventions(length).items():
         if label == "linear sink" and cfg.training_seq_len != length:
-            runs.log(f"{label}: skipped, the run's training_seq_len is {cfg.training_seq_len}, not "
+            cli.log(f"{label}: skipped, the run's training_seq_len is {cfg.training_seq_len}, not "
                      f"its seq_len {length} (the option continues the sink past training_seq_len)")
             continue
         model = lm.TransformerLM(dataclasses.replace(cfg, **changes))
         with context():
             nll = position_nll(model, run.params, win[:, :-1], win[:, 1:])
         buckets[label] = [float(np.exp(nll[a:b].mean())) for a, b in zip(edges[:-1], edges[1:])]
-        runs.log(f"{label}: " + " ".join(f"{v:.2f}" for v in buckets[label]))
+        cli.log(f"{label}: " + " ".join(f"{v:.2f}" for v in buckets[label]))
     shifted = {}
     for offset in sorted({0, length, 4 * length, (multiple - 1) * length}):
         pos = jnp.arange(length, dtype=jnp.int32) + offset
@@ -169,5 +170,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from goat_jax import cli  # pylint: disable=g-import-not-at-top
     cli.run(main)

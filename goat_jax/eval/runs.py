@@ -33,14 +33,10 @@ from typing import Any, NamedTuple, Optional
 import ml_collections
 import numpy as np
 
+from goat_jax.cli import log
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
 from goat_jax.train import run as run_lib
-
-
-def log(msg: str) -> None:
-    """Progress line on stdout (flushed: the harness runs under nohup with a log file)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna")
