@@ -8,6 +8,12 @@ The one place that knows the workdir layout (the trainer writes it, evaluations 
     WORKDIR/tensorboard/      TensorBoard events (TENSORBOARD_DIR)
     WORKDIR/checkpoints/<N>/  orbax checkpoints: state, data-iterator state, meta (CHECKPOINT_DIR)
 
+and, written by the checkpointer next to its directory (goat_jax/train/checkpoint.py, which
+this module builds on and so cannot import the names from here)::
+
+    WORKDIR/config_changes.jsonl    what --resume_with_changes changed, one row per resume
+    WORKDIR/corrupt_checkpoints/N/  checkpoints that failed to restore, set aside (never deleted)
+
 Reading never writes: :func:`load_run` opens the checkpoints read-only, so it is safe to
 evaluate a run while it is still training (it never creates, cleans up or locks anything in
 the workdir, and never touches the trainer's in-progress checkpoint).
