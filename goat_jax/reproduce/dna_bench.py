@@ -111,8 +111,8 @@ def timers(seq_len: int, dtype: str, tokens: int,
     return out
 
 
-def run_benchmark(lengths: Sequence[int], *, dtype: str = "bfloat16", tokens_per_step: int = OFFICIAL_TOKENS_PER_STEP,
-                  implementation: str = "", timed_length: int = 1024, timed_steps: int = 5,
+def run_benchmark(lengths: Sequence[int], *, dtype: str = "bfloat16",
+                  tokens_per_step: int = OFFICIAL_TOKENS_PER_STEP, implementation: str = "", timed_length: int = 1024, timed_steps: int = 5,
                   timed_tokens: int = 0, timed_dtype: str = "", repeats: int = 3,
                   command: str = "python -m experiments.bench_dna") -> str:
     """Measures memory at every length and tokens/s at ``timed_length`` (``repeats`` 0: memory
@@ -161,7 +161,8 @@ def run_benchmark(lengths: Sequence[int], *, dtype: str = "bfloat16", tokens_per
         f"{timed_steps} steps per repeat, {repeats} alternating repeats, median):", "",
         "| encoding | tokens/s (median) | all repeats |", "|---|---|---|"]
     for e in ENCODINGS:
-        lines.append(f"| {e} | {statistics.median(speeds[e]):,.0f} | " + ", ".join(f"{s:,.0f}" for s in speeds[e]) + " |")
+        lines.append(f"| {e} | {statistics.median(speeds[e]):,.0f} | "
+                     + ", ".join(f"{s:,.0f}" for s in speeds[e]) + " |")
     g, r = statistics.median(speeds["goat"]), statistics.median(speeds["rope"])
     lines += ["", f"GOAT / RoPE tokens/s: {g / r:.3f}.", ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""The language family of the report harness (``experiments.reproduce``): what is evaluated on each LM, retrieval
-and toy run, the headline checks against the paper's language claims, and the report's tables
-and figures for them (one row per encoding, plus any ``Suite.lm_variants`` rows and one extra
-set of tables per ``Suite.retrieval_variants`` entry).
+"""The language family of the report harness (``experiments.reproduce``): what is evaluated on
+each LM, retrieval and toy run, the headline checks against the paper's language claims, and
+the report's tables and figures for them (one row per encoding, plus any ``Suite.lm_variants``
+rows and one extra set of tables per ``Suite.retrieval_variants`` entry).
 
 Results are keyed by ``Job.name`` (``kind/dataset/label``): ``lm/jargon/goat``,
 ``passkey/passkey/rope``, ``niah/niah_official/goat`` (a retrieval variant), ``toy/copy_mixture/goat``.

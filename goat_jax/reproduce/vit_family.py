@@ -1,5 +1,6 @@
-"""The vision family of the report harness (``experiments.reproduce``): ViTs on Fashion-MNIST (configs/vit_tiny.py)
-with every 2D position encoding, evaluated zero-shot at larger input resolutions.
+"""The vision family of the report harness (``experiments.reproduce``): ViTs on Fashion-MNIST
+(configs/vit_tiny.py) with every 2D position encoding, evaluated zero-shot at larger input
+resolutions.
 
 Per run (cached with the run's other evaluations): top-1 and loss at each ``Suite.vit_scales``
 multiple of the training resolution (goat_jax.eval.vision.evaluate_vision_run, what
