@@ -13,6 +13,7 @@ their own.
 """
 
 import ast
+import functools
 import os
 
 import pytest
@@ -78,9 +79,15 @@ def _imports(module: str, files: dict[str, str]) -> set[str]:
 
 
 def import_graph(root: str = ROOT) -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over the repository's files outside tests/."""
+    """``{module: modules it imports}`` over the Python files under ``root`` outside tests/."""
     files = _source_files(root)
     return {m: _imports(m, files) for m in files}
+
+
+@functools.lru_cache(maxsize=None)
+def _repository_graph() -> dict[str, set[str]]:
+    """The repository's graph, parsed once for the checks below (which only read it)."""
+    return import_graph(ROOT)
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -150,13 +157,13 @@ def test_the_graph_reader_finds_circles_and_local_imports(tmp_path):
 
 
 def test_no_import_circle_outside_tests():
-    cycles = import_cycles(import_graph())
+    cycles = import_cycles(_repository_graph())
     assert not cycles, f"import circles (each a set of modules importing each other): {cycles}"
 
 
 def test_entry_points_import_no_other_entry_point():
     """Entry points import the library, never each other; the library never imports them."""
-    graph = import_graph()
+    graph = _repository_graph()
     offenders = {m: sorted(d for d in deps if d.split(".")[0] == "experiments") for m, deps in graph.items()}
     offenders = {m: d for m, d in offenders.items() if d}
     assert not offenders, f"only the command line may sit in experiments/; imported by: {offenders}"
