@@ -1,5 +1,5 @@
-"""The DNA family of the report harness (``experiments.reproduce``): genome LMs on E. coli K-12 MG1655
-(configs/dna_tiny.py) with GOAT, RoPE, ALiBi and NoPE, everything else identical.
+"""The DNA family of the report harness (``experiments.reproduce``): genome LMs on E. coli K-12
+MG1655 (configs/dna_tiny.py) with GOAT, RoPE, ALiBi and NoPE, everything else identical.
 
 Per run (cached with the run's other evaluations; goat_jax.eval.dna does the scoring):
 
@@ -8,8 +8,8 @@ Per run (cached with the run's other evaluations; goat_jax.eval.dna does the sco
   perplexity and next-base accuracy on non-overlapping windows of 1x..8x the training length;
 * the same on each of ``Suite.dna_genomes`` (a different E. coli strain, DH1, and 40 kb of
   human chr17), capped alike;
-* GC agreement (docs/experiments.md, section DNA) on ``Suite.dna_gc_windows`` windows spread over the whole
-  held-out region, with its two model-free references;
+* GC agreement (docs/experiments.md, section DNA) on ``Suite.dna_gc_windows`` windows spread
+  over the whole held-out region, with its two model-free references;
 * train tokens/s from the run's metrics.jsonl.
 
 Once per report: the compiled training-step memory (arguments + temporaries, XLA's
@@ -39,8 +39,8 @@ MEMORY_KERNEL = "xla"  # materialized attention, as benchmarks/dna.md
 
 
 def evaluate_dna_job(job: Job, suite: Suite) -> dict[str, Any]:
-    """The evaluations of one DNA ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate` caches them):
-    ``{'train_len', 'step', 'heldout': {...}, 'genomes': {label: {...}}, 'tokens_per_sec'}``
+    """The evaluations of one DNA ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
+    caches them): ``{'train_len', 'step', 'heldout': {...}, 'genomes': {label: {...}}, 'tokens_per_sec'}``
     (each of the scored sets as goat_jax.eval.dna.evaluate_records returns it, plus ``'data'``)."""
     run = ev.load_lm_run(job.workdir)
     seed = int(run.config.seed)
@@ -65,8 +65,8 @@ def evaluate_dna_job(job: Job, suite: Suite) -> dict[str, Any]:
 
 def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
     """Compiled train-step memory of GOAT and RoPE at each of ``suite.dna_memory_lengths``
-    (:func:`goat_jax.reproduce.dna_bench.memory_row`: the official genome GPT, 8,192 bases per step,
-    ``MEMORY_DTYPE``, kernel ``MEMORY_KERNEL``; ``suite.dna_memory_model`` shrinks it for
+    (:func:`goat_jax.reproduce.dna_bench.memory_row`: the official genome GPT, 8,192 bases per
+    step, ``MEMORY_DTYPE``, kernel ``MEMORY_KERNEL``; ``suite.dna_memory_model`` shrinks it for
     tests). Cached in ``reproduce_memory.json`` next to the DNA runs, keyed by the settings."""
     dna_jobs = [j for j in jobs if j.kind == "dna"]
     if not dna_jobs or not suite.dna_memory_lengths:
@@ -139,7 +139,6 @@ def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]
 
 def dna_section(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[str]:
     """The DNA section (markdown lines)."""
-
     runs = _runs(jobs, results)
     if not runs:
         return []

@@ -22,9 +22,10 @@ from goat_jax.reproduce.suites import Job, Suite
 
 
 def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
-    """The evaluations of one language-family ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
-    caches them): LMs get extrapolation, sinks and the standard passkey prompt; passkey models
-    the synthetic passkey; NIAH models the grid; the toy its prior figure and checks."""
+    """The evaluations of one language-family ``job`` (uncached;
+    :func:`goat_jax.reproduce.jobs.evaluate` caches them): LMs get extrapolation, sinks and the
+    standard passkey prompt; passkey models the synthetic passkey; NIAH models the grid; the toy
+    its prior figure and checks."""
     if job.kind == "toy":
         res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True, train=False)
         return {"summary": res["summary"], "sink": res["checks"]["sink"],

@@ -50,7 +50,8 @@ def resolutions_for(config, scales: Sequence[float]) -> list[int]:
 
 
 def evaluate_vit_job(job: Job, suite: Suite) -> dict[str, Any]:
-    """The evaluations of one ViT ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate` caches them):
+    """The evaluations of one ViT ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
+    caches them):
     ``{'step', 'train_resolution', 'encoding', 'resolution': {r: {'top1', 'loss', 'images'}},
     'eval_images', 'images_per_sec', ...}``; writes ``WORKDIR/reproduce_vision.npz``."""
     config = load_config(job.spec, job.overrides)
