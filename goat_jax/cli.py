@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from goat_jax import _extras
 from goat_jax.train import run as run_lib
 
 DEBUG_ENV = "GOAT_DEBUG"
@@ -62,7 +63,8 @@ def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _parse_absl_flags(argv):
-    from absl import flags  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        from absl import flags  # pylint: disable=g-import-not-at-top
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
@@ -77,7 +79,8 @@ def _parse_absl_flags(argv):
 
 def run_absl(main: Callable[[Any], Any]) -> None:
     """``absl.app.run(main)`` with one-line errors for bad flags, config files and inputs."""
-    from absl import app  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        from absl import app  # pylint: disable=g-import-not-at-top
     app.run(report_errors(main), flags_parser=_parse_absl_flags)
 
 

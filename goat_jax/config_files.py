@@ -18,9 +18,11 @@ import importlib.util
 import os
 from typing import Any, Mapping, Optional
 
-import ml_collections
-from absl import flags
-from ml_collections import config_flags
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    from absl import flags
+    from ml_collections import config_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

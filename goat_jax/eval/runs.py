@@ -19,64 +19,39 @@ Evaluations (protocols in docs/experiments.md; the metrics live in
   diagnostics    the official C4 run's: last-layer attention mass on token 0, max attention
                  and mass on the last 128 keys at every length (KV cache, query chunks), and
                  GOAT's per-layer u(j) curves.
+  lm_eval        EleutherAI's lm-evaluation-harness tasks (:mod:`goat_jax.eval.harness`, the
+                 ``[eval]`` extra), scored with the run's own tokenizer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 import numpy as np
 
 from goat_jax.cli import log
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
+from goat_jax.eval.lm_run import LMRun, load_lm_run  # noqa: F401  (runs.LMRun, runs.load_lm_run)
 from goat_jax.train import run as run_lib
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna")
+EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna", "lm_eval")
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading a run
+# Loading a run: LMRun and load_lm_run live in goat_jax/eval/lm_run.py (imported above), below
+# both this module and goat_jax/eval/harness.py, which read runs the same way.
 # ----------------------------------------------------------------------------------------------
-
-
-class LMRun(run_lib.Run):
-    """A run of the 'lm' task (:func:`goat_jax.train.run.load_run`) with the properties the
-    language evaluations compare runs by."""
-
-    @property
-    def label(self) -> str:
-        """The position encoding: what the comparisons are about."""
-        return str(self.config.model.position_encoding)
-
-    @property
-    def train_len(self) -> int:
-        """The training context length."""
-        return int(self.config.seq_len)
-
-    @property
-    def is_synthetic(self) -> bool:
-        """Whether the run trained on a synthetic task (copy mixture, passkey, NIAH)."""
-        return self.config.data.get("source") == "synthetic"
-
-
-def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
-    """:func:`goat_jax.train.run.load_run` (read-only: safe on a run still training) for a run
-    whose task is the language model; ValueError naming ``config.task`` otherwise."""
-    run = run_lib.load_run(workdir, step)
-    if run.config.model.get("name") != "lm":
-        raise ValueError(f"{workdir}: config.task={run.config.task!r} trained model "
-                         f"{run.config.model.get('name')!r}; the language evaluations need model 'lm'.")
-    return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
 
 
 def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
@@ -389,6 +364,10 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
     md += _diagnostics_markdown({k: r["diagnostics"] for k, r in results.items() if "diagnostics" in r},
                                 out, train_len)
     md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
+    lm_eval = {k: r["lm_eval"] for k, r in results.items() if "lm_eval" in r}
+    if lm_eval:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        md += harness.results_markdown(lm_eval)
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text_md)
@@ -470,18 +449,23 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                  stride: Optional[int] = None, num_examples: int = 32,
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
                  text_file: Optional[str] = None, chunk_size: Optional[int] = None,
-                 diagnostics_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 diagnostics_options: Optional[dict[str, Any]] = None,
+                 lm_eval_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
     ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
     ``chunk_size``: extrapolation runs each window through the KV cache in query chunks (and
     diagnostics use that chunk size instead of 512). ``diagnostics_options``: keyword
-    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``)."""
+    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``). ``lm_eval_options``:
+    keyword arguments of :func:`goat_jax.eval.harness.evaluate_lm_run` (``tasks``, ...)."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
+    if "lm_eval" in evals:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        harness.require()  # before any evaluation runs
     out: dict[str, Any] = {}
     for name in evals:
         t0 = time.time()
@@ -496,6 +480,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
         elif name == "dna":
             out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
+        elif name == "lm_eval":
+            from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top
+            out[name] = harness.evaluate_lm_run(run, **(lm_eval_options or {}))
         elif name == "diagnostics":
             out[name] = eval_diagnostics(run, multipliers, chunk_size=chunk_size,
                                          **(diagnostics_options or {}))

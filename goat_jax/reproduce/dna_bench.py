@@ -24,8 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import optax
 from goat_jax.config_files import load_config
 from goat_jax.train import tasks
 

@@ -12,8 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
-from absl import logging as absl_logging
-
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    from absl import logging as absl_logging
 from goat_jax import cli
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report

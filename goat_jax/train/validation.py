@@ -30,13 +30,15 @@ class Field:
     """What one config field may hold.
 
     Attributes:
-      kind: 'int', 'float', 'bool', 'str' or 'strs' (a tuple of strings, e.g. file globs).
+      kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
+        'ints' (a tuple of integers, each within ``min``/``max``).
       min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
         say whether the bound itself is allowed.
       also: extra allowed values outside the range (e.g. ``-1``: "the remaining devices").
       choices: the allowed values of a 'str' field (or of a number, instead of a range).
       optional: None is allowed too.
       nonempty: a 'str' / 'strs' field must not be empty ('strs': no empty element either).
+      lengths: the allowed lengths of an 'ints' tuple (None: any).
       doc: what the field means, shown in the error.
     """
 
@@ -49,6 +51,7 @@ class Field:
     choices: Optional[Tuple[Any, ...]] = None
     optional: bool = False
     nonempty: bool = False
+    lengths: Optional[Tuple[int, ...]] = None
     doc: str = ""
 
     def allowed(self) -> str:
@@ -69,6 +72,9 @@ class Field:
             text = "True or False"
         elif self.kind == "strs":
             text = "a tuple of " + ("non-empty " if self.nonempty else "") + "strings"
+        elif self.kind == "ints":
+            sizes = " or ".join(str(n) for n in self.lengths) if self.lengths else "any number of"
+            text = f"a tuple of {sizes} integers" + (f" >= {self.min:g}" if self.min is not None else "")
         else:
             text = "a non-empty string" if self.nonempty else "a string"
         if self.optional:
@@ -101,6 +107,12 @@ def Strs(**kw) -> Field:  # pylint: disable=invalid-name
     return Field("strs", **kw)
 
 
+def Ints(min=None, max=None, lengths=None, **kw) -> Field:  # pylint: disable=invalid-name,redefined-builtin
+    """A tuple (or list) of integers within ``[min, max]`` whose length is one of ``lengths``;
+    on the command line, repeat the flag once per element."""
+    return Field("ints", min=min, max=max, lengths=tuple(lengths) if lengths else None, **kw)
+
+
 def _problem(spec: Field, value: Any) -> Optional[str]:
     """None if ``value`` satisfies ``spec``, else 'has the wrong type' / 'is out of range'."""
     if value is None:
@@ -121,6 +133,13 @@ def _problem(spec: Field, value: Any) -> Optional[str]:
         if spec.nonempty and (not value or not all(value)):
             return "is empty or has an empty element"
         return None
+    if spec.kind == "ints":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if spec.lengths is not None and len(value) not in spec.lengths:
+            return "has the wrong length"
+        element = Int(min=spec.min, max=spec.max)
+        return next((p for p in (_problem(element, v) for v in value) if p), None)
     # Numbers. bool is an int subclass in Python; a flag typo like True for a step count is refused.
     if isinstance(value, (bool, np.bool_)):
         return "has the wrong type"
@@ -152,7 +171,7 @@ def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section
         problem = _problem(spec, value)
         if problem:
             fix = f"Set --config.{prefix}{name} to an allowed value."
-            if spec.kind == "strs":
+            if spec.kind in ("strs", "ints"):
                 fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
                        ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
             raise ValueError(f"{prefix}{name}={value!r} {problem}: allowed is {spec.allowed()}. {fix}")
@@ -188,6 +207,11 @@ ENGINE_FIELDS: Dict[str, Dict[str, Field]] = {
         "distributed": Bool(),
         "progress_bar": Bool(),
         "peak_flops_per_device": Float(min=0.0, doc="0: look up by device kind"),
+        "profile_steps": Ints(min=1, lengths=(0, 2), doc="first and last step traced; () = off"),
+    },
+    "wandb": {
+        "project": Str(optional=True), "name": Str(optional=True), "entity": Str(optional=True),
+        "mode": Str(choices=("disabled", "online", "offline"), doc="'disabled' = off"),
     },
     "mesh": {"data": _MESH_AXIS, "fsdp": _MESH_AXIS, "tensor": _MESH_AXIS},
     "optimizer": {
