@@ -16,6 +16,7 @@ from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     from absl import logging as absl_logging
 from goat_jax import cli
+from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Suite, plan
@@ -35,6 +36,19 @@ def select_retrieval_variants(suite: Suite, labels: Optional[Sequence[str]]) -> 
         v for v in suite.retrieval_variants if v.label in wanted))
 
 
+def check_encodings(encodings: Optional[Sequence[str]], vit_encodings: Optional[Sequence[str]],
+                    dna_encodings: Optional[Sequence[str]]) -> None:
+    """Refuses an unknown name in ``--encodings`` / ``--dna_encodings`` (the language model's
+    position encodings) or ``--vit_encodings`` (the ViT's), naming the flag and the choices."""
+    for flag, values, allowed in (("--encodings", encodings, lm.POSITION_ENCODINGS),
+                                  ("--vit_encodings", vit_encodings, vit.POSITION_ENCODINGS),
+                                  ("--dna_encodings", dna_encodings, lm.POSITION_ENCODINGS)):
+        unknown = [x for x in (values or []) if x and x not in allowed]
+        if unknown:
+            raise ValueError(f"{flag} {','.join(values)}: unknown encoding(s) {unknown}; choose from "
+                             f"{','.join(allowed)}.")
+
+
 def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, out: Optional[str] = None,
               families: Sequence[str] = FAMILIES, encodings: Optional[Sequence[str]] = None,
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
@@ -48,6 +62,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
     suite = select_retrieval_variants(SUITES[suite_name], retrieval_variants)
+    check_encodings(encodings, vit_encodings, dna_encodings)  # --dry_run too: not when a job is reached
     if not families:
         raise ValueError(f"--families is empty; give some of {','.join(FAMILIES)}.")
     encodings = list(encodings or suite.encodings)
