@@ -108,6 +108,13 @@ def validate(config) -> None:
     if stray:
         raise ValueError(f"data.source={config.data.get('source')!r} does not use data field(s) "
                          f"{['data.' + f for f in stray]}; remove them or change data.source.")
+    if not is_synthetic(config) and config.data.get("packing", "concat") == "documents":
+        # The batches carry segment_ids/positions, but the model does not read them yet: it would
+        # attend across the packed documents and count positions from the window start.
+        raise ValueError(
+            "data.packing='documents' is not yet wired into the LM: the model does not consume "
+            "the batch's segment_ids and positions yet, so it would silently attend across "
+            "documents. Use data.packing='concat' until the layers take segment_ids.")
     if enc in lm._TABLE_ENCODINGS and seq_len > max_len:  # pylint: disable=protected-access
         raise ValueError(
             f"seq_len={seq_len} exceeds model.max_len={max_len}, the size of the "
@@ -143,5 +150,6 @@ TASK = tasks.Task(
     no_decay_names=models.NO_DECAY_NAMES,
     decay_groupings={"official_c4": models.official_c4_decay_mask},
     # Fields a config may leave out (runs from before they existed resume under their defaults).
-    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None},
+    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None,
+                            "data.packing": "concat"},
 )
