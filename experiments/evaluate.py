@@ -163,10 +163,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
+    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     runs.check_evals_fit(args.workdir, evals)
     runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
-    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
