@@ -45,7 +45,7 @@ The contract, in one place:
     decayed), chosen with ``config.optimizer.decay_grouping`` (optional field; 'default' or
     absent: the ``no_decay_names`` rule above).
 
-Adding a family: README.md, section "Adding an experiment family".
+Adding a family: docs/training.md, section "Adding an experiment family".
 """
 
 from __future__ import annotations
