@@ -1,16 +1,30 @@
-"""Declarative type and range checks of config fields, run before a run touches anything.
+"""Config fields declared once: type, range or choices, doc (and, on a dataclass, the default).
 
-Each config section has a spec: ``{field name: Field(...)}``. The engine declares its own
-(top-level cadences, ``mesh``, ``optimizer``: :data:`ENGINE_FIELDS`); a task declares its
-``model`` and ``data`` specs next to the code that reads them (``goat_jax.models.lm.FIELD_SPECS``,
-``goat_jax.data.text.FIELD_SPECS``, ``goat_jax.data.synthetic.FIELD_SPECS``) and hands them to
-the engine through ``Task.field_specs``. :func:`check_section` walks one section against its spec
-and raises a one-line ValueError naming the dotted field, the value, what is allowed and the fix::
+The ground floor of the config system: it imports nothing from goat_jax, so models, data
+pipelines, tasks and the engine can all declare and check their fields with it.
+
+A field's spec is a :class:`Field` (``Int(min=1, doc=...)``, ``Str(choices=SOME_TUPLE)``, ...).
+It is declared in one place:
+
+* on a config dataclass (``LMConfig``, ``ViTConfig``, ``PriorSettings``) as the field's metadata,
+  ``num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))``; :func:`specs_of` derives
+  the section's ``FIELD_SPECS`` from it and :func:`check_instance` checks an instance against it
+  (so ``__post_init__`` only holds the cross-field rules); a dataclass exposing another one's
+  field under the same name (a model's GOAT fields) takes its spec with :func:`borrow`;
+* in a ``FIELD_SPECS`` dict next to the code that reads a ``ml_collections`` section (the data
+  pipelines), whose own cross-field checks call :func:`check_section` first.
+
+Choices that belong to a module (the prior's ``PRIOR_INITS``, the kernels' ``IMPLEMENTATIONS``)
+are imported from it, never restated. The engine declares its own sections in
+:data:`goat_jax.train.validation.ENGINE_FIELDS` and checks each run's config with
+:func:`check_config` before any work; a violation is a one-line ValueError naming the dotted
+field, the value, what is allowed and the fix::
 
     optimizer.learning_rate=-1.0 is out of range: allowed is a number finite in float32 > 0 (peak
     learning rate). Set --config.optimizer.learning_rate to an allowed value.
 
-Fields without a spec are not checked here (unknown fields are refused by the schema check).
+Fields without a spec are not checked here (unknown fields are refused by the engine's schema
+check).
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ class Field:
     """What one config field may hold.
 
     Attributes:
-      kind: 'int', 'float', 'bool', 'str' or 'strs' (a tuple of strings, e.g. file globs).
+      kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
+        'dtype' (a dtype name among ``choices``, or a numpy/JAX dtype of that name).
       min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
         say whether the bound itself is allowed.
       also: extra allowed values outside the range (e.g. ``-1``: "the remaining devices").
@@ -101,10 +116,22 @@ def Strs(**kw) -> Field:  # pylint: disable=invalid-name
     return Field("strs", **kw)
 
 
+def Dtype(choices, **kw) -> Field:  # pylint: disable=invalid-name
+    """A dtype: one of the names ``choices`` ('bfloat16'), or a dtype object of such a name."""
+    return Field("dtype", choices=tuple(choices), **kw)
+
+
 def _problem(spec: Field, value: Any) -> Optional[str]:
     """None if ``value`` satisfies ``spec``, else 'has the wrong type' / 'is out of range'."""
     if value is None:
         return None if spec.optional else "is not set"
+    if spec.kind == "dtype":
+        if not isinstance(value, str):
+            try:  # a dtype object (jnp.bfloat16, np.dtype('float32')) stands for its name
+                value = np.dtype(value).name
+            except TypeError:
+                return "has the wrong type"
+        return None if value in spec.choices else "is not allowed"
     if spec.kind == "bool":
         return None if isinstance(value, (bool, np.bool_)) else "has the wrong type"
     if spec.kind == "str":
@@ -141,9 +168,14 @@ def _problem(spec: Field, value: Any) -> Optional[str]:
     return None
 
 
-def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section: str = "") -> None:
+def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section: Optional[str] = "",
+                  owner: Optional[str] = None) -> None:
     """Checks every field of ``values`` that has a spec; raises a one-line ValueError naming
-    the first offending field (``section.field``), its value, what is allowed and the fix."""
+    the first offending field (``section.field``), its value, what is allowed and the fix.
+
+    ``owner`` (a class name, for :func:`check_instance`) names the field ``Owner.field`` instead;
+    ``section=None`` then means the values are not a config section, so no flag is suggested.
+    """
     prefix = f"{section}." if section else ""
     for name, spec in specs.items():
         if name not in values:
@@ -151,11 +183,15 @@ def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section
         value = values[name]
         problem = _problem(spec, value)
         if problem:
-            fix = f"Set --config.{prefix}{name} to an allowed value."
-            if spec.kind == "strs":
+            if section is None:
+                fix = "Pass an allowed value."
+            elif spec.kind == "strs":
                 fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
                        ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
-            raise ValueError(f"{prefix}{name}={value!r} {problem}: allowed is {spec.allowed()}. {fix}")
+            else:
+                fix = f"Set --config.{prefix}{name} to an allowed value."
+            where = f"{owner}.{name}" if owner else f"{prefix}{name}"
+            raise ValueError(f"{where}={value!r} {problem}: allowed is {spec.allowed()}. {fix}")
 
 
 def check_config(config: Any, specs: Mapping[str, Mapping[str, Field]]) -> None:
@@ -168,37 +204,40 @@ def check_config(config: Any, specs: Mapping[str, Mapping[str, Field]]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The engine's own fields (goat_jax/train/trainer.py documents their meaning)
+# Specs as dataclass field metadata: one declaration gives the default, the type/range and the doc
 # ----------------------------------------------------------------------------------------------
 
-_MESH_AXIS = Int(min=1, also=(-1,), doc="shards along this mesh axis; -1: the remaining devices")
+_SPEC_KEY = "goat_jax.config.spec"
 
-ENGINE_FIELDS: Dict[str, Dict[str, Field]] = {
-    "": {
-        "seed": Int(min=0, max=2**32 - 1, doc="PRNG seed"),
-        "task": Str(nonempty=True),
-        "num_train_steps": Int(min=1),
-        "global_batch_size": Int(min=1, optional=True),
-        "per_device_batch_size": Int(min=1, optional=True),
-        "grad_accum_steps": Int(min=1),
-        "log_every_steps": Int(min=1),
-        "eval_every_steps": Int(min=0, doc="0: never"),
-        "checkpoint_every_steps": Int(min=1),
-        "keep_checkpoints": Int(min=1),
-        "distributed": Bool(),
-        "progress_bar": Bool(),
-        "peak_flops_per_device": Float(min=0.0, doc="0: look up by device kind"),
-    },
-    "mesh": {"data": _MESH_AXIS, "fsdp": _MESH_AXIS, "tensor": _MESH_AXIS},
-    "optimizer": {
-        "learning_rate": Float(min=0.0, min_inclusive=False, doc="peak learning rate"),
-        "warmup_steps": Int(min=0, doc="linear warmup updates"),
-        "min_lr_ratio": Float(min=0.0, max=1.0, doc="cosine floor as a fraction of the peak"),
-        "b1": Float(min=0.0, max=1.0, max_inclusive=False, doc="Adam first-moment decay"),
-        "b2": Float(min=0.0, max=1.0, max_inclusive=False, doc="Adam second-moment decay"),
-        "eps": Float(min=0.0, min_inclusive=False, doc="Adam epsilon; 0 divides 0 by 0 for unused parameters"),
-        "weight_decay": Float(min=0.0, doc="decoupled weight decay"),
-        "grad_clip": Float(min=0.0, doc="global-norm clip; 0: off"),
-        "decay_grouping": Str(nonempty=True, doc="optional; 'default' or a task's grouping"),
-    },
-}
+
+def declare(default: Any, spec: Field) -> Any:
+    """A dataclass field with ``default`` whose spec is ``spec``:
+    ``num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))``."""
+    if not isinstance(spec, Field):
+        raise TypeError(f"declare(default, spec): spec must be a goat_jax.config.fields.Field, got {spec!r}.")
+    return dataclasses.field(default=default, metadata={_SPEC_KEY: spec})
+
+
+def borrow(cls: Any, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field declared like ``cls``'s field ``name`` (same spec; ``cls``'s default
+    unless ``default`` is given): how a flat model config exposes the GOAT prior's fields
+    under their own names without restating their range."""
+    source = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+    if source is None or _SPEC_KEY not in source.metadata:
+        raise ValueError(f"borrow: {cls.__name__} has no declared field {name!r}.")
+    return declare(source.default if default is dataclasses.MISSING else default,
+                   source.metadata[_SPEC_KEY])
+
+
+def specs_of(cls: Any) -> Dict[str, Field]:
+    """``{field name: Field}`` of a dataclass's declared fields (in declaration order): the
+    ``FIELD_SPECS`` of the config section it describes."""
+    return {f.name: f.metadata[_SPEC_KEY] for f in dataclasses.fields(cls) if _SPEC_KEY in f.metadata}
+
+
+def check_instance(obj: Any, section: Optional[str] = None) -> None:
+    """Checks every declared field of the dataclass instance ``obj`` against its spec (what
+    ``__post_init__`` calls before its cross-field rules). The error names ``Class.field``;
+    ``section`` (e.g. 'model', when the class is a config section) adds the flag to set."""
+    specs = specs_of(type(obj))
+    check_section({name: getattr(obj, name) for name in specs}, specs, section, owner=type(obj).__name__)

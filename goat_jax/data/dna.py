@@ -59,7 +59,7 @@ from goat_jax.data import hosts
 from goat_jax.data import documents
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
-from goat_jax.train.validation import Bool, Int, Str, Strs
+from goat_jax.config.fields import Bool, Int, Str, Strs
 
 ECOLI_MG1655 = "/usr/share/doc/ragout/examples/E.Coli/references/MG1655-K12.fasta.gz"
 ECOLI_DH1 = "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"
@@ -91,7 +91,7 @@ def default_dna_data_config() -> ml_collections.ConfigDict:
 
 
 # Type and range of every field of default_dna_data_config() (checked by the engine before any
-# work, see goat_jax/train/validation.py); record names and files are checked by build_tables.
+# work, see goat_jax/config/fields.py); record names and files are checked by build_tables.
 FIELD_SPECS = {
     "source": Str(choices=SOURCES),
     "paths": Strs(nonempty=True),

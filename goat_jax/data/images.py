@@ -51,7 +51,7 @@ from PIL import Image
 
 from goat_jax.data import hosts
 from goat_jax.data import image_transforms as T
-from goat_jax.train.validation import Bool, Float, Int, Str
+from goat_jax.config.fields import Bool, Float, Int, Str
 
 Batch = dict[str, np.ndarray]
 SOURCES = ("tfds", "folder", "fashion_mnist")
@@ -89,7 +89,7 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 
 # Type and range of the numeric and string fields of the ``data`` section (checked by the engine
-# before any work, see goat_jax/train/validation.py); the tuples (mean, std, crop_scale) and the
+# before any work, see goat_jax/config/fields.py); the tuples (mean, std, crop_scale) and the
 # cross-field rules are checked by make_image_datasets.
 FIELD_SPECS = {
     "source": Str(choices=SOURCES),

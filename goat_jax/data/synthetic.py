@@ -45,7 +45,7 @@ import ml_collections
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.train.validation import Float, Int, Str
+from goat_jax.config.fields import Float, Int, Str
 
 Batch = dict[str, np.ndarray]
 Meta = dict[str, np.ndarray]
@@ -476,7 +476,7 @@ def default_synthetic_config(kind: str = "copy_mixture") -> ml_collections.Confi
 
 
 # Type and range of every field of default_synthetic_config() plus ``source`` (checked by the
-# engine before any work, see goat_jax/train/validation.py).
+# engine before any work, see goat_jax/config/fields.py).
 FIELD_SPECS = {
     "source": Str(choices=("synthetic",)),
     "kind": Str(choices=KINDS),

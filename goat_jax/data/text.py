@@ -77,7 +77,7 @@ import numpy as np
 from goat_jax.data import documents
 from goat_jax.data import hosts
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.train.validation import Bool, Float, Int, Str, Strs
+from goat_jax.config.fields import Bool, Float, Int, Str, Strs
 
 JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
 SOURCES = ("text_files", "tfds", "parquet", "jsonl")
@@ -114,7 +114,7 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 
 # Type and range of every field of default_data_config() (checked by the engine before any work,
-# see goat_jax/train/validation.py); which fields a source needs is checked by
+# see goat_jax/config/fields.py); which fields a source needs is checked by
 # make_lm_datasets.
 FIELD_SPECS = {
     "source": Str(choices=SOURCES),
