@@ -129,7 +129,7 @@ def test_every_model_and_data_field_has_a_spec():
     from goat_jax.data import images
     from goat_jax.models import vit
 
-    assert {f.name for f in dataclasses.fields(vit.ViTConfig)} | {"name", "preset"} == set(vit.FIELD_SPECS)
+    assert {f.name for f in dataclasses.fields(vit.ViTConfig)} | {"preset"} == set(vit.FIELD_SPECS)
     tuples = {"mean", "std", "crop_scale"}  # checked by make_image_datasets
     assert set(images.default_data_config()) - tuples == set(images.FIELD_SPECS)
     c = vit_tiny.get_config("goat,smoke")

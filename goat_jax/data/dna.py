@@ -59,12 +59,15 @@ from goat_jax.data import hosts
 from goat_jax.data import documents
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
-from goat_jax.config.fields import Bool, Int, Str, Strs
+from goat_jax.config.fields import Bool, Int, Str, Strs, check_section
 
 ECOLI_MG1655 = "/usr/share/doc/ragout/examples/E.Coli/references/MG1655-K12.fasta.gz"
 ECOLI_DH1 = "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"
 HUMAN_CHR17_40KB = "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"
 SOURCES = ("fasta", "parquet")
+EVAL_SPLITS = ("valid", "test")  # data.eval_split: the held-out records evaluated
+EVAL_OFFSETS = ("start", "hashed")  # data.eval_offsets: where eval crops start
+SHORT_RECORDS = ("error", "skip")  # data.short_records: a record shorter than one crop
 Batch = dict[str, np.ndarray]
 
 
@@ -98,11 +101,11 @@ FIELD_SPECS = {
     "train_records": Strs(doc="record specs NAME or NAME:START-END; empty: all not held out"),
     "valid_records": Strs(doc="record specs NAME or NAME:START-END"),
     "test_records": Strs(doc="record specs NAME or NAME:START-END"),
-    "eval_split": Str(choices=("valid", "test")),
+    "eval_split": Str(choices=EVAL_SPLITS),
     "fasta_stride": Int(min=0, doc="crop starts per FASTA chunk; 0: seq_len + 1"),
     "max_offset": Int(min=0, doc="parquet crops start in [0, max_offset] of a row"),
-    "eval_offsets": Str(choices=("start", "hashed")),
-    "short_records": Str(choices=("error", "skip")),
+    "eval_offsets": Str(choices=EVAL_OFFSETS, doc="'start': crops from each record's start; 'hashed': by content hash"),
+    "short_records": Str(choices=SHORT_RECORDS, doc="a record shorter than one crop: refuse or skip it"),
     "reverse_complement": Bool(),
     "max_in_memory_bytes": Int(min=0, doc="larger unindexed FASTA files are an error"),
     "sequence_key": Str(nonempty=True),
@@ -433,13 +436,9 @@ def host_chunks(table: ChunkTable, process_index: int, process_count: int) -> np
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    choices = {"source": SOURCES, "eval_split": ("valid", "test"),
-               "eval_offsets": ("start", "hashed"), "short_records": ("error", "skip")}
-    for field, allowed in choices.items():
-        if cfg[field] not in allowed:
-            raise ValueError(f"data.{field}={cfg[field]!r} is unknown: use one of {allowed}.")
-    if cfg.fasta_stride < 0 or cfg.max_offset < 0 or cfg.read_threads < 0:
-        raise ValueError("data.fasta_stride, data.max_offset and data.read_threads must be >= 0.")
+    """Each field's type and range (:data:`FIELD_SPECS`), also when called outside the engine;
+    record names and files are checked while building the tables."""
+    check_section(cfg, FIELD_SPECS, "data")
 
 
 def build_tables(cfg: ml_collections.ConfigDict, *, seq_len: int) -> dict[str, ChunkTable]:

@@ -51,7 +51,7 @@ from PIL import Image
 
 from goat_jax.data import hosts
 from goat_jax.data import image_transforms as T
-from goat_jax.config.fields import Bool, Float, Int, Str
+from goat_jax.config.fields import Bool, Float, Int, Str, check_section
 
 Batch = dict[str, np.ndarray]
 SOURCES = ("tfds", "folder", "fashion_mnist")
@@ -303,21 +303,14 @@ def _stack(examples: Sequence[Batch]) -> Batch:
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
-    _mode(cfg.channels)
+    """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
+    then the tuples and the cross-field rules."""
+    check_section(cfg, FIELD_SPECS, "data")
     if len(cfg.mean) != cfg.channels or len(cfg.std) != cfg.channels:
         raise ValueError(f"data.mean/data.std have {len(cfg.mean)}/{len(cfg.std)} entries for "
                          f"data.channels={cfg.channels}; give one per channel.")
-    if cfg.image_size < 1:
-        raise ValueError(f"data.image_size={cfg.image_size} must be positive.")
     if cfg.crop_scale and not (len(cfg.crop_scale) == 2 and 0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1):
         raise ValueError(f"data.crop_scale={cfg.crop_scale} must be (min, max) with 0 < min <= max <= 1, or ().")
-    if not 0 <= cfg.random_erasing <= 1 or not 0 <= cfg.mixup_switch_prob <= 1 or not 0 <= cfg.label_smoothing < 1:
-        raise ValueError("data.random_erasing and data.mixup_switch_prob must be in [0, 1] and "
-                         "data.label_smoothing in [0, 1).")
-    if cfg.read_threads < 0:
-        raise ValueError(f"data.read_threads={cfg.read_threads} must be >= 0.")
 
 
 def _hashed(seed: int, stream: int) -> int:

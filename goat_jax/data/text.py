@@ -77,7 +77,7 @@ import numpy as np
 from goat_jax.data import documents
 from goat_jax.data import hosts
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.config.fields import Bool, Float, Int, Str, Strs
+from goat_jax.config.fields import Bool, Float, Int, Str, Strs, check_section
 
 JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
 SOURCES = ("text_files", "tfds", "parquet", "jsonl")
@@ -313,18 +313,12 @@ def _token_stream(split: documents.Split, tokenizer: tokenizers_lib.Tokenizer, *
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
-    if cfg.tokenizer not in tokenizers_lib.TOKENIZERS:
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown: use one of "
-                         f"{tokenizers_lib.TOKENIZERS}.")
+    """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
+    then the section's cross-field rule."""
+    check_section(cfg, FIELD_SPECS, "data")
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
-    if cfg.source == "jsonl" and cfg.jsonl_block_bytes < 1:
-        raise ValueError(f"data.jsonl_block_bytes={cfg.jsonl_block_bytes} must be positive.")
-    if cfg.read_threads < 0:
-        raise ValueError(f"data.read_threads={cfg.read_threads} must be >= 0.")
 
 
 def make_lm_datasets(
