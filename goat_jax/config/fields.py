@@ -11,8 +11,10 @@ It is declared in one place:
   the section's ``FIELD_SPECS`` from it and :func:`check_instance` checks an instance against it
   (so ``__post_init__`` only holds the cross-field rules); a dataclass exposing another one's
   field under the same name (a model's GOAT fields) takes its spec with :func:`borrow`;
-* in a ``FIELD_SPECS`` dict next to the code that reads a ``ml_collections`` section (the data
-  pipelines), whose own cross-field checks call :func:`check_section` first.
+* in a :class:`Section` next to the code that reads a ``ml_collections`` section (the data
+  pipelines): ``{name: (default, Field)}``, from which both the section's default ConfigDict
+  and its ``FIELD_SPECS`` come; the pipeline's own cross-field checks call
+  :func:`check_section` first.
 
 Choices that belong to a module (the prior's ``PRIOR_INITS``, the kernels' ``IMPLEMENTATIONS``)
 are imported from it, never restated. The engine declares its own sections in
@@ -33,6 +35,7 @@ import dataclasses
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import ml_collections
 import numpy as np
 
 # float32 is what the device computes with: a larger "finite" value is inf there.
@@ -45,7 +48,8 @@ class Field:
 
     Attributes:
       kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
-        'dtype' (a dtype name among ``choices``, or a numpy/JAX dtype of that name).
+        'dtype' (a dtype name among ``choices``, or a numpy/JAX dtype of that name) or 'floats'
+        (a tuple of finite numbers, e.g. per-channel means).
       min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
         say whether the bound itself is allowed.
       also: extra allowed values outside the range (e.g. ``-1``: "the remaining devices").
@@ -84,6 +88,8 @@ class Field:
             text = "True or False"
         elif self.kind == "strs":
             text = "a tuple of " + ("non-empty " if self.nonempty else "") + "strings"
+        elif self.kind == "floats":
+            text = ("a non-empty" if self.nonempty else "a") + " tuple of finite numbers"
         else:
             text = "a non-empty string" if self.nonempty else "a string"
         if self.optional:
@@ -114,6 +120,11 @@ def Str(choices=None, **kw) -> Field:  # pylint: disable=invalid-name
 def Strs(**kw) -> Field:  # pylint: disable=invalid-name
     """A tuple (or list) of strings; on the command line, repeat the flag once per element."""
     return Field("strs", **kw)
+
+
+def Floats(**kw) -> Field:  # pylint: disable=invalid-name
+    """A tuple (or list) of finite numbers; on the command line, repeat the flag per element."""
+    return Field("floats", **kw)
 
 
 def Dtype(choices, **kw) -> Field:  # pylint: disable=invalid-name
@@ -148,6 +159,15 @@ def _problem(spec: Field, value: Any) -> Optional[str]:
         if spec.nonempty and (not value or not all(value)):
             return "is empty or has an empty element"
         return None
+    if spec.kind == "floats":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                   for v in value):
+            return "has the wrong type"
+        if not all(math.isfinite(float(v)) for v in value):
+            return "is not finite"
+        return "is empty" if spec.nonempty and not value else None
     # Numbers. bool is an int subclass in Python; a flag typo like True for a step count is refused.
     if isinstance(value, (bool, np.bool_)):
         return "has the wrong type"
@@ -185,7 +205,7 @@ def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section
         if problem:
             if section is None:
                 fix = "Pass an allowed value."
-            elif spec.kind == "strs":
+            elif spec.kind in ("strs", "floats"):
                 fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
                        ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
             else:
@@ -241,3 +261,48 @@ def check_instance(obj: Any, section: Optional[str] = None) -> None:
     ``section`` (e.g. 'model', when the class is a config section) adds the flag to set."""
     specs = specs_of(type(obj))
     check_section({name: getattr(obj, name) for name in specs}, specs, section, owner=type(obj).__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# A ml_collections section declared once: each field's default next to its spec
+# ----------------------------------------------------------------------------------------------
+
+_PLACEHOLDER_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+class Section:
+    """The fields of one ``ml_collections`` config section, each declared once as
+    ``name=(default, Field)``::
+
+        DATA = Section(read_threads=(4, Int(min=0, doc="threads reading ahead")), ...)
+        FIELD_SPECS = DATA.specs          # checked by the engine before any work
+        def default_data_config(): return DATA.defaults()
+
+    A None default of an optional number or string becomes a typed placeholder, so
+    ``--config.data.x=...`` can still set it from the command line.
+    """
+
+    def __init__(self, **declared: Tuple[Any, Field]):
+        for name, entry in declared.items():
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], Field)):
+                raise TypeError(f"Section field {name!r} must be (default, Field), got {entry!r}.")
+            problem = _problem(entry[1], entry[0])
+            if problem:  # a declaration whose own default it refuses is a bug in the declaration
+                raise ValueError(f"Section field {name!r}: the default {entry[0]!r} {problem} "
+                                 f"({entry[1].allowed()}).")
+        self._declared = dict(declared)
+
+    @property
+    def specs(self) -> Dict[str, Field]:
+        """``{name: Field}`` in declaration order (the section's ``FIELD_SPECS``)."""
+        return {name: spec for name, (_, spec) in self._declared.items()}
+
+    def defaults(self) -> ml_collections.ConfigDict:
+        """A fresh ConfigDict holding every field's default."""
+        c = ml_collections.ConfigDict()
+        for name, (default, spec) in self._declared.items():
+            if default is None and spec.kind in _PLACEHOLDER_TYPES:
+                c[name] = ml_collections.config_dict.placeholder(_PLACEHOLDER_TYPES[spec.kind])
+            else:
+                c[name] = default
+        return c
