@@ -196,3 +196,26 @@ def test_run_started_from_an_old_config_resumes_under_the_new_one(tmp_path):
     new.num_train_steps = 4
     summary = trainer.train_and_evaluate(new, str(tmp_path), resume_with_changes=True)
     assert summary["step"] == 4
+
+
+def test_section_declares_default_and_spec_once():
+    section = fields.Section(n=(4, fields.Int(min=0, doc="threads")), w=(None, fields.Float(min=0.0, optional=True)),
+                             m=((0.5, 0.5), fields.Floats(nonempty=True)))
+    c = section.defaults()
+    assert c.n == 4 and c.w is None and c.m == (0.5, 0.5) and list(section.specs) == ["n", "w", "m"]
+    c.w = 2.5  # a typed placeholder: the command line can set the None default
+    with pytest.raises(TypeError):
+        c.w = "x"
+    with pytest.raises(ValueError, match=r"^data.m=\(\) is empty: allowed is a non-empty tuple of finite numbers\. "
+                                         r"Repeat --config.data.m=ELEMENT"):
+        fields.check_section({"m": ()}, section.specs, "data")
+    with pytest.raises(ValueError, match=r"data.m=\(1.0, nan\) is not finite"):
+        fields.check_section({"m": (1.0, float("nan"))}, section.specs, "data")
+    with pytest.raises(ValueError, match=r"Section field 'n': the default -1 is out of range"):
+        fields.Section(n=(-1, fields.Int(min=0)))
+    with pytest.raises(TypeError, match=r"must be \(default, Field\)"):
+        fields.Section(n=4)
+    # The data pipelines' defaults and specs come from one declaration each.
+    for defaults, specs in ((text.default_data_config(), text.FIELD_SPECS), (dna.default_dna_data_config(), dna.FIELD_SPECS),
+                            (images.default_data_config(), images.FIELD_SPECS)):
+        assert set(defaults) == set(specs)
