@@ -219,3 +219,29 @@ def test_section_declares_default_and_spec_once():
     for defaults, specs in ((text.default_data_config(), text.FIELD_SPECS), (dna.default_dna_data_config(), dna.FIELD_SPECS),
                             (images.default_data_config(), images.FIELD_SPECS)):
         assert set(defaults) == set(specs)
+
+
+def _imports(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):  # function-local imports count too
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_lower_layers_do_not_import_the_engine():
+    """Models and data pipelines import the ground-floor config module, not the engine (nor the
+    tasks above it); goat_jax/config imports nothing else from goat_jax."""
+    lower = [os.path.join(ROOT, "goat_jax", d, n) for d in ("models", "data")
+             for n in sorted(os.listdir(os.path.join(ROOT, "goat_jax", d))) if n.endswith(".py")]
+    lower.append(os.path.join(ROOT, "goat_jax", "prior.py"))
+    bad = {os.path.relpath(p, ROOT): m for p in lower for m in _imports(p)
+           if m.startswith(("goat_jax.train", "goat_jax.tasks", "goat_jax.eval"))}
+    assert not bad, bad
+    config_dir = os.path.join(ROOT, "goat_jax", "config")
+    bad = {n: m for n in os.listdir(config_dir) if n.endswith(".py")
+           for m in _imports(os.path.join(config_dir, n)) if m.startswith("goat_jax") and not m.startswith("goat_jax.config")}
+    assert not bad, bad
+    assert "goat_jax.config.fields" in set(_imports(os.path.join(ROOT, "goat_jax", "models", "lm.py")))
