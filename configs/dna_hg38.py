@@ -31,6 +31,7 @@ from ml_collections import config_dict
 from goat_jax.data import dna
 from goat_jax.tasks import dna as dna_task
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 # Autosomes and sex chromosomes: what the 6kbp dataset holds (no alts, unplaced or chrM).
 HG38_CHROMOSOMES = [f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY"]
@@ -57,6 +58,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
     c.distributed = False  # True on multi-host clusters
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel replicas (-1: all devices)

@@ -18,6 +18,7 @@ from ml_collections import config_dict
 from goat_jax.data import dna
 from goat_jax.tasks import dna as dna_task
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -41,6 +42,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind (unknown on CPU)
     c.distributed = False  # single host
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel replicas (-1: all devices)

@@ -24,6 +24,7 @@ from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -46,6 +47,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
     c.distributed = False  # True on multi-host pods / clusters
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # pure data-parallel replicas

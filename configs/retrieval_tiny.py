@@ -29,6 +29,7 @@ from goat_jax.config_args import REQUIRED, parse_config_arg
 from goat_jax.data import synthetic
 from goat_jax.models import lm
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 TASKS = ("passkey", "niah")
 SIZES = ("smoke", "paper")
@@ -61,6 +62,8 @@ def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # MFU lookup (unknown on CPU)
     c.distributed = False  # single process
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # all devices data parallel

@@ -19,6 +19,7 @@ from ml_collections import config_dict
 from goat_jax.config_args import parse_config_arg
 from goat_jax.data import synthetic
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
@@ -41,6 +42,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # MFU lookup (unknown on CPU)
     c.distributed = False  # single process
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # all devices data parallel

@@ -21,6 +21,7 @@ from ml_collections import config_dict
 from goat_jax.data import images
 from goat_jax.models import vit
 from goat_jax.train import sharding
+from goat_jax.train import wandb_logger
 
 _TRAIN_IMAGES = 1_281_167  # ImageNet-1k train split
 _BATCH = 64  # official global batch
@@ -47,6 +48,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.progress_bar = True  # tqdm bar on stderr
     c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
     c.distributed = False  # True on multi-host pods / clusters
+    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
+    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data parallel over every device (22M parameters fit anywhere)

@@ -34,6 +34,13 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
                  (definition: README, section DNA), e.g.
                  ``--evals dna --fasta DH1.fasta.gz --multipliers 1,2,4,8``.
+  lm_eval        EleutherAI's lm-evaluation-harness (the ``[eval]`` extra) on the run, with its
+                 own tokenizer (goat_jax.eval.harness; docs/ecosystem.md): ``--lm_eval_tasks``
+                 names lm-eval tasks (hellaswag, lambada_openai, arc_easy, ...) or tasks
+                 defined by YAML files under ``--lm_eval_include_path DIR``; lm-eval's results
+                 go to OUT/results.json and its table to OUT/results.md. Contexts longer than
+                 the training length are truncated from the left (logged). e.g.
+                 ``--evals lm_eval --lm_eval_tasks arc_easy --lm_eval_limit 100``.
   resolution     ViT runs (config.task 'vit'), on its own: top-1 and loss at each
                  ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for
                  GOAT the block-0 centre-patch log-prior (goat_jax.eval.vision).
@@ -72,6 +79,42 @@ def _check_chunk_and_diagnostics_flags(args, evals: Sequence[str]) -> dict[str, 
     return {"num_windows": args.num_windows or 4, "recent": args.recent_keys or 128}
 
 
+def _lm_eval_options(args, evals: Sequence[str], out: str) -> Optional[dict[str, Any]]:
+    """The keyword arguments of goat_jax.eval.harness.evaluate_lm_run from the --lm_eval_*
+    flags (None without --evals lm_eval); refuses lm_eval flags no evaluation reads and bad
+    values, before any run is loaded."""
+    given = [f"--{k}" for k, v in vars(args).items()
+             if k.startswith("lm_eval_") and v not in (None, False)]
+    if "lm_eval" not in evals:
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --evals lm_eval only; got --evals "
+                             f"{','.join(evals)}. Drop them or add lm_eval.")
+        return None
+    tasks = [t for t in (args.lm_eval_tasks or "").split(",") if t]
+    if not tasks:
+        raise ValueError("--evals lm_eval needs --lm_eval_tasks, a comma list of lm-eval tasks "
+                         "(e.g. hellaswag,arc_easy) or of tasks under --lm_eval_include_path.")
+    if args.lm_eval_include_path and not os.path.isdir(args.lm_eval_include_path):
+        raise ValueError(f"--lm_eval_include_path {args.lm_eval_include_path}: no such directory "
+                         "(it should hold the task YAML files).")
+    for flag, value, low in (("--lm_eval_num_fewshot", args.lm_eval_num_fewshot, 0),
+                             ("--lm_eval_batch_size", args.lm_eval_batch_size, 1),
+                             ("--lm_eval_max_length", args.lm_eval_max_length, 2),
+                             ("--lm_eval_bootstrap_iters", args.lm_eval_bootstrap_iters, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if args.lm_eval_limit is not None and not args.lm_eval_limit > 0:
+        raise ValueError(f"--lm_eval_limit must be > 0 (examples per task, or a fraction < 1), "
+                         f"got {args.lm_eval_limit}.")
+    limit = args.lm_eval_limit
+    return {"tasks": tasks, "include_path": args.lm_eval_include_path,
+            "num_fewshot": args.lm_eval_num_fewshot,
+            "limit": int(limit) if limit is not None and limit >= 1 else limit,
+            "batch_size": args.lm_eval_batch_size or 8, "max_length": args.lm_eval_max_length,
+            "samples_dir": os.path.join(out, "lm_eval_samples") if args.lm_eval_log_samples else None,
+            "bootstrap_iters": 100000 if args.lm_eval_bootstrap_iters is None else args.lm_eval_bootstrap_iters}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """CLI entry point (argparse); returns ``{label: {eval: result}}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -99,9 +142,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
                    "--workdir; never inside a run, which may still be training)")
     p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
+    p.add_argument("--lm_eval_tasks", default=None, help="lm_eval: comma list of lm-eval tasks")
+    p.add_argument("--lm_eval_include_path", default=None, help="lm_eval: a directory of task YAMLs")
+    p.add_argument("--lm_eval_limit", type=float, default=None, help="lm_eval: examples per task "
+                   "(a fraction if < 1), as lm-eval's --limit")
+    p.add_argument("--lm_eval_num_fewshot", type=int, default=None, help="lm_eval: few-shot "
+                   "examples (default: the task's)")
+    p.add_argument("--lm_eval_batch_size", type=int, default=None, help="lm_eval: requests per "
+                   "forward pass (default 8)")
+    p.add_argument("--lm_eval_max_length", type=int, default=None, help="lm_eval: the window in "
+                   "tokens (default: the run's seq_len)")
+    p.add_argument("--lm_eval_bootstrap_iters", type=int, default=None, help="lm_eval: bootstrap "
+                   "resamples for the standard errors (default 100000; 0: none)")
+    p.add_argument("--lm_eval_log_samples", action="store_true", help="lm_eval: write every "
+                   "request and response to OUT/lm_eval_samples/<label>/<task>.jsonl")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
+    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -126,7 +184,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                            num_examples=args.num_examples, num_trials=args.num_trials,
                                            dna_options=dna_options, text_file=args.text,
                                            chunk_size=args.chunk_size,
-                                           diagnostics_options=diagnostics_options)
+                                           diagnostics_options=diagnostics_options,
+                                           lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label})
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))

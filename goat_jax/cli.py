@@ -21,6 +21,8 @@ import shutil
 import sys
 from typing import Any, Callable, Iterator
 
+from goat_jax import _extras
+
 DEBUG_ENV = "GOAT_DEBUG"
 # Exceptions that mean "the input is wrong": ValueError covers bad config values, unknown fields,
 # incompatible checkpoints and bad data; OSError missing or unreadable files.
@@ -52,7 +54,8 @@ def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _parse_absl_flags(argv):
-    from absl import flags  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        from absl import flags  # pylint: disable=g-import-not-at-top
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
@@ -67,7 +70,8 @@ def _parse_absl_flags(argv):
 
 def run_absl(main: Callable[[Any], Any]) -> None:
     """``absl.app.run(main)`` with one-line errors for bad flags, config files and inputs."""
-    from absl import app  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        from absl import app  # pylint: disable=g-import-not-at-top
     app.run(report_errors(main), flags_parser=_parse_absl_flags)
 
 

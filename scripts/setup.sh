@@ -21,5 +21,5 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q -r requirements.txt
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[all,test]"
 echo "goat-jax is set up: . .venv/bin/activate"

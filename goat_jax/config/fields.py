@@ -48,14 +48,16 @@ class Field:
 
     Attributes:
       kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
-        'dtype' (a dtype name among ``choices``, or a numpy/JAX dtype of that name) or 'floats'
-        (a tuple of finite numbers, e.g. per-channel means).
+        'ints' (a tuple of integers, each within ``min``/``max``), 'floats' (a tuple of finite
+        numbers, e.g. per-channel means) or 'dtype' (a dtype name among ``choices``, or a
+        numpy/JAX dtype of that name).
       min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
         say whether the bound itself is allowed.
       also: extra allowed values outside the range (e.g. ``-1``: "the remaining devices").
       choices: the allowed values of a 'str' field (or of a number, instead of a range).
       optional: None is allowed too.
       nonempty: a 'str' / 'strs' field must not be empty ('strs': no empty element either).
+      lengths: the allowed lengths of an 'ints' tuple (None: any).
       doc: what the field means, shown in the error.
     """
 
@@ -68,6 +70,7 @@ class Field:
     choices: Optional[Tuple[Any, ...]] = None
     optional: bool = False
     nonempty: bool = False
+    lengths: Optional[Tuple[int, ...]] = None
     doc: str = ""
 
     def allowed(self) -> str:
@@ -88,6 +91,9 @@ class Field:
             text = "True or False"
         elif self.kind == "strs":
             text = "a tuple of " + ("non-empty " if self.nonempty else "") + "strings"
+        elif self.kind == "ints":
+            sizes = " or ".join(str(n) for n in self.lengths) if self.lengths else "any number of"
+            text = f"a tuple of {sizes} integers" + (f" >= {self.min:g}" if self.min is not None else "")
         elif self.kind == "floats":
             text = ("a non-empty" if self.nonempty else "a") + " tuple of finite numbers"
         else:
@@ -120,6 +126,12 @@ def Str(choices=None, **kw) -> Field:  # pylint: disable=invalid-name
 def Strs(**kw) -> Field:  # pylint: disable=invalid-name
     """A tuple (or list) of strings; on the command line, repeat the flag once per element."""
     return Field("strs", **kw)
+
+
+def Ints(min=None, max=None, lengths=None, **kw) -> Field:  # pylint: disable=invalid-name,redefined-builtin
+    """A tuple (or list) of integers within ``[min, max]`` whose length is one of ``lengths``;
+    on the command line, repeat the flag once per element."""
+    return Field("ints", min=min, max=max, lengths=tuple(lengths) if lengths else None, **kw)
 
 
 def Floats(**kw) -> Field:  # pylint: disable=invalid-name
@@ -159,6 +171,13 @@ def _problem(spec: Field, value: Any) -> Optional[str]:
         if spec.nonempty and (not value or not all(value)):
             return "is empty or has an empty element"
         return None
+    if spec.kind == "ints":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if spec.lengths is not None and len(value) not in spec.lengths:
+            return "has the wrong length"
+        element = Int(min=spec.min, max=spec.max)
+        return next((p for p in (_problem(element, v) for v in value) if p), None)
     if spec.kind == "floats":
         if isinstance(value, str) or not isinstance(value, (tuple, list)):
             return "has the wrong type"
@@ -205,7 +224,7 @@ def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section
         if problem:
             if section is None:
                 fix = "Pass an allowed value."
-            elif spec.kind in ("strs", "floats"):
+            elif spec.kind in ("strs", "ints", "floats"):
                 fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
                        ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
             else:

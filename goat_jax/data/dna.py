@@ -51,8 +51,10 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
-import grain
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import grain
+    import ml_collections
 import numpy as np
 
 from goat_jax.data import hosts
@@ -245,7 +247,8 @@ class _RowGroupCache:
         with self._lock:
             if g in self._cache:
                 return self._cache[g]
-        import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
         path, rg = self._groups[g]
         seqs = pq.ParquetFile(path).read_row_group(rg, columns=[self._key]).column(0).to_pylist()
@@ -262,8 +265,9 @@ def parquet_chunks(files: Sequence[str], cfg, *, seq_len: int) -> dict[str, Chun
     One pass over the files reads the record column and the sequence lengths (to know every
     row's allowed crop starts and to report short rows before training starts).
     """
-    import pyarrow.compute as pc  # pylint: disable=g-import-not-at-top
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        import pyarrow.compute as pc  # pylint: disable=g-import-not-at-top
+        import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
     groups, rows = [], []  # rows: (group, row, record, length)
     for path in files:

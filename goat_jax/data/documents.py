@@ -26,8 +26,10 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import grain
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import grain
+    import ml_collections
 import numpy as np
 
 DOC_SPLITS = ("entries", "paragraphs", "files")  # how text files are cut into documents
@@ -150,7 +152,8 @@ def _list_blocks(files: Sequence[str], cfg: ml_collections.ConfigDict) -> list[B
     blocks = []
     for path in files:
         if cfg.source == "parquet":
-            import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+            with _extras.imports(__name__):
+                import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
             pf = pq.ParquetFile(path)
             if cfg.text_key not in pf.schema_arrow.names:
@@ -169,7 +172,8 @@ def _read_block(block: Block, *, source: str, text_key: str) -> list[str]:
     """The documents of one block, in file order."""
     path, a, b = block
     if source == "parquet":
-        import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
         column = pq.ParquetFile(path).read_row_group(a, columns=[text_key]).column(0)
         return [_as_str(t, f"{path} (row group {a})") for t in column.to_pylist()]
@@ -225,7 +229,8 @@ def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
 
 
 def tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> Split:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
     try:
         # download=False: preparing C4-sized data is a separate, offline job, never a side

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from goat_jax import _extras
+
 ALPHABET = "ACGNT"
 VOCAB_SIZE = len(ALPHABET)
 N_ID = ALPHABET.index("N")
@@ -205,7 +207,8 @@ class Genome:
         return out
 
     def _open_indexed(self, path: str) -> list[tuple[str, int]]:
-        import pyfaidx  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            import pyfaidx  # pylint: disable=g-import-not-at-top
 
         try:
             fasta = pyfaidx.Fasta(path, as_raw=True, sequence_always_upper=False, rebuild=False,

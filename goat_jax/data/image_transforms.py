@@ -28,7 +28,10 @@ import math
 from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
-from PIL import Image, ImageEnhance, ImageOps
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    from PIL import Image, ImageEnhance, ImageOps
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -44,10 +44,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import grain
-import ml_collections
 import numpy as np
-from PIL import Image
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import grain
+    import ml_collections
+    from PIL import Image
 
 from goat_jax.data import hosts
 from goat_jax.data import image_transforms as T
@@ -229,7 +232,8 @@ def _load_splits(cfg: ml_collections.ConfigDict):
                                  f"dataset-fashion-mnist or set data.folder (default {FASHION_MNIST_DIR}).")
             splits.append(_ArraySource(read_idx(paths[0]), read_idx(paths[1])))
         return splits[0], splits[1], 10
-    import tensorflow_datasets as tfds  # imported lazily: only this source needs it
+    with _extras.imports(__name__):
+        import tensorflow_datasets as tfds  # imported lazily: only this source needs it
 
     kwargs = dict(data_dir=cfg.tfds_data_dir or None)
     train = tfds.data_source(cfg.tfds_name, split=cfg.tfds_train_split, **kwargs)

@@ -41,7 +41,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib

@@ -69,10 +69,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grain
 import jax
-import ml_collections
 import numpy as np
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import grain
+    import ml_collections
 
 from goat_jax.data import documents
 from goat_jax.data import hosts

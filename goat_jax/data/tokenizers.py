@@ -23,7 +23,9 @@ import os
 from collections.abc import Iterable
 from typing import Protocol
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 TOKENIZERS = ("byte", "sentencepiece", "gpt2")
@@ -75,7 +77,8 @@ class SentencePieceTokenizer:
     """
 
     def __init__(self, model_proto: bytes):
-        import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            import sentencepiece as spm  # pylint: disable=g-import-not-at-top
 
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self.vocab_size = int(self._sp.vocab_size())
@@ -184,7 +187,8 @@ def write_bpe_ranks(encoding, path: str) -> None:
 
 def gpt2_encoding_from_ranks(ranks: dict[bytes, int], name: str = "gpt2"):
     """A ``tiktoken.Encoding`` with GPT-2's pattern, ``ranks`` and ``<|endoftext|>`` after them."""
-    import tiktoken  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        import tiktoken  # pylint: disable=g-import-not-at-top
 
     return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={GPT2_ENDOFTEXT: len(ranks)})
@@ -228,7 +232,8 @@ def load_gpt2_tokenizer(data_config: ml_collections.ConfigDict) -> TiktokenToken
             if hashlib.sha256(f.read()).hexdigest() != sha256:
                 raise ValueError(f"The tiktoken cache {cache_dir!r} holds a corrupt copy of {url} "
                                  f"(SHA-256 differs). {_WRITE_RANKS_HINT}")
-    import tiktoken  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        import tiktoken  # pylint: disable=g-import-not-at-top
 
     # Both files were verified above, so tiktoken reads its cache and never fetches.
     with _environ("TIKTOKEN_CACHE_DIR", cache_dir):
@@ -256,7 +261,8 @@ def train_sentencepiece(
       vocab_size: size of the vocabulary including the 4 special ids and 256 byte pieces.
       max_sentences: cap on the number of training lines.
     """
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        import sentencepiece as spm  # pylint: disable=g-import-not-at-top
 
     lines = (line.strip() for text in texts for line in text.splitlines())
     sentences = list(itertools.islice((l for l in lines if l), max_sentences))

@@ -11,6 +11,8 @@
 * :mod:`goat_jax.eval.diagnostics` -- the official C4 run's last-layer attention statistics
   (mass on token 0, max weight, mass on the last 128 keys) at any length, and GOAT's u(j) curves.
 * :mod:`goat_jax.eval.plots` -- the figures (imported lazily: it pulls in matplotlib).
+* :mod:`goat_jax.eval.harness` -- EleutherAI's lm-evaluation-harness on a run (``GoatLM``;
+  imported on use: it needs the ``[eval]`` extra).
 
 Models enter as ``apply_fn(params, tokens [B, T]) -> logits [B, T, V]``
 (:func:`model_apply_fn` makes one from a Linen LM) or, for generation, a ``generate_fn``.

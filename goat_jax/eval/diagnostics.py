@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.eval import chunked, sinks
 
@@ -134,7 +135,8 @@ def plot_sink_curves(curves: dict[str, Any], path: str, *, train_len: Optional[i
     :func:`goat_jax.eval.runs.eval_diagnostics` stores them (``{'positions': [P],
     'u': [Y][N][P]}``); a dashed line at the training length."""
     from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top  # matplotlib: on use
-    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+    with _extras.imports(__name__):
+        from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
     u = np.asarray(curves["u"])
     pos = np.asarray(curves["positions"])

@@ -21,7 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
-from matplotlib.figure import Figure
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    from matplotlib.figure import Figure
 
 from goat_jax.eval import sinks
 

@@ -19,6 +19,8 @@ Evaluations (protocols in README.md, section "Experiments"; the metrics live in
   diagnostics    the official C4 run's: last-layer attention mass on token 0, max attention
                  and mass on the last 128 keys at every length (KV cache, query chunks), and
                  GOAT's per-layer u(j) curves.
+  lm_eval        EleutherAI's lm-evaluation-harness tasks (:mod:`goat_jax.eval.harness`, the
+                 ``[eval]`` extra), scored with the run's own tokenizer.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
-import ml_collections
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
 import numpy as np
 
 from goat_jax.data import synthetic, text
@@ -44,7 +48,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna")
+EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna", "lm_eval")
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -394,6 +398,10 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
     md += _diagnostics_markdown({k: r["diagnostics"] for k, r in results.items() if "diagnostics" in r},
                                 out, train_len)
     md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
+    lm_eval = {k: r["lm_eval"] for k, r in results.items() if "lm_eval" in r}
+    if lm_eval:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        md += harness.results_markdown(lm_eval)
     text_md = "\n".join(md)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text_md)
@@ -475,18 +483,23 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                  stride: Optional[int] = None, num_examples: int = 32,
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
                  text_file: Optional[str] = None, chunk_size: Optional[int] = None,
-                 diagnostics_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 diagnostics_options: Optional[dict[str, Any]] = None,
+                 lm_eval_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
     ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
     ``chunk_size``: extrapolation runs each window through the KV cache in query chunks (and
     diagnostics use that chunk size instead of 512). ``diagnostics_options``: keyword
-    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``)."""
+    arguments of :func:`eval_diagnostics` (``num_windows``, ``recent``). ``lm_eval_options``:
+    keyword arguments of :func:`goat_jax.eval.harness.evaluate_lm_run` (``tasks``, ...)."""
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
+    if "lm_eval" in evals:
+        from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
+        harness.require()  # before any evaluation runs
     out: dict[str, Any] = {}
     for name in evals:
         t0 = time.time()
@@ -501,6 +514,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
         elif name == "dna":
             out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
+        elif name == "lm_eval":
+            from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top
+            out[name] = harness.evaluate_lm_run(run, **(lm_eval_options or {}))
         elif name == "diagnostics":
             out[name] = eval_diagnostics(run, multipliers, chunk_size=chunk_size,
                                          **(diagnostics_options or {}))

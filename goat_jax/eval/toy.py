@@ -17,7 +17,10 @@ import os
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    from matplotlib.figure import Figure
 
 from goat_jax.data import synthetic
 from goat_jax.eval import extrapolation, plots, sinks

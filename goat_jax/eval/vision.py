@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.attention import GoatPrior
 from goat_jax.models.vit import ViTConfig
@@ -130,7 +131,8 @@ def cls_attention_maps(model, params, images: np.ndarray, layer: Optional[int] =
 def plot_cls_attention(images: Mapping[int, np.ndarray], maps: Mapping[str, Mapping[int, np.ndarray]],
                        path: str) -> None:
     """One row per image: the image, then each run's CLS map at each resolution."""
-    import matplotlib
+    with _extras.imports(__name__):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -159,7 +161,8 @@ def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], p
                      train_resolution: Optional[int] = None) -> None:
     """Top-1 (%) against evaluation resolution, one line per run; a dotted line marks the
     training resolution."""
-    import matplotlib
+    with _extras.imports(__name__):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -181,7 +184,8 @@ def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], p
 
 def plot_log_prior(grid_values: np.ndarray, path: str, title: str = "") -> None:
     """The centre patch's log-prior over the key grid as an image."""
-    import matplotlib
+    with _extras.imports(__name__):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

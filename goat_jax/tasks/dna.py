@@ -23,8 +23,11 @@ from typing import Dict
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-from ml_collections import config_dict
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    from ml_collections import config_dict
 
 from goat_jax.config.fields import Int
 from goat_jax.data import dna, fasta

@@ -8,6 +8,8 @@
 * :mod:`~goat_jax.train.optim`      -- AdamW, warmup + cosine, clipping, decay mask, accumulation.
 * :mod:`~goat_jax.train.checkpoint` -- orbax checkpoints of state + data iterator, fingerprint.
 * :mod:`~goat_jax.train.metrics`    -- metrics.jsonl, TensorBoard, progress bar, tokens/s, MFU.
+* :mod:`~goat_jax.train.profiling`  -- ``config.profile_steps``: a jax.profiler trace of a few steps.
+* :mod:`~goat_jax.train.wandb_logger` -- ``config.wandb``: Weights & Biases (the ``[wandb]`` extra).
 
 Submodules are imported on use (``from goat_jax.train import trainer``) so that importing the
 package does not pull in orbax or TensorBoard.

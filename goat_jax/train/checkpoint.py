@@ -25,8 +25,11 @@ import os
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import jax
-import orbax.checkpoint as ocp
-from etils import epath
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import orbax.checkpoint as ocp
+    from etils import epath
 
 # Engine fields that may change between a run and its resumption without changing what is
 # computed: cadences, the device layout (the state is resharded on restore) and the batch split
@@ -35,7 +38,7 @@ from etils import epath
 RESUME_SAFE_FIELDS = frozenset({
     "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
     "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
-    "per_device_batch_size",
+    "per_device_batch_size", "profile_steps", "wandb",
 })
 
 

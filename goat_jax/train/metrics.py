@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from goat_jax import _extras
 from goat_jax.train import run as run_lib
 
 # Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
@@ -109,22 +110,26 @@ class MetricsWriter:
       total_steps, initial_step: progress-bar range.
       enabled: write anything at all (False on non-primary hosts).
       progress_bar: show a tqdm bar (stderr).
+      sinks: more ``row -> None`` receivers of every written row (e.g. W&B).
     """
 
     def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
-                 progress_bar: bool = True):
+                 progress_bar: bool = True, sinks=()):
         self.enabled = enabled
         self.path = run_lib.metrics_path(workdir)
         self._start = time.perf_counter()
         self._file = self._tb = self._bar = None
+        self._sinks = [s for s in sinks if s is not None]
         if not enabled:
             return
         truncate_jsonl(self.path, initial_step)
         self._file = open(self.path, "a")
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        with _extras.imports(__name__):
+            from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
         self._tb = SummaryWriter(run_lib.tensorboard_dir(workdir))
         if progress_bar:
-            from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+            with _extras.imports(__name__):
+                from tqdm import tqdm  # pylint: disable=g-import-not-at-top
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
                              smoothing=0.1)
         self._bar_step = initial_step
@@ -141,6 +146,8 @@ class MetricsWriter:
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tb.add_scalar(key, value, step)
+        for sink in self._sinks:
+            sink(row)
         return row
 
     def progress(self, step: int, loss: Optional[float] = None, lr: Optional[float] = None,

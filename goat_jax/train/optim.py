@@ -15,7 +15,10 @@ from typing import AbstractSet, Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import optax
 
 
 def learning_rate_schedule(opt_config: Any, num_train_steps: int) -> optax.Schedule:

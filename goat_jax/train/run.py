@@ -22,8 +22,11 @@ from typing import Any, Callable, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
-import optax
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    import optax
 from flax import struct
 
 from goat_jax.train import checkpoint as checkpoint_lib

@@ -59,7 +59,10 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Sequence,
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import optax
 
 Batch = Dict[str, Any]
 

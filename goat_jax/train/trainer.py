@@ -21,6 +21,9 @@ Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``
   learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps, weight_decay, grad_clip,
   decay_grouping (optional: 'default' or one of the task's ``decay_groupings``)},
   distributed, progress_bar, peak_flops_per_device (0: look up by device kind).
+Optional: profile_steps (first, last step of a jax.profiler trace into WORKDIR/profile/;
+goat_jax/train/profiling.py), wandb.{project, name, entity, mode} (Weights & Biases;
+goat_jax/train/wandb_logger.py).
 """
 
 from __future__ import annotations
@@ -38,17 +41,22 @@ from typing import Any, Callable, Dict
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-import optax
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
+from goat_jax.train import profiling
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks as tasks_lib
 from goat_jax.train import validation
+from goat_jax.train import wandb_logger
 
 # ----------------------------------------------------------------------------------------------
 # Config validation: every check names the field and the fix, and runs before any work
@@ -58,13 +66,14 @@ ENGINE_SCHEMA = {
     "": {"seed", "task", "num_train_steps", "global_batch_size", "per_device_batch_size",
          "grad_accum_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
          "keep_checkpoints", "mesh", "sharding_rules", "optimizer", "distributed", "progress_bar",
-         "peak_flops_per_device", "model", "data"},
+         "peak_flops_per_device", "model", "data", "profile_steps", "wandb"},
     "mesh": set(sharding_lib.MESH_AXES),
     "optimizer": {"learning_rate", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps",
                   "weight_decay", "grad_clip"},
+    "wandb": {"project", "name", "entity", "mode"},
 }
 # Engine fields a config may leave out (the default applies): a section -> names.
-ENGINE_OPTIONAL = {"optimizer": {"decay_grouping"}}
+ENGINE_OPTIONAL = {"": {"profile_steps", "wandb"}, "optimizer": {"decay_grouping"}}
 
 
 def _check_fields(section: str, present: set, allowed: set, required: bool) -> None:
@@ -87,9 +96,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     fields, mesh vs device count, batch divisibility, sequence length vs model limits).
     """
     task = tasks_lib.get_task(config.get("task"))
-    top = set(config.keys())
-    _check_fields("", top, ENGINE_SCHEMA[""] | set(task.top_level_fields), required=True)
-    for section in ("mesh", "optimizer"):
+    top = set(config.keys()) - ENGINE_OPTIONAL[""]
+    _check_fields("", top, ENGINE_SCHEMA[""] - ENGINE_OPTIONAL[""] | set(task.top_level_fields), required=True)
+    for section in ("mesh", "optimizer") + (("wandb",) if "wandb" in config else ()):
         present = set(config[section].keys()) - ENGINE_OPTIONAL.get(section, set())
         _check_fields(section, present, ENGINE_SCHEMA[section], required=True)
     for section, allowed in task.schema().items():
@@ -98,6 +107,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     # Type and range of every field the engine and the task declare (goat_jax/train/validation.py).
     validation.check_config(config, validation.ENGINE_FIELDS)
     validation.check_config(config, task.field_specs(config))
+    profiling.check_profile_steps(config.get("profile_steps", ()), config.num_train_steps)
+    wandb_logger.check_config(config.get("wandb"))
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
@@ -383,8 +394,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     # Step s uses the s-th batch and the params after s - 1 updates; a checkpoint at s holds
     # the state after s updates and the iterator state after the s-th batch. Metrics are read
     # back one step late, so the host never waits for the device except at checkpoints.
+    wandb_run = wandb_logger.WandbLogger(config.get("wandb"), config_dict, workdir, primary=is_primary)
+    profiler = profiling.StepProfiler(config.get("profile_steps", ()), workdir, start_step)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=config.num_train_steps, initial_step=start_step,
-                                       enabled=is_primary, progress_bar=config.progress_bar)
+                                       enabled=is_primary, progress_bar=config.progress_bar,
+                                       sinks=[wandb_run.sink])
     devices = jax.devices()
     peak = metrics_lib.peak_flops_per_device(devices[0].device_kind, config.peak_flops_per_device)
     throughput = metrics_lib.Throughput(
@@ -434,7 +448,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             batch = next(data.train)
             data_state = data.train.get_state()
             step += 1
-            state, step_metrics = train_step(state, to_device(batch))
+            with profiler.step(step):
+                state, step_metrics = train_step(state, to_device(batch))
+            profiler.after_step(step, state)
             if pending is not None:
                 process(*pending)
             pending = (step, step_metrics)
@@ -468,7 +484,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             process(*pending)
     finally:
         preemption.restore()
+        profiler.close()
         writer.close()
+        wandb_run.finish()
         checkpointer.close()
     summary["step"] = step
     return summary

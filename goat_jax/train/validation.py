@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from goat_jax.config.fields import (FLOAT32_MAX, Bool, Dtype, Field, Float, Int, Str, Strs,  # noqa: F401 (re-exported)
-                                    check_config, check_section)
+from goat_jax.config.fields import (FLOAT32_MAX, Bool, Dtype, Field, Float, Int, Ints, Str,  # noqa: F401 (re-exported)
+                                    Strs, check_config, check_section)
 
-__all__ = ["ENGINE_FIELDS", "FLOAT32_MAX", "Bool", "Dtype", "Field", "Float", "Int", "Str", "Strs",
+__all__ = ["ENGINE_FIELDS", "FLOAT32_MAX", "Bool", "Dtype", "Field", "Float", "Int", "Ints", "Str", "Strs",
            "check_config", "check_section"]
 
 
@@ -43,6 +43,11 @@ ENGINE_FIELDS: Dict[str, Dict[str, Field]] = {
         "distributed": Bool(),
         "progress_bar": Bool(),
         "peak_flops_per_device": Float(min=0.0, doc="0: look up by device kind"),
+        "profile_steps": Ints(min=1, lengths=(0, 2), doc="first and last step traced; () = off"),
+    },
+    "wandb": {
+        "project": Str(optional=True), "name": Str(optional=True), "entity": Str(optional=True),
+        "mode": Str(choices=("disabled", "online", "offline"), doc="'disabled' = off"),
     },
     "mesh": {"data": _MESH_AXIS, "fsdp": _MESH_AXIS, "tensor": _MESH_AXIS},
     "optimizer": {
