@@ -17,6 +17,7 @@ from typing import Dict
 
 from goat_jax.config.fields import (FLOAT32_MAX, Bool, Dtype, Field, Float, Int, Ints, Str,  # noqa: F401 (re-exported)
                                     Strs, check_config, check_section)
+from goat_jax.train import wandb_logger
 
 __all__ = ["ENGINE_FIELDS", "FLOAT32_MAX", "Bool", "Dtype", "Field", "Float", "Int", "Ints", "Str", "Strs",
            "check_config", "check_section"]
@@ -47,7 +48,7 @@ ENGINE_FIELDS: Dict[str, Dict[str, Field]] = {
     },
     "wandb": {
         "project": Str(optional=True), "name": Str(optional=True), "entity": Str(optional=True),
-        "mode": Str(choices=("disabled", "online", "offline"), doc="'disabled' = off"),
+        "mode": Str(choices=wandb_logger.MODES, doc="'disabled' = off"),
     },
     "mesh": {"data": _MESH_AXIS, "fsdp": _MESH_AXIS, "tensor": _MESH_AXIS},
     "optimizer": {
