@@ -86,16 +86,16 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.data = dna.default_dna_data_config()  # then the hg38 source below
     if use_fasta:
         c.data.source = "fasta"  # an hg38 FASTA (plain/bgzip) with its .fai
-        c.data.paths = ["hg38.fa"]  # set --config.data.paths to your file
-        c.data.train_records = [n for n in HG38_CHROMOSOMES if n not in ("chr21", "chr22")]
-        c.data.valid_records = ["chr21"]  # held out (our choice, see the module docstring)
-        c.data.test_records = ["chr22"]  # held out for the final numbers
+        c.data.paths = ("hg38.fa",)  # set --config.data.paths to your file
+        c.data.train_records = tuple(n for n in HG38_CHROMOSOMES if n not in ("chr21", "chr22"))  # the rest
+        c.data.valid_records = ("chr21",)  # held out (our choice, see the module docstring)
+        c.data.test_records = ("chr22",)  # held out for the final numbers
         c.data.fasta_stride = 6000  # chunk = 6,000 starts: one crop per 6 kb per epoch, as the rows
     else:
         c.data.source = "parquet"  # the human_reference_genome 6kbp chunks
-        c.data.paths = ["human_reference_genome_6kbp/*.parquet"]  # set to your copy
-        c.data.valid_records = ["21"]  # 'chromosome' values held out (our choice)
-        c.data.test_records = ["22"]  # held out for the final numbers
+        c.data.paths = ("human_reference_genome_6kbp/*.parquet",)  # set to your copy
+        c.data.valid_records = ("21",)  # 'chromosome' values held out (our choice)
+        c.data.test_records = ("22",)  # held out for the final numbers
         c.data.max_offset = 200  # official: offset uniform in [0, 200]
     c.data.eval_offsets = "hashed"  # official: fixed hashed eval offsets
     c.data.short_records = "skip"  # chromosome-end rows shorter than 1,025 bases: skipped, logged

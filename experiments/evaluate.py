@@ -120,7 +120,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", action="append", required=True, help="run dir (repeatable)")
     p.add_argument("--label", action="append", help="label per --workdir (default: encoding)")
-    p.add_argument("--evals", default="extrapolation,sinks", help=f"comma list of {EVALS}")
+    p.add_argument("--evals", default="extrapolation,sinks", help=f"comma list of {EVALS} or "
+                   "resolution; each applies to the runs of certain tasks (goat_jax.eval.runs."
+                   "EVAL_TASKS), a mismatch is refused listing the ones that fit")
     p.add_argument("--multipliers", default="1,2,4,8,16", help="lengths as multiples of seq_len")
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: none)")
     p.add_argument("--num_examples", type=int, default=32, help="examples per length (retrieval)")
@@ -140,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--max_bases", type=int, default=None, help="dna: use only the first bases")
     p.add_argument("--gc_windows", type=int, default=256, help="dna: GC windows (0: skip GC)")
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
-                   "--workdir; never inside a run, which may still be training)")
+                   "--workdir; checked before any evaluation: never inside a run, which may still "
+                   "be training, nor an existing file)")
     p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
     p.add_argument("--lm_eval_tasks", default=None, help="lm_eval: comma list of lm-eval tasks")
     p.add_argument("--lm_eval_include_path", default=None, help="lm_eval: a directory of task YAMLs")
@@ -159,6 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
+    # Before any work: every evaluation fits every run's task, and --out can take the results.
+    runs.check_evals_fit(args.workdir, evals)
+    runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
     lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision

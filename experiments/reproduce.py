@@ -468,6 +468,19 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_encodings(args: argparse.Namespace) -> None:
+    """Refuses an unknown name in ``--encodings`` / ``--dna_encodings`` (the language model's
+    position encodings) or ``--vit_encodings`` (the ViT's), naming the flag and the choices."""
+    from goat_jax.models import lm, vit  # pylint: disable=g-import-not-at-top  # jax: on use
+    for flag, value, allowed in (("--encodings", args.encodings, lm.POSITION_ENCODINGS),
+                                 ("--vit_encodings", args.vit_encodings, vit.POSITION_ENCODINGS),
+                                 ("--dna_encodings", args.dna_encodings, lm.POSITION_ENCODINGS)):
+        unknown = [x for x in (value or "").split(",") if x and x not in allowed]
+        if unknown:
+            raise ValueError(f"{flag} {value}: unknown encoding(s) {unknown}; choose from "
+                             f"{','.join(allowed)}.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI: runs (or prints) a suite; returns the process exit code."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -498,6 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         suite = dataclasses.replace(suite, retrieval_variants=tuple(
             v for v in suite.retrieval_variants if v.label in wanted))
     split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
+    _check_encodings(args)  # at parsing, --dry_run too: not when the job is reached
     encodings = split(args.encodings) or list(suite.encodings)
     plan_kwargs = {"families": split(args.families) or [], "vit_encodings": split(args.vit_encodings),
                    "dna_encodings": split(args.dna_encodings)}

@@ -88,12 +88,14 @@ def _has_checkpoint(workdir: str) -> bool:
 @contextlib.contextmanager
 def workdir_cleanup(workdir: str) -> Iterator[None]:
     """Removes ``workdir`` if it did not exist before, the block fails with a config or input
-    error (not a non-finite loss: its metrics say what happened), and no checkpoint was saved."""
+    error (not a non-finite loss: its metrics say what happened), and no checkpoint was saved.
+    An error that says the workdir belongs to another process (``keeps_workdir``, e.g. the
+    workdir lock's) never removes it."""
     existed = os.path.exists(workdir)
     try:
         yield
     except USER_ERRORS as e:
         if not existed and not isinstance(e, FloatingPointError) and os.path.isdir(workdir) \
-                and not _has_checkpoint(workdir):
+                and not getattr(e, "keeps_workdir", False) and not _has_checkpoint(workdir):
             shutil.rmtree(workdir, ignore_errors=True)
         raise

@@ -15,6 +15,16 @@
   (``lax.fori_loop`` with a per-block trip count), so fully masked blocks cost nothing; this
   also works with a traced ``causal_offset`` (a KV-cache index) since the trip counts may be
   dynamic (the backward is hand-written, so the loops need no reverse-mode autodiff).
+* Segment ids (document-aware packing, :mod:`goat_jax.kernels` masking contract): each tile
+  masks pairs of different ids, and a tile is skipped when the ``[min, max]`` id ranges of its
+  query block and of its key block's unmasked keys are disjoint in every example it holds.
+  The loops run over the key (query) blocks between the first and the last one that can meet
+  a query (key) block, so with non-decreasing ids (packed documents) only the tiles on the
+  block diagonal of the documents are visited; with any other ids the result is the same,
+  only fewer tiles are skipped. One tile holds every example, so on a single device the
+  examples run one after another (``per_example``), each visiting only its own tiles;
+  otherwise (the batch may be sharded over devices) they run together and visit the union of
+  their tiles.
 * Rows with no visible key (every key masked) output zeros and pass zero gradient.
 
 Dtypes: any float input; matmuls accumulate in float32 (``preferred_element_type``), the
@@ -73,14 +83,67 @@ def _dot(a: Array, b: Array, dims: str, precision) -> Array:
     return jnp.einsum(dims, a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _tile_mask(causal: bool, valid: Optional[Array], offset: Array, q0, k0, bq: int, bk: int):
+class _Segments(NamedTuple):
+    """Segment ids padded to whole blocks and the block ranges the loops visit."""
+
+    q: Array  # [B, Tp] int32
+    kv: Array  # [B, Sp] int32
+    fwd_lo: Array  # [nq] first key block (forward blocks) a query block can meet
+    fwd_hi: Array  # [nq] one past the last such key block
+    bwd_lo: Array  # [nk] first query block (backward blocks) a key block can meet
+    bwd_hi: Array  # [nk] one past the last
+
+
+def _block_ranges(ids: Array, keep: Optional[Array], block: int):
+    """Per-block [B, n] min and max of ``ids`` [B, L] over the kept positions (an empty block
+    gets min > max, so it meets nothing)."""
+    b, length = ids.shape
+    info = jnp.iinfo(jnp.int32)
+    keep = jnp.ones_like(ids, bool) if keep is None else jnp.broadcast_to(keep, ids.shape)
+    blocks = ids.reshape(b, length // block, block)
+    kept = keep.reshape(b, length // block, block)
+    return (jnp.where(kept, blocks, info.max).min(-1), jnp.where(kept, blocks, info.min).max(-1))
+
+
+def _meet_bounds(q_ids: Array, kv_ids: Array, valid: Optional[Array], bq: int, bk: int):
+    """(lo, hi) of key blocks per query block and (lo, hi) of query blocks per key block:
+    the first and one-past-last blocks whose id ranges overlap in some row of the batch."""
+    q_min, q_max = _block_ranges(q_ids, None, bq)  # [B, nq]
+    k_min, k_max = _block_ranges(kv_ids, valid, bk)  # [B, nk]
+    meet = ((q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])).any(0)
+
+    def bounds(m):  # m [rows, cols] -> first and one past the last True column per row
+        cols = m.shape[1]
+        any_ = m.any(-1)
+        lo = jnp.argmax(m, axis=-1)
+        hi = cols - jnp.argmax(m[:, ::-1], axis=-1)
+        return jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32)
+
+    return bounds(meet), bounds(meet.T)
+
+
+def _segments(q_ids: Array, kv_ids: Array, valid: Optional[Array], bq: int, bk: int,
+              bwd_bq: int, bwd_bk: int) -> _Segments:
+    """The :class:`_Segments` of block-padded ids for both passes' block sizes."""
+    (fwd_lo, fwd_hi), _ = _meet_bounds(q_ids, kv_ids, valid, bq, bk)
+    _, (bwd_lo, bwd_hi) = _meet_bounds(q_ids, kv_ids, valid, bwd_bq, bwd_bk)
+    return _Segments(q_ids, kv_ids, fwd_lo, fwd_hi, bwd_lo, bwd_hi)
+
+
+def _tile_mask(causal: bool, valid: Optional[Array], offset: Array, q0, k0, bq: int, bk: int,
+               seg: Optional[_Segments] = None):
     """Boolean [B or 1, 1, 1, Q, C] of visible (query, key) pairs in the tile at (q0, k0), or
     None when every pair is visible (``causal`` False: the tile is below the diagonal)."""
     mask = None
+    if seg is not None:
+        qs = lax.dynamic_slice_in_dim(seg.q, q0, bq, axis=1)  # [B, Q]
+        ks = lax.dynamic_slice_in_dim(seg.kv, k0, bk, axis=1)  # [B, C]
+        mask = (qs[:, :, None] == ks[:, None, :])[:, None, None]
     if causal:
         i = q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         j = k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        mask = (j <= i + offset)[None, None, None]
+        causal_mask = (j <= i + offset)[None, None, None]
+        mask = causal_mask if mask is None else mask & causal_mask
     if valid is not None:
         keep = lax.dynamic_slice_in_dim(valid, k0, bk, axis=1)[:, None, None, None, :]  # [B,1,1,1,C]
         mask = keep if mask is None else mask & keep
@@ -113,7 +176,8 @@ def _q_block_range(cfg: _Config, offset: Array, k0, bq: int, bk: int, nq: int):
     return first, full
 
 
-def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array], offset: Array):
+def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array], offset: Array,
+             seg: Optional[_Segments] = None):
     """q [B, K, G, Tp, Hqk], k [B, K, Sp, Hqk], v [B, K, Sp, Hv] (Tp, Sp whole blocks).
     Returns (out [B, K, G, Tp, Hv] in v.dtype, lse [B, K, G, Tp] float32)."""
     b, kh, g, tp, _ = q.shape
@@ -132,7 +196,7 @@ def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array],
             kj = lax.dynamic_slice_in_dim(k, k0, bk, axis=2)  # [B, K, C, Hqk]
             vj = lax.dynamic_slice_in_dim(v, k0, bk, axis=2)  # [B, K, C, Hv]
             s = _dot(qi, kj, "bkgqh,bkch->bkgqc", cfg.precision) * cfg.scale  # [B, K, G, Q, C]
-            mask = _tile_mask(causal, valid, offset, q0, k0, bq, bk)
+            mask = _tile_mask(causal, valid, offset, q0, k0, bq, bk, seg)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
@@ -145,10 +209,13 @@ def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array],
 
         init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, bq), jnp.float32),
                 jnp.zeros((b, kh, g, bq, hv), jnp.float32))
-        seen = _kv_blocks_seen(cfg, offset, q0, bq, bk, nk)
+        start, seen = 0, _kv_blocks_seen(cfg, offset, q0, bq, bk, nk)
         full = _kv_blocks_full(cfg, offset, q0, bk, seen)
+        if seg is not None:  # only the key blocks whose ids can meet this block's
+            start, seen = seg.fwd_lo[iq], jnp.minimum(seen, seg.fwd_hi[iq])
+            full = jnp.clip(full, start, jnp.maximum(start, seen))
         # Blocks below the diagonal skip the causal mask; blocks above it are never visited.
-        carry = lax.fori_loop(0, full, functools.partial(step, False), init)
+        carry = lax.fori_loop(start, full, functools.partial(step, False), init)
         m, l, acc = lax.fori_loop(full, seen, functools.partial(step, cfg.is_causal), carry)
         seen = l > 0  # False: every key of the row is masked -> zero output, zero gradient
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -161,7 +228,7 @@ def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array],
     return out, lse
 
 
-def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do):
+def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do, seg=None):
     """Gradients (dq, dk, dv) in the input dtypes; see the module docstring for the math."""
     b, kh, g, tp, hqk = q.shape
     sp, hv = k.shape[2], v.shape[-1]
@@ -185,7 +252,7 @@ def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do):
             lse_i = lax.dynamic_slice_in_dim(lse, q0, bq, axis=3)  # [B, K, G, Q]
             d_i = lax.dynamic_slice_in_dim(delta, q0, bq, axis=3)
             s = _dot(qi, kj, "bkgqh,bkch->bkgqc", cfg.precision) * cfg.scale
-            mask = _tile_mask(causal, valid, offset, q0, k0, bq, bk)
+            mask = _tile_mask(causal, valid, offset, q0, k0, bq, bk, seg)
             p = jnp.exp(s - lse_i[..., None])  # [B, K, G, Q, C]
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
@@ -200,8 +267,12 @@ def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do):
 
         init = (jnp.zeros((b, kh, bk, hqk), jnp.float32), jnp.zeros((b, kh, bk, hv), jnp.float32), dq)
         first, full = _q_block_range(cfg, offset, k0, bq, bk, nq)
+        last = nq
+        if seg is not None:  # only the query blocks whose ids can meet this block's
+            first, last = jnp.maximum(first, seg.bwd_lo[jk]), seg.bwd_hi[jk]
+            full = jnp.clip(full, first, jnp.maximum(first, last))
         carry = lax.fori_loop(first, full, functools.partial(step, cfg.is_causal), init)
-        dk, dv, dq = lax.fori_loop(full, nq, functools.partial(step, False), carry)
+        dk, dv, dq = lax.fori_loop(full, last, functools.partial(step, False), carry)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq0 = jnp.zeros((b, kh, g, tp, hqk), jnp.float32)
@@ -212,19 +283,19 @@ def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, valid, offset):
-    return _forward(cfg, q, k, v, valid, offset)[0]
+def _flash(cfg: _Config, q, k, v, valid, offset, seg):
+    return _forward(cfg, q, k, v, valid, offset, seg)[0]
 
 
-def _flash_fwd(cfg, q, k, v, valid, offset):
-    out, lse = _forward(cfg, q, k, v, valid, offset)
-    return out, (q, k, v, valid, offset, out, lse)
+def _flash_fwd(cfg, q, k, v, valid, offset, seg):
+    out, lse = _forward(cfg, q, k, v, valid, offset, seg)
+    return out, (q, k, v, valid, offset, seg, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-    q, k, v, valid, offset, out, lse = res
-    dq, dk, dv = _backward(cfg, q, k, v, valid, offset, out, lse, do)
-    return dq, dk, dv, None, None
+    q, k, v, valid, offset, seg, out, lse = res
+    dq, dk, dv = _backward(cfg, q, k, v, valid, offset, out, lse, do, seg)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -249,6 +320,9 @@ def flash_attention(
     causal_offset: Any = 0,
     key_padding_mask: Optional[Array] = None,
     kv_lengths: Optional[Array] = None,
+    q_segment_ids: Optional[Array] = None,
+    kv_segment_ids: Optional[Array] = None,
+    per_example: Optional[bool] = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     bwd_block_q: int = DEFAULT_BWD_BLOCK_Q,
@@ -263,6 +337,16 @@ def flash_attention(
         :mod:`goat_jax.kernels` (query i sees key j iff j <= i + causal_offset; padding mask
         [B, S] True = ignored; keys at index >= kv_lengths[b] ignored). ``causal_offset`` may be
         a traced integer.
+      q_segment_ids, kv_segment_ids: optional [B, T] and [B, S] integer ids (both or neither):
+        query i sees key j only if their ids are equal; tiles whose id ranges cannot meet are
+        skipped (module doc). :func:`goat_jax.kernels.attend` checks them.
+      per_example: with segment ids and B > 1, run the examples one after another
+        (``lax.map``), each skipping its own tiles, instead of all at once over the union of
+        their tiles: rows packed differently share few skippable tiles (on the CPU, 4 packed
+        Jargon rows of 2048 tokens: the union ran as slow as no segments, per example 0.71x
+        of it). But a loop over a batch sharded over devices makes XLA all-gather the batch
+        (every device would compute every example), so None (default) means True only when
+        JAX has a single device.
       block_q, block_k: forward tile lengths; bwd_block_q, bwd_block_k: backward ones. Lengths
         need not be multiples (inputs are zero-padded to whole blocks, padded keys masked).
     Returns:
@@ -291,5 +375,28 @@ def flash_attention(
     kb = _pad_to(jnp.moveaxis(k, 1, 2), sp, 2)  # [B, K, Sp, Hqk]
     vb = _pad_to(jnp.moveaxis(v, 1, 2), sp, 2)  # [B, K, Sp, Hv]
     offset = jnp.asarray(causal_offset, jnp.int32)
-    out = _flash(cfg, qb, kb, vb, valid, offset)  # [B, K, G, Tp, Hv]
+    seg = None
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids, or neither.")
+    if q_segment_ids is not None:
+        # Edge padding: padded rows repeat the last id, so they widen no block's id range
+        # (padded keys are masked by `valid` anyway, padded query rows are sliced off).
+        q_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
+        kv_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), [(0, 0), (0, sp - s)], mode="edge")
+        if per_example is None:
+            per_example = jax.device_count() == 1
+        if per_example and b > 1:
+            # One example at a time, each with its own tile bounds (module doc).
+            valid_b = None if valid is None else jnp.broadcast_to(valid, (b, sp))
+
+            def one(xs):
+                qx, kx, vx, val, qi, ki = xs
+                val = None if val is None else val[None]
+                sx = _segments(qi[None], ki[None], val, bq, bk, bwd_bq, bwd_bk)
+                return _flash(cfg, qx[None], kx[None], vx[None], val, offset, sx)[0]
+
+            out = lax.map(one, (qb, kb, vb, valid_b, q_ids, kv_ids))
+            return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)
+        seg = _segments(q_ids, kv_ids, valid, bq, bk, bwd_bq, bwd_bk)
+    out = _flash(cfg, qb, kb, vb, valid, offset, seg)  # [B, K, G, Tp, Hv]
     return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)

@@ -14,11 +14,25 @@ Masking contract (shared by all kernels):
     convention.
   * ``kv_lengths``: [B] int32, keys at index >= length are ignored (right padding; native on
     cuDNN).
-A query row with no visible key (every key padded, or before the first key under causal
-masking with a negative offset) outputs **zeros on every kernel**, and no gradient flows through
-it: the kernels themselves disagree there (NaN from a dense softmax over ``-inf`` logits, a
-uniform average of the values from XLA and splash), so :func:`attend` selects zeros for such
-rows after the kernel (:func:`rows_with_keys`, O(B (S + T)), no T x S mask on flash paths).
+  * ``segment_ids`` (document-aware packing): integer ids, query ``i`` sees key ``j`` only if
+    ``q_segment_ids[b, i] == kv_segment_ids[b, j]``. Pass one ``segment_ids`` [B, T] for
+    self-attention (T == S), or ``q_segment_ids`` [B, T] and ``kv_segment_ids`` [B, S] (a
+    cache, cross-attention). Ids are compared for equality only: no value is reserved, any
+    integers are exact on every kernel. Padding: exclude padded keys with
+    ``key_padding_mask``/``kv_lengths`` as without segments, or give the padding its own id
+    (the data packer, :mod:`goat_jax.data.packing`, gives trailing padding
+    ``PAD_SEGMENT_ID`` = int32 max, so padding tokens see only each other and ids stay
+    non-decreasing). 'flash' skips a tile when no query id of its block can equal a key id of
+    its block (``[min, max]`` ranges per block; on one device each example on its own, see
+    :func:`goat_jax.flash.flash_attention`); that is effective when each row's ids are
+    non-decreasing along the sequence (packed documents), and still exact, only slower, when
+    they are not. 'cudnn' refuses segment ids (see :func:`attend`).
+A query row with no visible key (every key padded, before the first key under causal
+masking with a negative offset, or no key of its segment) outputs **zeros on every kernel**,
+and no gradient flows through it: the kernels themselves disagree there (NaN from a dense
+softmax over ``-inf`` logits, a uniform average of the values from XLA and splash), so
+:func:`attend` selects zeros for such rows after the kernel (:func:`rows_with_keys`,
+O(B (S + T)), or O(B (S + T) log S) with segment ids; no T x S mask on flash paths).
 
 Kernels: 'xla' (``jax.nn.dot_product_attention``'s XLA path: materializes the T x S logits),
 'flash' (:mod:`goat_jax.flash`: pure-JAX online-softmax attention with a recomputing custom
@@ -136,14 +150,18 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
 
 def _explicit_mask(
     t: int, s: int, is_causal: bool, causal_offset: Any, key_padding_mask: Optional[Array],
-    kv_lengths: Optional[Array],
+    kv_lengths: Optional[Array], segments: Optional[Tuple[Array, Array]] = None,
 ) -> Optional[Array]:
-    """Boolean [B or 1, 1, T, S] mask (True = attend) from the masking contract, or None."""
+    """Boolean [B or 1, 1, T, S] mask (True = attend) from the masking contract, or None.
+    ``segments``: (q_segment_ids [B, T], kv_segment_ids [B, S]) or None."""
     mask = None
+    if segments is not None:
+        mask = (segments[0][:, :, None] == segments[1][:, None, :])[:, None]
     if is_causal:
         i = jnp.arange(t)[:, None]
         j = jnp.arange(s)[None, :]
-        mask = (j <= i + causal_offset)[None, None]
+        causal = (j <= i + causal_offset)[None, None]
+        mask = causal if mask is None else mask & causal
     if key_padding_mask is not None:
         keep = ~key_padding_mask.astype(bool)[:, None, None, :]
         mask = keep if mask is None else mask & keep
@@ -155,30 +173,56 @@ def _explicit_mask(
 
 def rows_with_keys(
     t: int, s: int, is_causal: bool, causal_offset: Any, key_padding_mask: Optional[Array],
-    kv_lengths: Optional[Array],
+    kv_lengths: Optional[Array], segments: Optional[Tuple[Array, Array]] = None,
 ) -> Optional[Array]:
     """[B or 1, T] bool: whether query row ``i`` sees at least one key under the masking
-    contract; None when every row certainly does (no padding, no lengths, causal offset a
-    static integer >= 0).
+    contract; None when every row certainly does (no padding, no lengths, no segment ids,
+    causal offset a static integer >= 0).
 
     Every bound on a visible key ``j`` is an upper bound (``j <= i + causal_offset``,
-    ``j < kv_length``) except "not padded", so a row sees some key iff it sees the first
-    unpadded one.
+    ``j < kv_length``) except "not padded" and "same segment", so a row sees some key iff it
+    sees the first unpadded key of its segment. With ``segments`` (q ids [B, T], kv ids
+    [B, S]) that key is found by a stable sort of the kept keys by id and a binary search,
+    for any ids (no contiguity assumed).
     """
     static_offset_ok = isinstance(causal_offset, (int, np.integer)) and causal_offset >= 0
-    if key_padding_mask is None and kv_lengths is None and (not is_causal or static_offset_ok):
+    if (key_padding_mask is None and kv_lengths is None and segments is None
+            and (not is_causal or static_offset_ok)):
         return None
+    keep = None  # [B, S] bool, True = a key some query may see
     if key_padding_mask is not None:
-        keep = ~key_padding_mask.astype(bool)  # [B, S]
+        keep = ~key_padding_mask.astype(bool)
+    if kv_lengths is not None:
+        within = jnp.arange(s)[None, :] < kv_lengths[:, None]
+        keep = within if keep is None else keep & within
+    if segments is not None:
+        first = _first_key_of_segment(segments[0], segments[1], keep)  # [B, T]
+    elif keep is not None:
         first = jnp.where(keep.any(axis=-1), jnp.argmax(keep, axis=-1), s)[:, None]  # [B, 1]
     else:
         first = jnp.zeros((1, 1), jnp.int32)
     visible = jnp.broadcast_to(first < s, (first.shape[0], t))  # [B|1, T]
-    if kv_lengths is not None:
-        visible = visible & (first < kv_lengths[:, None])
     if is_causal:
         visible = visible & (first <= jnp.arange(t)[None, :] + causal_offset)
     return visible
+
+
+def _first_key_of_segment(q_seg: Array, kv_seg: Array, keep: Optional[Array]) -> Array:
+    """[B, T] int32: index of the first kept key with query i's id, or S if there is none."""
+    b, s = kv_seg.shape
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    dropped = jnp.zeros((b, s), bool) if keep is None else ~jnp.broadcast_to(keep, (b, s))
+    # Kept keys first, by id, ties by index: a binary search then finds each id's first key.
+    order = jnp.lexsort((index, kv_seg, dropped), axis=-1)
+    ids = jnp.take_along_axis(kv_seg, order, axis=-1)
+    n_kept = jnp.sum(~dropped, axis=-1, keepdims=True)
+    # Dropped keys sit after the kept ones; the search must not stop inside them.
+    top = jnp.iinfo(ids.dtype).max
+    search = jnp.where(index < n_kept, ids, top)
+    at = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left"))(search, q_seg)
+    at_c = jnp.minimum(at, s - 1)
+    found = (at < n_kept) & (jnp.take_along_axis(ids, at_c, axis=-1) == q_seg)
+    return jnp.where(found, jnp.take_along_axis(order, at_c, axis=-1), s).astype(jnp.int32)
 
 
 def _zero_empty_rows(out: Array, visible: Optional[Array]) -> Array:
@@ -213,6 +257,48 @@ def _check_inputs(q: Array, k: Array, v: Array, key_padding_mask, kv_lengths):
         raise ValueError(f"kv_lengths must have shape [B] = {(b,)}, got {kv_lengths.shape}.")
 
 
+def resolve_segments(
+    q_shape: Tuple[int, ...], k_shape: Tuple[int, ...], segment_ids: Optional[Array] = None,
+    q_segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None,
+) -> Optional[Tuple[Array, Array]]:
+    """Checks the segment-id arguments of :func:`attend` and returns ``(q_ids [B, T], kv_ids
+    [B, S])`` as int32, or None without segments.
+
+    Raises:
+      ValueError naming the argument: both forms given, only one side of the pair, a shape
+      other than [B, T] / [B, S], ``segment_ids`` for T != S, or a non-integer dtype.
+    """
+    b, t, s = q_shape[0], q_shape[1], k_shape[1]
+    if segment_ids is not None:
+        if q_segment_ids is not None or kv_segment_ids is not None:
+            raise ValueError(
+                "Pass either segment_ids (self-attention) or q_segment_ids and kv_segment_ids, "
+                "not both.")
+        if t != s:
+            raise ValueError(
+                f"segment_ids is for self-attention (T == S) but T={t}, S={s}; pass "
+                "q_segment_ids [B, T] and kv_segment_ids [B, S] instead.")
+        q_segment_ids = kv_segment_ids = segment_ids
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None
+    if q_segment_ids is None or kv_segment_ids is None:
+        missing = "q_segment_ids" if q_segment_ids is None else "kv_segment_ids"
+        raise ValueError(f"{missing} is missing: pass both q_segment_ids and kv_segment_ids "
+                         "(or one segment_ids for self-attention).")
+    out = []
+    for name, ids, shape in (("q_segment_ids", q_segment_ids, (b, t)),
+                             ("kv_segment_ids", kv_segment_ids, (b, s))):
+        ids = jnp.asarray(ids) if not isinstance(ids, jax.Array) else ids
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer ids (int32), got dtype {ids.dtype}; "
+                             "cast with .astype(jnp.int32).")
+        if ids.shape != shape:
+            raise ValueError(f"{name} must have shape {shape} ([B, {'T' if name[0] == 'q' else 'S'}]), "
+                             f"got {ids.shape}.")
+        out.append(ids.astype(jnp.int32))
+    return out[0], out[1]
+
+
 def attend(
     q: Array,
     k: Array,
@@ -224,6 +310,9 @@ def attend(
     causal_offset: Any = 0,
     key_padding_mask: Optional[Array] = None,
     kv_lengths: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    q_segment_ids: Optional[Array] = None,
+    kv_segment_ids: Optional[Array] = None,
     bias: Optional[Array] = None,
     return_probs: bool = False,
 ) -> Any:
@@ -232,6 +321,11 @@ def attend(
     Args:
       q: [B, T, N, Hqk]; k: [B, S, K, Hqk]; v: [B, S, K, Hv].
       implementation: a resolved name (see :func:`resolve_implementation`).
+      segment_ids: [B, T] integer ids for self-attention, or ``q_segment_ids`` [B, T] with
+        ``kv_segment_ids`` [B, S]: a query sees only keys of its id (module doc). Not on
+        'cudnn': ``jax.nn.dot_product_attention`` (jax 0.10.2) exposes only per-example
+        query/key lengths (right padding), not cuDNN's packed-segment layout, and a T x S
+        mask would undo its memory savings; use 'flash' or 'xla'.
       bias: optional additive [B or 1, N or 1, T, S] float bias, only for 'xla' and 'dense' (the
         materialized baselines: ALiBi-as-bias, naive L x L prior). Flash kernels get none.
       return_probs: also return the attention probabilities (only 'dense' materializes them;
@@ -241,25 +335,32 @@ def attend(
       With ``return_probs``: ``(out, probs)``, probs [B, N, T, S] float32 (zero rows likewise).
     """
     _check_inputs(q, k, v, key_padding_mask, kv_lengths)
+    segments = resolve_segments(q.shape, k.shape, segment_ids, q_segment_ids, kv_segment_ids)
+    if segments is not None and implementation == "cudnn":
+        raise ValueError(
+            "implementation='cudnn' cannot honour segment_ids: jax.nn.dot_product_attention "
+            "(jax 0.10.2) passes cuDNN only per-example query/key lengths (right padding), not "
+            "its packed-segment offsets. Use implementation='flash' (segment-aware, skips tiles "
+            "across documents) or 'xla'.")
     visible = rows_with_keys(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
-                             kv_lengths)
+                             kv_lengths, segments)
     if return_probs:
         if implementation != "dense":
             raise ValueError(
                 f"return_probs needs implementation='dense' (the only kernel that materializes "
                 f"the probabilities), got {implementation!r}.")
         mask = _explicit_mask(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
-                              kv_lengths)
+                              kv_lengths, segments)
         out, probs = _dense(q, k, v, scale, bias, mask, return_probs=True)
         if visible is not None:
             probs = jnp.where(visible[:, None, :, None], probs, 0.0)
         return _zero_empty_rows(out, visible), probs
     return _zero_empty_rows(_attend(q, k, v, implementation, scale, is_causal, causal_offset,
-                                    key_padding_mask, kv_lengths, bias), visible)
+                                    key_padding_mask, kv_lengths, bias, segments), visible)
 
 
 def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_padding_mask,
-            kv_lengths, bias) -> Array:
+            kv_lengths, bias, segments=None) -> Array:
     """:func:`attend` before empty rows are zeroed."""
     if bias is not None and implementation not in ("xla", "dense"):
         raise ValueError(
@@ -268,13 +369,15 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
         )
     if implementation == "dense":
         return _dense(q, k, v, scale, bias, _explicit_mask(
-            q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask, kv_lengths))
+            q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask, kv_lengths,
+            segments))
     if implementation == "flash":
+        seg = {} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
         return flash_lib.flash_attention(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
-                                         key_padding_mask=key_padding_mask, kv_lengths=kv_lengths)
+                                         key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, **seg)
     if implementation in ("splash", "splash_interpret"):
         return _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths,
-                       interpret=implementation == "splash_interpret")
+                       segments, interpret=implementation == "splash_interpret")
     # jax.nn.dot_product_attention needs equal q/k and v head dims: pad v with zero columns.
     hv, hqk = v.shape[-1], q.shape[-1]
     if implementation == "cudnn" and hqk % 8:
@@ -289,7 +392,7 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
         k = jnp.pad(k, [(0, 0)] * 3 + [(0, hv - hqk)])
     native_causal = is_causal and _is_static_zero(causal_offset)
     mask = _explicit_mask(q.shape[1], k.shape[1], is_causal and not native_causal, causal_offset,
-                          key_padding_mask, None)
+                          key_padding_mask, None, segments)
     out = jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=mask, scale=scale, is_causal=native_causal,
         key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
@@ -319,7 +422,8 @@ def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:
     return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
 
 
-def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, *, interpret):
+def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, segments, *,
+            interpret):
     """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -354,28 +458,40 @@ def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengt
 
     pad = None
     if key_padding_mask is not None:
-        pad = key_padding_mask.astype(jnp.int32)
+        pad = key_padding_mask.astype(bool)
     if kv_lengths is not None:
-        beyond = (jnp.arange(s)[None, :] >= kv_lengths[:, None]).astype(jnp.int32)
-        pad = beyond if pad is None else jnp.maximum(pad, beyond)
+        beyond = jnp.arange(s)[None, :] >= kv_lengths[:, None]
+        pad = beyond if pad is None else pad | beyond
+
+    # Splash masks through SegmentIds only (a key is seen iff its id equals the query's), so
+    # padding is folded into the ids: padded keys get an id no query has.
+    seg_q = seg_kv = None
+    if segments is not None:
+        seg_q, seg_kv = segments
+        if pad is not None:
+            # An id below every query id of the row (above them all if the minimum is int32's).
+            low = jnp.min(seg_q, axis=-1, keepdims=True)
+            high = jnp.max(seg_q, axis=-1, keepdims=True)
+            never = jnp.where(low > jnp.iinfo(jnp.int32).min, low - 1, high + 1)
+            seg_kv = jnp.where(pad, never, seg_kv)
+    elif pad is not None:
+        # Padded keys get segment 1, queries segment 0: they never match.
+        seg_q, seg_kv = jnp.zeros((b, t), jnp.int32), pad.astype(jnp.int32)
 
     # Splash does not scale q; layouts are (heads, length, dim) per example.
     qs = jnp.moveaxis(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B, N, T, H]
     ks = jnp.moveaxis(k, 1, 2)  # [B, K, S, H]
     vs = jnp.moveaxis(v, 1, 2)
 
-    def one(qb, kb, vb, pad_b):
-        seg = None
-        if pad_b is not None:
-            # Padded keys get segment 1, queries segment 0: they never match.
-            seg = sk.SegmentIds(q=jnp.zeros((t,), jnp.int32), kv=pad_b)
+    def one(qb, kb, vb, sq, skv):
+        seg = None if sq is None else sk.SegmentIds(q=sq, kv=skv)
         if mqa:  # qb [N, T, H] -> [K, G, T, H]; one MQA call per KV head
             qg = qb.reshape(kh, g, t, -1)
             return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=seg))(qg, kb, vb).reshape(n, t, -1)
         return kernel(qb, kb, vb, segment_ids=seg)
 
-    if pad is None:
-        out = jax.vmap(lambda a, c, d: one(a, c, d, None))(qs, ks, vs)
+    if seg_q is None:
+        out = jax.vmap(lambda a, c, d: one(a, c, d, None, None))(qs, ks, vs)
     else:
-        out = jax.vmap(one)(qs, ks, vs, pad)
+        out = jax.vmap(one)(qs, ks, vs, seg_q, seg_kv)
     return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]

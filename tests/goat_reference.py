@@ -162,12 +162,14 @@ def goat_module(**fields):
 
 
 def attention_and_grads(q, k, v, cotangent, *, scale=1.0, is_causal=False, causal_offset=0,
-                        key_padding_mask=None, kv_lengths=None):
+                        key_padding_mask=None, kv_lengths=None, q_segment_ids=None,
+                        kv_segment_ids=None):
     """Plain attention and its gradients, float64, written out by hand (no autodiff).
 
     q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv] (N % K == 0), ``cotangent`` [B, T, N, Hv]
-    = d loss / d out. Masking contract of ``goat_jax.kernels``; a row with no visible key
-    outputs zeros and passes zero gradient. Returns (out, dq, dk, dv).
+    = d loss / d out. Masking contract of ``goat_jax.kernels`` (segment ids: a query sees only
+    keys of an equal id); a row with no visible key outputs zeros and passes zero gradient.
+    Returns (out, dq, dk, dv).
     """
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, cotangent))
     b, t, n, _ = q.shape
@@ -181,6 +183,9 @@ def attention_and_grads(q, k, v, cotangent, *, scale=1.0, is_causal=False, causa
         visible = visible & ~np.asarray(key_padding_mask, bool)[:, None, None, :]
     if kv_lengths is not None:
         visible = visible & (np.arange(s)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, None, :]
+    if q_segment_ids is not None:
+        qs, ks = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+        visible = visible & (qs[:, :, None] == ks[:, None, :])[:, None]
     logits = np.einsum("btnh,bsnh->bnts", q, kr) * scale
     logits = np.where(visible, logits, -np.inf)
     row_max = logits.max(-1, keepdims=True)

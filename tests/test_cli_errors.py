@@ -78,3 +78,18 @@ def test_list_fields_are_set_by_repeating_the_flag(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = json.loads((workdir / "config.json").read_text())["data"]
     assert saved["paths"] == [text.JARGON_FILE, str(extra)] and saved["eval_paths"] == [str(extra)]
+
+
+def test_truncated_fasta_gz_is_one_line_and_leaves_no_workdir(tmp_path):
+    """The file named, the fix given, and the workdir the trainer made removed again."""
+    import gzip  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    seq = "".join(np.random.default_rng(0).choice(list("ACGT"), 100_000))
+    data = gzip.compress((">r1\n" + seq + "\n").encode())
+    path = tmp_path / "cut.fa.gz"
+    path.write_bytes(data[:len(data) // 2])
+    workdir = tmp_path / "run"
+    line = _one_line_error(_train(workdir, f"--config.data.paths={path}", config="configs/dna_tiny.py:goat,smoke"))
+    assert f"{path}: the compressed FASTA is truncated or corrupt (EOFError" in line, line
+    assert not workdir.exists()

@@ -1,6 +1,8 @@
 """The DNA tokenizer, FASTA reading and the genome crop pipeline (goat_jax.data.fasta / dna)."""
 
 import gzip
+import os
+import warnings
 
 import numpy as np
 import pytest
@@ -346,3 +348,74 @@ def test_parquet_chunks_splits_offsets_and_short_rows(tmp_path, rng):
     cfg.short_records = "error"
     with pytest.raises(ValueError, match=r"b.parquet row group \d row \d \(chromosome='22'\) has 20"):
         dna.build_tables(cfg, seq_len=seq_len)
+
+
+def _fasta_text(rng, n=120_000):
+    seq = _random_dna(rng, n)
+    return (">r1\n" + "\n".join(seq[i:i + 60] for i in range(0, n, 60)) + "\n").encode()
+
+
+def test_truncated_or_corrupt_gzip_is_one_error_naming_the_file(tmp_path, rng):
+    """A cut-short gzip (EOFError), a damaged one (CRC / zlib.error) and a truncated bgzip with
+    its index all give one ValueError naming the file and the fix, at open time."""
+    data = gzip.compress(_fasta_text(rng))
+    cut = tmp_path / "cut.fa.gz"
+    cut.write_bytes(data[:len(data) // 2])
+    flipped = bytearray(data)
+    for i in range(len(flipped) // 3, len(flipped) // 3 + 64):
+        flipped[i] ^= 0x5A
+    bad = tmp_path / "bad.fa.gz"
+    bad.write_bytes(bytes(flipped))
+    for path in (cut, bad):
+        with pytest.raises(ValueError, match=rf"{path}: the compressed FASTA is truncated or corrupt"
+                                             r" \((EOFError|BadGzipFile|error): .*Copy or download it again"):
+            fasta.Genome([str(path)])
+
+
+def test_truncated_bgzip_with_its_index_is_found_at_open(tmp_path, rng):
+    pyfaidx = pytest.importorskip("pyfaidx")
+    bgzf = pytest.importorskip("Bio.bgzf")
+    path = tmp_path / "g.fa.gz"
+    with bgzf.BgzfWriter(str(path), "wb") as w:
+        w.write(_fasta_text(rng, 600_000))  # ~10 bgzip blocks
+    pyfaidx.Faidx(str(path)).close()
+    raw = path.read_bytes()
+    # Cut in the middle (pyfaidx opens it; the last base fails) or near the start (the open fails).
+    for keep, expected in ((len(raw) // 2, "the compressed FASTA is truncated or corrupt or its index is stale"),
+                           (30, "could not open with its index .* the file is truncated or corrupt")):
+        path.write_bytes(raw[:keep])
+        with warnings.catch_warnings(), pytest.raises(ValueError, match=rf"{path}: {expected}"):
+            warnings.simplefilter("ignore", RuntimeWarning)  # pyfaidx: the index is older
+            fasta.Genome([str(path)], max_in_memory_bytes=0)
+
+
+def test_n_targets_get_weight_zero_in_training_and_eval_crops():
+    """N is never a target to learn or score (goat_jax/data/dna.py, 'N targets'); N inputs stay."""
+    window = fasta.encode("ACGNNTTNA")[0]
+    ex = dna.crop_example(window)
+    np.testing.assert_array_equal(ex["inputs"], window[:-1])
+    np.testing.assert_array_equal(ex["targets"], window[1:])
+    np.testing.assert_array_equal(ex["weights"], [1, 1, 0, 0, 1, 1, 0, 1])  # targets CGNNTTNA
+    assert ex["weights"].dtype == np.float32
+
+
+def test_an_empty_eval_split_after_skipping_short_records_is_refused_before_training(tmp_path, rng):
+    """Every held-out record skipped as short: the trainer stops before its first step (it used
+    to train, checkpoint, and only fail at the first evaluation)."""
+    from configs import dna_tiny  # pylint: disable=g-import-not-at-top
+    from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
+
+    path = _write_fasta(tmp_path / "g.fa", {"chr1": _random_dna(rng, 2000), "tiny": "ACGTACGTAC"})
+    cfg = _cfg([path], valid_records=["tiny"], short_records="skip")
+    kw = dict(seq_len=20, global_batch_size=2, seed=0, process_index=0, process_count=1)
+    dna.make_dna_datasets(cfg, **kw)  # no evaluation asked for: fine
+    with pytest.raises(ValueError, match=r"data.eval_split='valid': the split is empty: all 1 of its "
+                                         r"record\(s\) were skipped as shorter than seq_len \+ 1 = 21"):
+        dna.make_dna_datasets(cfg, require_eval=True, **kw)
+    config = dna_tiny.get_config("goat,smoke")
+    config.progress_bar = False
+    config.data.paths, config.data.valid_records, config.data.short_records = (str(path),), ("tiny",), "skip"
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match="the split is empty"):
+        trainer.train_and_evaluate(config, str(workdir))
+    assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")

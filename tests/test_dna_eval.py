@@ -29,16 +29,20 @@ def test_nll_bits_accuracy_against_float64_numpy(rng, tiny_lm):
     got = dna_eval.score_records(lambda p, x: model.apply({"params": p}, x), params, records,
                                  window, batch_size=3)
     ref_apply = jax.jit(lambda x: model.apply({"params": params}, x))
-    nll, correct, count = 0.0, 0, 0
+    nll, correct, count, n_targets = 0.0, 0, 0, 0
     for rec in records:
         for s in range(0, len(rec) - window, window):  # full windows of 16 + 1 only
             x, y = rec[s:s + window], rec[s + 1:s + window + 1]
             logits = np.asarray(ref_apply(x[None]), np.float64)[0]
             logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-            nll += float((logz - logits[np.arange(window), y]).sum())
-            correct += int((logits.argmax(-1) == y).sum())
-            count += window
-    assert got.num_bases == count == (6 + 2 + 0 + 3) * window
+            called = y != fasta.N_ID  # N targets are not scored (N inputs are read)
+            nll += float((logz - logits[np.arange(window), y])[called].sum())
+            correct += int((logits.argmax(-1) == y)[called].sum())
+            count += int(called.sum())
+            n_targets += int((~called).sum())
+    assert n_targets > 0  # ~1 in 5 targets is N here
+    assert got.num_bases == count and got.excluded_n == n_targets
+    assert count + n_targets == (6 + 2 + 0 + 3) * window
     np.testing.assert_allclose(got.nll, nll / count, rtol=1e-5)
     np.testing.assert_allclose(got.bits_per_base, nll / count / np.log(2), rtol=1e-5)
     np.testing.assert_allclose(got.ppl, np.exp(nll / count), rtol=1e-5)
@@ -135,3 +139,28 @@ def test_evaluate_fasta_on_real_human_dna(tiny_lm):
     ref = dna_eval.score_records(lambda p, x: model.apply({"params": p}, x), params, records, 16)
     assert out["by_length"][16] == pytest.approx(ref._asdict())
     assert "gc" not in out
+
+
+def test_n_targets_are_not_scored_and_all_n_is_an_error(tmp_path, tiny_lm):
+    """An all-N FASTA is an error naming the file (it used to score 2.3 bits per base); N
+    inside called sequence is left out and counted, and changes nothing else."""
+    model, params = tiny_lm
+    all_n = tmp_path / "gap.fa"
+    all_n.write_text(">gap\n" + "N" * 400 + "\n")
+    with pytest.raises(ValueError, match=rf"{all_n} \(records \['gap'\]\): every target of the 24 "
+                                         r"window\(s\) of 16 bases is N"):
+        dna_eval.evaluate_fasta(model, params, [str(all_n)], 16, multipliers=(1,), gc_num_windows=0)
+    short = tmp_path / "short.fa"
+    short.write_text(">s\nACGTACGT\n")
+    with pytest.raises(ValueError, match=rf"{short} \(records \['s'\]\): no record holds a window"):
+        dna_eval.evaluate_fasta(model, params, [str(short)], 16, multipliers=(1,), gc_num_windows=0)
+
+    rng = np.random.default_rng(0)
+    called = "".join(rng.choice(list("ACGT"), 16 * 8 + 1))
+    gapped = called[:40] + "N" * 30 + called[70:]  # 30 N targets (and inputs) in window 2..5
+    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    ids = [fasta.encode(gapped)[0].astype(np.int32)]
+    got = dna_eval.score_records(apply, params, ids, 16)
+    assert got.excluded_n == 30 and got.num_bases == 16 * 8 - 30
+    clean = dna_eval.score_records(apply, params, [ids[0][:33]], 16)  # the two windows before the gap
+    assert clean.excluded_n == 0 and clean.num_bases == 32

@@ -296,3 +296,36 @@ def test_eval_resize_crop(rng):
         assert T.eval_resize_crop(img, r).size == (r, r)
     small = _photo(rng, (28, 28), "L")
     np.testing.assert_array_equal(np.asarray(T.eval_resize_crop(small, 28, 1.0)), np.asarray(small))
+
+
+def test_tiny_image_is_upscaled_with_a_warning_naming_it(tmp_path, caplog, monkeypatch):
+    """A 1x1 image (a placeholder from a broken download) becomes a 16x16 example, and the log
+    names the file; images at least half the training size pass silently."""
+    import logging  # pylint: disable=g-import-not-at-top
+
+    monkeypatch.setitem(I._TINY_WARNINGS, "left", 10)  # pylint: disable=protected-access
+    tiny, fine = tmp_path / "tiny.png", tmp_path / "fine.png"
+    Image.new("RGB", (1, 1), (200, 10, 10)).save(tiny)
+    Image.new("RGB", (8, 9), (200, 10, 10)).save(fine)
+    cfg = _plain(_folder_cfg(str(tmp_path)))
+    with caplog.at_level(logging.WARNING):
+        ex = I.train_example((str(fine), 0), np.random.default_rng(0), cfg)
+        assert not caplog.records
+        ex = I.train_example((str(tiny), 0), np.random.default_rng(0), cfg)
+        ev = I.eval_example((str(tiny), 0), cfg, 16, 2)
+    assert ex["image"].shape == ev["image"].shape == (16, 16, 3)
+    assert f"{tiny} is 1x1 px, upscaled more than 2x to data.image_size=16" in caplog.text
+
+
+def test_validation_folder_missing_a_training_class_is_a_loud_warning(tmp_path, caplog):
+    import logging  # pylint: disable=g-import-not-at-top
+
+    for split, classes in (("train", ("cat", "dog", "emu")), ("val", ("cat",))):
+        for c in classes:
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (20, 20), (1, 2, 3)).save(tmp_path / split / c / "a.JPEG")
+    with caplog.at_level(logging.WARNING):
+        _, _, info = I.make_image_datasets(_folder_cfg(str(tmp_path)), global_batch_size=2, seed=0)
+    assert info.num_classes == 3
+    assert "has no folder for 2 of the 3 training classes (dog, emu): eval top-1 covers only the other 1" \
+        in caplog.text

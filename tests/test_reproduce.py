@@ -256,3 +256,15 @@ def test_vision_and_dna_claims_compare_encodings(tmp_path):
     assert "| rope | 1.950 | 2.050 |" in md and "| rope | 0.450 | 0.500 | 0.900 | 0.500 / 0.500 | 4 |" in md
     assert "| 64 | 128 | goat | 1.0 | 10.5 | 11.5 |" in md
     assert (tmp_path / "vit_resolution.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flag,value,allowed", [
+    ("--encodings", "goat,gaot", "goat,rope"), ("--vit_encodings", "goat,rope", "goat,ape"),
+    ("--dna_encodings", "nope,rpoe", "goat,rope")])
+def test_encoding_typos_are_refused_at_parsing_even_in_a_dry_run(tmp_path, flag, value, allowed):
+    for extra in (["--dry_run"], []):
+        with pytest.raises(ValueError, match=rf"{flag} {value}: unknown encoding\(s\) \['{value.split(',')[1]}'\]; "
+                                             rf"choose from {allowed}"):
+            reproduce.main(["--suite", "smoke", "--workdir", str(tmp_path / "runs"),
+                            "--out", str(tmp_path / "out"), flag, value, *extra])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()

@@ -14,7 +14,14 @@ process_count examples per host):
 
     inputs  int32   [b, seq_len]   base ids, "ACGNT" -> 0..4 (see goat_jax.data.fasta)
     targets int32   [b, seq_len]   the next base
-    weights float32 [b, seq_len]   1, or 0 on the padding windows that fill the last eval batches
+    weights float32 [b, seq_len]   1; 0 where the target is N (an unknown base is not a base to
+                                   predict) and on the padding windows of the last eval batches
+
+N targets. The official recipe (``genome.py``) trains and evaluates on every character,
+N included (it is one of the 5 tokens); goat-jax gives N targets weight 0 in training and
+evaluation alike, so neither the loss nor bits per base or accuracy count an unknown base
+(hg38 holds ~150 Mbp of N). N stays an input token. On N-free genomes (the E. coli references
+of the tiny configs) both rules are the same.
 
 Chunks. A FASTA piece (a record, or a region of one) of n bases has n - seq_len crop starts;
 they are cut into chunks of ``fasta_stride`` consecutive starts (0: seq_len + 1, so the chunks'
@@ -77,10 +84,10 @@ Batch = dict[str, np.ndarray]
 # engine checks FIELD_SPECS before any work); record names and files are checked by build_tables.
 DATA = Section(
     source=("fasta", Str(choices=SOURCES, doc="'fasta': plain/gzip/bgzip, .fai for random access")),
-    paths=([ECOLI_MG1655], Strs(nonempty=True, doc="FASTA files, or parquet files/globs of the 6 kbp dataset")),
-    train_records=([], Strs(doc="record specs NAME or NAME:START-END for training; empty: all not held out")),
-    valid_records=(["K-12-MG1655:4175708-4639675"], Strs(doc="record specs NAME or NAME:START-END; default: the genome's last 10% (463,968 bp)")),
-    test_records=([], Strs(doc="record specs NAME or NAME:START-END held out for test (never trained on)")),
+    paths=((ECOLI_MG1655,), Strs(nonempty=True, doc="FASTA files, or parquet files/globs of the 6 kbp dataset")),
+    train_records=((), Strs(doc="record specs NAME or NAME:START-END for training; empty: all not held out")),
+    valid_records=(("K-12-MG1655:4175708-4639675",), Strs(doc="record specs NAME or NAME:START-END; default: the genome's last 10% (463,968 bp)")),
+    test_records=((), Strs(doc="record specs NAME or NAME:START-END held out for test (never trained on)")),
     eval_split=("valid", Str(choices=EVAL_SPLITS, doc="the split make_eval_iter reads")),
     fasta_stride=(0, Int(min=0, doc="FASTA crop starts per chunk; 0: seq_len + 1 (eval crops tile)")),
     max_offset=(200, Int(min=0, doc="parquet: crops start in [0, max_offset] of each row (official: 200)")),
@@ -328,6 +335,15 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in key])
 
 
+def crop_example(window: np.ndarray) -> Batch:
+    """A crop of seq_len + 1 base ids -> one example; targets that are N (an unknown base:
+    assembly gaps, IUPAC codes read as N) get weight 0, so N is never trained or scored as a
+    base (goat_jax/eval/dna.py excludes them likewise)."""
+    example = text_lib._window_example(np.asarray(window, np.int32), len(window))  # pylint: disable=protected-access
+    example["weights"] = example["weights"] * (example["targets"] != fasta_lib.N_ID)
+    return example
+
+
 class TrainCrops(grain.MapDataset):
     """Example ``i`` of this host's endless training stream (see the module docstring).
 
@@ -382,7 +398,7 @@ class TrainCrops(grain.MapDataset):
         window = self._table.read(chunk, offset, self._seq_len + 1)
         if self._rc and rng.random() < 0.5:
             window = fasta_lib.reverse_complement(window)
-        return text_lib._window_example(window.astype(np.int32), self._seq_len + 1)  # pylint: disable=protected-access
+        return crop_example(window)
 
 
 def eval_offset(table: ChunkTable, i: int, mode: str) -> int:
@@ -409,7 +425,7 @@ class EvalCrops(grain.MapDataset):
     def __getitem__(self, index: int) -> Batch:
         chunk = int(self._chunks[index])
         window = self._table.read(chunk, eval_offset(self._table, chunk, self._mode), self._seq_len + 1)
-        return text_lib._window_example(window.astype(np.int32), self._seq_len + 1)  # pylint: disable=protected-access
+        return crop_example(window)
 
 
 def host_chunks(table: ChunkTable, process_index: int, process_count: int) -> np.ndarray:
@@ -451,12 +467,15 @@ def make_dna_datasets(
     seed: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    require_eval: bool = False,
 ) -> tuple[grain.DatasetIterator, Callable[[], Iterator[Batch]], fasta_lib.DnaTokenizer]:
     """Builds the training iterator, the eval-iterator factory and the tokenizer.
 
     Same contract as ``goat_jax.data.text.make_lm_datasets`` (see the module docstring for the
     sampling). Raises ValueError naming the field or file for bad input: unknown records,
-    overlapping splits, short records (unless ``short_records='skip'``), invalid characters.
+    overlapping splits, short records (unless ``short_records='skip'``), invalid characters,
+    and with ``require_eval`` (the trainer evaluates) an empty ``data.eval_split``, here rather
+    than at the first evaluation.
     """
     cfg = data_config
     if seq_len < 1:
@@ -482,6 +501,13 @@ def make_dna_datasets(
         grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=4 * local_batch)))
 
     eval_table = tables[cfg.eval_split]
+    if require_eval and not len(eval_table):
+        skipped = eval_table.skipped
+        why = (f": all {len(skipped)} of its record(s) were skipped as shorter than seq_len + 1 = "
+               f"{seq_len + 1} bases (data.short_records='skip'): {skipped[:5]}" if skipped else "")
+        raise ValueError(f"data.eval_split={cfg.eval_split!r}: the split is empty{why}. Set "
+                         f"data.{cfg.eval_split}_records to longer held-out records, shorten "
+                         "seq_len, or set eval_every_steps=0 to train without evaluation.")
     eval_chunks = host_chunks(eval_table, process_index, process_count)
     padding = text_lib._window_example(np.full(seq_len + 1, fasta_lib.N_ID, np.int32), 0)  # pylint: disable=protected-access
 

@@ -25,6 +25,7 @@ import gzip
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -117,11 +118,22 @@ class DnaTokenizer:
 # FASTA files.
 
 
+def _damaged(path: str, error: BaseException, what: str = "") -> ValueError:
+    """The one-line error of a truncated or corrupt (b)gzip FASTA: the file, the cause, the fix."""
+    return ValueError(
+        f"{path}: the compressed FASTA is truncated or corrupt{what} ({type(error).__name__}: "
+        f"{error}). Copy or download it again (`gzip -t {path}` checks a copy); if it is indexed, "
+        f"re-index the new copy (`samtools faidx {path}`).")
+
+
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
-    with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-        return f.read()
+    try:
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            return f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # cut short, bad data, bad CRC/length
+        raise _damaged(path, e) from e
 
 
 def parse_fasta(data: bytes, path: str = "<bytes>") -> list[tuple[str, bytes]]:
@@ -215,14 +227,24 @@ class Genome:
                                   build_index=False)
         except Exception as e:  # pyfaidx raises several types for unreadable / non-bgzip files
             raise ValueError(f"{path}: could not open with its index {path}.fai ({type(e).__name__}: "
-                             f"{e}). A compressed FASTA must be bgzip (not plain gzip) with a .gzi "
-                             f"index: `bgzip {path[:-3] if path.endswith('.gz') else path}` then "
+                             f"{e}). Either the file is truncated or corrupt, or its index is "
+                             "stale (copy it again and re-index it with `samtools faidx`), or it "
+                             "is plain gzip: a compressed FASTA must be bgzip with a .gzi index: "
+                             f"`bgzip {path[:-3] if path.endswith('.gz') else path}` then "
                              "`samtools faidx` on the result.") from e
         out = []
         for name in fasta.keys():
             self._indexed[name] = fasta
             self.ambiguous[name] = 0
-            out.append((name, len(fasta[name])))
+            n = len(fasta[name])
+            # The last base of every record: a truncated file (or a stale index) fails here,
+            # before training, instead of in a reader thread hours later.
+            try:
+                fasta[name][max(n - 1, 0):n]
+            except Exception as e:  # pylint: disable=broad-except  # zlib, EOF, bgzf, pyfaidx errors
+                raise _damaged(path, e, f" or its index is stale (record {name!r} ends at base "
+                                        f"{n} by {path}.fai but cannot be read there)") from e
+            out.append((name, n))
         if not out:
             raise ValueError(f"{path}: no FASTA records in its index {path}.fai.")
         return out

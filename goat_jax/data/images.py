@@ -39,6 +39,7 @@ grayscale and CMYK JPEGs. A file that cannot be decoded raises an error naming i
 from __future__ import annotations
 
 import gzip
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -211,6 +212,18 @@ class _TfdsSource:
         return record["image"], int(record["label"])
 
 
+def _warn_missing_classes(split_dir: str, classes: Sequence[str], present: set) -> None:
+    """A loud warning (not an error: a held-out subset of some classes still gives a valid
+    top-1 over them, and quick checks on part of ImageNet val are common) when the validation
+    split lacks classes that training has: its top-1 then says nothing about those classes."""
+    missing = [c for i, c in enumerate(classes) if i not in present]
+    if missing:
+        logging.warning("%s has no folder for %d of the %d training classes (%s%s): eval top-1 "
+                        "covers only the other %d. Add them, or ignore this if the subset is on "
+                        "purpose.", split_dir, len(missing), len(classes), ", ".join(missing[:10]),
+                        ", ..." if len(missing) > 10 else "", len(classes) - len(missing))
+
+
 def _load_splits(cfg: ml_collections.ConfigDict):
     """(train source, eval source, num_classes); sources give (path or array, label)."""
     if cfg.source == "folder":
@@ -218,6 +231,7 @@ def _load_splits(cfg: ml_collections.ConfigDict):
             raise ValueError("data.source='folder' needs data.folder (the root holding train/ and val/).")
         train, classes = list_image_folder(os.path.join(cfg.folder, "train"))
         val, _ = list_image_folder(os.path.join(cfg.folder, "val"), classes)
+        _warn_missing_classes(os.path.join(cfg.folder, "val"), classes, {label for _, label in val})
         return train, val, len(classes)
     if cfg.source == "fashion_mnist":
         if cfg.channels != 1:
@@ -242,14 +256,38 @@ def _load_splits(cfg: ml_collections.ConfigDict):
     return _TfdsSource(train), _TfdsSource(val), int(num_classes)
 
 
-def _to_image(item: Any, channels: int) -> Image.Image:
-    """A source item (file path, or a decoded uint8 array) as a PIL image of ``channels``."""
+# Tiny images (e.g. a 1x1 placeholder saved by a broken download) are upscaled, with a warning
+# naming the file, rather than refused: files are opened only when read, so refusing one would
+# stop a long run at an arbitrary step for a single example. Warned: the first few per process.
+_TINY_WARNINGS = {"left": 10}
+
+
+def _warn_if_tiny(img: Image.Image, item: Any, image_size: int) -> None:
+    """Warns when ``img`` is upscaled more than 2x to reach ``image_size`` (data.image_size)."""
+    side = min(img.size)
+    if side * 2 >= image_size or _TINY_WARNINGS["left"] <= 0:
+        return
+    _TINY_WARNINGS["left"] -= 1
+    what = item if isinstance(item, str) else f"an image of the source ({np.asarray(item).shape})"
+    more = "" if _TINY_WARNINGS["left"] else " (further tiny images are not named)"
+    logging.warning("%s is %dx%d px, upscaled more than 2x to data.image_size=%d: a placeholder "
+                    "or a damaged file? Remove or replace it if so.%s", what, img.size[0],
+                    img.size[1], image_size, more)
+
+
+def _to_image(item: Any, channels: int, image_size: int | None = None) -> Image.Image:
+    """A source item (file path, or a decoded uint8 array) as a PIL image of ``channels``;
+    warns if it is tiny next to ``image_size`` (:func:`_warn_if_tiny`)."""
     if isinstance(item, str):
-        return decode_image(item, channels)
-    arr = np.asarray(item)
-    if arr.ndim == 3 and arr.shape[-1] == 1:
-        arr = arr[..., 0]
-    return Image.fromarray(arr).convert(_mode(channels))
+        img = decode_image(item, channels)
+    else:
+        arr = np.asarray(item)
+        if arr.ndim == 3 and arr.shape[-1] == 1:
+            arr = arr[..., 0]
+        img = Image.fromarray(arr).convert(_mode(channels))
+    if image_size:
+        _warn_if_tiny(img, item, image_size)
+    return img
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +297,7 @@ def _to_image(item: Any, channels: int) -> Image.Image:
 
 def train_example(record: tuple[Any, int], rng: np.random.Generator, cfg: ml_collections.ConfigDict) -> Batch:
     """One training example: crop (or resize), flip, RandAugment, normalize, random erasing."""
-    img = _to_image(record[0], cfg.channels)
+    img = _to_image(record[0], cfg.channels, cfg.image_size)
     if cfg.crop_scale:
         img = T.random_resized_crop(img, cfg.image_size, rng, scale=tuple(cfg.crop_scale))
     elif img.size != (cfg.image_size, cfg.image_size):
@@ -278,7 +316,8 @@ def eval_example(record: tuple[Any, int], cfg: ml_collections.ConfigDict, resolu
                  num_classes: int) -> Batch:
     """One evaluation example at ``resolution`` (resize + centre crop, normalize), one-hot
     target, weight 1."""
-    img = T.eval_resize_crop(_to_image(record[0], cfg.channels), resolution, cfg.eval_crop_fraction)
+    img = T.eval_resize_crop(_to_image(record[0], cfg.channels, cfg.image_size), resolution,
+                             cfg.eval_crop_fraction)
     return {"image": T.to_normalized_array(img, cfg.mean, cfg.std), "label": np.int32(record[1]),
             "targets": T.smooth_one_hot(np.asarray([record[1]]), num_classes, 0.0)[0],
             "weights": np.float32(1.0)}

@@ -2,9 +2,12 @@
 
     documents (local text files | TFDS | parquet | jsonl)
       -> this host's shard -> shuffle (a new order every epoch) -> tokens, BOS ... EOS
-      -> concatenated and cut into windows of seq_len + 1 tokens (documents may straddle)
-         (``bos_windows``: documents are ``... EOS`` and every window is BOS + seq_len tokens)
-      -> {'inputs': w[:-1], 'targets': w[1:], 'weights'} -> local batch
+      -> packing 'concat' (default): concatenated and cut into windows of seq_len + 1 tokens
+         (documents may straddle; ``bos_windows``: documents are ``... EOS`` and every window
+         is BOS + seq_len tokens) -> {'inputs': w[:-1], 'targets': w[1:], 'weights'}
+      -> packing 'documents': whole documents first-fit into windows, with 'segment_ids' and
+         per-document 'positions' (``goat_jax.data.packing``)
+      -> local batch
 
 Entry point: ``make_lm_datasets(data_config, seq_len=, global_batch_size=, seed=)`` returns
 ``(train_iter, make_eval_iter, tokenizer)``. Batches are dicts of numpy arrays, with
@@ -12,7 +15,9 @@ b = global_batch_size // process_count examples per host:
 
     inputs  int32   [b, seq_len]   token ids
     targets int32   [b, seq_len]   inputs shifted left by one (the next token)
-    weights float32 [b, seq_len]   1 on real targets, 0 on padding (only in eval)
+    weights float32 [b, seq_len]   1 on real targets, 0 on padding (only in eval with
+                                   'concat'; 'documents' pads every window's tail)
+    segment_ids, positions  int32 [b, seq_len]   'documents' only (goat_jax.data.packing)
 
 * ``train_iter`` repeats forever. ``train_iter.get_state()`` is a small JSON-serializable dict
   (a few integers); ``set_state(state)`` on an iterator built with the same config, seed and
@@ -44,6 +49,9 @@ Data config fields (``default_data_config()`` is the Jargon File with bytes):
   tokenizer              'byte' | 'sentencepiece' | 'gpt2' (GPT-2 BPE through tiktoken)
   bpe_ranks_path         gpt2: a local tiktoken ranks file (``tokenizers.write_bpe_ranks``)
   tiktoken_cache_dir     gpt2: a local tiktoken cache holding the gpt2 files (if no ranks file)
+  packing                'concat' (documents concatenated, cut anywhere: the official recipes)
+                         | 'documents' (whole documents per window, split only when longer
+                         than seq_len; segment ids and per-document positions)
   bos_windows            every window starts with BOS and documents carry only their EOS (the
                          official C4 packing, docs/protocols.md, C4 125M); False: BOS ... EOS
                          documents cut anywhere
@@ -79,6 +87,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 
 from goat_jax.data import documents
 from goat_jax.data import hosts
+from goat_jax.data import packing as packing_lib
 from goat_jax.data import tokenizers as tokenizers_lib
 from goat_jax.config.fields import Bool, Float, Int, Section, Str, Strs, check_section
 
@@ -109,6 +118,7 @@ DATA = Section(
                            doc="'byte': vocab 259; 'gpt2': tiktoken, 50257")),
     bpe_ranks_path=("", Str(doc="gpt2: local tiktoken ranks file; '' = use tiktoken_cache_dir")),
     tiktoken_cache_dir=("", Str(doc="gpt2: local tiktoken cache; '' = $TIKTOKEN_CACHE_DIR")),
+    packing=("concat", Str(choices=packing_lib.PACKINGS, doc="'documents': whole documents first-fit (goat_jax.data.packing)")),
     bos_windows=(False, Bool(doc="True: BOS at position 0 of every window, documents end with EOS")),
     spm_model_path=("", Str(doc="loaded if it exists, else trained on the train split and saved")),
     spm_vocab_size=(32000, Int(min=1, doc="only used when training SentencePiece")),
@@ -303,6 +313,11 @@ def _check_config(cfg: ml_collections.ConfigDict) -> None:
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
+    packing = cfg.packing
+    if packing == "documents" and cfg.bos_windows:
+        raise ValueError("data.bos_windows=True puts BOS at the start of every concatenated window; "
+                         "with data.packing='documents' every document starts with its own BOS. "
+                         "Set data.bos_windows=False or data.packing='concat'.")
 
 
 def make_lm_datasets(
@@ -361,9 +376,16 @@ def make_lm_datasets(
     stream = functools.partial(
         _token_stream, tokenizer=tokenizer, seed=seed, process_index=process_index,
         process_count=process_count, read_threads=cfg.read_threads, bos_windows=cfg.bos_windows)
-    pack = functools.partial(
-        _PackedWindowsIterDataset, window_len=seq_len + 1, pad_id=tokenizer.pad_id,
-        bos_id=tokenizer.bos_id if cfg.bos_windows else None)
+    if cfg.packing == "documents":
+        pack = functools.partial(
+            packing_lib.pack_documents, seq_len=seq_len, pad_id=tokenizer.pad_id,
+            num_bins=packing_lib.num_packing_bins(local_batch))
+        padding = packing_lib.padding_example(seq_len, tokenizer.pad_id)
+    else:
+        pack = functools.partial(
+            _PackedWindowsIterDataset, window_len=seq_len + 1, pad_id=tokenizer.pad_id,
+            bos_id=tokenizer.bos_id if cfg.bos_windows else None)
+        padding = _window_example(np.full(seq_len + 1, tokenizer.pad_id, np.int32), 0)
 
     train_ds = pack(stream(train_split, train=True)).batch(local_batch, drop_remainder=True)
     # A background thread packs the next batches while the trainer runs a step; its state is
@@ -376,8 +398,7 @@ def make_lm_datasets(
 
     def make_eval_iter() -> Iterator[Batch]:
         windows = iter(pack(stream(eval_split, train=False)))
-        return _eval_batches(windows, local_batch, cfg.num_eval_batches,
-                             _window_example(np.full(seq_len + 1, tokenizer.pad_id, np.int32), 0))
+        return _eval_batches(windows, local_batch, cfg.num_eval_batches, padding)
 
     return train_iter, make_eval_iter, tokenizer
 

@@ -4,8 +4,11 @@ Likelihood (:func:`score_by_length`). Each record (chromosome, or a held-out reg
 non-overlapping windows of W bases (inputs ``r[kW : kW + W]``, targets one base later); windows
 never cross records and a record's tail that does not fill a window is left out. Over every
 target of every window: NLL in nats per base, bits per base (``nll / ln 2``), perplexity
-``exp(nll)`` and next-base accuracy (argmax == target). N targets are scored like any base (the
-model has an N token). Lengths are multiples of the training length L (1x, 2x, 4x, 8x).
+``exp(nll)`` and next-base accuracy (argmax == target). Targets that are N (an unknown base:
+assembly gaps, and IUPAC codes read as N) are not bases to predict: they are left out of all
+four and counted (``excluded_n``), as training gives them weight 0 (goat_jax/data/dna.py); they
+stay in the inputs. Records with nothing left to score are an error naming them. Lengths are
+multiples of the training length L (1x, 2x, 4x, 8x).
 
 GC agreement (:func:`gc_agreement`). The official GOAT code reports a "GC% agreement" Pearson r
 without defining it; goat-jax defines it as follows (README, section DNA):
@@ -45,13 +48,15 @@ _ACGT = np.array([c != "N" for c in ALPHABET])  # id -> is a called base
 
 
 class DnaScores(NamedTuple):
-    """Mean NLL (nats per base), bits per base, perplexity, next-base accuracy, bases scored."""
+    """Mean NLL (nats per base), bits per base, perplexity, next-base accuracy, bases scored,
+    and the N targets of the same windows left out."""
 
     nll: float
     bits_per_base: float
     ppl: float
     accuracy: float
     num_bases: int
+    excluded_n: int = 0
 
 
 def make_score_fn(apply_fn: ApplyFn) -> Callable:
@@ -70,53 +75,70 @@ def make_score_fn(apply_fn: ApplyFn) -> Callable:
 
 def score_records(apply_fn: ApplyFn, params: Any, records: Sequence[np.ndarray], window: int, *,
                   batch_size: Optional[int] = None, tokens_per_batch: int = 16384,
-                  max_windows: Optional[int] = None, score_fn: Optional[Callable] = None) -> DnaScores:
-    """:class:`DnaScores` of non-overlapping windows of ``window`` bases over ``records``.
+                  max_windows: Optional[int] = None, score_fn: Optional[Callable] = None,
+                  where: str = "the records") -> DnaScores:
+    """:class:`DnaScores` of non-overlapping windows of ``window`` bases over ``records``; N
+    targets are left out and counted (module docstring).
 
     Args:
       records: token-id arrays [n_r], one per record (windows never cross them).
       batch_size: windows per forward; default ``max(1, tokens_per_batch // window)``.
       max_windows: score only the first windows (in record order).
       score_fn: a :func:`make_score_fn` to reuse (keeps its compile cache across lengths).
+      where: names the records in errors (e.g. the file and record names).
     Raises:
-      ValueError: no record holds a window of ``window + 1`` bases.
+      ValueError: no record holds a window of ``window + 1`` bases, or every target of the
+        windows is N (nothing to score), naming ``where``.
     """
     wins = [(r, s) for r, rec in enumerate(records) for s in window_starts(len(rec), window)]
     if max_windows is not None:
         wins = wins[:max_windows]
     if not wins:
         longest = max((len(r) for r in records), default=0)
-        raise ValueError(f"No record holds a window of {window} + 1 bases (the longest has "
-                         f"{longest}); evaluate on longer sequences or shorter windows.")
+        raise ValueError(f"No record holds a window of {window} + 1 bases (the longest of "
+                         f"{where} has {longest}); evaluate on longer sequences or shorter windows.")
     score_fn = score_fn or make_score_fn(apply_fn)
     batch_size = min(batch_size or max(1, tokens_per_batch // window), len(wins))
     offsets = np.arange(window + 1)
     total = np.zeros(3, np.float64)  # nll, correct, count; float64 so error does not grow with N
+    excluded = 0
     for lo in range(0, len(wins), batch_size):
         part = wins[lo:lo + batch_size]
+        real = len(part)
         part = part + [part[0]] * (batch_size - len(part))  # fixed shape: one compile per length
         win = np.stack([np.asarray(records[r][s + offsets], np.int32) for r, s in part])  # [B, W+1]
         weights = np.zeros((batch_size, window), np.float32)
-        weights[:min(batch_size, len(wins) - lo)] = 1.0
+        called = win[:real, 1:] != N_ID  # an N target is no base to predict
+        weights[:real] = called
+        excluded += int(called.size - called.sum())
         out = score_fn(params, win[:, :-1], win[:, 1:], weights)
         total += [np.asarray(x, np.float64).sum() for x in out]
+    if not total[2]:
+        raise ValueError(f"{where}: every target of the {len(wins)} window(s) of {window} bases is N "
+                         f"({excluded} N targets): nothing to score. Evaluate on sequence that "
+                         "holds called bases (A, C, G, T).")
     nll = total[0] / total[2]
     return DnaScores(nll=float(nll), bits_per_base=float(nll / np.log(2)),
                      ppl=float(np.exp(nll)), accuracy=float(total[1] / total[2]),
-                     num_bases=int(round(total[2])))
+                     num_bases=int(round(total[2])), excluded_n=excluded)
 
 
 def score_by_length(apply_fn: ApplyFn, params: Any, records: Sequence[np.ndarray],
                     train_len: int, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
                     **kwargs) -> dict[int, DnaScores]:
     """``{m * train_len: DnaScores}`` (see :func:`score_records` for ``kwargs``); lengths that no
-    record can hold are left out."""
+    record can hold are left out, and none fitting is a ValueError naming ``kwargs['where']``."""
     score_fn = make_score_fn(apply_fn)
     out = {}
     for m in multipliers:
         window = int(m * train_len)
         if any(len(r) >= window + 1 for r in records):
             out[window] = score_records(apply_fn, params, records, window, score_fn=score_fn, **kwargs)
+    if not out:
+        shortest = int(min(multipliers) * train_len)
+        raise ValueError(f"{kwargs.get('where', 'the records')}: no record holds a window of "
+                         f"{shortest} + 1 bases (the longest has {max((len(r) for r in records), default=0)}): "
+                         "nothing to score. Evaluate on longer sequences or shorter --lengths.")
     return out
 
 
@@ -307,21 +329,23 @@ def evaluate_records(model, params: Any, records: Sequence[np.ndarray], train_le
                      multipliers: Sequence[int] = DEFAULT_MULTIPLIERS,
                      lengths: Optional[Sequence[int]] = None, gc_records: Optional[Sequence[np.ndarray]] = None,
                      gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
-                     seed: int = 0, tokens_per_batch: int = 16384) -> dict[str, Any]:
+                     seed: int = 0, tokens_per_batch: int = 16384,
+                     where: str = "the records") -> dict[str, Any]:
     """Likelihood at ``m * train_len`` (or at ``lengths`` bases) of a Linen LM on ``records``,
     and GC agreement on ``gc_records`` (default: ``records``).
 
     Returns a JSON-able dict: ``{'by_length': {W: DnaScores as dict}, 'gc': GCAgreement as dict
     (or {'error': reason} when the sequence is too short)}``. Lengths longer than every record
-    are left out. ``gc_num_windows=0`` skips the GC metric.
+    are left out. ``gc_num_windows=0`` skips the GC metric. ``where`` names the records in
+    errors (nothing to score: every target N).
     """
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     if lengths:
         scores = score_by_length(apply_fn, params, records, 1, list(lengths),
-                                 tokens_per_batch=tokens_per_batch)
+                                 tokens_per_batch=tokens_per_batch, where=where)
     else:
         scores = score_by_length(apply_fn, params, records, train_len, multipliers,
-                                 tokens_per_batch=tokens_per_batch)
+                                 tokens_per_batch=tokens_per_batch, where=where)
     out: dict[str, Any] = {"by_length": {w: s._asdict() for w, s in scores.items()}}
     if gc_num_windows:
         try:
@@ -341,4 +365,6 @@ def evaluate_fasta(model, params: Any, paths: Sequence[str], train_len: int, *,
     """:func:`evaluate_records` on the records of FASTA ``paths`` (the first ``max_bases`` bases
     in all when given), with ``'data'``: :func:`read_fasta_records`'s info."""
     records, info = read_fasta_records(paths, max_bases)
-    return {"data": info, **evaluate_records(model, params, records, train_len, **kwargs)}
+    where = f"{', '.join(paths)} (records {info['records'][:10]}" + (
+        f", first {max_bases} bases)" if max_bases else ")")
+    return {"data": info, **evaluate_records(model, params, records, train_len, where=where, **kwargs)}

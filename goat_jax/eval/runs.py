@@ -39,6 +39,7 @@ import numpy as np
 
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
+from goat_jax.eval.checks import EVAL_TASKS, check_evals_fit, check_output_dir, evals_for_task  # noqa: F401
 from goat_jax.models.lm import TransformerLM
 from goat_jax.train import run as run_lib
 
@@ -48,7 +49,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EVALS = ("extrapolation", "passkey", "niah", "sinks", "diagnostics", "dna", "lm_eval")
+EVALS = tuple(e for e in EVAL_TASKS if e != "resolution")  # what evaluate_run runs
 DEFAULT_MULTIPLIERS = (1, 2, 4, 8, 16)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
@@ -464,6 +465,10 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
         md += [f"### {title} by evaluation length", "",
                table({k: {int(n): v[key] for n, v in r["by_length"].items()} for k, r in dna.items()},
                      pct=pct), ""]
+    excluded = {int(n): v.get("excluded_n", 0) for r in dna.values() for n, v in r["by_length"].items()}
+    if any(excluded.values()):
+        md += ["N targets (unknown bases) are not scored; left out per window length: " +
+               ", ".join(f"{n}: {c:,}" for n, c in sorted(excluded.items())) + ".", ""]
     md += ["### GC agreement (Pearson r; README, section DNA)", "",
            "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
            "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]
@@ -495,6 +500,12 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
     unknown = sorted(set(evals) - set(EVALS))
     if unknown:
         raise ValueError(f"unknown evaluation(s) {unknown}; choose from {EVALS}.")
+    task = str(run.config.get("task"))
+    wrong = [e for e in evals if task not in EVAL_TASKS[e]]
+    if wrong:  # before any evaluation runs
+        raise ValueError(f"evaluation(s) {wrong} do not apply to {run.workdir}, a run of "
+                         f"config.task={task!r}; the evaluations for it are: "
+                         f"{', '.join(evals_for_task(task)) or 'none'}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
     if "lm_eval" in evals:

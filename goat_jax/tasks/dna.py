@@ -5,7 +5,7 @@ block of the official recipe, :func:`official_model_config`) over the 5 tokens "
 is :mod:`goat_jax.data.dna` (crops of ``seq_len + 1`` bases, splits by chromosome). Training and
 the loss are those of the LM task; evaluation adds what genome papers report per base:
 
-    eval_loss            NLL in nats per base
+    eval_loss            NLL in nats per base (N targets carry weight 0: goat_jax/data/dna.py)
     eval_bits_per_base   eval_loss / ln 2
     eval_ppl             exp(eval_loss)
     eval_accuracy        next-base accuracy (argmax == target)
@@ -80,7 +80,8 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
                          "(the DNA tokens ACGNT).")
     train, make_eval, tokenizer = dna.make_dna_datasets(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
-        process_index=process_index, process_count=process_count)
+        process_index=process_index, process_count=process_count,
+        require_eval=bool(config.eval_every_steps))  # an empty held-out split: before training
     return tasks.Datasets(train=train, make_eval=make_eval, info={"tokenizer": tokenizer})
 
 

@@ -120,6 +120,13 @@ def validate(config) -> None:
     if stray:
         raise ValueError(f"data.source={config.data.get('source')!r} does not use data field(s) "
                          f"{['data.' + f for f in stray]}; remove them or change data.source.")
+    if not is_synthetic(config) and config.data.get("packing", "concat") == "documents":
+        # The batches carry segment_ids/positions, but the model does not read them yet: it would
+        # attend across the packed documents and count positions from the window start.
+        raise ValueError(
+            "data.packing='documents' is not yet wired into the LM: the model does not consume "
+            "the batch's segment_ids and positions yet, so it would silently attend across "
+            "documents. Use data.packing='concat' until the layers take segment_ids.")
     validate_model(config, "lm")
 
 
@@ -154,5 +161,5 @@ TASK = tasks.Task(
     # Fields a config may leave out (runs from before they existed resume under their defaults;
     # model.name='lm' is what checkpoints written before the task alone chose the model hold).
     field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None,
-                            "model.name": "lm"},
+                            "data.packing": "concat", "model.name": "lm"},
 )

@@ -4,7 +4,9 @@
 ``train_loss``, ``learning_rate``, ``grad_norm``, ``tokens_per_sec``, ``mfu`` (null where the
 accelerator's peak FLOP/s is unknown, e.g. on CPU) and ``elapsed_s``; eval rows have ``step`` and
 ``eval_*`` keys. Non-finite numbers are written as null so every line is strict JSON. On resume
-the rows after the restored step are dropped, so the file always reads as one run.
+the rows after the restored step are dropped, so the file always reads as one run; the
+TensorBoard event files are trimmed the same way (:func:`trim_events`), and a 0-byte event file
+(a writer that could not write, e.g. on a full disk) is removed when the writer closes.
 """
 
 from __future__ import annotations
@@ -68,6 +70,83 @@ def truncate_jsonl(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+# TensorBoard event files: TFRecords (little-endian u64 length, masked CRC32C of it, the Event
+# proto, its masked CRC32C), one file per writer, ``events.out.tfevents.*``.
+_EVENTS_PREFIX = "events.out.tfevents."
+
+
+def _event_records(path: str) -> list:
+    """The raw records of an event file, up to the first torn one (a kill mid-write)."""
+    import struct  # pylint: disable=g-import-not-at-top
+
+    with open(path, "rb") as f:
+        data = f.read()
+    out, pos = [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        out.append(data[pos + 12:pos + 12 + length])
+        pos = end
+    return out
+
+
+def read_events(directory: str) -> list:
+    """``[(step, tag, value)]`` of every scalar in the event files of ``directory``, file by
+    file in name order (what TensorBoard would plot)."""
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    out = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.startswith(_EVENTS_PREFIX):
+            for record in _event_records(os.path.join(directory, name)):
+                event = event_pb2.Event.FromString(record)
+                out += [(int(event.step), v.tag, float(v.simple_value)) for v in event.summary.value]
+    return out
+
+
+def trim_events(directory: str, last_step: int) -> None:
+    """Drops the events with ``step > last_step`` from the event files in ``directory``
+    (rewritten whole, then renamed), as :func:`truncate_jsonl` does for ``metrics.jsonl``: a
+    resumed run logs those steps again, and TensorBoard would plot both. Empty files (a writer
+    that died before its first record, e.g. on a full disk) are removed."""
+    import struct  # pylint: disable=g-import-not-at-top
+
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    from tensorboardX.record_writer import masked_crc32c  # pylint: disable=g-import-not-at-top
+
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.startswith(_EVENTS_PREFIX) or not os.path.isfile(path):
+            continue
+        if os.path.getsize(path) == 0:
+            os.remove(path)
+            continue
+        records = _event_records(path)
+        kept = [r for r in records if event_pb2.Event.FromString(r).step <= last_step]
+        if len(kept) == len(records) and sum(len(r) + 16 for r in records) == os.path.getsize(path):
+            continue  # nothing to drop, nothing torn
+        with open(path + ".tmp", "wb") as f:
+            for r in kept:
+                header = struct.pack("<Q", len(r))
+                f.write(header + struct.pack("<I", masked_crc32c(header)) + r +
+                        struct.pack("<I", masked_crc32c(r)))
+        os.replace(path + ".tmp", path)
+
+
+def remove_empty_events(directory: str) -> None:
+    """Removes 0-byte event files (a TensorBoard writer that could not write, e.g. a full disk)."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(_EVENTS_PREFIX) and os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
+
+
 class Throughput:
     """Tokens/s and MFU between consecutive :meth:`update` calls.
 
@@ -122,11 +201,20 @@ class MetricsWriter:
         self._sinks = [s for s in sinks if s is not None]
         if not enabled:
             return
-        truncate_jsonl(self.path, initial_step)
-        self._file = open(self.path, "a")
-        with _extras.imports(__name__):
+        with _extras.imports(__name__):  # a missing extra: one line naming it, before any write
             from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(run_lib.tensorboard_dir(workdir))
+        truncate_jsonl(self.path, initial_step)
+        self._tb_dir = run_lib.tensorboard_dir(workdir)
+        trim_events(self._tb_dir, initial_step)  # a resumed run logs the later steps again
+        self._file = open(self.path, "a")
+        try:
+            # The pid in the name: tensorboardX names files by the second, and a run resumed
+            # within the same second would otherwise truncate the previous file.
+            self._tb = SummaryWriter(self._tb_dir, filename_suffix=f".{os.getpid()}")
+        except OSError:
+            self._file.close()
+            remove_empty_events(self._tb_dir)
+            raise
         if progress_bar:
             with _extras.imports(__name__):
                 from tqdm import tqdm  # pylint: disable=g-import-not-at-top
@@ -167,10 +255,14 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Flushes and closes the file, the TensorBoard writer and the bar."""
-        if self._bar is not None:
-            self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._file is not None:
-            self._file.close()
-        self._file = self._tb = self._bar = None
+        try:
+            if self._bar is not None:
+                self._bar.close()
+            if self._tb is not None:
+                self._tb.close()
+            if self._file is not None:
+                self._file.close()
+        finally:
+            self._file = self._tb = self._bar = None
+            if self.enabled:
+                remove_empty_events(self._tb_dir)  # never leave a 0-byte events file behind

@@ -49,6 +49,9 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import optax
 
 from goat_jax.train import checkpoint as checkpoint_lib
+from goat_jax.train import failures as failures_lib
+from goat_jax.train import lock as lock_lib
+from goat_jax.train import memory as memory_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
 from goat_jax.train import profiling
@@ -253,6 +256,26 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
 
 
+def _compile_and_check_memory(steps: ShardedSteps, abstract_state, dummy: Dict[str, Any],
+                              batch_shardings: Dict[str, Any]):
+    """``(compiled train step or None, abstract batch)``; raises ValueError (with the estimate)
+    when XLA's memory plan of one step exceeds the machine's memory (:mod:`memory_lib`)."""
+    def global_shape(local):  # this host's rows -> the global batch's (rows split over hosts)
+        return (local[0] * jax.process_count(),) + tuple(local[1:])
+
+    abstract_batch = {k: jax.ShapeDtypeStruct(global_shape(np.shape(v)),
+                                              jax.dtypes.canonicalize_dtype(np.asarray(v).dtype),
+                                              sharding=batch_shardings[k]) for k, v in dummy.items()}
+    try:
+        compiled = steps.train_step.lower(abstract_state, abstract_batch).compile()
+    except (TypeError, ValueError, NotImplementedError) as e:  # e.g. a task's batch the dummy misses
+        logging.info("no ahead-of-time compile of the train step (%s); no memory check", e)
+        return None, abstract_batch
+    memory_lib.check_fits(memory_lib.step_bytes(compiled), jax.local_devices()[0],
+                          jax.local_device_count())
+    return compiled, abstract_batch
+
+
 # ----------------------------------------------------------------------------------------------
 # Preemption: SIGTERM -> checkpoint at the end of the current step, then exit cleanly
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +325,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ``checkpoint.RESUME_ADJUSTABLE_FIELDS`` (the optimizer's, ``num_train_steps``) differ from
     the checkpoint's; the change is recorded in ``workdir/config_changes.jsonl``.
 
+    Only one trainer at a time may use ``workdir`` (:mod:`goat_jax.train.lock`): another live
+    one holding it raises WorkdirLockedError before anything is written.
+
+    A full disk raises :class:`~goat_jax.train.failures.DiskFullError` and a dead peer of a
+    multi-host run :class:`~goat_jax.train.failures.PeerFailedError`, one line each naming the
+    step, the last complete checkpoint and what to do.
+
     Raises ValueError on an invalid config (before any work), IncompatibleCheckpointError when the
     workdir holds another config's checkpoint, FloatingPointError on a non-finite loss, gradient
     or state (only finite states are saved; the last one is kept).
@@ -310,13 +340,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
+    os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
+    # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
+    with lock_lib.hold(workdir, jax.process_index()):
+        progress = {"step": 0}  # the step being run, for the failure message
+        try:
+            return _train_locked(config, workdir, global_batch, resume_with_changes, progress)
+        except Exception as e:  # pylint: disable=broad-except
+            # A full disk or a dead peer, buried in orbax/JAX errors: one line that says so.
+            explained = failures_lib.explain(
+                e, step=progress["step"], checkpoint_dir=run_lib.checkpoint_dir(workdir),
+                process_count=jax.process_count(), process_index=jax.process_index())
+            if explained is None:
+                raise
+            raise explained from e
+
+
+def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
+                  resume_with_changes: bool, progress: Dict[str, Any]) -> Dict[str, Any]:
+    """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
+    ``progress['step']`` at the step being run."""
     task = tasks_lib.get_task(config.task)
     resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
     resolved.global_batch_size = global_batch
     config_dict = resolved.to_dict()
     is_primary = jax.process_index() == 0
 
-    os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
                                                keep=config.keep_checkpoints,
                                                resume_safe_fields=task.resume_safe_fields,
@@ -350,8 +399,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     steps = make_sharded_steps(task, config, mesh, rules, batch_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             steps.abstract_state, steps.state_shardings)
+    # Compiled ahead of the first step, so that a step that cannot fit in memory is refused
+    # with XLA's estimate before any state is allocated (goat_jax/train/memory.py).
+    compiled_step, abstract_batch = _compile_and_check_memory(steps, abstract, dummy, batch_shardings)
     start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
     start_step = start_step or 0
+    progress["step"] = start_step
     if start_step:
         data.train.set_state(data_state)
         logging.info("resumed from step %d", start_step)
@@ -363,7 +416,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         state = steps.init(jax.random.PRNGKey(config.seed))
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(steps.abstract_state.params))
     logging.info("%s: %.2fM parameters", task.name, num_params / 1e6)
-    train_step, eval_step = steps.train_step, steps.eval_step
+    eval_step = steps.eval_step
+
+    def train_step(state, batch):
+        # The ahead-of-time executable serves batches of the dummy batch's shapes and dtypes (all
+        # of them, for the built-in tasks); any other batch goes through jit as before.
+        if compiled_step is not None and all(
+                (batch[k].shape, batch[k].dtype) == (a.shape, a.dtype) for k, a in abstract_batch.items()):
+            return compiled_step(state, batch)
+        return steps.train_step(state, batch)
 
     # One fused reduction on device, run only before a save; the host reads back a single bool.
     def all_finite(tree) -> jax.Array:
@@ -448,6 +509,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             batch = next(data.train)
             data_state = data.train.get_state()
             step += 1
+            progress["step"] = step
             with profiler.step(step):
                 state, step_metrics = train_step(state, to_device(batch))
             profiler.after_step(step, state)
@@ -485,8 +547,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     finally:
         preemption.restore()
         profiler.close()
-        writer.close()
-        wandb_run.finish()
-        checkpointer.close()
+        try:
+            writer.close()
+            wandb_run.finish()
+        finally:
+            checkpointer.close()  # also when closing the writer failed (e.g. a full disk)
     summary["step"] = step
     return summary

@@ -1,0 +1,92 @@
+"""Checks ``experiments.evaluate`` makes before any evaluation runs: which evaluations apply to
+which runs (:data:`EVAL_TASKS`), and whether ``--out`` can take the results without writing
+into a run. They read only each run's ``config.json`` (and list its ``checkpoints/``), so a
+refused command has done no work. :mod:`goat_jax.eval.runs` re-exports them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from goat_jax.train import run as run_lib
+
+# Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
+# language evaluations (and lm-eval's text tasks) read a text or synthetic LM run's own data and
+# tokenizer, 'dna' scores FASTA bases with a genome run, 'resolution' (goat_jax.eval.vision) a
+# ViT. A mismatch is refused before any work by :func:`check_evals_fit`.
+EVAL_TASKS = {
+    "extrapolation": ("lm",), "passkey": ("lm",), "niah": ("lm",), "sinks": ("lm",),
+    "diagnostics": ("lm",), "dna": ("dna",), "lm_eval": ("lm",), "resolution": ("vit",),
+}
+
+def evals_for_task(task: str) -> list[str]:
+    """The evaluations that apply to a run of ``config.task = task`` (:data:`EVAL_TASKS`)."""
+    return [e for e, tasks in EVAL_TASKS.items() if task in tasks]
+
+
+def check_evals_fit(workdirs: Sequence[str], evals: Sequence[str]) -> None:
+    """Refuses, before any work, an evaluation that does not apply to a run's task (e.g.
+    ``passkey`` on a DNA run), or an unknown one; reads only each ``config.json``.
+
+    Raises:
+      ValueError: naming the evaluation, the run and its task, and listing the evaluations
+        that fit it.
+    """
+    unknown = sorted(set(evals) - set(EVAL_TASKS))
+    if unknown:
+        raise ValueError(f"unknown evaluation(s) {unknown}; choose from {tuple(EVAL_TASKS)}.")
+    for workdir in workdirs:
+        task = str(run_lib.read_config(workdir).get("task"))
+        wrong = [e for e in evals if task not in EVAL_TASKS[e]]
+        if wrong:
+            fits = evals_for_task(task)
+            raise ValueError(
+                f"--evals {','.join(wrong)} does not apply to {workdir}, a run of "
+                f"config.task={task!r}; the evaluations for it are: "
+                f"{', '.join(fits) if fits else 'none (no evaluation knows this task)'}.")
+
+
+def _is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a trainer's workdir: its ``config.json`` names a task, or its
+    ``checkpoints/`` holds a step (a stray config.json of another tool does not count)."""
+    try:
+        with open(run_lib.config_path(path)) as f:
+            if "task" in json.load(f):
+                return True
+    except (OSError, ValueError, TypeError):
+        pass
+    directory = run_lib.checkpoint_dir(path)
+    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+
+def check_output_dir(out: str) -> None:
+    """Refuses, before any evaluation runs, an ``--out`` that cannot take the results: an
+    existing path that is not a directory, a directory (or its nearest existing parent) that
+    is not writable, or a place inside a run's workdir (a directory whose ``config.json`` names
+    a task or whose ``checkpoints/`` holds a step, or any folder below one: evaluation never
+    writes into a run, which may still be training).
+
+    Raises:
+      ValueError: naming ``--out`` and the fix.
+    """
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {out} exists and is not a directory; give a directory (it is "
+                         f"created if missing), e.g. --out {out}_eval.")
+    probe = path
+    while True:
+        if _is_run_dir(probe):
+            raise ValueError(f"--out {out} is inside the run workdir {probe}; evaluation never "
+                             "writes into a run (it may still be training). Use a directory "
+                             f"outside it, e.g. --out {os.path.normpath(probe)}_eval.")
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable; choose another directory.")

@@ -1,0 +1,71 @@
+"""experiments.evaluate refuses, before any work, evaluations that do not fit a run's task and
+an --out that cannot take the results (an existing file, a place inside a run workdir, not
+writable). The runs here are bare config.json files: a check that read more (a checkpoint)
+would fail differently."""
+
+import json
+import os
+import types
+
+import ml_collections
+import pytest
+
+from experiments import evaluate
+from goat_jax.eval import runs
+
+
+def _run_dir(path, task):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"task": task, "model": {"name": "lm",
+                                                                          "position_encoding": "goat"}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("task,evals,fits", [
+    ("dna", "passkey", "dna"), ("dna", "niah", "dna"), ("dna", "extrapolation,sinks", "dna"),
+    ("lm", "dna", "extrapolation, passkey, niah, sinks, diagnostics"),
+    ("vit", "sinks", "resolution"), ("lm", "resolution", "extrapolation")])
+def test_an_evaluation_that_does_not_fit_the_run_is_refused_listing_those_that_do(tmp_path, task, evals, fits):
+    workdir = _run_dir(tmp_path / "run", task)
+    extra = ["--resolutions", "28"] if evals == "resolution" else []
+    with pytest.raises(ValueError, match=rf"--evals {evals} does not apply to {workdir}, a run of "
+                                         rf"config.task='{task}'; the evaluations for it are: {fits}"):
+        evaluate.main(["--workdir", workdir, "--evals", evals, "--out", str(tmp_path / "o"), *extra])
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_table_names_every_evaluation_and_the_library_checks_it_too(tmp_path):
+    assert set(runs.EVALS) | {"resolution"} == set(runs.EVAL_TASKS)
+    assert runs.evals_for_task("dna") == ["dna"]
+    fake = types.SimpleNamespace(workdir="W", config=ml_collections.ConfigDict({"task": "dna"}))
+    with pytest.raises(ValueError, match=r"\['passkey'\] do not apply to W, a run of config.task='dna'"):
+        runs.evaluate_run(fake, ["passkey"], [1])
+
+
+def test_out_is_checked_before_any_evaluation(tmp_path):
+    workdir = _run_dir(tmp_path / "run", "lm")
+    (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
+    file_out = tmp_path / "results.txt"
+    file_out.write_text("keep me")
+    cases = [
+        (str(file_out), "exists and is not a directory"),
+        (os.path.join(workdir, "eval"), f"is inside the run workdir {workdir}"),
+        (os.path.join(workdir, "checkpoints", "5", "x"), f"is inside the run workdir {workdir}"),
+        (workdir, f"is inside the run workdir {workdir}"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((str(locked / "out"), "is not writable"))
+    for out, match in cases:
+        with pytest.raises(ValueError, match=match):
+            evaluate.main(["--workdir", workdir, "--evals", "sinks", "--out", out])
+    assert file_out.read_text() == "keep me"
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]
+    runs.check_output_dir(str(tmp_path / "new" / "deeper"))  # a fresh place is fine
+    runs.check_output_dir(str(tmp_path))  # and so is the folder that holds runs
+
+
+def test_a_stray_config_json_is_not_a_run(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"editor": "vim"}))
+    runs.check_output_dir(str(tmp_path / "eval"))
