@@ -6,7 +6,7 @@
           --config.data.source=folder --config.data.folder=/data/imagenet  # train/<wnid>/*.JPEG, val/<wnid>/*
 
 The argument is the position encoding ('goat', 'ape' = the official baseline, 'sincos2d',
-'rope2d', 'nope'); everything else is identical. README.md, section "Vision", says how to
+'rope2d', 'nope'); everything else is identical. docs/experiments.md, section "Vision", says how to
 prepare ImageNet either way.
 
 Recipe: 224 px, RandomResizedCrop (0.08-1), flip, RandAugment(2, 9), random erasing 0.25,

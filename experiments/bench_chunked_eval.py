@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
 import platform
 import statistics
@@ -32,17 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from goat_jax.benchmarking import Variant, measure  # noqa: E402
+from goat_jax.config_files import load_config  # noqa: E402
 from goat_jax.eval import chunked, extrapolation  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
-
-
-def load_config(spec: str):
-    """``path.py[:arg]`` -> the config's ``get_config(arg)``."""
-    path, _, arg = spec.partition(":")
-    mod_spec = importlib.util.spec_from_file_location("bench_config", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod.get_config(arg) if arg else mod.get_config()
 
 
 def compiled(fn, args):

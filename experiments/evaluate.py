@@ -32,7 +32,7 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
   dna            genome runs (configs/dna_*.py) on the FASTA files of ``--fasta``: NLL in nats
                  and bits per base, perplexity and next-base accuracy at ``m x`` the training
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows
-                 (definition: README, section DNA), e.g.
+                 (definition: docs/experiments.md, section DNA), e.g.
                  ``--evals dna --fasta DH1.fasta.gz --multipliers 1,2,4,8``.
   lm_eval        EleutherAI's lm-evaluation-harness (the ``[eval]`` extra) on the run, with its
                  own tokenizer (goat_jax.eval.harness; docs/ecosystem.md): ``--lm_eval_tasks``
@@ -56,6 +56,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from goat_jax import cli
 from goat_jax.eval import runs
 from goat_jax.eval.runs import EVALS
 
@@ -162,10 +163,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
+    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     runs.check_evals_fit(args.workdir, evals)
     runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
-    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -175,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                              "--evals resolution --resolutions 28,42,56,84.")
         labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
         out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
-        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=runs.log)
+        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=cli.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
@@ -183,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = runs.load_lm_run(workdir)
-        runs.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
+        cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
         results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
@@ -195,10 +196,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         train_lens[label] = run.train_len
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))
-    runs.log(f"wrote {out}/results.md, results.json and figures")
+    cli.log(f"wrote {out}/results.md, results.json and figures")
     return results
 
 
 if __name__ == "__main__":
-    from goat_jax import cli  # pylint: disable=g-import-not-at-top
     cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

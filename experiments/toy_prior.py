@@ -39,12 +39,11 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     from absl import flags, logging  # pylint: disable=g-import-not-at-top
-    from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-    from goat_jax import cli  # pylint: disable=g-import-not-at-top
+    from goat_jax import cli, config_files  # pylint: disable=g-import-not-at-top
 
-    _CONFIG = config_flags.DEFINE_config_file("config", "configs/toy_copy_mixture.py",
-                                              "Toy config (overrides: --config.x=y).", lock_config=True)
+    _CONFIG = config_files.define_config_flag("config", "configs/toy_copy_mixture.py",
+                                              "Toy config (overrides: --config.x=y).")
     _WORKDIR = flags.DEFINE_string("workdir", "runs/toy_prior", "Run directory (checkpoint, figures).")
     _ALL_HEADS = flags.DEFINE_bool("all_heads", False, "Also write toy_prior_all_heads.png.")
     _SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Positions shown in the figures.")

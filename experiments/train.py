@@ -26,14 +26,12 @@ import os
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
-
 from goat_jax import cli
+from goat_jax import config_files
 from goat_jax.train import sharding
 from goat_jax.train import trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_tiny.py:rope.",
-                                          lock_config=True)
+_CONFIG = config_files.define_config_flag("config", None, "Config file, e.g. configs/lm_tiny.py:rope.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config.json).")
 _RESUME_WITH_CHANGES = flags.DEFINE_bool(
     "resume_with_changes", False, "Resume although optimizer.* or num_train_steps differ from the "

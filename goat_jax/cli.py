@@ -1,4 +1,5 @@
-"""How the command-line entry points report errors, shared by train, evaluate, reproduce and toy_prior.
+"""How the command-line entry points talk to the user: errors, and progress lines (:func:`log`).
+Shared by train, evaluate, reproduce, toy_prior and the library code they run.
 
 A config or input error (a bad value, a missing file, an incompatible workdir, a non-finite
 loss) is the user's to fix, so it is printed as one line, ``error: <message>``, and the command
@@ -19,14 +20,22 @@ import functools
 import os
 import shutil
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 from goat_jax import _extras
+from goat_jax.train import run as run_lib
 
 DEBUG_ENV = "GOAT_DEBUG"
 # Exceptions that mean "the input is wrong": ValueError covers bad config values, unknown fields,
 # incompatible checkpoints and bad data; OSError missing or unreadable files.
 USER_ERRORS = (ValueError, OSError, FloatingPointError)
+
+
+def log(msg: str) -> None:
+    """A progress line ``[HH:MM:SS] msg`` on stdout, flushed: long jobs (the report harness, the
+    evaluations) usually run under nohup into a log file, which must show where they are."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def debug() -> bool:
@@ -81,7 +90,7 @@ def run(main: Callable[[], Any]) -> Any:
 
 
 def _has_checkpoint(workdir: str) -> bool:
-    directory = os.path.join(workdir, "checkpoints")
+    directory = run_lib.checkpoint_dir(workdir)
     return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
 
 

@@ -87,7 +87,7 @@ def test_125m_official_recipe_param_count():
 
 def test_125m_official_recipe_fields():
     """Every field the official train_c4.py fixes has its value (docs/protocols.md, C4 125M)."""
-    from experiments import paper_table  # the recipe, written out field by field from the docs
+    from goat_jax.reproduce import paper_table  # the recipe, written out field by field from the docs
 
     c = lm_c4_125m.get_config("goat")
     assert paper_table.differences(c, paper_table.official_recipe("lm", "c4_125m", "goat")) == {}

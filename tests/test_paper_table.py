@@ -1,16 +1,18 @@
-"""The paper dry run's table (experiments/paper_table.py): parameter counts from eval_shape
+"""The paper dry run's table (goat_jax/reproduce/paper_table.py): parameter counts from eval_shape
 equal a real init's, the official-recipe comparison finds exactly the changed fields, and the
 rendered rows are shell comments with the right budget arithmetic."""
 
 import jax
 import numpy as np
 
-from experiments import paper_table, reproduce
+from goat_jax.config_files import load_config
+from goat_jax.reproduce import paper_table
+from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
 
 
 def test_parameter_count_equals_a_real_init():
-    config = reproduce.load_config("configs/retrieval_tiny.py:niah,goat,smoke,official")
+    config = load_config("configs/retrieval_tiny.py:niah,goat,smoke,official")
     task = tasks.get_task(config.task)
     batch = task.dummy_batch(config, 1)
     params = task.build_model(config).init(jax.random.PRNGKey(0), *task.model_inputs(batch))["params"]
@@ -21,29 +23,29 @@ def test_parameter_count_equals_a_real_init():
 
 def test_differences_name_exactly_the_departures():
     for enc in ("goat", "alibi"):
-        c4 = reproduce.load_config(f"configs/lm_c4_125m.py:{enc}")
+        c4 = load_config(f"configs/lm_c4_125m.py:{enc}")
         assert paper_table.differences(c4, paper_table.official_recipe("lm", "c4_125m", enc)) == {}
     recipe = paper_table.official_recipe("lm", "c4_125m", "goat")
-    changed = reproduce.load_config("configs/lm_c4_125m.py:goat", {"model.pos_rank": 8, "seed": 0})
+    changed = load_config("configs/lm_c4_125m.py:goat", {"model.pos_rank": 8, "seed": 0})
     assert paper_table.differences(changed, recipe) == {"model.pos_rank": (8, 4), "seed": (0, 1370)}
-    llama = reproduce.load_config("configs/lm_c4_125m.py:goat,llama")  # ours: far from the script
+    llama = load_config("configs/lm_c4_125m.py:goat,llama")  # ours: far from the script
     assert {"model.block", "model.vocab_size", "optimizer.learning_rate"} <= set(
         paper_table.differences(llama, recipe))
     # Synthetic: the official variant matches; the plain paper size departs where it should.
-    plain = reproduce.load_config("configs/retrieval_tiny.py:niah,rope,paper")
+    plain = load_config("configs/retrieval_tiny.py:niah,rope,paper")
     assert set(paper_table.differences(plain, paper_table.official_recipe("niah", "niah", "rope"))) == {
         "data.span_loss_weight", "model.baseline_attention_scale"}
     # A model field the config leaves out is compared at the model's default (what runs).
-    fw = reproduce.load_config("configs/lm_fineweb_1b.py:goat")
+    fw = load_config("configs/lm_fineweb_1b.py:goat")
     assert "block" not in fw.model
     assert paper_table.differences(fw, paper_table.official_recipe("lm", "fineweb_1b", "goat")) == {}
 
 
 def test_rendered_rows():
-    jobs = [reproduce.Job("lm", "c4_125m", "goat", "configs/lm_c4_125m.py:goat", {}, "/r/c4"),
-            reproduce.Job("niah", "niah", "rope", "configs/retrieval_tiny.py:niah,rope,paper", {}, "/r/n"),
-            reproduce.Job("toy", "copy_mixture", "goat", "configs/toy_copy_mixture.py", {}, "/r/t")]
-    rows = paper_table.rows(jobs, reproduce.load_config)
+    jobs = [Job("lm", "c4_125m", "goat", "configs/lm_c4_125m.py:goat", {}, "/r/c4"),
+            Job("niah", "niah", "rope", "configs/retrieval_tiny.py:niah,rope,paper", {}, "/r/n"),
+            Job("toy", "copy_mixture", "goat", "configs/toy_copy_mixture.py", {}, "/r/t")]
+    rows = paper_table.rows(jobs)
     c4 = rows[0]
     # GPT-2 small without its position table, plus GOAT's prior (R = M = 4) in 12 layers.
     e, f, v = 768, 3072, 50_257

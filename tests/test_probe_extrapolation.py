@@ -1,4 +1,4 @@
-"""experiments/probe_extrapolation.py on an untrained smoke model with a randomized prior."""
+"""goat_jax/eval/probe.py (experiments.probe_extrapolation) on an untrained smoke model with a randomized prior."""
 
 import flax.linen as nn
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import lm_tiny
-from experiments import probe_extrapolation
+from goat_jax.eval import probe as probe_extrapolation
 from goat_jax.eval import runs
 from goat_jax.train import tasks
 

@@ -10,6 +10,8 @@ import shlex
 import pytest
 
 from experiments import reproduce
+from goat_jax.config_files import load_config
+from goat_jax.reproduce import dna_family, lm_family, paper, suites, vit_family
 from goat_jax.train import trainer
 
 
@@ -70,28 +72,28 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
                            "--out", "/cluster/report"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     cmds = [c for c in lines if not c.startswith("#")]
-    # First the size / budget / official-recipe table (experiments/paper_table.py), as comments.
+    # First the size / budget / official-recipe table (goat_jax/reproduce/paper_table.py), as comments.
     rows = [c for c in lines if c.startswith("# | ") and "/" in c.split("|")[1]]
-    assert len(rows) == 4 * len(reproduce.ENCODINGS) + 1  # + the toy
+    assert len(rows) == 4 * len(suites.ENCODINGS) + 1  # + the toy
     assert all(c.endswith("| none |") for c in rows if "c4_125m" in c or "retrieval_tiny" in c)
     trains = [c for c in cmds if " experiments.train " in c]
     # 2 LMs (C4 125M, FineWeb 1.23B) + 2 retrieval tasks, each for the 6 encodings; ViT-S/16 and
     # the hg38 genome GPT for their families' encodings.
-    assert len(trains) == 4 * len(reproduce.ENCODINGS) + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS)
+    assert len(trains) == 4 * len(suites.ENCODINGS) + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS)
     assert any("configs/vit_s16_imagenet.py:ape --workdir /cluster/runs/vit/ape" in c for c in trains)
     assert any("configs/dna_hg38.py:alibi --workdir /cluster/runs/dna/alibi" in c for c in trains)
-    for enc in reproduce.ENCODINGS:
+    for enc in suites.ENCODINGS:
         assert f"--config configs/lm_c4_125m.py:{enc} --workdir /cluster/runs/c4_125m/{enc}" in cmds[
             [i for i, c in enumerate(cmds) if f"lm_c4_125m.py:{enc} " in c][0]]
         assert any(f"configs/lm_fineweb_1b.py:{enc} " in c for c in trains)
         assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper,official " in c for c in trains)
     evals = [c for c in cmds if " experiments.evaluate " in c]
     assert len(evals) == 7  # c4, fineweb, passkey, niah, ViT, DNA on 2 genomes: encodings side by side
-    assert all(c.count("--workdir") == len(reproduce.ENCODINGS) for c in evals[:4])
+    assert all(c.count("--workdir") == len(suites.ENCODINGS) for c in evals[:4])
     assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
                in c for c in evals)
     assert "--evals resolution --resolutions 224,336,448,672" in evals[4]
-    assert evals[5].count("--workdir") == len(reproduce.DNA_ENCODINGS) and "--fasta " in evals[5]
+    assert evals[5].count("--workdir") == len(suites.DNA_ENCODINGS) and "--fasta " in evals[5]
     assert cmds[-1].startswith("python -m experiments.toy_prior")
 
 
@@ -99,16 +101,16 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
 def test_every_planned_config_validates(suite):
     """Each run the suite would launch has a config that passes the engine's checks (paper
     runs on 8 devices), so a cluster job does not fail on a typo hours in."""
-    s = reproduce.SUITES[suite]
-    for job in reproduce.plan(s, "/runs", reproduce.ENCODINGS):
-        config = reproduce.load_config(job.spec, job.overrides)
+    s = suites.SUITES[suite]
+    for job in suites.plan(s, "/runs", suites.ENCODINGS):
+        config = load_config(job.spec, job.overrides)
         trainer.validate_config(config, num_devices=8 if suite == "paper" else 1)
         if job.kind != "toy":
             assert config.model.position_encoding == job.encoding
 
 
 def test_paper_commands_parse_as_shell():
-    cmds = reproduce.paper_commands(reproduce.SUITES["paper"], "/r", ["goat"], "/o")
+    cmds = paper.paper_commands(suites.SUITES["paper"], "/r", ["goat"], "/o")
     for cmd in cmds:
         argv = shlex.split(cmd)
         assert argv[:2] == ["python", "-m"]
@@ -118,7 +120,7 @@ def test_paper_commands_parse_as_shell():
     for cmd in cmds:
         if "--config " in cmd:
             path = cmd.split("--config ")[1].split()[0].split(":")[0]
-            assert os.path.exists(os.path.join(reproduce.ROOT, path)), path
+            assert os.path.exists(os.path.join(suites.ROOT, path)), path
     assert "--out /o/c4_125m" in " ".join(cmds) and "--out /o/passkey" in " ".join(cmds)
 
 
@@ -127,14 +129,14 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
     # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding.
-    assert len(lines) == (5 * len(reproduce.ENCODINGS) + 1 + len(reproduce.SUITES["tiny"].lm_variants)
-                          + len(reproduce.VIT_ENCODINGS) + len(reproduce.DNA_ENCODINGS))
+    assert len(lines) == (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
+                          + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
-    for enc in reproduce.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
+    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
         assert f"vit/vit/{enc} (configs/vit_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/vit/{enc}" in lines[
             [i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
-    for enc in reproduce.DNA_ENCODINGS:
+    for enc in suites.DNA_ENCODINGS:
         assert any(f"(configs/dna_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/dna/{enc}" in l for l in lines)
     # One family alone, with its own encodings.
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "vit", "--vit_encodings",
@@ -146,7 +148,7 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     # The language family without its retrieval variants; a variant the suite lacks is named.
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 * len(reproduce.ENCODINGS) + 1 + len(reproduce.SUITES["tiny"].lm_variants)
+    assert len(lines) == 3 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
     assert not any("official" in l for l in lines)
     with pytest.raises(ValueError, match="--retrieval_variants paper: suite 'tiny' has official"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--retrieval_variants", "paper"])
@@ -157,13 +159,11 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
     from one Suite entry (rendered here from made-up results: no training)."""
     import dataclasses
 
-    from experiments import report_lm
-
     suite = dataclasses.replace(
-        reproduce.SUITES["smoke"],
-        lm_variants=(reproduce.LMVariant("goat+opt", "goat", {"model.rope_base": 500.0}),),
-        retrieval_variants=(reproduce.RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},smoke"),))
-    jobs = reproduce.plan(suite, "/runs")
+        suites.SUITES["smoke"],
+        lm_variants=(suites.LMVariant("goat+opt", "goat", {"model.rope_base": 500.0}),),
+        retrieval_variants=(suites.RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},smoke"),))
+    jobs = suites.plan(suite, "/runs")
     names = [j.name for j in jobs]
     assert names[:3] == ["lm/jargon/goat", "lm/jargon/rope", "lm/jargon/goat+opt"]
     variant = jobs[2]
@@ -173,10 +173,10 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
     assert [j.workdir for j in jobs if j.dataset == "passkey_official"] == [
         "/runs/passkey_official/goat", "/runs/passkey_official/rope"]
     for job in jobs:  # every planned config builds, with the overrides applied
-        config = reproduce.load_config(job.spec, job.overrides)
+        config = load_config(job.spec, job.overrides)
         assert config.model.position_encoding == job.encoding
     # The paper commands name every run when a group holds a variant (two runs share 'goat').
-    cmds = reproduce.paper_commands(suite, "/r", ["goat", "rope"], "/o")
+    cmds = paper.paper_commands(suite, "/r", ["goat", "rope"], "/o")
     lm_eval = next(c for c in cmds if "experiments.evaluate" in c and "/jargon/" in c)
     assert "--workdir /r/jargon/goat+opt --label goat+opt" in lm_eval and "--label rope" in lm_eval
 
@@ -191,7 +191,7 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
             results[j.name] = {"train_len": 32, "niah": {"lengths": [32, 512], "depths": [0.5],
                                                          "token_accuracy": [[1.0], [0.5]],
                                                          "exact_match": [[1.0], [0.0]]}}
-    md = "\n".join(report_lm.lm_sections(suite, jobs, results, str(tmp_path)))
+    md = "\n".join(lm_family.lm_sections(suite, jobs, results, str(tmp_path)))
     assert re.search(r"\| goat\+opt \| 5\.000 \| 9\.000 \|", md)  # the variant's own numbers
     assert "## Synthetic passkey, official variant" in md
     assert "## Needle in a haystack, official variant" in md
@@ -199,17 +199,15 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
     for png in ("passkey_synthetic.png", "passkey_synthetic_official.png", "niah_official_goat.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     # The headline checks judge the plain encodings only.
-    checks = report_lm.lm_checks(results, ["goat", "rope"])
+    checks = lm_family.lm_checks(results, ["goat", "rope"])
     assert any("GOAT in-distribution" in c[0] and "rope" in c[2] for c in checks)
 
 
 def test_vision_and_dna_claims_compare_encodings(tmp_path):
     """The vision and DNA sections and claims from made-up results of two runs each (no
     training): verdicts follow the numbers, tables hold every run."""
-    from experiments import report_dna, report_vision
-
-    suite = reproduce.SUITES["smoke"]
-    jobs = reproduce.plan(suite, str(tmp_path), families=["vit", "dna"])
+    suite = suites.SUITES["smoke"]
+    jobs = suites.plan(suite, str(tmp_path), families=["vit", "dna"])
     assert [j.name for j in jobs] == ["vit/vit/goat", "vit/vit/ape", "dna/dna/goat", "dna/dna/rope"]
     os.makedirs(jobs[0].workdir)
     with open(os.path.join(jobs[0].workdir, "config.json"), "w") as f:
@@ -236,7 +234,7 @@ def test_vision_and_dna_claims_compare_encodings(tmp_path):
                    "grid": [4, 4], "shift": [1, 1], "by_layer": [0.05, 0.1]}}, "vit/vit/ape": vit(0.91, 0.70),
                "dna/dna/goat": dna(1.9, 0.4), "dna/dna/rope": dna(1.95, 0.45)}
     verdicts = {c[0].split(" (")[0]: (c[1], c[2]) for c in
-                report_vision.vision_checks(jobs, results) + report_dna.dna_checks(jobs, results, memory)}
+                vit_family.vision_checks(jobs, results) + dna_family.dna_checks(jobs, results, memory)}
     assert verdicts["ViT: GOAT loses less top-1 than ape at 2x the training resolution"] == (
         True, "drop 1x -> 2x: GOAT 10.50 points, ape 21.00 points")
     assert verdicts["ViT: GOAT top-1 at 1x"][0] is True  # 0.5 points behind ape
@@ -248,10 +246,10 @@ def test_vision_and_dna_claims_compare_encodings(tmp_path):
     assert verdicts["DNA: GOAT compiled train-step memory < RoPE's"] == (False, "GOAT / RoPE MiB: 11.5 / 11.0 at 64")
     assert verdicts["DNA: GC agreement r"][0] is False
     results["vit/vit/goat"] = vit(0.89, 0.80)  # 2 points behind the best: the claim fails
-    assert not [c for c in report_vision.vision_checks(jobs, results) if "within 1 point" in c[0]][0][1]
+    assert not [c for c in vit_family.vision_checks(jobs, results) if "within 1 point" in c[0]][0][1]
 
-    md = "\n".join(report_vision.vision_section(jobs, results, str(tmp_path))
-                   + report_dna.dna_section(suite, jobs, results, memory))
+    md = "\n".join(vit_family.vision_section(jobs, results, str(tmp_path))
+                   + dna_family.dna_section(suite, jobs, results, memory))
     assert "| ape | 2 | 91.00 | 70.00 | 21.00 | 100 |" in md
     assert "| rope | 1.950 | 2.050 |" in md and "| rope | 0.450 | 0.500 | 0.900 | 0.500 / 0.500 | 4 |" in md
     assert "| 64 | 128 | goat | 1.0 | 10.5 | 11.5 |" in md

@@ -119,3 +119,20 @@ def test_evaluate_cli_refuses_duplicate_labels(tmp_path):
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 1 and "error: --label values must be unique; ['x']" in proc.stderr, proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_metrics_reader_skips_torn_lines_and_summarizes(tmp_path, rng):
+    """read_metrics returns every whole row in order (a line torn by a kill is skipped), and the
+    summaries are the max elapsed time and the median throughput of the training rows."""
+    rates = rng.uniform(10, 1000, size=int(rng.integers(3, 9)))
+    rows = [{"step": i + 1, "train_loss": 1.0, "tokens_per_sec": float(r), "elapsed_s": 2.5 * (i + 1)}
+            for i, r in enumerate(rates)]
+    rows.insert(2, {"step": 2, "eval_loss": 0.5})  # eval rows carry neither field
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 99, "train_lo'  # torn by a kill
+    (tmp_path / run_lib.METRICS_FILE).write_text(text)
+    assert run_lib.read_metrics(str(tmp_path)) == rows
+    assert run_lib.training_seconds(str(tmp_path)) == 2.5 * len(rates)
+    ordered = sorted(rates)
+    assert run_lib.median_throughput(str(tmp_path)) == pytest.approx(ordered[len(ordered) // 2], rel=0, abs=0)
+    (tmp_path / run_lib.METRICS_FILE).write_text('{"step": 1, "eval_loss": 0.5}\n')
+    assert run_lib.median_throughput(str(tmp_path)) is None and run_lib.training_seconds(str(tmp_path)) == 0.0

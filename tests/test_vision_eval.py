@@ -29,7 +29,7 @@ def _params(rng, sink=True):
 
 
 def _reference(prior, grid):
-    """Head-mean log-prior over patch pairs, float64, from the formulas in README / the paper."""
+    """Head-mean log-prior over patch pairs, float64, from the formulas in docs/layer.md / the paper."""
     r_total, m = CFG.pos_rank, CFG.abs_rank
     w_rel = 10_000.0 ** (-np.arange(r_total) / max(r_total - 1, 1))
     w_abs = 10_000.0 ** (-np.arange(m) / max(m - 1, 1))

@@ -11,7 +11,7 @@ stay in the inputs. Records with nothing left to score are an error naming them.
 multiples of the training length L (1x, 2x, 4x, 8x).
 
 GC agreement (:func:`gc_agreement`). The official GOAT code reports a "GC% agreement" Pearson r
-without defining it; goat-jax defines it as follows (README, section DNA):
+without defining it; goat-jax defines it as follows (docs/experiments.md, section DNA):
 
 1. Take N >= 256 held-out windows of 400 bases, evenly spaced over the held-out records (window
    k starts at ``floor(k * S / N)`` of the S possible starts, all records concatenated, a window

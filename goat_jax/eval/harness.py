@@ -50,6 +50,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from lm_eval.api.model import LM
 
 from goat_jax.data import tokenizers as tokenizers_lib
+from goat_jax.eval import lm_run
 from goat_jax.models import sampling
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,7 @@ class GoatLM(LM):
     def from_workdir(cls, workdir: str, step: Optional[int] = None, **kwargs) -> "GoatLM":
         """Reads ``workdir`` (read-only: safe while it trains) and wraps it; ``kwargs`` as
         :class:`GoatLM`."""
-        from goat_jax.eval import runs  # pylint: disable=g-import-not-at-top
-        return cls(runs.load_lm_run(workdir, step), **kwargs)
+        return cls(lm_run.load_lm_run(workdir, step), **kwargs)
 
     # --- tokenization -------------------------------------------------------------------------
 

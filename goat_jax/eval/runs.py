@@ -5,7 +5,7 @@
     results = evaluate_run(run, ["extrapolation", "sinks"], multipliers=(1, 2, 4))
     write_outputs({run.label: results}, out_dir, {run.label: run.train_len})
 
-Evaluations (protocols in README.md, section "Experiments"; the metrics live in
+Evaluations (protocols in docs/experiments.md; the metrics live in
 :mod:`goat_jax.eval.extrapolation`, :mod:`~goat_jax.eval.retrieval`, :mod:`~goat_jax.eval.sinks`):
 
   extrapolation  perplexity on the held-out stream at ``m x`` the training length,
@@ -25,7 +25,6 @@ Evaluations (protocols in README.md, section "Experiments"; the metrics live in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -37,16 +36,12 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import ml_collections
 import numpy as np
 
+from goat_jax.cli import log
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
 from goat_jax.eval.checks import EVAL_TASKS, check_evals_fit, check_output_dir, evals_for_task  # noqa: F401
-from goat_jax.models.lm import TransformerLM
+from goat_jax.eval.lm_run import LMRun, load_lm_run  # noqa: F401  (runs.LMRun, runs.load_lm_run)
 from goat_jax.train import run as run_lib
-
-
-def log(msg: str) -> None:
-    """Progress line on stdout (flushed: the harness runs under nohup with a log file)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 EVALS = tuple(e for e in EVAL_TASKS if e != "resolution")  # what evaluate_run runs
@@ -55,38 +50,9 @@ NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading a run
+# Loading a run: LMRun and load_lm_run live in goat_jax/eval/lm_run.py (imported above), below
+# both this module and goat_jax/eval/harness.py, which read runs the same way.
 # ----------------------------------------------------------------------------------------------
-
-
-class LMRun(run_lib.Run):
-    """A run of the 'lm' task (:func:`goat_jax.train.run.load_run`) with the properties the
-    language evaluations compare runs by."""
-
-    @property
-    def label(self) -> str:
-        """The position encoding: what the comparisons are about."""
-        return str(self.config.model.position_encoding)
-
-    @property
-    def train_len(self) -> int:
-        """The training context length."""
-        return int(self.config.seq_len)
-
-    @property
-    def is_synthetic(self) -> bool:
-        """Whether the run trained on a synthetic task (copy mixture, passkey, NIAH)."""
-        return self.config.data.get("source") == "synthetic"
-
-
-def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
-    """:func:`goat_jax.train.run.load_run` (read-only: safe on a run still training) for a run
-    whose task is the language model; ValueError naming ``config.task`` otherwise."""
-    run = run_lib.load_run(workdir, step)
-    if not isinstance(run.model, TransformerLM):  # the task built its model: 'lm' and 'dna' build the LM
-        raise ValueError(f"{workdir}: config.task={run.config.task!r} trained a "
-                         f"{type(run.model).__name__}; the language evaluations need the LM (TransformerLM).")
-    return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
 
 
 def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
@@ -469,7 +435,7 @@ def _dna_markdown(dna: dict[str, dict[str, Any]]) -> list[str]:
     if any(excluded.values()):
         md += ["N targets (unknown bases) are not scored; left out per window length: " +
                ", ".join(f"{n}: {c:,}" for n, c in sorted(excluded.items())) + ".", ""]
-    md += ["### GC agreement (Pearson r; README, section DNA)", "",
+    md += ["### GC agreement (Pearson r; docs/experiments.md, section DNA)", "",
            "| model | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model "
            "| mean GC sample / truth | windows |", "|---|---|---|---|---|---|"]
     for k, r in dna.items():

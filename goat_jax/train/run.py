@@ -1,4 +1,5 @@
-"""A run on disk: the workdir layout, the train state, and reading a run back (:func:`load_run`).
+"""A run on disk: the workdir layout, the train state, and reading a run back (:func:`load_run`,
+:func:`read_config`, :func:`read_metrics`).
 
 The one place that knows the workdir layout (the trainer writes it, evaluations read it)::
 
@@ -6,6 +7,12 @@ The one place that knows the workdir layout (the trainer writes it, evaluations 
     WORKDIR/metrics.jsonl     one JSON row per logged step (METRICS_FILE)
     WORKDIR/tensorboard/      TensorBoard events (TENSORBOARD_DIR)
     WORKDIR/checkpoints/<N>/  orbax checkpoints: state, data-iterator state, meta (CHECKPOINT_DIR)
+
+and, written by the checkpointer next to its directory (goat_jax/train/checkpoint.py, which
+this module builds on and so cannot import the names from here)::
+
+    WORKDIR/config_changes.jsonl    what --resume_with_changes changed, one row per resume
+    WORKDIR/corrupt_checkpoints/N/  checkpoints that failed to restore, set aside (never deleted)
 
 Reading never writes: :func:`load_run` opens the checkpoints read-only, so it is safe to
 evaluate a run while it is still training (it never creates, cleans up or locks anything in
@@ -133,6 +140,32 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
         raise FileNotFoundError(f"{path} not found: {workdir} is not a run of experiments.train.")
     with open(path) as f:
         return ml_collections.ConfigDict(json.load(f))
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (training rows, eval rows), in order; a line torn by
+    a kill mid-write is skipped. Safe while the run is training: the trainer flushes each row."""
+    rows = []
+    with open(metrics_path(workdir)) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def training_seconds(workdir: str) -> float:
+    """Wall time of a run's training: the largest ``elapsed_s`` in its metrics (0.0 if none),
+    so a report regenerated later from the workdir still shows the original time."""
+    return max((float(row.get("elapsed_s") or 0.0) for row in read_metrics(workdir)), default=0.0)
+
+
+def median_throughput(workdir: str) -> Optional[float]:
+    """Median ``tokens_per_sec`` over a run's training rows (tokens/s for language and genome
+    models, images/s for ViTs), or None when no row has it."""
+    rates = sorted(float(r["tokens_per_sec"]) for r in read_metrics(workdir) if r.get("tokens_per_sec"))
+    return rates[len(rates) // 2] if rates else None
 
 
 def load_run(workdir: str, step: Optional[int] = None) -> Run:

@@ -47,7 +47,7 @@ The contract, in one place:
     the task's names (:func:`goat_jax.train.optim.substring_decay_mask`,
     :func:`goat_jax.train.optim.decay_everything`).
 
-Adding a family: README.md, section "Adding an experiment family".
+Adding a family: docs/training.md, section "Adding an experiment family".
 """
 
 from __future__ import annotations

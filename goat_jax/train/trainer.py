@@ -481,8 +481,8 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
             return (f"The last finite checkpoint (step {last_saved}) is kept in "
                     f"{checkpointer.directory}. To continue from it, rerun the same command adding "
                     "--resume_with_changes --config.optimizer.learning_rate=<lower> (other "
-                    "optimizer.* fields, e.g. grad_clip, may change too; see README 'What happens "
-                    "when things go wrong').")
+                    "optimizer.* fields, e.g. grad_clip, may change too; see docs/training.md, "
+                    "'What happens when things go wrong').")
         return ("No checkpoint was saved; rerun the same command adding "
                 "--config.optimizer.learning_rate=<lower> (or a positive optimizer.grad_clip).")
 

@@ -1,5 +1,5 @@
-"""The DNA family of ``experiments.reproduce``: genome LMs on E. coli K-12 MG1655
-(configs/dna_tiny.py) with GOAT, RoPE, ALiBi and NoPE, everything else identical.
+"""The DNA family of the report harness (``experiments.reproduce``): genome LMs on E. coli K-12
+MG1655 (configs/dna_tiny.py) with GOAT, RoPE, ALiBi and NoPE, everything else identical.
 
 Per run (cached with the run's other evaluations; goat_jax.eval.dna does the scoring):
 
@@ -8,35 +8,40 @@ Per run (cached with the run's other evaluations; goat_jax.eval.dna does the sco
   perplexity and next-base accuracy on non-overlapping windows of 1x..8x the training length;
 * the same on each of ``Suite.dna_genomes`` (a different E. coli strain, DH1, and 40 kb of
   human chr17), capped alike;
-* GC agreement (README, section DNA) on ``Suite.dna_gc_windows`` windows spread over the whole
-  held-out region, with its two model-free references;
+* GC agreement (docs/experiments.md, section DNA) on ``Suite.dna_gc_windows`` windows spread
+  over the whole held-out region, with its two model-free references;
 * train tokens/s from the run's metrics.jsonl.
 
 Once per report: the compiled training-step memory (arguments + temporaries, XLA's
 ``memory_analysis``, compile only) of the official genome GPT with GOAT and with RoPE at
-``Suite.dna_memory_lengths`` (experiments.bench_dna.memory_row), cached next to the runs.
+``Suite.dna_memory_lengths`` (:func:`goat_jax.reproduce.dna_bench.memory_row`), cached next to
+the runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
+from goat_jax import cli
 from goat_jax.data.fasta import N_ID
+from goat_jax.eval import dna as dna_eval
+from goat_jax.eval import runs as ev
+from goat_jax.eval.runs import table
+from goat_jax.reproduce import dna_bench
+from goat_jax.reproduce.suites import Job, Suite
+from goat_jax.train import run as run_lib
 
 MEMORY_DTYPE = "bfloat16"  # the official recipe's compute dtype
 MEMORY_KERNEL = "xla"  # materialized attention, as benchmarks/dna.md
 
 
-def evaluate_dna_job(job, suite) -> dict[str, Any]:
-    """The evaluations of one DNA ``job`` (uncached; ``experiments.reproduce`` caches them):
-    ``{'train_len', 'step', 'heldout': {...}, 'genomes': {label: {...}}, 'tokens_per_sec'}``
+def evaluate_dna_job(job: Job, suite: Suite) -> dict[str, Any]:
+    """The evaluations of one DNA ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
+    caches them): ``{'train_len', 'step', 'heldout': {...}, 'genomes': {label: {...}}, 'tokens_per_sec'}``
     (each of the scored sets as goat_jax.eval.dna.evaluate_records returns it, plus ``'data'``)."""
-    from experiments import reproduce, reproduce_jobs  # pylint: disable=g-import-not-at-top
-    from goat_jax.eval import dna as dna_eval  # pylint: disable=g-import-not-at-top
-    from goat_jax.eval import runs as ev  # pylint: disable=g-import-not-at-top
-
     run = ev.load_lm_run(job.workdir)
     seed = int(run.config.seed)
     whole, info = dna_eval.heldout_records(run.config.data, "valid")
@@ -47,24 +52,22 @@ def evaluate_dna_job(job, suite) -> dict[str, Any]:
     out["heldout"] = {"data": info, **dna_eval.evaluate_records(
         run.model, run.params, records, run.train_len, multipliers=suite.dna_multipliers,
         gc_records=whole, gc_num_windows=suite.dna_gc_windows, seed=seed)}
-    reproduce.log(f"  {job.name}: held-out E. coli scored")
+    cli.log(f"  {job.name}: held-out E. coli scored")
     out["genomes"] = {}
     for label, path in suite.dna_genomes:
         out["genomes"][label] = dna_eval.evaluate_fasta(
             run.model, run.params, [path], run.train_len, max_bases=suite.dna_max_bases,
             multipliers=suite.dna_multipliers, gc_num_windows=0, seed=seed)
-        reproduce.log(f"  {job.name}: {label} scored")
-    out["tokens_per_sec"] = reproduce_jobs.train_rate(job.workdir)
+        cli.log(f"  {job.name}: {label} scored")
+    out["tokens_per_sec"] = run_lib.median_throughput(job.workdir)
     return out
 
 
-def dna_memory(suite, jobs) -> list[dict]:
+def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
     """Compiled train-step memory of GOAT and RoPE at each of ``suite.dna_memory_lengths``
-    (:func:`experiments.bench_dna.memory_row`: the official genome GPT, 8,192 bases per step,
-    ``MEMORY_DTYPE``, kernel ``MEMORY_KERNEL``; ``suite.dna_memory_model`` shrinks it for
+    (:func:`goat_jax.reproduce.dna_bench.memory_row`: the official genome GPT, 8,192 bases per
+    step, ``MEMORY_DTYPE``, kernel ``MEMORY_KERNEL``; ``suite.dna_memory_model`` shrinks it for
     tests). Cached in ``reproduce_memory.json`` next to the DNA runs, keyed by the settings."""
-    from experiments import reproduce  # pylint: disable=g-import-not-at-top
-
     dna_jobs = [j for j in jobs if j.kind == "dna"]
     if not dna_jobs or not suite.dna_memory_lengths:
         return []
@@ -76,20 +79,19 @@ def dna_memory(suite, jobs) -> list[dict]:
             cached = json.load(f)
         if cached.get("key") == key:
             return cached["rows"]
-    from experiments import bench_dna  # pylint: disable=g-import-not-at-top
     rows = []
     for n in suite.dna_memory_lengths:
         for e in ("goat", "rope"):
-            rows.append(bench_dna.memory_row(e, n, MEMORY_DTYPE, tokens_per_step=8192, timed_steps=0,
+            rows.append(dna_bench.memory_row(e, n, MEMORY_DTYPE, tokens_per_step=8192, timed_steps=0,
                                              implementation=MEMORY_KERNEL,
                                              model_overrides=suite.dna_memory_model))
-            reproduce.log(f"  memory {e} L={n}: {rows[-1]['arguments'] + rows[-1]['temporaries']:.1f} MiB")
+            cli.log(f"  memory {e} L={n}: {rows[-1]['arguments'] + rows[-1]['temporaries']:.1f} MiB")
     with open(cache, "w") as f:
         json.dump({"key": key, "rows": rows}, f)
     return rows
 
 
-def _runs(jobs, results: dict[str, dict]) -> dict[str, dict]:
+def _runs(jobs: Sequence[Job], results: dict[str, dict]) -> dict[str, dict]:
     """``{label: result}`` of the evaluated DNA runs, in plan order."""
     return {j.label: results[j.name] for j in jobs if j.kind == "dna" and j.name in results}
 
@@ -104,7 +106,7 @@ def _total(row: dict) -> float:
     return row["arguments"] + row["temporaries"]
 
 
-def dna_checks(jobs, results: dict[str, dict], memory: list[dict]) -> list[tuple[str, Optional[bool], str]]:
+def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[tuple[str, Optional[bool], str]]:
     """The paper's genomics claims at this scale: ``[(claim, passed or None, numbers)]``:
     GOAT's held-out NLL below RoPE's (at the training length); GOAT's compiled train-step
     memory (arguments + temporaries) below RoPE's at every measured length; GOAT's GC
@@ -135,10 +137,8 @@ def dna_checks(jobs, results: dict[str, dict], memory: list[dict]) -> list[tuple
     return checks
 
 
-def dna_section(suite, jobs, results: dict[str, dict], memory: list[dict]) -> list[str]:
+def dna_section(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[str]:
     """The DNA section (markdown lines)."""
-    from goat_jax.eval.runs import table  # pylint: disable=g-import-not-at-top
-
     runs = _runs(jobs, results)
     if not runs:
         return []
@@ -165,7 +165,7 @@ def dna_section(suite, jobs, results: dict[str, dict], memory: list[dict]) -> li
                "Perplexity (per base; 4 is a uniform guess over ACGT):", "",
                table(ppl, first_col="encoding", header_fmt=fmt), "",
                "Next-base accuracy:", "", table(acc, pct=True, first_col="encoding", header_fmt=fmt), ""]
-    md += ["### GC agreement on the held-out region (README, section DNA)", "",
+    md += ["### GC agreement on the held-out region (docs/experiments.md, section DNA)", "",
            "| encoding | r(sample, truth) | r(prompt, truth), no model | r(halves of truth), no model | "
            "mean GC sample / truth | windows |", "|---|---:|---:|---:|---:|---:|"]
     for k, e in runs.items():

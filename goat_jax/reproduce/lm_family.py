@@ -1,7 +1,7 @@
-"""The language family of ``experiments.reproduce``: what is evaluated on each LM, retrieval
-and toy run, the headline checks against the paper's language claims, and the report's tables
-and figures for them (one row per encoding, plus any ``Suite.lm_variants`` rows and one extra
-set of tables per ``Suite.retrieval_variants`` entry).
+"""The language family of the report harness (``experiments.reproduce``): what is evaluated on
+each LM, retrieval and toy run, the headline checks against the paper's language claims, and
+the report's tables and figures for them (one row per encoding, plus any ``Suite.lm_variants``
+rows and one extra set of tables per ``Suite.retrieval_variants`` entry).
 
 Results are keyed by ``Job.name`` (``kind/dataset/label``): ``lm/jargon/goat``,
 ``passkey/passkey/rope``, ``niah/niah_official/goat`` (a retrieval variant), ``toy/copy_mixture/goat``.
@@ -13,17 +13,20 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-LM_KINDS = ("lm", "passkey", "niah", "toy")  # Job.kind values of the language family
+import numpy as np
+
+from goat_jax.config_files import load_config
+from goat_jax.eval import plots, toy
+from goat_jax.eval import runs as ev
+from goat_jax.reproduce.suites import Job, Suite
 
 
-def evaluate_lm_job(job, suite) -> dict[str, Any]:
-    """The evaluations of one language-family ``job`` (uncached; ``experiments.reproduce``
-    caches them): LMs get extrapolation, sinks and the standard passkey prompt; passkey models
-    the synthetic passkey; NIAH models the grid; the toy its prior figure and checks."""
-    from goat_jax.eval import runs as ev  # pylint: disable=g-import-not-at-top
+def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
+    """The evaluations of one language-family ``job`` (uncached;
+    :func:`goat_jax.reproduce.jobs.evaluate` caches them): LMs get extrapolation, sinks and the
+    standard passkey prompt; passkey models the synthetic passkey; NIAH models the grid; the toy
+    its prior figure and checks."""
     if job.kind == "toy":
-        from goat_jax.eval import toy  # pylint: disable=g-import-not-at-top
-        from experiments.reproduce import load_config  # pylint: disable=g-import-not-at-top
         res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True, train=False)
         return {"summary": res["summary"], "sink": res["checks"]["sink"],
                 "diagonal": res["checks"]["diagonal"], "loss": res["loss"]}
@@ -83,8 +86,7 @@ def lm_checks(results: dict[str, dict], encodings: Sequence[str]) -> list[tuple[
 
 def length_table(rows: dict[str, dict[int, float]], train_len: int, pct: bool = False) -> str:
     """Runs x lengths, each length header also given as a multiple of the training length."""
-    from goat_jax.eval.runs import table  # pylint: disable=g-import-not-at-top
-    return table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
+    return ev.table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
 
 
 def _train_len(results: dict[str, dict], kind: str, dataset: Optional[str] = None) -> int:
@@ -94,10 +96,8 @@ def _train_len(results: dict[str, dict], kind: str, dataset: Optional[str] = Non
                 if name.startswith(prefix) and "train_len" in r)
 
 
-def lm_sections(suite, jobs, results: dict[str, dict], out: str) -> list[str]:
+def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str) -> list[str]:
     """The language family's report sections (markdown lines); writes their PNGs into ``out``."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top
 
     def rows(kind: str, dataset: str, key: str) -> dict[str, Any]:
         """``{row label: results[key]}`` of the runs of ``kind/dataset`` that have ``key``."""
@@ -162,7 +162,7 @@ def lm_sections(suite, jobs, results: dict[str, dict], out: str) -> list[str]:
     return md
 
 
-def copy_toy_figures(jobs, out: str) -> None:
+def copy_toy_figures(jobs: Sequence[Job], out: str) -> None:
     """Copies the toy run's prior figures (written into its workdir by the evaluation) to ``out``."""
     for job in jobs:
         if job.kind != "toy":

@@ -1,5 +1,6 @@
-"""The vision family of ``experiments.reproduce``: ViTs on Fashion-MNIST (configs/vit_tiny.py)
-with every 2D position encoding, evaluated zero-shot at larger input resolutions.
+"""The vision family of the report harness (``experiments.reproduce``): ViTs on Fashion-MNIST
+(configs/vit_tiny.py) with every 2D position encoding, evaluated zero-shot at larger input
+resolutions.
 
 Per run (cached with the run's other evaluations): top-1 and loss at each ``Suite.vit_scales``
 multiple of the training resolution (goat_jax.eval.vision.evaluate_vision_run, what
@@ -14,12 +15,18 @@ paper's three vision claims with numbers (thresholds in :func:`vision_checks`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
+
+from goat_jax import cli
+from goat_jax.config_files import load_config
+from goat_jax.eval import vision
+from goat_jax.reproduce.suites import Job, Suite
+from goat_jax.tasks import vit as vit_task
+from goat_jax.train import run as run_lib
 
 PRIOR_GRID = (32, 32)  # the centre-patch log-prior figure's key grid (as experiments.evaluate)
 SHIFT_TOLERANCE = 0.10  # shift-invariant: a shifted prior moves by <= 10% of its range (see vision_checks)
@@ -30,7 +37,6 @@ def resolutions_for(config, scales: Sequence[float]) -> list[int]:
     """The evaluation resolutions ``scale x image_size`` of a ViT config (e.g. 28 px: 1, 1.5, 2,
     3 -> 28, 42, 56, 84), each a multiple of the patch size; ValueError naming the scale when
     one is not (the grid must be whole for every encoding)."""
-    from goat_jax.tasks import vit as vit_task  # pylint: disable=g-import-not-at-top
     model = vit_task.model_config(config)  # resolves a preset ('s16': 224 px, patch 16)
     size, patch = int(model.image_size), int(model.patch_size)
     out = []
@@ -43,17 +49,15 @@ def resolutions_for(config, scales: Sequence[float]) -> list[int]:
     return out
 
 
-def evaluate_vit_job(job, suite) -> dict[str, Any]:
-    """The evaluations of one ViT ``job`` (uncached; ``experiments.reproduce`` caches them):
+def evaluate_vit_job(job: Job, suite: Suite) -> dict[str, Any]:
+    """The evaluations of one ViT ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
+    caches them):
     ``{'step', 'train_resolution', 'encoding', 'resolution': {r: {'top1', 'loss', 'images'}},
     'eval_images', 'images_per_sec', ...}``; writes ``WORKDIR/reproduce_vision.npz``."""
-    from experiments import reproduce, reproduce_jobs  # pylint: disable=g-import-not-at-top
-    from goat_jax.eval import vision  # pylint: disable=g-import-not-at-top
-
-    config = reproduce.load_config(job.spec, job.overrides)
+    config = load_config(job.spec, job.overrides)
     resolutions = resolutions_for(config, suite.vit_scales)
     entry, run, make_eval_at = vision.evaluate_vision_run(
-        job.workdir, resolutions, num_eval_batches=suite.vit_eval_batches, log=reproduce.log)
+        job.workdir, resolutions, num_eval_batches=suite.vit_eval_batches, log=cli.log)
     shown = (min(resolutions), max(resolutions))
     arrays = {}
     for r in shown:  # the first eval images: the same for every run (same data config and seed)
@@ -63,7 +67,7 @@ def evaluate_vit_job(job, suite) -> dict[str, Any]:
     if entry["encoding"] == "goat":
         arrays["centre_log_prior"] = vision.centre_log_prior(run.params, run.model.config, PRIOR_GRID)
     np.savez(os.path.join(job.workdir, "reproduce_vision.npz"), **arrays)
-    entry["images_per_sec"] = reproduce_jobs.train_rate(job.workdir)
+    entry["images_per_sec"] = run_lib.median_throughput(job.workdir)
     return entry
 
 
@@ -76,7 +80,7 @@ def setup_line(config: dict) -> str:
             f"seed {config['seed']}")
 
 
-def _runs(jobs, results: dict[str, dict]) -> dict[str, dict]:
+def _runs(jobs: Sequence[Job], results: dict[str, dict]) -> dict[str, dict]:
     """``{label: result}`` of the evaluated ViT runs, in plan order."""
     return {j.label: results[j.name] for j in jobs if j.kind == "vit" and j.name in results}
 
@@ -86,7 +90,7 @@ def _top1(entry: dict, r: int) -> Optional[float]:
     return None if v is None else v["top1"]
 
 
-def vision_checks(jobs, results: dict[str, dict]) -> list[tuple[str, Optional[bool], str]]:
+def vision_checks(jobs: Sequence[Job], results: dict[str, dict]) -> list[tuple[str, Optional[bool], str]]:
     """The paper's vision claims at this scale: ``[(claim, passed or None, numbers)]``.
 
     * GOAT loses less top-1 than 'ape' from 1x to 2x the training resolution (points).
@@ -131,9 +135,8 @@ def vision_checks(jobs, results: dict[str, dict]) -> list[tuple[str, Optional[bo
     return checks
 
 
-def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
+def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> list[str]:
     """The vision section (markdown lines); writes its PNGs into ``out``."""
-    from goat_jax.eval import vision  # pylint: disable=g-import-not-at-top
 
     runs = _runs(jobs, results)
     if not runs:
@@ -197,8 +200,7 @@ def vision_section(jobs, results: dict[str, dict], out: str) -> list[str]:
     return md
 
 
-def _patch(jobs) -> int:
-    """The patch size of the first ViT run (from its config.json)."""
+def _patch(jobs: Sequence[Job]) -> int:
+    """The patch size of the first ViT run (from the config it wrote)."""
     job = next(j for j in jobs if j.kind == "vit")
-    with open(os.path.join(job.workdir, "config.json")) as f:
-        return int(json.load(f)["model"]["patch_size"])
+    return int(run_lib.read_config(job.workdir).model.patch_size)

@@ -1,4 +1,4 @@
-"""The notes of the tiny suite's report, one tuple per family (experiments/reproduce.py,
+"""The notes of the tiny suite's report, one tuple per family (goat_jax/reproduce/suites.py,
 ``SUITES['tiny']``): how the settings were chosen and what to read into the committed run's
 numbers. Prose kept apart from the harness; each note names the numbers it is about."""
 

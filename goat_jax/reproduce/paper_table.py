@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from goat_jax.config_files import load_config
 from goat_jax.models import lm
+from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
 
 C4_TOKENS = 4_000_000_000  # the official token budget (train_c4.py)
@@ -87,8 +89,8 @@ def _synthetic(task: str, encoding: str) -> Recipe:
 
 
 def official_recipe(kind: str, dataset: str, encoding: str) -> Optional[Recipe]:
-    """The recipe a paper run (``reproduce.Job`` kind/dataset) is compared against; None for
-    the toy, which has no official script."""
+    """The recipe a paper run (a :class:`~goat_jax.reproduce.suites.Job`'s kind and dataset) is
+    compared against; None for the toy, which has no official script."""
     if kind == "lm" and dataset == "c4_125m":
         return _c4(encoding)
     if kind == "lm" and dataset == "fineweb_1b":
@@ -152,9 +154,8 @@ class Row:
         return self.tokens_per_step * self.steps
 
 
-def rows(jobs: Sequence[Any], load_config: Callable[[str, dict], Any]) -> list[Row]:
-    """A :class:`Row` per job (``reproduce.Job``: ``name``, ``kind``, ``dataset``,
-    ``encoding``, ``spec``, ``overrides``); ``load_config(spec, overrides)`` builds its config."""
+def rows(jobs: Sequence[Job]) -> list[Row]:
+    """A :class:`Row` per job, from the config its ``spec`` and ``overrides`` build."""
     out = []
     for job in jobs:
         config = load_config(job.spec, job.overrides)

@@ -1,0 +1,110 @@
+"""Reading a config file: the one loader behind every command and the report harness.
+
+A config is code: ``configs/<name>.py`` defines ``get_config(arg)``, and a *spec*
+``'configs/lm_tiny.py:rope,smoke'`` names the file and its argument (parsed by
+:mod:`goat_jax.config_args`). :func:`load_config` builds the config of a spec and applies dotted
+overrides (``{'model.pos_rank': 8}``); :func:`define_config_flag` is the absl flag
+``--config FILE[:ARG] [--config.x=y ...]`` of ``experiments.train`` and ``experiments.toy_prior``,
+the same loader with ml_collections' ``--config.<field>=<value>`` overrides (typed, repeatable
+for tuples) on top.
+
+A relative path is looked up in the working directory first and then in the repository root,
+so ``python -m experiments.reproduce`` and the tests find ``configs/`` from anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Mapping, Optional
+
+from goat_jax import _extras
+with _extras.imports(__name__):  # optional packages: one-line error naming the extra
+    import ml_collections
+    from absl import flags
+    from ml_collections import config_flags
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """The config file ``path`` names: as given if absolute or present in the working
+    directory, else under :data:`REPO_ROOT`; FileNotFoundError naming both places if neither."""
+    if not path:
+        raise FileNotFoundError("config: the path of the config file is empty; give e.g. "
+                                "--config configs/lm_tiny.py.")
+    if os.path.isabs(path) or os.path.exists(path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"config file {path} not found.")
+        return path
+    in_repo = os.path.join(REPO_ROOT, path)
+    if os.path.exists(in_repo):
+        return in_repo
+    raise FileNotFoundError(f"config file {path} not found (looked in {os.getcwd()} and {REPO_ROOT}).")
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Optional[Mapping[str, Any]],
+                    spec: str = "the config") -> ml_collections.ConfigDict:
+    """Sets each dotted ``overrides`` field of ``config`` in place (``{'data.lag': 2}``) and
+    returns it; ValueError naming the field when ``spec`` has no such field (a typo must not
+    silently add one)."""
+    for key, value in (overrides or {}).items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if part not in node:
+                raise ValueError(f"override {key}: {spec} has no such field.")
+            node = node[part]
+        if leaf not in node:
+            raise ValueError(f"override {key}: {spec} has no such field.")
+        node[leaf] = value
+    return config
+
+
+def load_config(spec: str, overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of ``'path/file.py[:arg]'`` (``get_config()`` without an argument),
+    with dotted ``overrides`` applied (:func:`apply_overrides`)."""
+    path, _, arg = spec.partition(":")
+    path = resolve_path(path)
+    module_spec = importlib.util.spec_from_file_location(
+        os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path} defines no get_config(arg); every configs/*.py does.")
+    config = module.get_config(arg) if arg else module.get_config()
+    return apply_overrides(config, overrides, spec)
+
+
+class _SpecParser(flags.ArgumentParser):
+    """The ``--config`` value parser: a spec -> the locked config of :func:`load_config`. A
+    missing file or a bad argument is a ValueError here, which absl reports as a bad
+    ``--config`` value (one line, see goat_jax/cli.py) instead of deferring it to the first
+    field access as ml_collections' own parser does."""
+
+    def parse(self, argument: str) -> ml_collections.ConfigDict:
+        try:
+            config = load_config(argument)
+        except OSError as e:
+            raise ValueError(str(e)) from e
+        config.lock()  # --config.<field> may set fields, never add one (a typo is an error)
+        return config
+
+    def flag_type(self) -> str:
+        return "config object"
+
+
+def define_config_flag(name: str, default: Optional[str], help_string: str,
+                       flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+    """An absl flag ``--<name> FILE[:ARG]`` whose value is the loaded, locked config, with
+    ``--<name>.<field>=<value>`` overrides (ml_collections' ``DEFINE_config_file``, read through
+    :func:`load_config`)."""
+    # The flag object is ml_collections' (it owns the --name.field overrides); only the file
+    # loading is swapped, so every command reads config files the same way. Defined without a
+    # default first: a default is parsed when set, and it must be parsed by the swapped loader.
+    holder = config_flags.DEFINE_config_file(name, None, help_string, flag_values=flag_values,
+                                             lock_config=True)
+    flag_values[name].parser = _SpecParser()
+    if default is not None:
+        flag_values.set_default(name, default)
+    return holder

@@ -1,0 +1,232 @@
+"""The report harness's plan: suites (which configs, which overrides, which evaluations, at one
+scale), the runs of a suite (:class:`Job`, :func:`plan`) and their families.
+
+This is the bottom layer of :mod:`goat_jax.reproduce`: the family modules (``lm_family``,
+``vit_family``, ``dna_family``), the jobs, the paper commands and the report writer build on
+it, and it imports none of them. A suite is a :class:`Suite` in :data:`SUITES`; extra LM rows
+(:class:`LMVariant`) and retrieval variants (:class:`RetrievalVariant`) are one-line entries
+there (docs/experiments.md, "Adding rows").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+from goat_jax import config_files
+from goat_jax.reproduce import notes as report_notes
+
+ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's
+VIT_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")  # the vision family's
+DNA_ENCODINGS = ("goat", "rope", "alibi", "nope")  # the genome family's
+FAMILIES = ("lm", "vit", "dna")  # --families: language (LM, retrieval, toy), vision, DNA
+FAMILY_TITLES = {"lm": "Language", "vit": "Vision", "dna": "DNA"}  # REPORT.md's family sections, in order
+LM_KINDS = ("lm", "passkey", "niah", "toy")  # Job.kind values of the language family
+ROOT = config_files.REPO_ROOT  # config specs and the git revision are read from here
+
+# ----------------------------------------------------------------------------------------------
+# Suites: which configs, which overrides (identical across encodings), which evaluations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LMVariant:
+    """An extra row of the LM tables (e.g. an ablation of GOAT's prior): one more run per LM
+    dataset of the suite, evaluated like the encodings and shown next to them, never judged by
+    the headline checks. Its workdir is ``ROOT/<dataset>/<label>``."""
+
+    label: str  # the row label and workdir name, e.g. 'goat+<option>'
+    encoding: str  # fills {enc} of the dataset's config spec (and must be its position encoding)
+    overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.lm_overrides
+    spec: str = ""  # a config spec to use instead of the dataset's ({enc} filled in); '' = the dataset's
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalVariant:
+    """Another version of the synthetic retrieval models (e.g. the official synthetic data):
+    every task x every encoding again, with its own tables next to the default ones. Its runs
+    live in ``ROOT/<task>_<label>/<enc>``."""
+
+    label: str  # names the tables and workdirs, e.g. 'official'
+    spec: str  # config spec with {task} and {enc}, e.g. 'configs/retrieval_tiny.py:{task},{enc},official'
+    overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.retrieval_overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """One scale of the reproduction. Config specs are ``'file.py:arg'`` with ``{enc}``
+    (position encoding) and ``{task}`` (retrieval task) filled in; overrides are dotted
+    config fields applied to every encoding alike."""
+
+    name: str
+    lm: tuple[tuple[str, str], ...]  # (dataset label, config spec) of the perplexity LMs
+    retrieval: str  # config spec of the synthetic retrieval models
+    toy: str  # config spec of the toy copy-mixture model
+    lm_overrides: dict = dataclasses.field(default_factory=dict)
+    retrieval_overrides: dict = dataclasses.field(default_factory=dict)
+    toy_overrides: dict = dataclasses.field(default_factory=dict)
+    tasks: tuple[str, ...] = ("passkey", "niah")
+    multipliers: tuple[int, ...] = (1, 2, 4, 8, 16)  # evaluation lengths / training length
+    num_examples: int = 64  # synthetic passkey examples per length
+    niah_examples: int = 16  # NIAH examples per (length, depth) cell
+    niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT depths
+    standard_trials: int = 8  # standard passkey prompts per length (greedy decoding)
+    sink_examples: int = 8  # held-out windows for the sink statistics
+    notes: tuple[str, ...] = ()  # language runs: how the settings were chosen, what to read into the numbers
+    vit_notes: tuple[str, ...] = ()  # the same for the vision runs
+    dna_notes: tuple[str, ...] = ()  # the same for the DNA runs
+    encodings: tuple[str, ...] = ENCODINGS  # of the LMs and retrieval models (--encodings)
+    # Extra rows and tables, one line each, e.g.
+    #   lm_variants=(LMVariant("goat+opt", "goat", {"model.some_option": True}),)
+    #   retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)
+    lm_variants: tuple[LMVariant, ...] = ()
+    retrieval_variants: tuple[RetrievalVariant, ...] = ()
+    # Vision: one ViT per encoding (spec with {enc}), evaluated at these multiples of its
+    # training resolution on the first vit_eval_batches test batches (0: the whole split).
+    vit: str = ""  # '' = no vision family in this suite
+    vit_encodings: tuple[str, ...] = VIT_ENCODINGS
+    vit_overrides: dict = dataclasses.field(default_factory=dict)
+    vit_scales: tuple[float, ...] = (1, 1.5, 2, 3)
+    vit_eval_batches: Optional[int] = None  # None: the config's data.num_eval_batches
+    # DNA: one genome LM per encoding (spec with {enc}), scored at these multiples of its
+    # training length on the first dna_max_bases bases of the held-out region and of each genome.
+    dna: str = ""  # '' = no DNA family in this suite
+    dna_encodings: tuple[str, ...] = DNA_ENCODINGS
+    dna_overrides: dict = dataclasses.field(default_factory=dict)
+    dna_multipliers: tuple[int, ...] = (1, 2, 4, 8)
+    dna_max_bases: Optional[int] = 131_072  # per scored set (None: all of it)
+    dna_genomes: tuple[tuple[str, str], ...] = ()  # (label, FASTA path) scored besides the held-out region
+    dna_gc_windows: int = 256  # GC agreement windows (docs/experiments.md: N >= 256)
+    dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
+    dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
+
+
+_DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"),
+                ("human chr17 (40 kb)", "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"))
+
+
+SUITES = {
+    # Seconds: every stage of the harness on two encodings, a few steps each (the test).
+    "smoke": Suite(
+        name="smoke", lm=(("jargon", "configs/lm_tiny.py:{enc},smoke"),),
+        retrieval="configs/retrieval_tiny.py:{task},{enc},smoke", toy="configs/toy_copy_mixture.py:smoke",
+        lm_overrides={"seq_len": 32, "num_train_steps": 4, "checkpoint_every_steps": 4,
+                      "data.num_eval_batches": 1},
+        toy_overrides={"num_train_steps": 4, "checkpoint_every_steps": 4, "eval_every_steps": 0},
+        multipliers=(1, 16), num_examples=8, niah_examples=8, niah_depths=(0.5,),
+        standard_trials=2, sink_examples=2, encodings=("goat", "rope"),
+        vit="configs/vit_tiny.py:{enc},smoke", vit_encodings=("goat", "ape"), vit_scales=(1, 2),
+        vit_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
+        vit_eval_batches=1,
+        dna="configs/dna_tiny.py:{enc},smoke", dna_encodings=("goat", "rope"), dna_multipliers=(1, 4),
+        dna_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
+        dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:], dna_gc_windows=4, dna_memory_lengths=(64,),
+        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}),
+    # ~1 hour on 2 CPU cores. Settings chosen once for all encodings (see REPORT.md).
+    "tiny": Suite(
+        name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
+        retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py",
+        # Every model trains at 64 tokens, so 16x is 1024. MHA instead of lm_tiny's GQA: GOAT's
+        # prior is per KV head, and 2 priors per layer cost it ~15% perplexity at this size.
+        # 1000 steps: GOAT and RoPE are still improving at 600 (2-3% apart).
+        lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
+                      "num_train_steps": 1000, "eval_every_steps": 1000, "checkpoint_every_steps": 1000},
+        retrieval_overrides={},
+        # ViT and DNA runs: their configs as they are. Evaluations capped to minutes per run on
+        # 2 cores: 4,096 of the 10k test images (32 x 128) at every resolution (top-1 standard
+        # error ~0.6 points at 85%), 65,536 bases of each DNA set (~32 windows at 8x).
+        vit="configs/vit_tiny.py:{enc}", vit_eval_batches=32,
+        dna="configs/dna_tiny.py:{enc}", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
+        notes=report_notes.LM_NOTES,
+        vit_notes=report_notes.VIT_NOTES,
+        dna_notes=report_notes.DNA_NOTES,
+        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
+        # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
+        # baselines at attention scale 1) next to ours, every task and encoding.
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
+    # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
+    "paper": Suite(
+        name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
+                          ("fineweb_1b", "configs/lm_fineweb_1b.py:{enc}")),
+        retrieval="configs/retrieval_tiny.py:{task},{enc},paper,official", toy="configs/toy_copy_mixture.py",
+        num_examples=256, niah_examples=64, standard_trials=64, sink_examples=32,
+        vit="configs/vit_s16_imagenet.py:{enc}", dna="configs/dna_hg38.py:{enc}", dna_genomes=_DNA_GENOMES,
+        dna_max_bases=1_048_576, dna_memory_lengths=(1024, 4096, 16384)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One training run and the evaluations made on it."""
+
+    kind: str  # 'lm' | 'passkey' | 'niah' | 'toy'
+    dataset: str  # 'jargon', 'c4_125m', ... for LMs; the task otherwise
+    encoding: str
+    spec: str  # 'configs/file.py:arg'
+    overrides: dict
+    workdir: str
+    variant: str = ""  # the LMVariant label of an extra LM row ('' for the plain encodings)
+
+    @property
+    def label(self) -> str:
+        """The row label in the report: the encoding, or the LM variant's label."""
+        return self.variant or self.encoding
+
+    @property
+    def name(self) -> str:
+        """``kind/dataset/label`` (what the log says, and the key of its results)."""
+        return f"{self.kind}/{self.dataset}/{self.label}"
+
+    @property
+    def family(self) -> str:
+        """``'lm'`` (LMs, retrieval, toy), ``'vit'`` or ``'dna'``: the family the job belongs to."""
+        return "lm" if self.kind in LM_KINDS else self.kind
+
+
+def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
+         families: Sequence[str] = FAMILIES, vit_encodings: Optional[Sequence[str]] = None,
+         dna_encodings: Optional[Sequence[str]] = None) -> list[Job]:
+    """Every run of ``suite``'s ``families``, in order. Language (``encodings``, default
+    ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
+    retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
+    ``vit_encodings`` in ``ROOT/vit/<enc>``. DNA: a genome LM per ``dna_encodings`` in
+    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family."""
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}.")
+    jobs = []
+    if "lm" in families:
+        jobs += _plan_language(suite, root, list(encodings or suite.encodings))
+    for family, spec, encs, overrides in (
+            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides),
+            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides)):
+        if family in families and spec:
+            jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
+                         os.path.join(root, family, enc)) for enc in encs]
+    return jobs
+
+
+def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
+    """The language family's runs (see :func:`plan`)."""
+    jobs = []
+    for dataset, spec in suite.lm:
+        for enc in encodings:
+            jobs.append(Job("lm", dataset, enc, spec.format(enc=enc), dict(suite.lm_overrides),
+                            os.path.join(root, dataset, enc)))
+        for v in suite.lm_variants:
+            jobs.append(Job("lm", dataset, v.encoding, (v.spec or spec).format(enc=v.encoding),
+                            {**suite.lm_overrides, **v.overrides}, os.path.join(root, dataset, v.label),
+                            variant=v.label))
+    retrieval = [("", suite.retrieval, {})] + [(f"_{v.label}", v.spec, v.overrides)
+                                               for v in suite.retrieval_variants]
+    for suffix, pattern, overrides in retrieval:
+        for task in suite.tasks:
+            for enc in encodings:
+                jobs.append(Job(task, task + suffix, enc, pattern.format(task=task, enc=enc),
+                                {**suite.retrieval_overrides, **overrides},
+                                os.path.join(root, task + suffix, enc)))
+    jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
+                    os.path.join(root, "toy")))
+    return jobs
