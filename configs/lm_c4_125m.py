@@ -81,7 +81,6 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 1.0  # global-norm clip (ours: not in the recipe notes)
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "lm"  # goat_jax.models registry
     c.model.num_layers = 12  # decoder blocks
     c.model.embed_dim = 768  # residual width
     c.model.num_heads = 12  # query heads (head_dim 64)

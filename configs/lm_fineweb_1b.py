@@ -67,7 +67,6 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 1.0  # global-norm clip
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "lm"  # goat_jax.models registry
     c.model.vocab_size = 128_256  # Llama 3 vocabulary size (= data.spm_vocab_size)
     c.model.num_layers = 16  # Llama 3.2 1B
     c.model.embed_dim = 2048  # Llama 3.2 1B

@@ -65,7 +65,6 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 1.0  # global-norm clip (0: off)
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "lm"  # goat_jax.models registry
     c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad/BOS/EOS
     c.model.num_layers = 2  # decoder blocks
     c.model.embed_dim = 128  # residual width

@@ -82,7 +82,6 @@ def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 1.0  # global-norm clip
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "lm"  # goat_jax.models registry
     c.model.vocab_size = 259  # byte tokenizer
     c.model.num_layers = 2  # an induction circuit needs two layers (previous token, then match)
     c.model.embed_dim = 128  # residual width

@@ -62,7 +62,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 1.0  # global-norm clip
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "lm"  # goat_jax.models registry
     c.model.vocab_size = 16  # the copy-mixture symbols (no specials)
     c.model.num_layers = 1  # one attention layer: positions enter only through its prior
     c.model.embed_dim = 64  # residual width

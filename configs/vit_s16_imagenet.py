@@ -68,7 +68,6 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 0.0  # official: no clipping
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "vit"  # goat_jax.models registry
     c.model.preset = "s16"  # ViT-S/16: 224 px, patch 16, width 384, 12 layers, 6 heads, MLP 1536
     c.model.num_classes = 1000  # ImageNet-1k
     c.model.channels = 3  # RGB

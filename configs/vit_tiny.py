@@ -62,7 +62,6 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.grad_clip = 0.0  # the official recipe does not clip
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "vit"  # goat_jax.models registry
     c.model.num_classes = 10  # Fashion-MNIST classes
     c.model.image_size = 28  # training resolution
     c.model.patch_size = 7  # 4 x 4 patches at 28 px; 28/42/56/84 px all divide

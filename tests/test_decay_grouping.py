@@ -13,8 +13,8 @@ import pytest
 
 from configs import lm_tiny
 from goat_jax import interop
-from goat_jax import models
 from goat_jax.models import lm
+from goat_jax.tasks import lm as lm_task
 from goat_jax.train import run as run_lib
 from goat_jax.train import tasks
 from goat_jax.train import trainer
@@ -50,7 +50,7 @@ def test_official_grouping_selects_the_official_attention_parameters():
 
     _, variables = interop.from_official(m)
     params = {"layer_0": {"attention": variables["params"]}}
-    mask = models.official_c4_decay_mask(params)
+    mask = lm_task.official_c4_decay_mask(params)
     ours = {}
     for (path, leaf), (_, decayed) in zip(jax.tree_util.tree_leaves_with_path(params),
                                           jax.tree_util.tree_leaves_with_path(mask)):
@@ -67,7 +67,7 @@ def test_official_grouping_on_the_gpt2_lm():
                       num_layers=1, embed_dim=64, mlp_dim=64, training_seq_len=16)
     boxed = jax.eval_shape(lm.TransformerLM(cfg).init, jax.random.PRNGKey(0),
                            jnp.zeros((1, 8), jnp.int32))["params"]
-    mask = models.official_c4_decay_mask(boxed)
+    mask = lm_task.official_c4_decay_mask(boxed)
     flat = {_dotted(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(mask)}
     decayed = {k for k, v in flat.items() if v}
     attn = "layer_0.attention."

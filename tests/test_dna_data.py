@@ -299,7 +299,7 @@ def test_split_and_length_errors(tmp_path, rng):
     cfg = _cfg([path], valid_records=["chr1:401-500"], short_records="skip")
     tables = dna.build_tables(cfg, seq_len=20)
     assert len(tables["train"].skipped) == 1 and "tiny" in tables["train"].skipped[0]
-    with pytest.raises(ValueError, match="data.eval_offsets='middle' is unknown"):
+    with pytest.raises(ValueError, match=r"data.eval_offsets='middle' is not allowed: allowed is one of \['start', 'hashed'\]"):
         dna.make_dna_datasets(_cfg([path], eval_offsets="middle"), **kw)
 
 

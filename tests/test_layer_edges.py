@@ -214,7 +214,7 @@ def test_prior_settings_are_the_one_source_and_the_param_tree_is_unchanged():
     layer = make_attention(cfg, decode=False)
     assert layer.prior == prior_lib.PriorSettings(pos_rank=3, abs_rank=5, prior_gate="query_norm",
                                                   training_seq_len=64)
-    with pytest.raises(ValueError, match="prior_init must be 'seeded' or 'uniform'"):
+    with pytest.raises(ValueError, match=r"LMConfig.prior_init='flat' is not allowed: allowed is one of \['seeded', 'uniform'\]"):
         LMConfig(prior_init="flat")
     with pytest.raises(ValueError, match="GoatAttention.prior must be a goat_jax.prior.PriorSettings"):
         GoatAttention(num_heads=2, prior={"pos_rank": 2}).init(jax.random.key(0), jnp.ones((1, 4, 32)))

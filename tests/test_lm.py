@@ -1,4 +1,4 @@
-"""Tests for goat_jax.models (LMConfig, TransformerLM, build_model, count_params, FLOPs).
+"""Tests for goat_jax.models (LMConfig, TransformerLM, the LM task's model, count_params, FLOPs).
 
 Tiny models (2 layers, d 64, vocab 259) so the suite runs on two CPU cores.
 """
@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from goat_jax.models import LMConfig, TransformerLM, build_model, count_params
+from goat_jax.models import LMConfig, TransformerLM, count_params
 from goat_jax.models.lm import POSITION_ENCODINGS, lm_flops_per_token, matmul_params
 
 # pos_rank 2 leaves 16 - (2*2 + 1) = 11 content dims per head; training_seq_len fixes the sink
@@ -76,13 +76,21 @@ def test_config_validation(bad, match):
         tiny(**bad)
 
 
-def test_build_model_registry():
-    model = build_model(ml_collections.ConfigDict(dict(TINY, name="lm")))
+def _task_config(**model):
+    return ml_collections.ConfigDict(dict(task="lm", model=dict(TINY, **model)))
+
+
+def test_the_task_builds_its_model_and_an_old_model_name_is_deprecated():
+    from goat_jax.tasks import lm as lm_task  # pylint: disable=g-import-not-at-top
+
+    model = lm_task.build_model(_task_config())
     assert isinstance(model, TransformerLM) and model.config == tiny()
-    with pytest.raises(ValueError, match="not registered"):
-        build_model(dict(TINY, name="vit_xl"))
+    with pytest.warns(FutureWarning, match="model.name='lm' is deprecated"):
+        assert lm_task.build_model(_task_config(name="lm")).config == tiny()
+    with pytest.raises(ValueError, match=r"model.name='vit_xl': task 'lm' builds the model 'lm'"):
+        lm_task.build_model(_task_config(name="vit_xl"))
     with pytest.raises(ValueError, match="bogus"):
-        build_model(dict(TINY, name="lm", bogus=1))
+        lm_task.build_model(_task_config(bogus=1))
 
 
 # ----------------------------------------------------------------------------------------------

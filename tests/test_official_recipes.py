@@ -65,7 +65,7 @@ def test_official_c4_init_std():
     Linear and the embedding N(0, 0.02), attention projections included; the sink MLP's kernels
     N(0, 1e-3) (pooled over the 12 layers), all biases 0, no residual scaling."""
     c = lm_c4_125m.get_config("goat")
-    fields = {k: v for k, v in c.model.to_dict().items() if k != "name"}
+    fields = c.model.to_dict()
     cfg = lm_lib.LMConfig(**{**fields, "embed_dim": 192, "num_heads": 3, "kv_num_heads": 3,
                              "mlp_dim": 768, "vocab_size": 512, "dtype": "float32"})
     params = _flat_params(cfg)
@@ -158,7 +158,7 @@ def test_official_synthetic_variant_fields():
             assert c.data.span_loss_weight == 10.0 and c.model.baseline_attention_scale == 1.0
             assert plain.data.span_loss_weight is None and plain.model.baseline_attention_scale is None
             assert plain.model.init_scale_prior == 1e-3
-            cfg = lm_lib.LMConfig.from_config({k: v for k, v in c.model.to_dict().items() if k != "name"})
+            cfg = lm_lib.LMConfig.from_config(c.model)
             assert cfg.head_size - (2 * 8 + 1) >= 1  # R = 8 fits the head at every size
             changed = {k for k, v in c.model.items() if plain.model[k] != v}
             assert changed <= {"pos_rank", "abs_rank", "init_scale_prior", "baseline_attention_scale",

@@ -129,7 +129,7 @@ def test_concat_stays_the_default_with_its_batch_format(corpus):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(packing="docs"), "data.packing='docs' is unknown"),
+    (dict(packing="docs"), r"data.packing='docs' is not allowed: allowed is one of \['concat', 'documents'\]"),
     (dict(bos_windows=True), "data.bos_windows=True"),
 ])
 def test_bad_packing_config_names_the_field(corpus, overrides, match):

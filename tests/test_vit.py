@@ -8,10 +8,11 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
-from goat_jax.models import build_model
+from goat_jax.tasks import vit as vit_task
 from goat_jax.models.vit import (POSITION_ENCODINGS, ViT, ViTConfig, bicubic_matrix, make_attention,
                                  resize_position_table)
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
@@ -92,15 +93,19 @@ def test_uniform_goat_starts_position_free(rng):
     assert float(jnp.abs(feats(moved, x) - feats(moved, shuffled)).max()) > 1e-3
 
 
-def test_registry_preset_and_param_count():
-    m = build_model(dict(name="vit", preset="s16", position_encoding="ape"))
+def _build(**model):
+    return vit_task.build_model(ml_collections.ConfigDict(dict(task="vit", model=model)))
+
+
+def test_preset_and_param_count():
+    m = _build(preset="s16", position_encoding="ape")
     assert m.config.embed_dim == 384 and m.config.num_layers == 12 and m.config.num_heads == 6
     assert m.config.mlp_dim == 1536 and m.config.drop_path_rate == 0.1 and m.config.norm_eps == 1e-6
     shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
     n = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(shapes))
     assert n == 22_050_664  # timm vit_small_patch16_224: 22,050,664 parameters
     with pytest.raises(ValueError, match="Unknown ViTConfig field"):
-        build_model(dict(name="vit", preset="s16", pos_embed="ape"))
+        _build(preset="s16", pos_embed="ape")
     with pytest.raises(ValueError, match="position_encoding"):
         ViTConfig(position_encoding="rope")
 

@@ -68,57 +68,44 @@ from goat_jax.data import hosts
 from goat_jax.data import documents
 from goat_jax.data import fasta as fasta_lib
 from goat_jax.data import text as text_lib
-from goat_jax.train.validation import Bool, Int, Str, Strs
+from goat_jax.config.fields import Bool, Int, Section, Str, Strs, check_section
 
 ECOLI_MG1655 = "/usr/share/doc/ragout/examples/E.Coli/references/MG1655-K12.fasta.gz"
 ECOLI_DH1 = "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"
 HUMAN_CHR17_40KB = "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"
 SOURCES = ("fasta", "parquet")
+EVAL_SPLITS = ("valid", "test")  # data.eval_split: the held-out records evaluated
+EVAL_OFFSETS = ("start", "hashed")  # data.eval_offsets: where eval crops start
+SHORT_RECORDS = ("error", "skip")  # data.short_records: a record shorter than one crop
 Batch = dict[str, np.ndarray]
+
+
+# Every field of the ``data`` section, declared once: default, type, range or choices, doc (the
+# engine checks FIELD_SPECS before any work); record names and files are checked by build_tables.
+DATA = Section(
+    source=("fasta", Str(choices=SOURCES, doc="'fasta': plain/gzip/bgzip, .fai for random access")),
+    paths=((ECOLI_MG1655,), Strs(nonempty=True, doc="FASTA files, or parquet files/globs of the 6 kbp dataset")),
+    train_records=((), Strs(doc="record specs NAME or NAME:START-END for training; empty: all not held out")),
+    valid_records=(("K-12-MG1655:4175708-4639675",), Strs(doc="record specs NAME or NAME:START-END; default: the genome's last 10% (463,968 bp)")),
+    test_records=((), Strs(doc="record specs NAME or NAME:START-END held out for test (never trained on)")),
+    eval_split=("valid", Str(choices=EVAL_SPLITS, doc="the split make_eval_iter reads")),
+    fasta_stride=(0, Int(min=0, doc="FASTA crop starts per chunk; 0: seq_len + 1 (eval crops tile)")),
+    max_offset=(200, Int(min=0, doc="parquet: crops start in [0, max_offset] of each row (official: 200)")),
+    eval_offsets=("start", Str(choices=EVAL_OFFSETS, doc="'start': offset 0, tiling; 'hashed': CRC32, official")),
+    short_records=("error", Str(choices=SHORT_RECORDS, doc="a piece/row shorter than seq_len + 1: refuse, or skip it (counted)")),
+    reverse_complement=(False, Bool(doc="train crops reverse-complemented w.p. 1/2 (official: off)")),
+    max_in_memory_bytes=(1 << 30, Int(min=0, doc="unindexed FASTA above this size on disk is an error")),
+    sequence_key=("sequence", Str(nonempty=True, doc="parquet column of the bases")),
+    record_key=("chromosome", Str(nonempty=True, doc="parquet column of the record (chromosome) name")),
+    num_eval_batches=(16, Int(doc="per make_eval_iter() call; <= 0: the whole held-out split (1 process only)")),
+    read_threads=(2, Int(min=0, doc="grain threads reading crops ahead of the trainer")),
+)
+FIELD_SPECS = DATA.specs
 
 
 def default_dna_data_config() -> ml_collections.ConfigDict:
     """Defaults: E. coli K-12 MG1655 (Debian ``ragout-examples``), its last 10% held out."""
-    c = ml_collections.ConfigDict()
-    c.source = "fasta"  # 'fasta' (plain/gzip/bgzip, .fai for random access) | 'parquet'.
-    c.paths = (ECOLI_MG1655,)  # FASTA files, or parquet files/globs of the 6 kbp dataset.
-    c.train_records = ()  # Record specs for training; () = everything not in valid/test.
-    c.valid_records = ("K-12-MG1655:4175708-4639675",)  # The genome's last 10% (463,968 bp).
-    c.test_records = ()  # Record specs held out for test (never trained on).
-    c.eval_split = "valid"  # Split make_eval_iter reads: 'valid' | 'test'.
-    c.fasta_stride = 0  # FASTA crop starts per chunk; 0 = seq_len + 1 (eval crops tile).
-    c.max_offset = 200  # parquet: crops start in [0, max_offset] of each row (official: 200).
-    c.eval_offsets = "start"  # 'start' (offset 0: tiling) | 'hashed' (CRC32, official).
-    c.short_records = "error"  # Piece/row shorter than seq_len + 1: 'error' | 'skip' (counted).
-    c.reverse_complement = False  # Train crops reverse-complemented w.p. 1/2 (official: off).
-    c.max_in_memory_bytes = 1 << 30  # Unindexed FASTA above this size on disk is an error.
-    c.sequence_key = "sequence"  # parquet column of the bases.
-    c.record_key = "chromosome"  # parquet column of the record (chromosome) name.
-    c.num_eval_batches = 16  # Per make_eval_iter() call; <= 0: whole split (1 process only).
-    c.read_threads = 2  # grain threads reading crops ahead of the trainer.
-    return c
-
-
-# Type and range of every field of default_dna_data_config() (checked by the engine before any
-# work, see goat_jax/train/validation.py); record names and files are checked by build_tables.
-FIELD_SPECS = {
-    "source": Str(choices=SOURCES),
-    "paths": Strs(nonempty=True),
-    "train_records": Strs(doc="record specs NAME or NAME:START-END; empty: all not held out"),
-    "valid_records": Strs(doc="record specs NAME or NAME:START-END"),
-    "test_records": Strs(doc="record specs NAME or NAME:START-END"),
-    "eval_split": Str(choices=("valid", "test")),
-    "fasta_stride": Int(min=0, doc="crop starts per FASTA chunk; 0: seq_len + 1"),
-    "max_offset": Int(min=0, doc="parquet crops start in [0, max_offset] of a row"),
-    "eval_offsets": Str(choices=("start", "hashed")),
-    "short_records": Str(choices=("error", "skip")),
-    "reverse_complement": Bool(),
-    "max_in_memory_bytes": Int(min=0, doc="larger unindexed FASTA files are an error"),
-    "sequence_key": Str(nonempty=True),
-    "record_key": Str(nonempty=True),
-    "num_eval_batches": Int(doc="<= 0: the whole held-out split (1 process only)"),
-    "read_threads": Int(min=0),
-}
+    return DATA.defaults()
 
 
 # ----------------------------------------------------------------------------------------
@@ -453,13 +440,9 @@ def host_chunks(table: ChunkTable, process_index: int, process_count: int) -> np
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    choices = {"source": SOURCES, "eval_split": ("valid", "test"),
-               "eval_offsets": ("start", "hashed"), "short_records": ("error", "skip")}
-    for field, allowed in choices.items():
-        if cfg[field] not in allowed:
-            raise ValueError(f"data.{field}={cfg[field]!r} is unknown: use one of {allowed}.")
-    if cfg.fasta_stride < 0 or cfg.max_offset < 0 or cfg.read_threads < 0:
-        raise ValueError("data.fasta_stride, data.max_offset and data.read_threads must be >= 0.")
+    """Each field's type and range (:data:`FIELD_SPECS`), also when called outside the engine;
+    record names and files are checked while building the tables."""
+    check_section(cfg, FIELD_SPECS, "data")
 
 
 def build_tables(cfg: ml_collections.ConfigDict, *, seq_len: int) -> dict[str, ChunkTable]:

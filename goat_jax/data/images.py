@@ -55,7 +55,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 
 from goat_jax.data import hosts
 from goat_jax.data import image_transforms as T
-from goat_jax.train.validation import Bool, Float, Int, Str
+from goat_jax.config.fields import Bool, Float, Floats, Int, Section, Str, check_section
 
 Batch = dict[str, np.ndarray]
 SOURCES = ("tfds", "folder", "fashion_mnist")
@@ -64,58 +64,40 @@ FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)  # over the 60k tra
 _IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 
 
+# Every field of the ``data`` section, declared once: default (the official ViT / DeiT
+# ImageNet-1k recipe), type, range or choices, doc. The engine checks FIELD_SPECS before any
+# work; the tuples' lengths and the cross-field rules are checked by make_image_datasets.
+DATA = Section(
+    source=("tfds", Str(choices=SOURCES)),
+    tfds_name=("imagenet2012", Str(nonempty=True, doc="TFDS name, prepared as array_record in tfds_data_dir")),
+    tfds_data_dir=("", Str(doc="'' = the TFDS default (~/tensorflow_datasets)")),
+    tfds_train_split=("train", Str(nonempty=True, doc="TFDS split for training")),
+    tfds_eval_split=("validation", Str(nonempty=True, doc="TFDS split for evaluation")),
+    folder=("", Str(doc="'folder': root with train/ and val/; 'fashion_mnist': the IDX directory")),
+    channels=(3, Int(choices=(1, 3), doc="1 grayscale, 3 RGB; images are converted on decode")),
+    image_size=(224, Int(min=1, doc="training resolution")),
+    eval_crop_fraction=(224 / 256, Float(min=0.0, max=1.0, min_inclusive=False,
+                                         doc="eval: shorter side to r / this, centre crop r")),
+    mean=(T.IMAGENET_MEAN, Floats(nonempty=True, doc="per-channel normalization mean (0-1 pixel scale)")),
+    std=(T.IMAGENET_STD, Floats(nonempty=True, doc="per-channel normalization std")),
+    crop_scale=((0.08, 1.0), Floats(doc="RandomResizedCrop area range (min, max); () = plain resize to image_size")),
+    hflip=(True, Bool(doc="random horizontal flip (p 0.5)")),
+    randaugment_ops=(2, Int(min=0, doc="RandAugment ops per image; 0 disables")),
+    randaugment_magnitude=(9, Int(min=0, max=30, doc="RandAugment magnitude bin (of 31)")),
+    random_erasing=(0.25, Float(min=0.0, max=1.0, doc="probability of one random-erasing box (timm 'pixel' mode)")),
+    mixup_alpha=(0.8, Float(min=0.0, doc="Mixup Beta(alpha, alpha); 0 disables")),
+    cutmix_alpha=(1.0, Float(min=0.0, doc="CutMix Beta(alpha, alpha); 0 disables")),
+    mixup_switch_prob=(0.5, Float(min=0.0, max=1.0, doc="probability of CutMix when both are enabled")),
+    label_smoothing=(0.1, Float(min=0.0, max=1.0, max_inclusive=False, doc="smoothing of the one-hot targets")),
+    num_eval_batches=(0, Int(doc="eval batches per make_eval_iter call; <= 0: the whole split")),
+    read_threads=(8, Int(min=0, doc="threads decoding and augmenting ahead of the trainer")),
+)
+FIELD_SPECS = DATA.specs
+
+
 def default_data_config() -> ml_collections.ConfigDict:
     """ImageNet-1k with the official ViT (DeiT-style) training recipe."""
-    c = ml_collections.ConfigDict()
-    c.source = "tfds"  # 'tfds' | 'folder' | 'fashion_mnist'
-    c.tfds_name = "imagenet2012"  # TFDS name, prepared as array_record in tfds_data_dir
-    c.tfds_data_dir = ""  # '' = the TFDS default (~/tensorflow_datasets)
-    c.tfds_train_split = "train"  # TFDS split for training
-    c.tfds_eval_split = "validation"  # TFDS split for evaluation
-    c.folder = ""  # 'folder': root with train/ and val/; 'fashion_mnist': the IDX directory
-    c.channels = 3  # 3 = RGB, 1 = grayscale; images are converted on decode
-    c.image_size = 224  # training resolution
-    c.eval_crop_fraction = 224 / 256  # eval: shorter side to r / this, centre crop r
-    c.mean = T.IMAGENET_MEAN  # per-channel normalization mean (0-1 pixel scale)
-    c.std = T.IMAGENET_STD  # per-channel normalization std
-    c.crop_scale = (0.08, 1.0)  # RandomResizedCrop area range; () = plain resize to image_size
-    c.hflip = True  # random horizontal flip (p 0.5)
-    c.randaugment_ops = 2  # RandAugment ops per image; 0 disables
-    c.randaugment_magnitude = 9  # RandAugment magnitude bin (of 31)
-    c.random_erasing = 0.25  # probability of one random-erasing box (timm 'pixel' mode)
-    c.mixup_alpha = 0.8  # Mixup Beta(alpha, alpha); 0 disables
-    c.cutmix_alpha = 1.0  # CutMix Beta(alpha, alpha); 0 disables
-    c.mixup_switch_prob = 0.5  # probability of CutMix when both are enabled
-    c.label_smoothing = 0.1  # smoothing of the one-hot targets
-    c.num_eval_batches = 0  # eval batches per make_eval_iter call; <= 0 = the whole split
-    c.read_threads = 8  # threads decoding and augmenting ahead of the trainer
-    return c
-
-
-# Type and range of the numeric and string fields of the ``data`` section (checked by the engine
-# before any work, see goat_jax/train/validation.py); the tuples (mean, std, crop_scale) and the
-# cross-field rules are checked by make_image_datasets.
-FIELD_SPECS = {
-    "source": Str(choices=SOURCES),
-    "tfds_name": Str(nonempty=True),
-    "tfds_data_dir": Str(doc="'' = the TFDS default"),
-    "tfds_train_split": Str(nonempty=True),
-    "tfds_eval_split": Str(nonempty=True),
-    "folder": Str(),
-    "channels": Int(choices=(1, 3), doc="1 grayscale, 3 RGB"),
-    "image_size": Int(min=1, doc="training resolution"),
-    "eval_crop_fraction": Float(min=0.0, max=1.0, min_inclusive=False, doc="crop / resize side at eval"),
-    "hflip": Bool(),
-    "randaugment_ops": Int(min=0, doc="0 disables RandAugment"),
-    "randaugment_magnitude": Int(min=0, max=30, doc="bin of 31"),
-    "random_erasing": Float(min=0.0, max=1.0, doc="probability"),
-    "mixup_alpha": Float(min=0.0, doc="0 disables Mixup"),
-    "cutmix_alpha": Float(min=0.0, doc="0 disables CutMix"),
-    "mixup_switch_prob": Float(min=0.0, max=1.0, doc="probability of CutMix"),
-    "label_smoothing": Float(min=0.0, max=1.0, max_inclusive=False),
-    "num_eval_batches": Int(doc="<= 0: the whole split"),
-    "read_threads": Int(min=0),
-}
+    return DATA.defaults()
 
 
 def fashion_mnist_config() -> ml_collections.ConfigDict:
@@ -346,21 +328,14 @@ def _stack(examples: Sequence[Batch]) -> Batch:
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
-    _mode(cfg.channels)
+    """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
+    then the tuples and the cross-field rules."""
+    check_section(cfg, FIELD_SPECS, "data")
     if len(cfg.mean) != cfg.channels or len(cfg.std) != cfg.channels:
         raise ValueError(f"data.mean/data.std have {len(cfg.mean)}/{len(cfg.std)} entries for "
                          f"data.channels={cfg.channels}; give one per channel.")
-    if cfg.image_size < 1:
-        raise ValueError(f"data.image_size={cfg.image_size} must be positive.")
     if cfg.crop_scale and not (len(cfg.crop_scale) == 2 and 0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1):
         raise ValueError(f"data.crop_scale={cfg.crop_scale} must be (min, max) with 0 < min <= max <= 1, or ().")
-    if not 0 <= cfg.random_erasing <= 1 or not 0 <= cfg.mixup_switch_prob <= 1 or not 0 <= cfg.label_smoothing < 1:
-        raise ValueError("data.random_erasing and data.mixup_switch_prob must be in [0, 1] and "
-                         "data.label_smoothing in [0, 1).")
-    if cfg.read_threads < 0:
-        raise ValueError(f"data.read_threads={cfg.read_threads} must be >= 0.")
 
 
 def _hashed(seed: int, stream: int) -> int:

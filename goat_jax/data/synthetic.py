@@ -47,7 +47,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 import numpy as np
 
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.train.validation import Float, Int, Str
+from goat_jax.config.fields import Float, Int, Section, Str
 
 Batch = dict[str, np.ndarray]
 Meta = dict[str, np.ndarray]
@@ -460,39 +460,30 @@ class IntegerTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+# Every field of default_synthetic_config(), declared once: default, type, range, doc (the
+# engine checks FIELD_SPECS, which adds ``source``, before any work).
+SYNTHETIC = Section(
+    kind=("copy_mixture", Str(choices=KINDS)),
+    vocab_size=(16, Int(min=2, doc="copy_mixture: number of symbols")),
+    p_first=(0.25, Float(min=0.0, max=1.0, doc="copy_mixture: probability of copying the first token; p_first + p_prev <= 1")),
+    p_prev=(0.5, Float(min=0.0, max=1.0, doc="copy_mixture: probability of copying the token at lag; p_first + p_prev <= 1")),
+    lag=(1, Int(min=0, doc="copy_mixture: attention lag of the copy (1: the token before the current one; 0: the current token)")),
+    key_len=(8, Int(min=1, doc="passkey: digits of the key")),
+    niah_key_len=(5, Int(min=1, doc="NIAH: letters of the key")),
+    niah_value_len=(6, Int(min=1, doc="NIAH: digits of the value (the scored span)")),
+    depth=(-1.0, Float(max=1.0, doc="needle depth in [0, 1]; < 0: uniform random per example")),
+    span_loss_weight=(None, Float(min=0.0, optional=True,
+                                  doc="None: span-only loss; w: (all + w span) / (1 + w); official 10")),
+    num_eval_batches=(8, Int(min=1, doc="batches per make_eval_iter() call")),
+)
+FIELD_SPECS = {"source": Str(choices=("synthetic",)), **SYNTHETIC.specs}
+
+
 def default_synthetic_config(kind: str = "copy_mixture") -> ml_collections.ConfigDict:
     """Data config of a synthetic task (the ``data`` section of an experiment config)."""
-    c = ml_collections.ConfigDict()
-    c.kind = kind  # 'copy_mixture' | 'passkey' | 'niah'
-    c.vocab_size = 16  # copy_mixture: number of symbols
-    c.p_first = 0.25  # copy_mixture: probability of copying the first token
-    c.p_prev = 0.5  # copy_mixture: probability of copying the token at `lag`
-    c.lag = 1  # copy_mixture: attention lag of the copy (1: the token before the current one)
-    c.key_len = 8  # passkey: digits of the key
-    c.niah_key_len = 5  # NIAH: letters of the key
-    c.niah_value_len = 6  # NIAH: digits of the value (the scored span)
-    c.depth = -1.0  # needle depth in [0, 1]; < 0: uniform random per example
-    c.span_loss_weight = ml_collections.config_dict.placeholder(float)  # None: span-only loss; w: (all + w span) / (1 + w); official 10
-    c.num_eval_batches = 8  # batches per make_eval_iter() call
+    c = SYNTHETIC.defaults()
+    c.kind = kind
     return c
-
-
-# Type and range of every field of default_synthetic_config() plus ``source`` (checked by the
-# engine before any work, see goat_jax/train/validation.py).
-FIELD_SPECS = {
-    "source": Str(choices=("synthetic",)),
-    "kind": Str(choices=KINDS),
-    "vocab_size": Int(min=2, doc="copy-mixture symbols"),
-    "p_first": Float(min=0.0, max=1.0, doc="p_first + p_prev <= 1"),
-    "p_prev": Float(min=0.0, max=1.0, doc="p_first + p_prev <= 1"),
-    "lag": Int(min=0, doc="0: copy the current token"),
-    "key_len": Int(min=1),
-    "niah_key_len": Int(min=1),
-    "niah_value_len": Int(min=1),
-    "depth": Float(max=1.0, doc="needle depth in [0, 1]; < 0: uniform random per example"),
-    "span_loss_weight": Float(min=0.0, optional=True, doc="None: span-only training loss"),
-    "num_eval_batches": Int(min=1),
-}
 
 
 def make_batch_fn(data_config: ml_collections.ConfigDict, batch_size: int, seq_len: int) -> MakeBatch:

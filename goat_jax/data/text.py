@@ -89,7 +89,7 @@ from goat_jax.data import documents
 from goat_jax.data import hosts
 from goat_jax.data import packing as packing_lib
 from goat_jax.data import tokenizers as tokenizers_lib
-from goat_jax.train.validation import Bool, Float, Int, Str, Strs
+from goat_jax.config.fields import Bool, Float, Int, Section, Str, Strs, check_section
 
 JARGON_FILE = "/usr/share/doc/jargon-text/jargon.txt.gz"
 SOURCES = ("text_files", "tfds", "parquet", "jsonl")
@@ -97,61 +97,41 @@ Batch = dict[str, np.ndarray]
 _PREFETCH_BATCHES = 2
 
 
+# Every field of the ``data`` section, declared once: default, type, range or choices, doc
+# (the engine checks FIELD_SPECS before any work; which fields a source needs is checked by
+# make_lm_datasets). List-valued fields are tuples, so that --config.data.paths=a.txt
+# --config.data.paths=b.txt sets them (ml_collections cannot override lists from the command line).
+DATA = Section(
+    source=("text_files", Str(choices=SOURCES)),
+    paths=((JARGON_FILE,), Strs(nonempty=True, doc="files or globs for the file sources; .gz is read transparently")),
+    eval_paths=((), Strs(doc="held-out files; empty: hold out eval_fraction of the data instead")),
+    eval_fraction=(0.02, Float(min=0.0, max=1.0, max_inclusive=False,
+                               doc="held-out share, by content hash, not seed; with no eval_paths it must be > 0")),
+    doc_split=("entries", Str(choices=documents.DOC_SPLITS, doc="text_files only")),
+    text_key=("text", Str(nonempty=True, doc="text field of TFDS / parquet / jsonl records")),
+    tfds_name=("c4/en", Str(doc="source='tfds'; must be prepared as array_record")),
+    tfds_data_dir=("", Str(doc="'' = the TFDS default data dir")),
+    tfds_train_split=("train", Str()),
+    tfds_eval_split=("validation", Str()),
+    jsonl_block_bytes=(8 << 20, Int(min=1, doc="unit of jsonl sharding/shuffling (~thousands of docs)")),
+    tokenizer=("byte", Str(choices=tokenizers_lib.TOKENIZERS,
+                           doc="'byte': vocab 259; 'gpt2': tiktoken, 50257")),
+    bpe_ranks_path=("", Str(doc="gpt2: local tiktoken ranks file; '' = use tiktoken_cache_dir")),
+    tiktoken_cache_dir=("", Str(doc="gpt2: local tiktoken cache; '' = $TIKTOKEN_CACHE_DIR")),
+    packing=("concat", Str(choices=packing_lib.PACKINGS, doc="'documents': whole documents first-fit (goat_jax.data.packing)")),
+    bos_windows=(False, Bool(doc="True: BOS at position 0 of every window, documents end with EOS")),
+    spm_model_path=("", Str(doc="loaded if it exists, else trained on the train split and saved")),
+    spm_vocab_size=(32000, Int(min=1, doc="only used when training SentencePiece")),
+    spm_train_max_sentences=(200_000, Int(min=1, doc="lines used to train SentencePiece")),
+    num_eval_batches=(16, Int(doc="per make_eval_iter() call; <= 0: the whole held-out split (1 process only)")),
+    read_threads=(4, Int(min=0, doc="threads reading + tokenizing ahead of packing")),
+)
+FIELD_SPECS = DATA.specs
+
+
 def default_data_config() -> ml_collections.ConfigDict:
     """Defaults: the Jargon File (Debian ``jargon-text``) with the byte tokenizer."""
-    c = ml_collections.ConfigDict()
-    c.source = "text_files"  # 'text_files' | 'tfds' | 'parquet' | 'jsonl'.
-    # Tuples, so that --config.data.paths=a.txt --config.data.paths=b.txt sets them (ml_collections
-    # cannot override list fields from the command line).
-    c.paths = (JARGON_FILE,)  # Files or globs for the file sources; .gz is read transparently.
-    c.eval_paths = ()  # Held-out files; empty: hold out eval_fraction of the data instead.
-    c.eval_fraction = 0.02  # 47 of 2356 Jargon documents; by content hash, not seed.
-    c.doc_split = "entries"  # 'entries' | 'paragraphs' | 'files' (text_files only).
-    c.text_key = "text"  # Text field of TFDS / parquet / jsonl records.
-    c.tfds_name = "c4/en"  # Used when source='tfds'; must be prepared as array_record.
-    c.tfds_data_dir = ""  # '' = TFDS default data dir.
-    c.tfds_train_split = "train"
-    c.tfds_eval_split = "validation"
-    c.jsonl_block_bytes = 8 << 20  # Unit of jsonl sharding/shuffling (~thousands of docs).
-    c.tokenizer = "byte"  # 'byte' (vocab 259) | 'sentencepiece' | 'gpt2' (tiktoken, 50257).
-    c.bpe_ranks_path = ""  # gpt2: local tiktoken ranks file; '' = use tiktoken_cache_dir.
-    c.tiktoken_cache_dir = ""  # gpt2: local tiktoken cache; '' = $TIKTOKEN_CACHE_DIR.
-    c.packing = "concat"  # 'concat' | 'documents' (goat_jax.data.packing).
-    c.bos_windows = False  # True: BOS at position 0 of every window, documents end with EOS.
-    c.spm_model_path = ""  # Loaded if it exists, else trained on the train split and saved.
-    c.spm_vocab_size = 32000  # Only used when training SentencePiece.
-    c.spm_train_max_sentences = 200_000  # Lines used to train SentencePiece.
-    c.num_eval_batches = 16  # Per make_eval_iter() call; <= 0: whole split (1 process only).
-    c.read_threads = 4  # Threads reading + tokenizing ahead of packing.
-    return c
-
-
-# Type and range of every field of default_data_config() (checked by the engine before any work,
-# see goat_jax/train/validation.py); which fields a source needs is checked by
-# make_lm_datasets.
-FIELD_SPECS = {
-    "source": Str(choices=SOURCES),
-    "paths": Strs(nonempty=True),
-    "eval_paths": Strs(),
-    "eval_fraction": Float(min=0.0, max=1.0, max_inclusive=False, doc="held-out share; with no eval_paths it must be > 0"),
-    "doc_split": Str(choices=documents.DOC_SPLITS),
-    "text_key": Str(nonempty=True),
-    "tfds_name": Str(),
-    "tfds_data_dir": Str(),
-    "tfds_train_split": Str(),
-    "tfds_eval_split": Str(),
-    "jsonl_block_bytes": Int(min=1),
-    "tokenizer": Str(choices=tokenizers_lib.TOKENIZERS),
-    "bpe_ranks_path": Str(),
-    "tiktoken_cache_dir": Str(),
-    "packing": Str(choices=packing_lib.PACKINGS),
-    "bos_windows": Bool(),
-    "spm_model_path": Str(),
-    "spm_vocab_size": Int(min=1),
-    "spm_train_max_sentences": Int(min=1),
-    "num_eval_batches": Int(doc="<= 0: the whole held-out split (1 process only)"),
-    "read_threads": Int(min=0),
-}
+    return DATA.defaults()
 
 
 # ----------------------------------------------------------------------------------------
@@ -327,21 +307,13 @@ def _token_stream(split: documents.Split, tokenizer: tokenizers_lib.Tokenizer, *
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
-    if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is unknown: use one of {SOURCES}.")
-    if cfg.tokenizer not in tokenizers_lib.TOKENIZERS:
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown: use one of "
-                         f"{tokenizers_lib.TOKENIZERS}.")
+    """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
+    then the section's cross-field rule."""
+    check_section(cfg, FIELD_SPECS, "data")
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
-    if cfg.source == "jsonl" and cfg.jsonl_block_bytes < 1:
-        raise ValueError(f"data.jsonl_block_bytes={cfg.jsonl_block_bytes} must be positive.")
-    if cfg.read_threads < 0:
-        raise ValueError(f"data.read_threads={cfg.read_threads} must be >= 0.")
     packing = cfg.packing
-    if packing not in packing_lib.PACKINGS:
-        raise ValueError(f"data.packing={packing!r} is unknown: use one of {packing_lib.PACKINGS}.")
     if packing == "documents" and cfg.bos_windows:
         raise ValueError("data.bos_windows=True puts BOS at the start of every concatenated window; "
                          "with data.packing='documents' every document starts with its own BOS. "

@@ -339,8 +339,6 @@ def make_tokenizer(
         raise ValueError(
             f"data.spm_model_path={path!r} does not exist: pass texts= to train it, or point "
             "data.spm_model_path at an existing model.")
-    if data_config.spm_vocab_size < 1:
-        raise ValueError(f"data.spm_vocab_size={data_config.spm_vocab_size} must be positive.")
     return train_sentencepiece(
         texts, path, vocab_size=data_config.spm_vocab_size,
         max_sentences=data_config.spm_train_max_sentences)

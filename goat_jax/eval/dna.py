@@ -310,8 +310,8 @@ def heldout_records(data_config, split: str = "valid") -> tuple[list[np.ndarray]
     if data_config.source != "fasta":
         raise ValueError(f"heldout_records reads FASTA data; data.source={data_config.source!r} "
                          "(score parquet chunks through the trainer's eval split instead).")
-    if split not in ("valid", "test"):
-        raise ValueError(f"split={split!r} must be 'valid' or 'test'.")
+    if split not in dna_data.EVAL_SPLITS:
+        raise ValueError(f"split={split!r} must be one of {dna_data.EVAL_SPLITS}.")
     patterns = [data_config.paths] if isinstance(data_config.paths, str) else list(data_config.paths)
     files = [f for p in patterns for f in (sorted(glob.glob(p)) or [p])]
     genome = fasta_lib.Genome(files, max_in_memory_bytes=data_config.max_in_memory_bytes)

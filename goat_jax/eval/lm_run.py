@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from goat_jax.models.lm import TransformerLM
 from goat_jax.train import run as run_lib
 
 
@@ -36,7 +37,7 @@ def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
     """:func:`goat_jax.train.run.load_run` (read-only: safe on a run still training) for a run
     whose task is the language model; ValueError naming ``config.task`` otherwise."""
     run = run_lib.load_run(workdir, step)
-    if run.config.model.get("name") != "lm":
-        raise ValueError(f"{workdir}: config.task={run.config.task!r} trained model "
-                         f"{run.config.model.get('name')!r}; the language evaluations need model 'lm'.")
+    if not isinstance(run.model, TransformerLM):  # the task built its model: 'lm' and 'dna' build the LM
+        raise ValueError(f"{workdir}: config.task={run.config.task!r} trained a "
+                         f"{type(run.model).__name__}; the language evaluations need the LM (TransformerLM).")
     return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})

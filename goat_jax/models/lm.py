@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.attention import GoatAttention
-from goat_jax.prior import SINK_EXTRAPOLATIONS, PriorSettings
+from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
-from goat_jax.train.validation import Bool, Float, Int, Str
+from goat_jax.prior import PriorSettings
 
 Array = jax.Array
 
@@ -42,101 +42,60 @@ BLOCKS = ("llama", "gpt2")
 # Encodings that add an absolute embedding to the token embeddings and use position-free attention.
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
-_TABLE_ENCODINGS = ("learned", "naive_prior")
-
-
-# Type and range of every field of a config's ``model`` section (checked by the engine before
-# any work, see goat_jax/train/validation.py); cross-field rules live in LMConfig.__post_init__.
-_DTYPES = ("float32", "bfloat16", "float16")
-FIELD_SPECS = {
-    "name": Str(choices=("lm",)),
-    "vocab_size": Int(min=1),
-    "num_layers": Int(min=1),
-    "embed_dim": Int(min=1),
-    "num_heads": Int(min=1),
-    "kv_num_heads": Int(min=1, optional=True, doc="None: num_heads"),
-    "head_dim": Int(min=1, optional=True, doc="None: embed_dim // num_heads"),
-    "mlp_dim": Int(min=1),
-    "block": Str(choices=BLOCKS),
-    "position_encoding": Str(choices=POSITION_ENCODINGS),
-    "tie_embeddings": Bool(),
-    "max_len": Int(min=1),
-    "training_seq_len": Int(min=1, optional=True),
-    "rope_base": Float(min=1.0, min_inclusive=False, doc="RoPE base; <= 1 gives no rotation spectrum"),
-    "pos_rank": Int(min=0, doc="GOAT relative rank R"),
-    "abs_rank": Int(min=0, doc="GOAT absolute rank M"),
-    "prior_init": Str(choices=("seeded", "uniform")),
-    "prior_gate": Str(choices=("none", "query_norm")),
-    "enable_key_bias": Bool(),
-    "init_scale_prior": Float(min=0.0, min_inclusive=False),
-    "sink_extrapolation": Str(choices=SINK_EXTRAPOLATIONS, doc="'linear' needs training_seq_len"),
-    "use_bias": Bool(),
-    "norm_eps": Float(min=0.0, min_inclusive=False, doc="epsilon of the block norms (RMSNorm for block=llama, LayerNorm for block=gpt2)"),
-    "dtype": Str(choices=_DTYPES),
-    "param_dtype": Str(choices=_DTYPES),
-    "remat": Bool(),
-    "scan_layers": Bool(),
-    "implementation": Str(choices=IMPLEMENTATIONS, optional=True, doc="None: auto"),
-    "init_std": Float(min=0.0, min_inclusive=False),
-    "attention_init_std": Float(min=0.0, min_inclusive=False, optional=True,
-                                doc="None: Xavier-uniform projections"),
-    "baseline_attention_scale": Float(min=0.0, min_inclusive=False, optional=True,
-                                      doc="None: 1 / sqrt(head_dim)"),
-}
-
-
-_PRIOR = PriorSettings()  # the GOAT prior's defaults live in goat_jax.prior.PriorSettings only
+TABLE_ENCODINGS = ("learned", "naive_prior")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
-    """Hyper-parameters of :class:`TransformerLM` (build from ml_collections with
-    :meth:`from_config`). Dtypes may be given as strings ('bfloat16') or dtypes.
+    """Hyper-parameters of :class:`TransformerLM`: the fields of a config's ``model`` section
+    (build from ml_collections with :meth:`from_config`). Dtypes may be given as strings
+    ('bfloat16') or dtypes.
 
-    The GOAT fields keep their config names (``pos_rank``, ...) but are defaulted and validated
-    by :class:`goat_jax.prior.PriorSettings`; the model passes the one object :attr:`prior`.
+    Each field is declared once, here: default, type, range and doc (its
+    :func:`goat_jax.config.fields.declare` metadata, from which :data:`FIELD_SPECS` is derived).
+    The GOAT fields keep their config names (``pos_rank``, ...) but are declared by
+    :class:`goat_jax.prior.PriorSettings` and borrowed; the model passes the one object
+    :attr:`prior`. Cross-field rules are in ``__post_init__``.
     """
 
-    vocab_size: int = 259  # tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)
-    num_layers: int = 2  # decoder blocks
-    embed_dim: int = 64  # residual stream width E
-    num_heads: int = 4  # query heads N
-    kv_num_heads: Optional[int] = None  # key/value heads K (GQA/MQA); None = num_heads
-    head_dim: Optional[int] = None  # per-head dim H; None = embed_dim // num_heads
-    mlp_dim: int = 256  # MLP hidden width F (SwiGLU for 'llama', GELU for 'gpt2')
-    block: str = "llama"  # 'llama' (RMSNorm, SwiGLU) | 'gpt2' (LayerNorm, GELU(tanh) MLP)
-    position_encoding: str = "goat"  # one of POSITION_ENCODINGS
-    tie_embeddings: bool = True  # output projection = token embedding transposed (Llama 3.2 1B)
-    max_len: int = 2048  # position-table size for 'learned' and 'naive_prior'
-    training_seq_len: Optional[int] = None  # training context: GOAT sink normalization, RoPE-PI scale
-    rope_base: float = 10_000.0  # RoPE / RoPE-PI frequency base
-    pos_rank: int = _PRIOR.pos_rank  # GOAT: relative Fourier rank R (uses 2R head dims)
-    abs_rank: int = _PRIOR.abs_rank  # GOAT: absolute rank M of the sink MLP's features
-    prior_init: str = _PRIOR.prior_init  # GOAT: 'seeded' (ALiBi-like start) or 'uniform' (flat prior)
-    prior_gate: str = _PRIOR.prior_gate  # GOAT: 'none' or 'query_norm'
-    enable_key_bias: bool = _PRIOR.enable_key_bias  # GOAT: the learned key-only sink u(j)
-    init_scale_prior: float = _PRIOR.init_scale_prior  # GOAT: std of the sink MLP's initial kernels (official 1e-3)
-    sink_extrapolation: str = _PRIOR.sink_extrapolation  # GOAT: sink past training_seq_len, 'official' | 'linear' (docs/extrapolation.md)
-    use_bias: bool = False  # biases in attention projections (and the 'gpt2' MLP); GPT-2: True
-    norm_eps: float = 1e-6  # RMSNorm / LayerNorm epsilon (GPT-2: 1e-5)
-    dtype: Any = "float32"  # compute dtype of activations
-    param_dtype: Any = "float32"  # storage dtype of parameters
-    remat: bool = False  # rematerialize each block in the backward pass (saves activation memory)
-    scan_layers: bool = False  # nn.scan over blocks: params stacked on a 'layers' axis, one compile
-    implementation: Optional[str] = None  # attention kernel: None (auto) | 'xla' | 'cudnn' | 'splash' | 'dense'
-    init_std: float = 0.02  # std of the normal init of embeddings and MLP kernels
-    attention_init_std: Optional[float] = None  # q/k/v/out kernels: None Xavier-uniform, else N(0, std) (C4: 0.02)
-    baseline_attention_scale: Optional[float] = None  # non-GOAT q.k factor; None: 1/sqrt(H) (official synthetic: 1)
+    vocab_size: int = declare(259, Int(min=1, doc="tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)"))
+    num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))
+    embed_dim: int = declare(64, Int(min=1, doc="residual stream width E"))
+    num_heads: int = declare(4, Int(min=1, doc="query heads N"))
+    kv_num_heads: Optional[int] = declare(None, Int(min=1, optional=True, doc="key/value heads K (GQA/MQA); None: num_heads"))
+    head_dim: Optional[int] = declare(None, Int(min=1, optional=True, doc="per-head dim H; None: embed_dim // num_heads"))
+    mlp_dim: int = declare(256, Int(min=1, doc="MLP hidden width F (SwiGLU for 'llama', GELU for 'gpt2')"))
+    block: str = declare("llama", Str(choices=BLOCKS, doc="'llama' (RMSNorm, SwiGLU) or 'gpt2' (LayerNorm, GELU(tanh) MLP)"))
+    position_encoding: str = declare("goat", Str(choices=POSITION_ENCODINGS))
+    tie_embeddings: bool = declare(True, Bool(doc="output projection = token embedding transposed (Llama 3.2 1B)"))
+    max_len: int = declare(2048, Int(min=1, doc="position-table size for 'learned' and 'naive_prior'"))
+    # Shared by GOAT's sink normalization and RoPE-PI's scale.
+    training_seq_len: Optional[int] = borrow(PriorSettings, "training_seq_len")
+    rope_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
+                                               doc="RoPE / RoPE-PI base; <= 1 gives no rotation spectrum"))
+    pos_rank: int = borrow(PriorSettings, "pos_rank")
+    abs_rank: int = borrow(PriorSettings, "abs_rank")
+    prior_init: str = borrow(PriorSettings, "prior_init")
+    prior_gate: str = borrow(PriorSettings, "prior_gate")
+    enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
+    init_scale_prior: float = borrow(PriorSettings, "init_scale_prior")
+    sink_extrapolation: str = borrow(PriorSettings, "sink_extrapolation")  # docs/extrapolation.md
+    use_bias: bool = declare(False, Bool(doc="biases in attention projections (and the 'gpt2' MLP); GPT-2: True"))
+    norm_eps: float = declare(1e-6, Float(min=0.0, min_inclusive=False, doc="epsilon of the block norms (RMSNorm for block=llama, LayerNorm for block=gpt2)"))
+    dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
+    param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
+    remat: bool = declare(False, Bool(doc="rematerialize each block in the backward pass (saves activation memory)"))
+    scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
+    implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
+    init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
+    attention_init_std: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
+                                                              doc="q/k/v/out kernels N(0, std); None: Xavier-uniform (C4: 0.02)"))
+    baseline_attention_scale: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
+                                                                    doc="non-GOAT q.k factor; None: 1 / sqrt(head_dim) (official synthetic: 1)"))
 
     def __post_init__(self):
-        if self.block not in BLOCKS:
-            raise ValueError(f"block must be one of {BLOCKS}, got {self.block!r}.")
-        if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(
-                f"position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}.")
-        for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "mlp_dim", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"LMConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        check_instance(self, "model")  # each field's own type and range (its declaration)
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of kv_num_heads={self.kv_num_heads}.")
@@ -144,15 +103,25 @@ class LMConfig:
             raise ValueError(
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
-        _ = self.prior  # validates the GOAT settings (PriorSettings raises naming the field)
+        _ = self.prior  # the GOAT settings' cross-field rules (PriorSettings raises naming the field)
         if self.position_encoding == "rope_pi" and self.training_seq_len is None:
             raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length "
                              "positions are interpolated back to).")
-        for name in ("dtype", "param_dtype"):
-            try:
-                jnp.dtype(getattr(self, name))
-            except TypeError as e:
-                raise ValueError(f"LMConfig.{name}={getattr(self, name)!r} is not a dtype.") from e
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """The longest sequence the model represents: ``max_len`` for the encodings with a
+        position table (:data:`TABLE_ENCODINGS`), None (unbounded) otherwise."""
+        return self.max_len if self.position_encoding in TABLE_ENCODINGS else None
+
+    def check_length(self, length: int, what: str = "the sequence") -> None:
+        """Raises ValueError if ``length`` tokens do not fit the position table (``what`` names
+        the length in the message, e.g. 'seq_len')."""
+        if self.max_positions is not None and length > self.max_positions:
+            raise ValueError(
+                f"{what}={length} exceeds model.max_len={self.max_len}, the size of the "
+                f"{self.position_encoding!r} position table; raise model.max_len to >= {length} "
+                "or shorten the sequence.")
 
     @property
     def prior(self) -> PriorSettings:
@@ -194,6 +163,11 @@ class LMConfig:
         if unknown:
             raise ValueError(f"Unknown LMConfig field(s): {unknown}. Known fields: {sorted(fields)}.")
         return cls(**values)
+
+
+# Type, range and doc of every field of a config's ``model`` section, derived from LMConfig's
+# declarations (the engine checks them before any work, goat_jax/config/fields.py).
+FIELD_SPECS = specs_of(LMConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,10 +325,7 @@ class TransformerLM(nn.Module):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be [batch, length] integers, got {tokens.shape} {tokens.dtype}.")
         t = tokens.shape[1]
-        if cfg.position_encoding in _TABLE_ENCODINGS and t > cfg.max_len:
-            raise ValueError(
-                f"position_encoding={cfg.position_encoding!r} has a table of max_len={cfg.max_len} "
-                f"positions; got {t} tokens. Raise max_len or shorten the sequence.")
+        cfg.check_length(t, "tokens.shape[1]")
         if self.decode and positions is not None:
             raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
 

@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.attention import GoatAttention
+from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.models.lm import DTYPES
 from goat_jax.prior import PriorSettings
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
-from goat_jax.train.validation import Bool, Float, Int, Str
 
 Array = jax.Array
 
@@ -55,87 +56,56 @@ PRESETS = {
 }
 
 
-# Type and range of every field of a config's ``model`` section (checked by the engine before any
-# work, see goat_jax/train/validation.py); cross-field rules live in ViTConfig.__post_init__.
-_DTYPES = ("float32", "bfloat16", "float16")
-FIELD_SPECS = {
-    "name": Str(choices=("vit",)),
-    "preset": Str(choices=tuple(PRESETS), optional=True, doc="a named shape; None: the fields alone"),
-    "num_classes": Int(min=1),
-    "image_size": Int(min=1, doc="training resolution"),
-    "patch_size": Int(min=1),
-    "channels": Int(choices=(1, 3), doc="1 grayscale, 3 RGB"),
-    "num_layers": Int(min=1),
-    "embed_dim": Int(min=1),
-    "num_heads": Int(min=1),
-    "mlp_dim": Int(min=1),
-    "position_encoding": Str(choices=POSITION_ENCODINGS),
-    "drop_path_rate": Float(min=0.0, max=1.0, max_inclusive=False, doc="stochastic depth of the last block"),
-    "norm_eps": Float(min=0.0, min_inclusive=False, doc="LayerNorm epsilon"),
-    "pos_rank": Int(min=0, doc="GOAT relative rank R"),
-    "abs_rank": Int(min=0, doc="GOAT absolute rank M"),
-    "prior_init": Str(choices=("seeded", "uniform")),
-    "enable_key_bias": Bool(),
-    "rope_base": Float(min=1.0, min_inclusive=False, doc="'rope2d' base; <= 1 gives no rotation spectrum"),
-    "sincos_temperature": Float(min=1.0, min_inclusive=False, doc="'sincos2d' temperature"),
-    "dtype": Str(choices=_DTYPES),
-    "param_dtype": Str(choices=_DTYPES),
-    "implementation": Str(choices=IMPLEMENTATIONS, optional=True, doc="None: auto"),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
-    """Hyper-parameters of :class:`ViT` (build from ml_collections with :meth:`from_config`,
-    or a named shape with :meth:`preset`). Dtypes may be given as strings or dtypes."""
+    """Hyper-parameters of :class:`ViT`: the fields of a config's ``model`` section (build from
+    ml_collections with :meth:`from_config`, or a named shape with :meth:`preset`). Dtypes may
+    be given as strings or dtypes.
 
-    num_classes: int = 1000  # classifier outputs K
-    image_size: int = 224  # training resolution: sets the 'ape' table grid
-    patch_size: int = 16  # P, the patch side (and the stride of the patch embedding)
-    channels: int = 3  # input channels (3 RGB, 1 grayscale); a mismatch raises
-    num_layers: int = 12  # transformer blocks
-    embed_dim: int = 384  # residual width E
-    num_heads: int = 6  # attention heads
-    mlp_dim: int = 1536  # GELU MLP hidden width F
-    position_encoding: str = "goat"  # one of POSITION_ENCODINGS
-    drop_path_rate: float = 0.1  # stochastic depth of the last block; linear from 0 over depth
-    norm_eps: float = 1e-6  # LayerNorm epsilon (official and big_vision ViTs)
-    pos_rank: int = 16  # GOAT: relative Fourier rank R (split between rows and columns)
-    abs_rank: int = 2  # GOAT: absolute rank M of the sink MLP's features
-    prior_init: str = "uniform"  # GOAT: 'uniform' (flat prior at init, official ViT) or 'seeded'
-    enable_key_bias: bool = True  # GOAT: the learned key-only sink u(j)
-    rope_base: float = 100.0  # 'rope2d' frequency base (Heo et al. 2024 use 100)
-    sincos_temperature: float = 10_000.0  # 'sincos2d' temperature (big_vision default)
-    dtype: Any = "float32"  # compute dtype of activations
-    param_dtype: Any = "float32"  # storage dtype of parameters
-    implementation: Optional[str] = None  # attention kernel: None (auto) | 'xla' | 'cudnn' | 'splash' | 'dense'
+    Each field is declared once, here (default, type, range, doc: its
+    :func:`goat_jax.config.fields.declare` metadata, from which :data:`FIELD_SPECS` is derived);
+    the GOAT fields are :class:`goat_jax.prior.PriorSettings`' declarations with the official
+    ViT recipe's defaults. Cross-field rules are in ``__post_init__``.
+    """
+
+    num_classes: int = declare(1000, Int(min=1, doc="classifier outputs K"))
+    image_size: int = declare(224, Int(min=1, doc="training resolution: sets the 'ape' table grid"))
+    patch_size: int = declare(16, Int(min=1, doc="P, the patch side (and the stride of the patch embedding)"))
+    channels: int = declare(3, Int(choices=(1, 3), doc="1 grayscale, 3 RGB"))
+    num_layers: int = declare(12, Int(min=1, doc="transformer blocks"))
+    embed_dim: int = declare(384, Int(min=1, doc="residual width E"))
+    num_heads: int = declare(6, Int(min=1, doc="attention heads"))
+    mlp_dim: int = declare(1536, Int(min=1, doc="GELU MLP hidden width F"))
+    position_encoding: str = declare("goat", Str(choices=POSITION_ENCODINGS))
+    drop_path_rate: float = declare(0.1, Float(min=0.0, max=1.0, max_inclusive=False,
+                                               doc="stochastic depth of the last block; linear from 0 over depth"))
+    norm_eps: float = declare(1e-6, Float(min=0.0, min_inclusive=False, doc="LayerNorm epsilon"))
+    pos_rank: int = borrow(PriorSettings, "pos_rank", default=16)  # split between rows and columns
+    abs_rank: int = borrow(PriorSettings, "abs_rank", default=2)
+    prior_init: str = borrow(PriorSettings, "prior_init", default="uniform")  # official ViT: a flat prior
+    enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
+    rope_base: float = declare(100.0, Float(min=1.0, min_inclusive=False,
+                                            doc="'rope2d' base (Heo et al. 2024: 100); <= 1 gives no rotation spectrum"))
+    sincos_temperature: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
+                                                        doc="'sincos2d' temperature (big_vision default)"))
+    dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
+    param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
+    implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
 
     def __post_init__(self):
-        if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(f"ViTConfig.position_encoding must be one of {POSITION_ENCODINGS}, got "
-                             f"{self.position_encoding!r}.")
-        for name in ("num_classes", "image_size", "patch_size", "channels", "num_layers", "embed_dim",
-                     "num_heads", "mlp_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ViTConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        check_instance(self, "model")  # each field's own type and range (its declaration)
         if self.image_size % self.patch_size:
             raise ValueError(f"ViTConfig.image_size={self.image_size} is not divisible by "
                              f"patch_size={self.patch_size}.")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"ViTConfig.embed_dim={self.embed_dim} is not divisible by "
                              f"num_heads={self.num_heads}.")
-        if not 0.0 <= self.drop_path_rate < 1.0:
-            raise ValueError(f"ViTConfig.drop_path_rate must be in [0, 1), got {self.drop_path_rate}.")
         if self.position_encoding == "sincos2d" and self.embed_dim % 4:
             raise ValueError(f"position_encoding='sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}.")
         if self.position_encoding == "rope2d" and (self.embed_dim // self.num_heads) % 4:
             raise ValueError("position_encoding='rope2d' needs a head dim divisible by 4, got "
                              f"{self.embed_dim // self.num_heads}.")
-        for name in ("dtype", "param_dtype"):
-            try:
-                jnp.dtype(getattr(self, name))
-            except TypeError as e:
-                raise ValueError(f"ViTConfig.{name}={getattr(self, name)!r} is not a dtype.") from e
+        _ = self.prior  # the GOAT settings' own rules
 
     @property
     def prior(self) -> PriorSettings:
@@ -166,6 +136,12 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"Unknown ViTConfig field(s): {unknown}. Known fields: {sorted(fields)} and 'preset'.")
         return cls.preset(preset, **values) if preset else cls(**values)
+
+
+# Type, range and doc of every field of a config's ``model`` section: ViTConfig's declarations
+# plus ``preset`` (checked by the engine before any work, goat_jax/config/fields.py).
+FIELD_SPECS = {"preset": Str(choices=tuple(PRESETS), optional=True, doc="a named shape; None: the fields alone"),
+               **specs_of(ViTConfig)}
 
 
 # ----------------------------------------------------------------------------------------------

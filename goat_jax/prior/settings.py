@@ -8,8 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Tuple
 
+from goat_jax.config.fields import Bool, Float, Int, Str, check_instance, declare
+
 # How the sink MLP's output is defined past the training window (PriorSettings.sink_extrapolation).
 SINK_EXTRAPOLATIONS = ("official", "linear")
+# The prior's initial state (PriorSettings.prior_init) and query-side gate (PriorSettings.prior_gate).
+PRIOR_INITS = ("seeded", "uniform")
+PRIOR_GATES = ("none", "query_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +23,9 @@ class PriorSettings:
 
     Layers (``GoatAttention(prior=...)``), models (``LMConfig.prior``) and the parameter
     module (:class:`PriorSpec` adds the head counts) all take this one object, so a setting is
-    added, documented, defaulted and validated here only.
+    added, documented, defaulted and validated here only: each field's type, range and doc is
+    its :func:`goat_jax.config.fields.declare` metadata, and a model config exposing a setting
+    flat (``model.pos_rank``) takes it with :func:`goat_jax.config.fields.borrow`.
 
     Attributes:
       pos_rank: R, number of relative frequencies (0 disables kappa); uses 2R head dims.
@@ -40,33 +47,20 @@ class PriorSettings:
         :func:`goat_jax.prior.sink_term.sink_mlp_values`). 'linear' needs ``training_seq_len`` and 1D positions.
     """
 
-    pos_rank: int = 8
-    abs_rank: int = 8
-    pos_base: float = 10_000.0
-    abs_base: float = 10_000.0
-    enable_key_bias: bool = True
-    training_seq_len: Optional[int] = None
-    prior_gate: str = "none"
-    prior_init: str = "seeded"
-    init_scale_prior: float = 1e-3
-    sink_extrapolation: str = "official"
+    pos_rank: int = declare(8, Int(min=0, doc="GOAT relative rank R"))
+    abs_rank: int = declare(8, Int(min=0, doc="GOAT absolute rank M"))
+    pos_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False, doc="relative frequency base"))
+    abs_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False, doc="absolute frequency base"))
+    enable_key_bias: bool = declare(True, Bool(doc="the learned key-only sink u(j)"))
+    training_seq_len: Optional[int] = declare(None, Int(min=1, optional=True, doc="training context"))
+    prior_gate: str = declare("none", Str(choices=PRIOR_GATES))
+    prior_init: str = declare("seeded", Str(choices=PRIOR_INITS))
+    init_scale_prior: float = declare(1e-3, Float(min=0.0, doc="std of the sink MLP's initial kernels"))
+    sink_extrapolation: str = declare("official", Str(choices=SINK_EXTRAPOLATIONS,
+                                                      doc="'linear' needs training_seq_len"))
 
     def __post_init__(self):
-        if self.pos_rank < 0 or self.abs_rank < 0:
-            raise ValueError(f"pos_rank ({self.pos_rank}) and abs_rank ({self.abs_rank}) must be >= 0.")
-        if self.prior_gate not in ("none", "query_norm"):
-            raise ValueError(f"prior_gate must be 'none' or 'query_norm', got {self.prior_gate!r}.")
-        if self.prior_init not in ("seeded", "uniform"):
-            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {self.prior_init!r}.")
-        if self.training_seq_len is not None and self.training_seq_len < 1:
-            raise ValueError(f"training_seq_len must be >= 1 or None, got {self.training_seq_len}.")
-        if not (self.pos_base > 1.0 and self.abs_base > 1.0):
-            raise ValueError(f"pos_base ({self.pos_base}) and abs_base ({self.abs_base}) must be > 1.")
-        if not self.init_scale_prior >= 0.0:
-            raise ValueError(f"init_scale_prior must be >= 0, got {self.init_scale_prior}.")
-        if self.sink_extrapolation not in SINK_EXTRAPOLATIONS:
-            raise ValueError(f"sink_extrapolation must be one of {SINK_EXTRAPOLATIONS}, got "
-                             f"{self.sink_extrapolation!r}.")
+        check_instance(self)
         if self.sink_extrapolation == "linear" and (self.training_seq_len or 0) < 2:
             raise ValueError(
                 f"sink_extrapolation='linear' continues the sink beyond the training window, so it "

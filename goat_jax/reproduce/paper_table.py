@@ -109,7 +109,7 @@ def _get(config, dotted: str):
         node = node.get(part, {})
     if field in node:
         return node[field]
-    if section == "model" and config.model.get("name") == "lm":
+    if section == "model" and config.task in ("lm", "dna"):  # the tasks that build the LM
         return getattr(lm.LMConfig(), field, "<absent>")
     return "<absent>"
 

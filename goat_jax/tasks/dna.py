@@ -10,8 +10,8 @@ the loss are those of the LM task; evaluation adds what genome papers report per
     eval_ppl             exp(eval_loss)
     eval_accuracy        next-base accuracy (argmax == target)
 
-Config sections: ``seq_len`` (top level), ``model.*`` (:class:`goat_jax.models.lm.LMConfig` plus
-``name='lm'``) and ``data.*`` (``goat_jax.data.dna.default_dna_data_config()``). Longer contexts,
+Config sections: ``seq_len`` (top level), ``model.*`` (the fields of :class:`goat_jax.models.lm.LMConfig`)
+and ``data.*`` (``goat_jax.data.dna.default_dna_data_config()``). Longer contexts,
 other FASTA files and GC agreement: ``python -m experiments.evaluate --evals dna``.
 """
 
@@ -29,12 +29,13 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import ml_collections
     from ml_collections import config_dict
 
-from goat_jax import models
+from goat_jax.config.fields import Int
 from goat_jax.data import dna, fasta
 from goat_jax.models import lm
+from goat_jax.tasks import NO_DECAY_NAMES
 from goat_jax.tasks import lm as lm_task
+from goat_jax.train import optim
 from goat_jax.train import tasks
-from goat_jax.train.validation import Int
 
 
 def official_model_config(encoding: str = "goat") -> ml_collections.ConfigDict:
@@ -43,7 +44,6 @@ def official_model_config(encoding: str = "goat") -> ml_collections.ConfigDict:
     8 heads, vocab 5 (~25.2M parameters); GOAT R = 2, M = 8, seeded; RoPE base 1e4. ``encoding``
     is any of ``goat_jax.models.lm.POSITION_ENCODINGS``; everything else is identical."""
     m = ml_collections.ConfigDict()
-    m.name = "lm"  # goat_jax.models registry: the LM, here with the GPT-2 block
     m.block = "gpt2"  # pre-LN LayerNorm + GELU(tanh) MLP
     m.vocab_size = fasta.VOCAB_SIZE  # "ACGNT"
     m.num_layers = 8  # official
@@ -97,27 +97,13 @@ def loss(apply_fn, params, batch, rng):
 
 def schema() -> Dict[str, set]:
     """The LM's model fields and the DNA pipeline's data fields."""
-    return {"model": {"name"} | {f.name for f in dataclasses.fields(models.LMConfig)},
+    return {"model": {"name"} | {f.name for f in dataclasses.fields(lm.LMConfig)},
             "data": set(dna.default_dna_data_config().keys())}
 
 
 def validate(config) -> None:
-    """``seq_len`` positive, ``model.name == 'lm'``, table encodings long enough."""
-    seq_len = config.seq_len
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer.")
-    if config.model.get("name") != "lm":
-        raise ValueError(f"model.name={config.model.get('name')!r}: task 'dna' trains model 'lm'.")
-    enc, max_len = config.model.get("position_encoding", "goat"), config.model.get("max_len", 2048)
-    if enc in lm._TABLE_ENCODINGS and seq_len > max_len:  # pylint: disable=protected-access
-        raise ValueError(f"seq_len={seq_len} exceeds model.max_len={max_len}, the size of the "
-                         f"{enc!r} position table; raise model.max_len or shorten seq_len.")
-
-
-def decay_every_parameter(params):
-    """The official genome run's weight-decay grouping: AdamW's decay on every parameter
-    (biases, norms and GOAT prior parameters included). Pytree of True like ``params``."""
-    return jax.tree_util.tree_map(lambda _: True, params)
+    """The LM's rules (config builds, ``seq_len`` fits a position table), for task 'dna'."""
+    lm_task.validate_model(config, "dna")
 
 
 def field_specs(config) -> Dict[str, Dict[str, object]]:
@@ -137,13 +123,13 @@ def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
 TASK = tasks.Task(
     name="dna",
     batch_keys=("inputs", "targets", "weights"),
-    build_model=lm_task.build_model,
+    build_model=lambda config: lm.TransformerLM(lm_task.model_config(config, "dna")),
     make_datasets=make_datasets,
     loss=loss,
     dummy_batch=lm_task.dummy_batch,
     model_inputs=lambda batch: (batch["inputs"],),
     tokens_per_example=lambda config: int(config.seq_len),
-    flops_per_token=lm_task.flops_per_token,
+    flops_per_token=lambda config: lm.lm_flops_per_token(lm_task.model_config(config, "dna"), config.seq_len),
     schema=schema,
     validate=validate,
     eval_metrics=eval_metrics,
@@ -153,8 +139,9 @@ TASK = tasks.Task(
     # kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
-    field_defaults=lambda: tasks.dataclass_defaults(lm.LMConfig, "model"),
-    no_decay_names=models.NO_DECAY_NAMES,
-    # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): decay everything.
-    decay_groupings={"official_genome": decay_every_parameter},
+    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "model.name": "lm"},
+    no_decay_names=NO_DECAY_NAMES,
+    # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): the official genome run
+    # applies AdamW's decay to every parameter (biases, norms, GOAT prior parameters included).
+    decay_groupings={"official_genome": optim.decay_everything},
 )

@@ -2,8 +2,8 @@
 Llama-style :class:`goat_jax.models.TransformerLM` on text (``goat_jax.data.text``) or on the
 paper's synthetic tasks (``data.source = 'synthetic'``: copy mixture, passkey, NIAH).
 
-Config sections: ``seq_len`` (top level), ``model.*`` (:class:`goat_jax.models.lm.LMConfig` plus
-``name='lm'``) and ``data.*`` (``goat_jax.data.text.default_data_config()`` or
+Config sections: ``seq_len`` (top level), ``model.*`` (the fields of
+:class:`goat_jax.models.lm.LMConfig`; this task builds the model) and ``data.*`` (``goat_jax.data.text.default_data_config()`` or
 ``goat_jax.data.synthetic.default_synthetic_config(kind)`` plus ``source``). Eval metrics:
 ``eval_loss`` (nats/token) and ``eval_ppl``. The contract this module fills is in
 :mod:`goat_jax.train.tasks`.
@@ -17,18 +17,33 @@ from typing import Any, Dict
 
 import numpy as np
 
-from goat_jax import models
+from goat_jax.config.fields import Int
 from goat_jax.data import synthetic, text
 from goat_jax.models import lm
+from goat_jax.tasks import NO_DECAY_NAMES, model_fields
+from goat_jax.train import optim
 from goat_jax.train import tasks
-from goat_jax.train import validation
 
 Batch = tasks.Batch
+
+# The official C4 recipe's grouping (docs/protocols.md, C4 125M; optimizer.decay_grouping=
+# 'official_c4'): weight decay on every parameter whose dotted path contains none of these
+# substrings, 1-D or not, so the sink gain, bump and recency slope and the gate parameters *are*
+# decayed. Applied to our dotted parameter paths, the names correspond: PyTorch ``*.bias`` = our
+# Dense/LayerNorm ``*.bias``; ``ln_*`` = our ``*_norm`` modules; ``lambda_sym/asym`` and the
+# sink MLP ``key_bias.*`` keep their names under ``prior``.
+OFFICIAL_C4_NO_DECAY_SUBSTRINGS = (".bias", "ln", "norm", "lambda_", "key_bias")
+official_c4_decay_mask = optim.substring_decay_mask(OFFICIAL_C4_NO_DECAY_SUBSTRINGS)
+
+
+def model_config(config, task: str = "lm") -> lm.LMConfig:
+    """The :class:`LMConfig` of ``config.model`` (``task`` names the task in errors)."""
+    return lm.LMConfig.from_config(model_fields(config, task, "lm"))
 
 
 def build_model(config):
     """The ``config.model`` LM (``decode=False``)."""
-    return models.build_model(config.model)
+    return lm.TransformerLM(model_config(config))
 
 
 def is_synthetic(config) -> bool:
@@ -69,9 +84,7 @@ def dummy_batch(config, batch_size: int) -> Batch:
 
 def flops_per_token(config) -> float:
     """Training FLOPs per token of the LM at ``seq_len``."""
-    fields = config.model.to_dict()
-    fields.pop("name", None)
-    return lm.lm_flops_per_token(lm.LMConfig.from_config(fields), config.seq_len)
+    return lm.lm_flops_per_token(model_config(config), config.seq_len)
 
 
 def _synthetic_data_fields() -> set:
@@ -80,29 +93,28 @@ def _synthetic_data_fields() -> set:
 
 def schema() -> Dict[str, set]:
     """The model and data fields; data is the union of both sources' fields (``validate`` then
-    checks them against ``data.source``)."""
+    checks them against ``data.source``). ``model.name`` is accepted, deprecated."""
     return {"model": {"name"} | {f.name for f in dataclasses.fields(lm.LMConfig)},
             "data": set(text.default_data_config().keys()) | _synthetic_data_fields()}
 
 
 def field_specs(config) -> Dict[str, Dict[str, Any]]:
-    """Type and range of the task's fields (checked by :mod:`goat_jax.train.validation`): the
+    """Type and range of the task's fields (checked by the engine before any work): the
     model's, the chosen data source's, and ``seq_len``."""
     data = synthetic.FIELD_SPECS if is_synthetic(config) else text.FIELD_SPECS
-    return {"": {"seq_len": validation.Int(min=1, doc="training context")}, "model": lm.FIELD_SPECS,
+    return {"": {"seq_len": Int(min=1, doc="training context")}, "model": lm.FIELD_SPECS,
             "data": data}
 
 
+def validate_model(config, task: str) -> None:
+    """The LM section's rules for a run of ``task``: the model config builds (its cross-field
+    rules) and ``seq_len`` fits its position table. Shared by the tasks that train the LM."""
+    model_config(config, task).check_length(config.seq_len, "seq_len")
+
+
 def validate(config) -> None:
-    """``seq_len`` positive and within the position table; ``model.name == 'lm'``; data fields
-    belong to ``data.source``."""
-    seq_len = config.seq_len
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer.")
-    if config.model.get("name") != "lm":
-        raise ValueError(f"model.name={config.model.get('name')!r}: task 'lm' trains model 'lm'.")
-    enc = config.model.get("position_encoding", "goat")
-    max_len = config.model.get("max_len", 2048)
+    """The model's rules (:func:`validate_model`); data fields belong to ``data.source``.
+    (Types and ranges, ``seq_len >= 1`` included, are checked before, from :func:`field_specs`.)"""
     allowed = _synthetic_data_fields() if is_synthetic(config) else set(text.default_data_config().keys())
     stray = sorted(set(config.data.keys()) - allowed)
     if stray:
@@ -115,10 +127,7 @@ def validate(config) -> None:
             "data.packing='documents' is not yet wired into the LM: the model does not consume "
             "the batch's segment_ids and positions yet, so it would silently attend across "
             "documents. Use data.packing='concat' until the layers take segment_ids.")
-    if enc in lm._TABLE_ENCODINGS and seq_len > max_len:  # pylint: disable=protected-access
-        raise ValueError(
-            f"seq_len={seq_len} exceeds model.max_len={max_len}, the size of the "
-            f"{enc!r} position table; raise model.max_len to >= {seq_len} or shorten seq_len.")
+    validate_model(config, "lm")
 
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
@@ -147,9 +156,10 @@ TASK = tasks.Task(
     # attention kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
-    no_decay_names=models.NO_DECAY_NAMES,
-    decay_groupings={"official_c4": models.official_c4_decay_mask},
-    # Fields a config may leave out (runs from before they existed resume under their defaults).
+    no_decay_names=NO_DECAY_NAMES,
+    decay_groupings={"official_c4": official_c4_decay_mask},
+    # Fields a config may leave out (runs from before they existed resume under their defaults;
+    # model.name='lm' is what checkpoints written before the task alone chose the model hold).
     field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None,
-                            "data.packing": "concat"},
+                            "data.packing": "concat", "model.name": "lm"},
 )

@@ -2,7 +2,7 @@
 trained on ImageNet-1k (TFDS or a JPEG folder) or Fashion-MNIST (``goat_jax.data.images``).
 
 Config sections: ``model.*`` (:class:`goat_jax.models.vit.ViTConfig` fields, optionally
-``preset``, plus ``name='vit'``) and ``data.*`` (``goat_jax.data.images.default_data_config()``).
+``preset``; this task builds the model) and ``data.*`` (``goat_jax.data.images.default_data_config()``).
 Loss: cross-entropy against the batch's ``targets`` (Mixup/CutMix-mixed, label-smoothed in
 training; one-hot in evaluation), summed over ``weights``. Eval metrics: ``eval_loss`` (nats per
 image) and ``eval_top1``. Drop-path draws from the per-step key the engine passes to the loss.
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import models
 from goat_jax.data import images
 from goat_jax.models import vit
+from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import tasks
 
 Batch = tasks.Batch
@@ -28,14 +28,12 @@ Batch = tasks.Batch
 
 def model_config(config) -> vit.ViTConfig:
     """The resolved :class:`ViTConfig` of ``config.model`` (preset applied)."""
-    fields = config.model.to_dict()
-    fields.pop("name", None)
-    return vit.ViTConfig.from_config(fields)
+    return vit.ViTConfig.from_config(model_fields(config, "vit", "vit"))
 
 
 def build_model(config):
     """The ``config.model`` ViT."""
-    return models.build_model(config.model)
+    return vit.ViT(model_config(config))
 
 
 def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
@@ -84,15 +82,13 @@ def vit_flops_per_image(cfg: vit.ViTConfig, resolution: int) -> float:
 
 
 def schema() -> Dict[str, set]:
-    """The model fields (ViTConfig + ``name``, ``preset``) and the data fields."""
+    """The model fields (ViTConfig + ``preset``; ``name`` accepted, deprecated) and the data fields."""
     return {"model": {"name", "preset"} | {f.name for f in dataclasses.fields(vit.ViTConfig)},
             "data": set(images.default_data_config().keys())}
 
 
 def validate(config) -> None:
-    """``model.name == 'vit'``; the data's channels and training resolution match the model's."""
-    if config.model.get("name") != "vit":
-        raise ValueError(f"model.name={config.model.get('name')!r}: task 'vit' trains model 'vit'.")
+    """The model config builds; the data's channels and training resolution match the model's."""
     cfg = model_config(config)
     if config.data.channels != cfg.channels:
         raise ValueError(f"data.channels={config.data.channels} but model.channels={cfg.channels} "
@@ -133,6 +129,7 @@ TASK = tasks.Task(
     # Reading threads and eval size do not change what is computed; the kernel changes speed only.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.implementation"),
     # timm/DeiT exclude the position table and CLS token from weight decay, besides biases and norms.
-    no_decay_names=models.NO_DECAY_NAMES | {"pos_embed", "cls"},
-    field_defaults=lambda: tasks.dataclass_defaults(vit.ViTConfig, "model"),
+    no_decay_names=NO_DECAY_NAMES | {"pos_embed", "cls"},
+    # model.name='vit': what checkpoints written before the task alone chose the model hold.
+    field_defaults=lambda: {**tasks.dataclass_defaults(vit.ViTConfig, "model"), "model.name": "vit"},
 )

@@ -3,6 +3,10 @@ and gradient accumulation over microbatches.
 
 Config (``config.optimizer``): ``learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps,
 weight_decay, grad_clip``; the decay horizon is ``config.num_train_steps``.
+
+Weight-decay groupings live here as rules (:func:`decay_mask`, :func:`substring_decay_mask`,
+:func:`decay_everything`); a task declares which names or substrings they apply to
+(``Task.no_decay_names``, ``Task.decay_groupings``), since the names are its parameters'.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import optax
+
 
 def learning_rate_schedule(opt_config: Any, num_train_steps: int) -> optax.Schedule:
     """``lr(count)`` for the update with 0-based index ``count``: linear warmup reaching the
@@ -43,6 +48,29 @@ def decay_mask(params: Any, no_decay_names: AbstractSet[str] = frozenset()) -> A
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
         return bool(jnp.ndim(leaf) >= 2 and not names & no_decay_names)
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dotted_path(path: Any) -> str:
+    """``layer_0.attention.q_proj.kernel`` for a pytree key path (boxed ``.value`` dropped)."""
+    names = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+    return ".".join(str(n) for n in names if n not in (None, "value"))
+
+
+def substring_decay_mask(no_decay_substrings: Tuple[str, ...]) -> Callable[[Any], Any]:
+    """The grouping ``params -> pytree of bools`` that decays every parameter whose dotted path
+    contains none of ``no_decay_substrings``, whatever its rank (the PyTorch recipes' rule,
+    e.g. the official GOAT C4 script's). ``params`` may be boxed (``nn.Partitioned``) or plain."""
+    substrings = tuple(no_decay_substrings)
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(s in dotted_path(path) for s in substrings), params)
+    return mask
+
+
+def decay_everything(params: Any) -> Any:
+    """The grouping that decays every parameter (AdamW without exclusions). Pytree of True."""
+    return jax.tree_util.tree_map(lambda _: True, params)
 
 
 def make_optimizer(opt_config: Any, num_train_steps: int, no_decay_names: AbstractSet[str] = frozenset(),

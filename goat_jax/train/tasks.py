@@ -39,11 +39,13 @@ The contract, in one place:
     engine's own are in :data:`goat_jax.train.checkpoint.RESUME_SAFE_FIELDS`.
 ``no_decay_names``
     parameter (or module) names whose leaves get no weight decay, besides every array with fewer
-    than two dimensions (see :func:`goat_jax.train.optim.decay_mask`).
+    than two dimensions (the rule is :func:`goat_jax.train.optim.decay_mask`).
 ``decay_groupings``
     other weight-decay groupings the task offers, ``{name: params -> pytree of bools}`` (True =
     decayed), chosen with ``config.optimizer.decay_grouping`` (optional field; 'default' or
-    absent: the ``no_decay_names`` rule above).
+    absent: the ``no_decay_names`` rule above), usually one of the optimizer's rules applied to
+    the task's names (:func:`goat_jax.train.optim.substring_decay_mask`,
+    :func:`goat_jax.train.optim.decay_everything`).
 
 Adding a family: docs/training.md, section "Adding an experiment family".
 """
@@ -106,9 +108,9 @@ class Task:
       resume_safe_fields: dotted task fields that may change on resume.
       no_decay_names: parameter/module names excluded from weight decay.
       decay_groupings: named alternative decay masks (``optimizer.decay_grouping``).
-      field_specs: ``config -> {section: {field: validation.Field}}``, the type and range of
-        the task's fields ('' for its top-level ones), checked before any work
-        (:mod:`goat_jax.train.validation`).
+      field_specs: ``config -> {section: {field: goat_jax.config.fields.Field}}``, the type and
+        range of the task's fields ('' for its top-level ones), checked before any work (e.g.
+        derived from the model dataclass's field declarations, ``fields.specs_of(LMConfig)``).
       field_defaults: ``() -> {'section.field': default}``, the value a field takes when a
         config leaves it out (e.g. the model dataclass's defaults). A checkpoint written before
         a field existed resumes under a config that sets it to this value: absent and default

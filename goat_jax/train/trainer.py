@@ -121,9 +121,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     if (gbs is None) == (pdbs is None):
         raise ValueError("Set exactly one of global_batch_size and per_device_batch_size (the other "
                          f"None); got global_batch_size={gbs}, per_device_batch_size={pdbs}.")
-    field = "global_batch_size" if gbs is not None else "per_device_batch_size"
-    if int(config[field]) < 1:
-        raise ValueError(f"{field}={config[field]} must be >= 1.")
+    field = "global_batch_size" if gbs is not None else "per_device_batch_size"  # >= 1: ENGINE_FIELDS
     global_batch = int(gbs) if gbs is not None else int(pdbs) * num_devices
     accum = config.grad_accum_steps
     if global_batch % (batch_shards * accum):

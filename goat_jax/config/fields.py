@@ -1,0 +1,327 @@
+"""Config fields declared once: type, range or choices, doc (and, on a dataclass, the default).
+
+The ground floor of the config system: it imports nothing from goat_jax, so models, data
+pipelines, tasks and the engine can all declare and check their fields with it.
+
+A field's spec is a :class:`Field` (``Int(min=1, doc=...)``, ``Str(choices=SOME_TUPLE)``, ...).
+It is declared in one place:
+
+* on a config dataclass (``LMConfig``, ``ViTConfig``, ``PriorSettings``) as the field's metadata,
+  ``num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))``; :func:`specs_of` derives
+  the section's ``FIELD_SPECS`` from it and :func:`check_instance` checks an instance against it
+  (so ``__post_init__`` only holds the cross-field rules); a dataclass exposing another one's
+  field under the same name (a model's GOAT fields) takes its spec with :func:`borrow`;
+* in a :class:`Section` next to the code that reads a ``ml_collections`` section (the data
+  pipelines): ``{name: (default, Field)}``, from which both the section's default ConfigDict
+  and its ``FIELD_SPECS`` come; the pipeline's own cross-field checks call
+  :func:`check_section` first.
+
+Choices that belong to a module (the prior's ``PRIOR_INITS``, the kernels' ``IMPLEMENTATIONS``)
+are imported from it, never restated. The engine declares its own sections in
+:data:`goat_jax.train.validation.ENGINE_FIELDS` and checks each run's config with
+:func:`check_config` before any work; a violation is a one-line ValueError naming the dotted
+field, the value, what is allowed and the fix::
+
+    optimizer.learning_rate=-1.0 is out of range: allowed is a number finite in float32 > 0 (peak
+    learning rate). Set --config.optimizer.learning_rate to an allowed value.
+
+Fields without a spec are not checked here (unknown fields are refused by the engine's schema
+check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import ml_collections
+import numpy as np
+
+# float32 is what the device computes with: a larger "finite" value is inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """What one config field may hold.
+
+    Attributes:
+      kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
+        'ints' (a tuple of integers, each within ``min``/``max``), 'floats' (a tuple of finite
+        numbers, e.g. per-channel means) or 'dtype' (a dtype name among ``choices``, or a
+        numpy/JAX dtype of that name).
+      min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
+        say whether the bound itself is allowed.
+      also: extra allowed values outside the range (e.g. ``-1``: "the remaining devices").
+      choices: the allowed values of a 'str' field (or of a number, instead of a range).
+      optional: None is allowed too.
+      nonempty: a 'str' / 'strs' field must not be empty ('strs': no empty element either).
+      lengths: the allowed lengths of an 'ints' tuple (None: any).
+      doc: what the field means, shown in the error.
+    """
+
+    kind: str
+    min: Optional[float] = None
+    max: Optional[float] = None
+    min_inclusive: bool = True
+    max_inclusive: bool = True
+    also: Tuple[Any, ...] = ()
+    choices: Optional[Tuple[Any, ...]] = None
+    optional: bool = False
+    nonempty: bool = False
+    lengths: Optional[Tuple[int, ...]] = None
+    doc: str = ""
+
+    def allowed(self) -> str:
+        """A phrase saying what is allowed, e.g. 'an integer >= 1 (decoder blocks)'."""
+        if self.choices is not None:
+            text = f"one of {list(self.choices)}"
+        elif self.kind in ("int", "float"):
+            bounds = []
+            if self.min is not None:
+                bounds.append(f"{'>=' if self.min_inclusive else '>'} {self.min:g}")
+            if self.max is not None and self.max != FLOAT32_MAX:
+                bounds.append(f"{'<=' if self.max_inclusive else '<'} {self.max:g}")
+            text = ("an integer" if self.kind == "int" else "a number finite in float32") + (
+                " " + " and ".join(bounds) if bounds else "")
+            if self.also:
+                text += " or " + " or ".join(repr(a) for a in self.also)
+        elif self.kind == "bool":
+            text = "True or False"
+        elif self.kind == "strs":
+            text = "a tuple of " + ("non-empty " if self.nonempty else "") + "strings"
+        elif self.kind == "ints":
+            sizes = " or ".join(str(n) for n in self.lengths) if self.lengths else "any number of"
+            text = f"a tuple of {sizes} integers" + (f" >= {self.min:g}" if self.min is not None else "")
+        elif self.kind == "floats":
+            text = ("a non-empty" if self.nonempty else "a") + " tuple of finite numbers"
+        else:
+            text = "a non-empty string" if self.nonempty else "a string"
+        if self.optional:
+            text += " or None"
+        return text + (f" ({self.doc})" if self.doc else "")
+
+
+def Int(min=None, max=None, **kw) -> Field:  # pylint: disable=invalid-name,redefined-builtin
+    """An integer field (bools are refused) within ``[min, max]``."""
+    return Field("int", min=min, max=max, **kw)
+
+
+def Float(min=None, max=FLOAT32_MAX, **kw) -> Field:  # pylint: disable=invalid-name,redefined-builtin
+    """A finite number (ints accepted) within the bounds, representable in float32."""
+    return Field("float", min=min, max=max, **kw)
+
+
+def Bool(**kw) -> Field:  # pylint: disable=invalid-name
+    """True or False."""
+    return Field("bool", **kw)
+
+
+def Str(choices=None, **kw) -> Field:  # pylint: disable=invalid-name
+    """A string, optionally one of ``choices``."""
+    return Field("str", choices=tuple(choices) if choices is not None else None, **kw)
+
+
+def Strs(**kw) -> Field:  # pylint: disable=invalid-name
+    """A tuple (or list) of strings; on the command line, repeat the flag once per element."""
+    return Field("strs", **kw)
+
+
+def Ints(min=None, max=None, lengths=None, **kw) -> Field:  # pylint: disable=invalid-name,redefined-builtin
+    """A tuple (or list) of integers within ``[min, max]`` whose length is one of ``lengths``;
+    on the command line, repeat the flag once per element."""
+    return Field("ints", min=min, max=max, lengths=tuple(lengths) if lengths else None, **kw)
+
+
+def Floats(**kw) -> Field:  # pylint: disable=invalid-name
+    """A tuple (or list) of finite numbers; on the command line, repeat the flag per element."""
+    return Field("floats", **kw)
+
+
+def Dtype(choices, **kw) -> Field:  # pylint: disable=invalid-name
+    """A dtype: one of the names ``choices`` ('bfloat16'), or a dtype object of such a name."""
+    return Field("dtype", choices=tuple(choices), **kw)
+
+
+def _problem(spec: Field, value: Any) -> Optional[str]:
+    """None if ``value`` satisfies ``spec``, else 'has the wrong type' / 'is out of range'."""
+    if value is None:
+        return None if spec.optional else "is not set"
+    if spec.kind == "dtype":
+        if not isinstance(value, str):
+            try:  # a dtype object (jnp.bfloat16, np.dtype('float32')) stands for its name
+                value = np.dtype(value).name
+            except TypeError:
+                return "has the wrong type"
+        return None if value in spec.choices else "is not allowed"
+    if spec.kind == "bool":
+        return None if isinstance(value, (bool, np.bool_)) else "has the wrong type"
+    if spec.kind == "str":
+        if not isinstance(value, str):
+            return "has the wrong type"
+        if spec.nonempty and not value:
+            return "is empty"
+        return None if spec.choices is None or value in spec.choices else "is not allowed"
+    if spec.kind == "strs":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if not all(isinstance(v, str) for v in value):
+            return "has the wrong type"
+        if spec.nonempty and (not value or not all(value)):
+            return "is empty or has an empty element"
+        return None
+    if spec.kind == "ints":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if spec.lengths is not None and len(value) not in spec.lengths:
+            return "has the wrong length"
+        element = Int(min=spec.min, max=spec.max)
+        return next((p for p in (_problem(element, v) for v in value) if p), None)
+    if spec.kind == "floats":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            return "has the wrong type"
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                   for v in value):
+            return "has the wrong type"
+        if not all(math.isfinite(float(v)) for v in value):
+            return "is not finite"
+        return "is empty" if spec.nonempty and not value else None
+    # Numbers. bool is an int subclass in Python; a flag typo like True for a step count is refused.
+    if isinstance(value, (bool, np.bool_)):
+        return "has the wrong type"
+    if spec.kind == "int" and not isinstance(value, (int, np.integer)):
+        return "has the wrong type"
+    if spec.kind == "float" and not isinstance(value, (int, float, np.integer, np.floating)):
+        return "has the wrong type"
+    if value in spec.also:
+        return None
+    if spec.choices is not None:
+        return None if value in spec.choices else "is not allowed"
+    if spec.kind == "float" and not math.isfinite(float(value)):
+        return "is not finite"
+    if spec.min is not None and (value < spec.min or (value == spec.min and not spec.min_inclusive)):
+        return "is out of range"
+    if spec.max is not None and (value > spec.max or (value == spec.max and not spec.max_inclusive)):
+        return "is out of range"
+    return None
+
+
+def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section: Optional[str] = "",
+                  owner: Optional[str] = None) -> None:
+    """Checks every field of ``values`` that has a spec; raises a one-line ValueError naming
+    the first offending field (``section.field``), its value, what is allowed and the fix.
+
+    ``owner`` (a class name, for :func:`check_instance`) names the field ``Owner.field`` instead;
+    ``section=None`` then means the values are not a config section, so no flag is suggested.
+    """
+    prefix = f"{section}." if section else ""
+    for name, spec in specs.items():
+        if name not in values:
+            continue
+        value = values[name]
+        problem = _problem(spec, value)
+        if problem:
+            if section is None:
+                fix = "Pass an allowed value."
+            elif spec.kind in ("strs", "ints", "floats"):
+                fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
+                       ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
+            else:
+                fix = f"Set --config.{prefix}{name} to an allowed value."
+            where = f"{owner}.{name}" if owner else f"{prefix}{name}"
+            raise ValueError(f"{where}={value!r} {problem}: allowed is {spec.allowed()}. {fix}")
+
+
+def check_config(config: Any, specs: Mapping[str, Mapping[str, Field]]) -> None:
+    """Runs :func:`check_section` for each ``{section: spec}`` ('' is the top level) that the
+    config has."""
+    for section, spec in specs.items():
+        node = config if not section else config.get(section)
+        if node is not None:
+            check_section(node, spec, section)
+
+
+# ----------------------------------------------------------------------------------------------
+# Specs as dataclass field metadata: one declaration gives the default, the type/range and the doc
+# ----------------------------------------------------------------------------------------------
+
+_SPEC_KEY = "goat_jax.config.spec"
+
+
+def declare(default: Any, spec: Field) -> Any:
+    """A dataclass field with ``default`` whose spec is ``spec``:
+    ``num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))``."""
+    if not isinstance(spec, Field):
+        raise TypeError(f"declare(default, spec): spec must be a goat_jax.config.fields.Field, got {spec!r}.")
+    return dataclasses.field(default=default, metadata={_SPEC_KEY: spec})
+
+
+def borrow(cls: Any, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field declared like ``cls``'s field ``name`` (same spec; ``cls``'s default
+    unless ``default`` is given): how a flat model config exposes the GOAT prior's fields
+    under their own names without restating their range."""
+    source = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+    if source is None or _SPEC_KEY not in source.metadata:
+        raise ValueError(f"borrow: {cls.__name__} has no declared field {name!r}.")
+    return declare(source.default if default is dataclasses.MISSING else default,
+                   source.metadata[_SPEC_KEY])
+
+
+def specs_of(cls: Any) -> Dict[str, Field]:
+    """``{field name: Field}`` of a dataclass's declared fields (in declaration order): the
+    ``FIELD_SPECS`` of the config section it describes."""
+    return {f.name: f.metadata[_SPEC_KEY] for f in dataclasses.fields(cls) if _SPEC_KEY in f.metadata}
+
+
+def check_instance(obj: Any, section: Optional[str] = None) -> None:
+    """Checks every declared field of the dataclass instance ``obj`` against its spec (what
+    ``__post_init__`` calls before its cross-field rules). The error names ``Class.field``;
+    ``section`` (e.g. 'model', when the class is a config section) adds the flag to set."""
+    specs = specs_of(type(obj))
+    check_section({name: getattr(obj, name) for name in specs}, specs, section, owner=type(obj).__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# A ml_collections section declared once: each field's default next to its spec
+# ----------------------------------------------------------------------------------------------
+
+_PLACEHOLDER_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+class Section:
+    """The fields of one ``ml_collections`` config section, each declared once as
+    ``name=(default, Field)``::
+
+        DATA = Section(read_threads=(4, Int(min=0, doc="threads reading ahead")), ...)
+        FIELD_SPECS = DATA.specs          # checked by the engine before any work
+        def default_data_config(): return DATA.defaults()
+
+    A None default of an optional number or string becomes a typed placeholder, so
+    ``--config.data.x=...`` can still set it from the command line.
+    """
+
+    def __init__(self, **declared: Tuple[Any, Field]):
+        for name, entry in declared.items():
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], Field)):
+                raise TypeError(f"Section field {name!r} must be (default, Field), got {entry!r}.")
+            problem = _problem(entry[1], entry[0])
+            if problem:  # a declaration whose own default it refuses is a bug in the declaration
+                raise ValueError(f"Section field {name!r}: the default {entry[0]!r} {problem} "
+                                 f"({entry[1].allowed()}).")
+        self._declared = dict(declared)
+
+    @property
+    def specs(self) -> Dict[str, Field]:
+        """``{name: Field}`` in declaration order (the section's ``FIELD_SPECS``)."""
+        return {name: spec for name, (_, spec) in self._declared.items()}
+
+    def defaults(self) -> ml_collections.ConfigDict:
+        """A fresh ConfigDict holding every field's default."""
+        c = ml_collections.ConfigDict()
+        for name, (default, spec) in self._declared.items():
+            if default is None and spec.kind in _PLACEHOLDER_TYPES:
+                c[name] = ml_collections.config_dict.placeholder(_PLACEHOLDER_TYPES[spec.kind])
+            else:
+                c[name] = default
+        return c
