@@ -57,7 +57,7 @@ def test_gpt2_block_matches_numpy_float64(rng):
 
 def test_llama_stays_the_default_and_gpt2_param_count():
     assert LMConfig().block == "llama"
-    with pytest.raises(ValueError, match="block must be one of"):
+    with pytest.raises(ValueError, match="block='bert' is not allowed"):
         LMConfig(block="bert")
     # The official genome model: d 512, 8 layers, 8 heads, MLP 4x, biases, tied, vocab 5.
     cfg = LMConfig(vocab_size=5, num_layers=8, embed_dim=512, num_heads=8, mlp_dim=2048,

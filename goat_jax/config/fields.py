@@ -35,8 +35,9 @@ import dataclasses
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-import ml_collections
 import numpy as np
+
+from goat_jax import _extras  # noqa: the leaf module of optional-package errors
 
 # float32 is what the device computes with: a larger "finite" value is inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -316,8 +317,12 @@ class Section:
         """``{name: Field}`` in declaration order (the section's ``FIELD_SPECS``)."""
         return {name: spec for name, (_, spec) in self._declared.items()}
 
-    def defaults(self) -> ml_collections.ConfigDict:
+    def defaults(self) -> "ml_collections.ConfigDict":
         """A fresh ConfigDict holding every field's default."""
+        # Imported here, not at the top: the prior's settings import this module, and the core
+        # install (the layer alone: jax, flax, numpy) has no ml_collections.
+        with _extras.imports(__name__):
+            import ml_collections  # pylint: disable=g-import-not-at-top
         c = ml_collections.ConfigDict()
         for name, (default, spec) in self._declared.items():
             if default is None and spec.kind in _PLACEHOLDER_TYPES:
