@@ -257,8 +257,8 @@ def test_vision_and_dna_claims_compare_encodings(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,allowed", [
-    ("--encodings", "goat,gaot", "goat,rope"), ("--vit_encodings", "goat,rope", "goat,ape"),
-    ("--dna_encodings", "nope,rpoe", "goat,rope")])
+    ("--encodings", "goat,gaot", "goat,nope,rope"), ("--vit_encodings", "goat,rope", "goat,ape"),
+    ("--dna_encodings", "nope,rpoe", "goat,nope,rope")])
 def test_encoding_typos_are_refused_at_parsing_even_in_a_dry_run(tmp_path, flag, value, allowed):
     for extra in (["--dry_run"], []):
         with pytest.raises(ValueError, match=rf"{flag} {value}: unknown encoding\(s\) \['{value.split(',')[1]}'\]; "

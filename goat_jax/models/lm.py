@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from goat_jax import positional
 from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
@@ -36,11 +37,13 @@ from goat_jax.prior import PriorSettings
 
 Array = jax.Array
 
-POSITION_ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "alibi_packed", "sinusoidal", "learned",
-                      "nope", "naive_prior")
-BLOCKS = ("llama", "gpt2")
 # Encodings that add an absolute embedding to the token embeddings and use position-free attention.
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
+# 'goat', every 1D encoding of the positional package (read from its registry, so a new encoding
+# there is offered here without a second list), and the absolute embeddings.
+POSITION_ENCODINGS = (("goat",) + tuple(e.name for e in positional.ENCODINGS if e.positions != "2d")
+                      + ABSOLUTE_ENCODINGS)
+BLOCKS = ("llama", "gpt2")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
 TABLE_ENCODINGS = ("learned", "naive_prior")
 DTYPES = ("float32", "bfloat16", "float16")

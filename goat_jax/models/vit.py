@@ -43,11 +43,17 @@ from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_i
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
 from goat_jax.prior import PriorSettings
+from goat_jax import positional
 from goat_jax.positional import PositionalAttention, sincos_2d_embedding
 
 Array = jax.Array
 
-POSITION_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")
+# Encodings on the patch embeddings (attention runs 'nope').
+EMBEDDING_ENCODINGS = ("ape", "sincos2d")
+# Encodings inside attention from the positional package: those that read the patch grid ('2d')
+# or ignore positions ('any'), read from its registry so a new 2D encoding is offered here too.
+ATTENTION_ENCODINGS = tuple(e.name for e in positional.ENCODINGS if e.positions != "1d")
+POSITION_ENCODINGS = ("goat",) + EMBEDDING_ENCODINGS + ATTENTION_ENCODINGS
 
 # The official ViT-S/16 shape (224 px, patch 16, width 384, 12 layers, 6 heads, MLP 4x).
 PRESETS = {
@@ -230,15 +236,15 @@ def _dense(cfg: ViTConfig, features: int, axes, name: str) -> nn.Module:
 
 
 def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
-    """GoatAttention (2D, CLS) for 'goat', else PositionalAttention ('rope2d', or 'nope' for the
-    encodings that live on the embeddings). Shared knobs are passed identically; every variant
+    """GoatAttention (2D, CLS) for 'goat', else PositionalAttention (the encoding itself for
+    :data:`ATTENTION_ENCODINGS`, 'nope' for those that live on the embeddings). Shared knobs are passed identically; every variant
     has qkv and output biases, as the official ViT."""
     common = dict(num_heads=cfg.num_heads, out_features=cfg.embed_dim, use_bias=True,
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                   implementation=cfg.implementation, name=name)
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
-    encoding = "rope2d" if cfg.position_encoding == "rope2d" else "nope"
+    encoding = cfg.position_encoding if cfg.position_encoding in ATTENTION_ENCODINGS else "nope"
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base, **common)
 
 

@@ -49,8 +49,10 @@ head shapes, dtype, scale):
 * ``bias(layer, ctx)``: an additive bias, or None.
 
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
-:class:`goat_jax.layers.AttentionBase`. A model that offers the encoding also lists it in its
-own ``POSITION_ENCODINGS`` (``goat_jax.models.lm`` / ``goat_jax.models.vit``).
+:class:`goat_jax.layers.AttentionBase`. The models read their ``POSITION_ENCODINGS`` from
+``ENCODINGS`` (``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and
+'any'), so a registered encoding is offered by them with no second list; an encoding that needs a
+new layer field also needs that field passed by the model's ``make_attention``.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
 H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
