@@ -128,9 +128,18 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
-    # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding.
-    assert len(lines) == (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
-                          + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
+    # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding: 3 seeds
+    # each (the tiny suite's default), but the toy figure, trained once.
+    one_seed = (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
+                + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
+    assert len(lines) == 3 * one_seed - 2
+    assert sum("toy" in line for line in lines) == 1
+    # Seed 0 keeps the 1-seed workdir (a finished run is reused); seed k its sibling <dir>_seed<k>.
+    assert any(l.endswith("in runs/reproduce_tiny/dna/alibi") and "dna/dna/alibi " in l for l in lines)
+    assert any(l.endswith("in runs/reproduce_tiny/dna/alibi_seed2") and "dna/dna/alibi@seed2 " in l for l in lines)
+    assert reproduce.main(["--suite", "tiny", "--dry_run", "--seeds", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == one_seed
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
     for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
@@ -140,13 +149,14 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
         assert any(f"(configs/dna_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/dna/{enc}" in l for l in lines)
     # One family alone, with its own encodings.
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "vit", "--vit_encodings",
-                           "goat,ape"]) == 0
+                           "goat,ape", "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [l.split()[5] for l in lines] == ["vit/vit/goat", "vit/vit/ape"]
     with pytest.raises(ValueError, match="--families: unknown \\['images'\\]"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm,images"])
     # The language family without its retrieval variants; a variant the suite lacks is named.
-    assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none"]) == 0
+    assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none",
+                           "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
     assert not any("official" in l for l in lines)

@@ -41,6 +41,11 @@ class LMVariant:
     encoding: str  # fills {enc} of the dataset's config spec (and must be its position encoding)
     overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.lm_overrides
     spec: str = ""  # a config spec to use instead of the dataset's ({enc} filled in); '' = the dataset's
+    # An evaluated-with row: no training of its own; it evaluates the trained run of row
+    # ``trained_as`` (an encoding or another variant's label, same seeds) with these model
+    # fields changed at evaluation time (e.g. RoPE evaluated with a frequency rescaling).
+    trained_as: str = ""
+    eval_overrides: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Suite:
     toy_overrides: dict = dataclasses.field(default_factory=dict)
     tasks: tuple[str, ...] = ("passkey", "niah")
     multipliers: tuple[int, ...] = (1, 2, 4, 8, 16)  # evaluation lengths / training length
+    lm_ppl_multipliers: tuple[int, ...] = ()  # the LMs' perplexity lengths if not these ('': multipliers)
     num_examples: int = 64  # synthetic passkey examples per length
     niah_examples: int = 16  # NIAH examples per (length, depth) cell
     niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT depths
@@ -101,6 +107,10 @@ class Suite:
     dna_gc_windows: int = 256  # GC agreement windows (docs/experiments.md: N >= 256)
     dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
     dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
+    # Seeds: every run (but the toy figure) trains once per seed, seed = the config's + k
+    # (k = 0 .. seeds-1); the report gives mean ± 95% t interval over them (goat_jax/reproduce/stats.py).
+    seeds: int = 1  # --seeds default
+    lm_check_multiplier: int = 16  # the length ratio the LM extrapolation claims are judged at
 
 
 _DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"),
@@ -123,14 +133,16 @@ SUITES = {
         dna="configs/dna_tiny.py:{enc},smoke", dna_encodings=("goat", "rope"), dna_multipliers=(1, 4),
         dna_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
         dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:], dna_gc_windows=4, dna_memory_lengths=(64,),
-        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}),
+        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}, seeds=1),
     # ~1 hour on 2 CPU cores. Settings chosen once for all encodings (see REPORT.md).
     "tiny": Suite(
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
-        retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py",
-        # Every model trains at 64 tokens, so 16x is 1024. MHA instead of lm_tiny's GQA: GOAT's
+        retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py", seeds=3,
+        # Every model trains at 64 tokens, so 16x is 1024 and 64x 4096 (perplexity only: the
+        # retrieval and passkey evaluations stop at 16x, their cost grows with length x examples). MHA instead of lm_tiny's GQA: GOAT's
         # prior is per KV head, and 2 priors per layer cost it ~15% perplexity at this size.
         # 1000 steps: GOAT and RoPE are still improving at 600 (2-3% apart).
+        lm_ppl_multipliers=(1, 2, 4, 8, 16, 32, 64),
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000, "checkpoint_every_steps": 1000},
         retrieval_overrides={},
@@ -168,6 +180,9 @@ class Job:
     overrides: dict
     workdir: str
     variant: str = ""  # the LMVariant label of an extra LM row ('' for the plain encodings)
+    seed_offset: int = 0  # k: trains with the config's seed + k (k = 0 is the run of a 1-seed report)
+    eval_overrides: dict = dataclasses.field(default_factory=dict)  # model fields changed at evaluation
+    trains: bool = True  # False: an evaluated-with row, evaluating another row's run in ``workdir``
 
     @property
     def label(self) -> str:
@@ -180,19 +195,44 @@ class Job:
         return f"{self.kind}/{self.dataset}/{self.label}"
 
     @property
+    def run_name(self) -> str:
+        """:attr:`name` plus ``@seed<k>`` for k > 0: one training run (logs, run times)."""
+        return self.name + (f"@seed{self.seed_offset}" if self.seed_offset else "")
+
+    @property
     def family(self) -> str:
         """``'lm'`` (LMs, retrieval, toy), ``'vit'`` or ``'dna'``: the family the job belongs to."""
         return "lm" if self.kind in LM_KINDS else self.kind
 
 
+def seed_workdir(workdir: str, k: int) -> str:
+    """Seed ``k``'s workdir: seed 0 keeps the 1-seed path (so a finished run is reused), seed
+    k > 0 is its sibling ``<workdir>_seed<k>``."""
+    return workdir if k == 0 else f"{workdir}_seed{k}"
+
+
+def with_seeds(jobs: Sequence[Job], seeds: int) -> list[Job]:
+    """Every job of ``jobs`` once per seed k = 0 .. ``seeds``-1 (seed-major: every seed-0 run
+    first, so a partial run of the suite gives a complete 1-seed report early), except the toy
+    figure, which is trained once. ValueError for ``seeds`` < 1."""
+    if int(seeds) < 1:
+        raise ValueError(f"--seeds {seeds}: give 1 or more (each seed trains every run once more).")
+    out = list(jobs)
+    for k in range(1, int(seeds)):
+        out += [dataclasses.replace(j, seed_offset=k, workdir=seed_workdir(j.workdir, k))
+                for j in jobs if j.kind != "toy"]
+    return out
+
+
 def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
          families: Sequence[str] = FAMILIES, vit_encodings: Optional[Sequence[str]] = None,
-         dna_encodings: Optional[Sequence[str]] = None) -> list[Job]:
+         dna_encodings: Optional[Sequence[str]] = None, seeds: int = 1) -> list[Job]:
     """Every run of ``suite``'s ``families``, in order. Language (``encodings``, default
     ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
     retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
     ``vit_encodings`` in ``ROOT/vit/<enc>``. DNA: a genome LM per ``dna_encodings`` in
-    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family."""
+    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
+    the runs of seeds 1.. (:func:`with_seeds`)."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}.")
@@ -205,7 +245,7 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
         if family in families and spec:
             jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
                          os.path.join(root, family, enc)) for enc in encs]
-    return jobs
+    return with_seeds(jobs, seeds)
 
 
 def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
@@ -215,10 +255,15 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
         for enc in encodings:
             jobs.append(Job("lm", dataset, enc, spec.format(enc=enc), dict(suite.lm_overrides),
                             os.path.join(root, dataset, enc)))
+        labels = list(encodings) + [v.label for v in suite.lm_variants]
         for v in suite.lm_variants:
+            if v.trained_as and v.trained_as not in labels:
+                raise ValueError(f"lm_variants {v.label!r}: trained_as={v.trained_as!r} is not a row of this "
+                                 f"plan; choose from {', '.join(labels)} (or add it to --encodings).")
             jobs.append(Job("lm", dataset, v.encoding, (v.spec or spec).format(enc=v.encoding),
-                            {**suite.lm_overrides, **v.overrides}, os.path.join(root, dataset, v.label),
-                            variant=v.label))
+                            {**suite.lm_overrides, **v.overrides},
+                            os.path.join(root, dataset, v.trained_as or v.label), variant=v.label,
+                            eval_overrides=dict(v.eval_overrides), trains=not v.trained_as))
     retrieval = [("", suite.retrieval, {})] + [(f"_{v.label}", v.spec, v.overrides)
                                                for v in suite.retrieval_variants]
     for suffix, pattern, overrides in retrieval:
