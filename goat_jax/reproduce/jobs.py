@@ -116,7 +116,8 @@ def evaluate(job: Job, suite: Suite) -> dict:
 
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
-    """Trains then evaluates ``job``: ``{'train_seconds', 'result'}``. With ``log_path`` the
+    """Trains then evaluates ``job``: ``{'train_seconds', 'result', 'wall_seconds'}`` (this
+    call's wall clock: ~0 for a reused run). With ``log_path`` the
     process's stdout and stderr go to that file (a worker of ``--jobs J``: one log per job)."""
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -126,5 +127,7 @@ def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
         os.close(fd)
         from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top  # worker only
         absl_logging.set_verbosity(absl_logging.WARNING)
+    t0 = time.time()
     seconds = train(job)["seconds"]
-    return {"train_seconds": seconds, "result": evaluate(job, suite)}
+    result = evaluate(job, suite)
+    return {"train_seconds": seconds, "result": result, "wall_seconds": time.time() - t0}

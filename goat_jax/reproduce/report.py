@@ -56,11 +56,14 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     """One family's part of REPORT.md (``## <Family>`` and its subsections): the provenance of
     this invocation (command, date, commit, compute), the setup, the headline checks with their
     numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's)."""
-    mine = {k: v for k, v in timings.items() if _base(k.split(" ", 1)[1]) in {j.name for j in jobs}}
-    by_seed = {}
-    for k, v in mine.items():
+    names = {j.name for j in jobs}
+    walls = {k.split(" ", 1)[1]: v for k, v in timings.items()
+             if k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
+    mine = {k: v for k, v in timings.items() if not k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
+    by_seed = {}  # this invocation's wall clock per seed (jobs run at once overlap: the sum is CPU-ish)
+    for k, v in walls.items():
         by_seed[_seed_of(k)] = by_seed.get(_seed_of(k), 0.0) + v
-    failed = {k: v for k, v in (failed or {}).items() if _base(k) in {j.name for j in jobs}}
+    failed = failed or {}  # this family's failed runs (write_report picks them)
     md = [f"## {FAMILY_TITLES[family]}", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
           f"Code: git {_git_commit()}  ",
@@ -68,8 +71,10 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
           f"Compute: {sum(mine.values()) / 60:.1f} min over this family's stages (training "
           f"{sum(v for k, v in mine.items() if k.startswith('train')) / 60:.1f} min); the invocation "
           f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused; "
-          f"stage times of reused runs are those of the invocation that made them); per seed: "
-          + ", ".join(f"seed +{k} {v / 60:.1f} min" for k, v in sorted(by_seed.items())) + "  ",
+          f"stage times of reused runs are those of the invocation that made them)  ",
+          "Wall clock of this invocation per seed (train + evaluate, summed over the family's runs; "
+          "~0 for reused runs): " + ", ".join(f"seed +{k} {v / 60:.1f} min" for k, v in sorted(by_seed.items()))
+          + "  ",
           f"Seeds: {seeds} (seed = the config's seed + k, k = 0..{seeds - 1}; the toy figure is trained once). "
           + (f"Every number is the {stats.INTERVAL_NAME}; " if seeds > 1 else
              "One seed: numbers are single runs, there is no interval, and every verdict is "
@@ -130,12 +135,19 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     ``{run name: values}``, from ``per_seed``). Returns the markdown."""
     os.makedirs(os.path.join(out, "sections"), exist_ok=True)
     for family in FAMILY_TITLES:
-        fam_jobs = [j for j in jobs if j.family == family]
+        fam_jobs = [j for j in jobs if j.family == family and j.name in results]  # failed rows: listed, not shown
+        fam_failed = {k: v for k, v in (failed or {}).items()
+                      if _base(k) in {j.name for j in jobs if j.family == family}}
         if fam_jobs:
             text = family_section(family, suite, fam_jobs, results, out, command, timings, total_seconds,
-                                  seeds=seeds, failed=failed)
-            with open(os.path.join(out, "sections", f"{family}.md"), "w") as f:
-                f.write(text)
+                                  seeds=seeds, failed=fam_failed)
+        elif any(j.family == family for j in jobs):  # every run of the family failed: say so, keep no old text
+            text = (f"## {FAMILY_TITLES[family]}\n\nCommand: `{command}`  \nEvery run failed: "
+                    + "; ".join(f"`{k}`: {v}" for k, v in fam_failed.items()) + "\n")
+        else:
+            continue
+        with open(os.path.join(out, "sections", f"{family}.md"), "w") as f:
+            f.write(text)
     sections = []
     for family in FAMILY_TITLES:
         path = os.path.join(out, "sections", f"{family}.md")

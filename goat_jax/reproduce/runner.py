@@ -144,6 +144,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
         timings[f"train {job.run_name}"] = res["train_seconds"]
         raw[job.run_name] = res["result"]
         timings[f"eval {job.run_name}"] = res["result"]["eval_seconds"]
+        timings[f"wall {job.run_name}"] = res["wall_seconds"]
 
     if jobs == 1:
         for i, job in enumerate(all_jobs):

@@ -68,7 +68,7 @@ class Suite:
     name: str
     lm: tuple[tuple[str, str], ...]  # (dataset label, config spec) of the perplexity LMs
     retrieval: str  # config spec of the synthetic retrieval models
-    toy: str  # config spec of the toy copy-mixture model
+    toy: str  # config spec of the toy copy-mixture model ('' = none)
     lm_overrides: dict = dataclasses.field(default_factory=dict)
     retrieval_overrides: dict = dataclasses.field(default_factory=dict)
     toy_overrides: dict = dataclasses.field(default_factory=dict)
@@ -272,6 +272,7 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
                 jobs.append(Job(task, task + suffix, enc, pattern.format(task=task, enc=enc),
                                 {**suite.retrieval_overrides, **overrides},
                                 os.path.join(root, task + suffix, enc)))
-    jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
-                    os.path.join(root, "toy")))
+    if suite.toy:  # '' = no toy figure (e.g. a trimmed suite in a test)
+        jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
+                        os.path.join(root, "toy")))
     return jobs
