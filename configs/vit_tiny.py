@@ -5,7 +5,9 @@
 
 The argument names the position encoding (default 'goat'; any of
 goat_jax.models.vit.POSITION_ENCODINGS), optionally followed by ',smoke': a seconds-long variant
-for tests, e.g. ``configs/vit_tiny.py:goat,smoke``. Everything else is identical across encodings.
+for tests, e.g. ``configs/vit_tiny.py:goat,smoke``, and/or ',canvas': the canvas protocol's model
+(head dim 64, GOAT ranks R = 16, M = 2, 4 blocks, 4 epochs; docs/protocols.md). Everything else
+is identical across encodings.
 
 28 x 28 grayscale images in 7 x 7 patches: a 4 x 4 grid at the training resolution, so the
 evaluation resolutions 28, 42, 56, 84 (1x, 1.5x, 2x, 3x) are 4x4, 6x6, 8x8 and 12x12 grids.
@@ -25,8 +27,8 @@ from goat_jax.train import wandb_logger
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
     parts = [p for p in (arg or "").split(",") if p]
-    smoke = "smoke" in parts
-    encoding = next((p for p in parts if p != "smoke"), "goat")
+    smoke, canvas = "smoke" in parts, "canvas" in parts
+    encoding = next((p for p in parts if p not in ("smoke", "canvas")), "goat")
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
     c.seed = 0  # parameter init, data order, augmentation and drop-path
@@ -87,6 +89,18 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.data.num_eval_batches = 0  # the whole 10k test split
     c.data.read_threads = 2  # 2-core machine
 
+    if canvas:  # the canvas protocol (docs/protocols.md, "Tiny vision protocol: objects on a larger canvas")
+        # Head dim 64 so GOAT takes the official ViT ranks (2R = 32 of 64 dims, M = 2), the same
+        # shape for every encoding; 4 blocks and 4 epochs keep a run near 15 CPU-minutes.
+        c.model.embed_dim = 128
+        c.model.num_heads = 2  # head dim 64
+        c.model.num_layers = 4
+        c.model.pos_rank = 16  # official ViT guidance
+        c.model.abs_rank = 2
+        c.num_train_steps = 1880  # 4 epochs of 60k images at batch 128
+        c.eval_every_steps = 470
+        c.checkpoint_every_steps = 470  # one checkpoint per epoch, all kept: the prior's range over training
+        c.keep_checkpoints = 5
     if smoke:  # seconds per run: the CLI smoke test
         c.num_train_steps = 6
         c.global_batch_size = 16

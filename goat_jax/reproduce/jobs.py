@@ -78,7 +78,7 @@ def eval_settings(job: Job, suite: Suite) -> dict:
     settings (e.g. fewer lengths) is redone, not reported as if it had these."""
     fields = {"lm": ("multipliers", "lm_ppl_multipliers", "num_examples", "niah_examples", "niah_depths",
                      "standard_trials", "sink_examples"),
-              "vit": ("vit_scales", "vit_eval_batches"),
+              "vit": ("vit_scales", "vit_eval_batches", "vit_canvas_scales"),
               "dna": ("dna_multipliers", "dna_max_bases", "dna_genomes", "dna_gc_windows")}[job.family]
     out = {f: getattr(suite, f) for f in fields}
     if job.eval_overrides:

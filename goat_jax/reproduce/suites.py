@@ -96,6 +96,10 @@ class Suite:
     vit_overrides: dict = dataclasses.field(default_factory=dict)
     vit_scales: tuple[float, ...] = (1, 1.5, 2, 3)
     vit_eval_batches: Optional[int] = None  # None: the config's data.num_eval_batches
+    # The canvas protocol (goat_jax/eval/canvas.py): also top-1 with each test image pasted at a
+    # random patch-aligned offset on canvases of these multiples of the training resolution.
+    vit_canvas_scales: tuple[float, ...] = ()
+    vit_dir: str = "vit"  # ROOT/<vit_dir>/<enc>: a new protocol gets its own runs
     # DNA: one genome LM per encoding (spec with {enc}), scored at these multiples of its
     # training length on the first dna_max_bases bases of the held-out region and of each genome.
     dna: str = ""  # '' = no DNA family in this suite
@@ -107,6 +111,7 @@ class Suite:
     dna_gc_windows: int = 256  # GC agreement windows (docs/experiments.md: N >= 256)
     dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
     dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
+    dna_dir: str = "dna"  # ROOT/<dna_dir>/<enc>
     # Seeds: every run (but the toy figure) trains once per seed, seed = the config's + k
     # (k = 0 .. seeds-1); the report gives mean ± 95% t interval over them (goat_jax/reproduce/stats.py).
     seeds: int = 1  # --seeds default
@@ -140,18 +145,25 @@ SUITES = {
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
         retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py", seeds=3,
         # Every model trains at 64 tokens, so 16x is 1024 and 64x 4096 (perplexity only: the
-        # retrieval and passkey evaluations stop at 16x, their cost grows with length x examples). MHA instead of lm_tiny's GQA: GOAT's
-        # prior is per KV head, and 2 priors per layer cost it ~15% perplexity at this size.
+        # retrieval and passkey evaluations stop at 16x, their cost grows with length x examples).
+        # MHA instead of lm_tiny's GQA: GOAT's prior is per KV head, and 2 priors per layer cost
+        # it ~15% perplexity at this size.
         # 1000 steps: GOAT and RoPE are still improving at 600 (2-3% apart).
         lm_ppl_multipliers=(1, 2, 4, 8, 16, 32, 64),
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000, "checkpoint_every_steps": 1000},
         retrieval_overrides={},
-        # ViT and DNA runs: their configs as they are. Evaluations capped to minutes per run on
-        # 2 cores: 4,096 of the 10k test images (32 x 128) at every resolution (top-1 standard
-        # error ~0.6 points at 85%), 65,536 bases of each DNA set (~32 windows at 8x).
-        vit="configs/vit_tiny.py:{enc}", vit_eval_batches=32,
-        dna="configs/dna_tiny.py:{enc}", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
+        # ViT and DNA evaluations capped to minutes per run on 2 cores: 4,096 of the 10k test
+        # images (32 x 128) at every resolution and canvas (top-1 standard error ~0.6 points at
+        # 85%), 65,536 bases of each DNA set (16 windows at 8x of 512).
+        # Vision: the canvas protocol (docs/protocols.md): head dim 64 for GOAT's official ViT
+        # ranks, 4 epochs; the same runs also evaluated by upsampling (the old protocol's table).
+        vit="configs/vit_tiny.py:{enc},canvas", vit_eval_batches=32, vit_canvas_scales=(1, 1.5, 2, 3),
+        vit_dir="vit_canvas",
+        # DNA: the long-window protocol: 512-base windows (half the official 1024), 1500 steps,
+        # GC agreement over 1,600 windows (95% interval of r ~ +-0.05), two human genomes.
+        dna="configs/dna_tiny.py:{enc},long", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
+        dna_gc_windows=1600, dna_dir="dna_long",
         notes=report_notes.LM_NOTES,
         vit_notes=report_notes.VIT_NOTES,
         dna_notes=report_notes.DNA_NOTES,
@@ -231,8 +243,8 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
     """Every run of ``suite``'s ``families``, in order. Language (``encodings``, default
     ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
     retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
-    ``vit_encodings`` in ``ROOT/vit/<enc>``. DNA: a genome LM per ``dna_encodings`` in
-    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
+    ``vit_encodings`` in ``ROOT/<suite.vit_dir>/<enc>``. DNA: a genome LM per ``dna_encodings`` in
+    ``ROOT/<suite.dna_dir>/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
     the runs of seeds 1.. (:func:`with_seeds`)."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
@@ -240,12 +252,12 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
     jobs = []
     if "lm" in families:
         jobs += _plan_language(suite, root, list(encodings or suite.encodings))
-    for family, spec, encs, overrides in (
-            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides),
-            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides)):
+    for family, spec, encs, overrides, folder in (
+            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides, suite.vit_dir),
+            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides, suite.dna_dir)):
         if family in families and spec:
             jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
-                         os.path.join(root, family, enc)) for enc in encs]
+                         os.path.join(root, folder, enc)) for enc in encs]
     return with_seeds(jobs, seeds)
 
 
