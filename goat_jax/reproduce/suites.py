@@ -133,7 +133,7 @@ SUITES = {
         toy_overrides={"num_train_steps": 4, "checkpoint_every_steps": 4, "eval_every_steps": 0},
         multipliers=(1, 16), num_examples=8, niah_examples=8, niah_depths=(0.5,),
         standard_trials=2, sink_examples=2, encodings=("goat", "rope"),
-        vit="configs/vit_tiny.py:{enc},smoke", vit_encodings=("goat", "ape"), vit_scales=(1, 2),
+        vit="configs/vit_tiny.py:{enc},smoke", vit_encodings=("goat", "ape"), vit_scales=(1, 2), vit_canvas_scales=(1, 2),
         vit_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
         vit_eval_batches=1,
         dna="configs/dna_tiny.py:{enc},smoke", dna_encodings=("goat", "rope"), dna_multipliers=(1, 4),
