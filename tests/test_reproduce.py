@@ -88,7 +88,7 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
         assert any(f"configs/lm_fineweb_1b.py:{enc} " in c for c in trains)
         assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper,official " in c for c in trains)
     evals = [c for c in cmds if " experiments.evaluate " in c]
-    assert len(evals) == 7  # c4, fineweb, passkey, niah, ViT, DNA on 2 genomes: encodings side by side
+    assert len(evals) == 8  # c4, fineweb, passkey, niah, ViT, DNA on 3 genomes: encodings side by side
     assert all(c.count("--workdir") == len(suites.ENCODINGS) for c in evals[:4])
     assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
                in c for c in evals)
@@ -135,18 +135,19 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert len(lines) == 3 * one_seed - 2
     assert sum("toy" in line for line in lines) == 1
     # Seed 0 keeps the 1-seed workdir (a finished run is reused); seed k its sibling <dir>_seed<k>.
-    assert any(l.endswith("in runs/reproduce_tiny/dna/alibi") and "dna/dna/alibi " in l for l in lines)
-    assert any(l.endswith("in runs/reproduce_tiny/dna/alibi_seed2") and "dna/dna/alibi@seed2 " in l for l in lines)
+    assert any(l.endswith("in runs/reproduce_tiny/dna_long/alibi") and "dna/dna/alibi " in l for l in lines)
+    assert any(l.endswith("in runs/reproduce_tiny/dna_long/alibi_seed2") and "dna/dna/alibi@seed2 " in l for l in lines)
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == one_seed
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
-    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
-        assert f"vit/vit/{enc} (configs/vit_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/vit/{enc}" in lines[
-            [i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
+    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA protocols: their own configs and folders
+        assert (f"vit/vit/{enc} (configs/vit_tiny.py:{enc},canvas, overrides {{}}) in "
+                f"runs/reproduce_tiny/vit_canvas/{enc}") in lines[[i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
     for enc in suites.DNA_ENCODINGS:
-        assert any(f"(configs/dna_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/dna/{enc}" in l for l in lines)
+        assert any(f"(configs/dna_tiny.py:{enc},long, overrides {{}}) in runs/reproduce_tiny/dna_long/{enc}" in l
+                   for l in lines)
     # One family alone, with its own encodings.
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "vit", "--vit_encodings",
                            "goat,ape", "--seeds", "1"]) == 0
