@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import reproduce
-from goat_jax.reproduce import dna_family, stats, suites, vit_family
+from goat_jax.reproduce import dna_family, lm_family, stats, suites, vit_family
 
 T_975_DF2 = 4.30265273  # Student t, two-sided 95%, 2 degrees of freedom (printed tables, 9 digits)
 
@@ -102,12 +102,29 @@ def test_family_checks_judge_paired_differences_over_seeds(tmp_path):
     assert {c.verdict for c in vit_family.vision_checks(jobs, one)} == {stats.ONE_SEED}
 
 
+def test_evaluated_with_rows_are_planned_on_their_trained_run():
+    suite = dataclasses.replace(suites.SUITES["smoke"], lm_variants=(LINEAR_AT_EVAL,))
+    jobs = suites.plan(suite, "/r", families=["lm"], seeds=2)
+    rows = [j for j in jobs if j.label == "goat@linear_sink"]
+    assert [j.workdir for j in rows] == ["/r/jargon/goat", "/r/jargon/goat_seed1"] and not any(j.trains for j in rows)
+    assert [j.label for j in suites.plan(suite, "/r", ["rope"], families=["lm"]) if j.kind == "lm"] == ["rope"]
+    bad = dataclasses.replace(suite, lm_variants=(dataclasses.replace(LINEAR_AT_EVAL, trained_as="gaot"),))
+    with pytest.raises(ValueError, match="trained_as='gaot' is not a trained row of suite 'smoke'; choose from goat"):
+        suites.plan(bad, "/r", families=["lm"])
+
+
 def _lm_only_suite():
     """The smoke suite's language models alone (no retrieval, no toy), GOAT only: the
     fastest run of the seed machinery end to end."""
     return dataclasses.replace(suites.SUITES["smoke"], name="smoke_lm", tasks=(), toy="", encodings=("goat",),
-                               lm_variants=(), retrieval_variants=(), multipliers=(1, 2), standard_trials=1,
-                               sink_examples=1)
+                               lm_variants=(LINEAR_AT_EVAL,), retrieval_variants=(), multipliers=(1, 2),
+                               standard_trials=1, sink_examples=1)
+
+
+# An evaluated-with row: GOAT's trained run, evaluated with the sink MLP continued linearly past
+# the training length (the same function up to it: docs/extrapolation.md).
+LINEAR_AT_EVAL = suites.LMVariant("goat@linear_sink", "goat", trained_as="goat",
+                                  eval_overrides={"model.sink_extrapolation": "linear"})
 
 
 def _two_seeds(tmp_path, monkeypatch, capsys):
@@ -117,7 +134,7 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
     argv = ["--suite", "smoke_lm", "--families", "lm", "--workdir", str(runs), "--out", str(out)]
     assert reproduce.main(argv + ["--seeds", "2"]) == 0
     log = capsys.readouterr().out
-    assert "[2/2] lm/jargon/goat@seed1" in log
+    assert "[3/4] lm/jargon/goat@seed1" in log
     # Seed 1 trains with the config's seed + 1, in the sibling workdir; seed 0 where 1 seed would.
     cfg = [json.loads((runs / "jargon" / d / "config.json").read_text()) for d in ("goat", "goat_seed1")]
     assert cfg[1]["seed"] == cfg[0]["seed"] + 1
@@ -128,6 +145,20 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
     assert set(saved["seeds"]) == {"lm/jargon/goat", "lm/jargon/goat@seed1"}
     ppl = [saved["seeds"][k]["extrapolation"]["32"]["ppl"] for k in sorted(saved["seeds"])]
     assert ppl[0] != ppl[1] and saved["extrapolation"]["32"]["ppl"] == pytest.approx(np.mean(ppl))
+    # The evaluated-with row shares GOAT's trained runs (no workdir of its own, its own cache),
+    # evaluates them with the override (the same function up to the training length).
+    assert not any(d.startswith("goat@") for d in os.listdir(runs / "jargon"))
+    assert (runs / "jargon" / "goat_seed1" / "reproduce_eval_goat@linear_sink.json").exists()
+    row = json.loads((out / "results.json").read_text())["lm/jargon/goat@linear_sink"]["seeds"]
+    for k in ("", "@seed1"):
+        plain, linear = saved["seeds"][f"lm/jargon/goat{k}"], row[f"lm/jargon/goat@linear_sink{k}"]
+        assert linear["extrapolation"]["32"]["ppl"] == pytest.approx(plain["extrapolation"]["32"]["ppl"], rel=1e-6)
+        assert linear["eval_settings"]["eval_overrides"] == {"model.sink_extrapolation": "linear"}
+    job = next(j for j in suites.plan(_lm_only_suite(), str(runs), families=["lm"]) if not j.trains)
+    run = lm_family.load_for_evaluation(job)
+    assert run.model.config.sink_extrapolation == "linear" and run.config.model.sink_extrapolation == "linear"
+    with pytest.raises(ValueError, match="change the model's parameters"):
+        lm_family.load_for_evaluation(dataclasses.replace(job, eval_overrides={"model.num_layers": 3}))
     return argv, runs, out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Sequence
@@ -43,11 +44,12 @@ def _setup_line(job: Job) -> str:
 
 def _base(run_name: str) -> str:
     """A run name without its ``@seed<k>`` suffix (the row it belongs to)."""
-    return run_name.split("@", 1)[0]
+    return re.sub(r"@seed\d+$", "", run_name)
 
 
 def _seed_of(run_name: str) -> int:
-    return int(run_name.split("@seed", 1)[1]) if "@seed" in run_name else 0
+    m = re.search(r"@seed(\d+)$", run_name)
+    return int(m.group(1)) if m else 0
 
 
 def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,

@@ -269,11 +269,14 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
         for enc in encodings:
             jobs.append(Job("lm", dataset, enc, spec.format(enc=enc), dict(suite.lm_overrides),
                             os.path.join(root, dataset, enc)))
-        labels = list(encodings) + [v.label for v in suite.lm_variants]
+        known = list(suite.encodings) + [v.label for v in suite.lm_variants if not v.trained_as]
+        planned = set(encodings) | {v.label for v in suite.lm_variants if not v.trained_as}
         for v in suite.lm_variants:
-            if v.trained_as and v.trained_as not in labels:
-                raise ValueError(f"lm_variants {v.label!r}: trained_as={v.trained_as!r} is not a row of this "
-                                 f"plan; choose from {', '.join(labels)} (or add it to --encodings).")
+            if v.trained_as and v.trained_as not in known:  # a typo in the suite: refuse
+                raise ValueError(f"lm_variants {v.label!r}: trained_as={v.trained_as!r} is not a trained row "
+                                 f"of suite {suite.name!r}; choose from {', '.join(known)}.")
+            if v.trained_as and v.trained_as not in planned:  # e.g. --encodings without its row
+                continue
             jobs.append(Job("lm", dataset, v.encoding, (v.spec or spec).format(enc=v.encoding),
                             {**suite.lm_overrides, **v.overrides},
                             os.path.join(root, dataset, v.trained_as or v.label), variant=v.label,
