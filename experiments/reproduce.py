@@ -1,6 +1,6 @@
 """Reproduce the paper's experiments at one scale: one command -> REPORT.md + figures.
 
-    python -m experiments.reproduce --suite tiny                   # ~2.5 h on 2 CPU cores
+    python -m experiments.reproduce --suite tiny                   # 3 seeds: ~1-2 days on 2 CPU cores
     python -m experiments.reproduce --suite tiny --families dna    # one family: lm, vit or dna
     python -m experiments.reproduce --suite smoke --out /tmp/rep   # minutes: the harness end to end
     python -m experiments.reproduce --suite tiny --families lm --seeds 3 --jobs 2   # part of it
