@@ -46,9 +46,17 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     for claim in ("ViT: GOAT's learned 2D prior is shift-invariant on the training grid (4x4, shift (1, 1)",
                   "ViT: GOAT's learned 2D prior is shift-invariant on a larger grid",
                   "DNA: GOAT compiled train-step memory < RoPE's"):
-        assert re.search(re.escape(claim) + r".*\| (PASS|\*\*FAIL\*\*) \| .*\d", report), claim
+        assert re.search(re.escape(claim) + r".*\| inconclusive \(1 seed\) \| .* = .*\d.* \| .*\d.* \| "
+                         r"(PASS|\*\*FAIL\*\*) \|", report) or ("memory" in claim and re.search(
+                             re.escape(claim) + r".*\| \*\*(supported|contradicted)\*\* \| .*\d.* \| (PASS|\*\*FAIL\*\*) \|",
+                             report)), claim
+    # The canvas protocol's table and GOAT's prior split into kappa and u, with its range per checkpoint.
+    assert "| encoding | 28 px canvas (1x) | 56 px canvas (2x) | top-1 lost 1x -> 2x (points) |" in report
+    assert re.search(r"\| 0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.e-]+ \|", report)  # block 0's parts
+    assert "at each kept checkpoint" in report and "step 2:" in report
     for png in ("perplexity_jargon.png", "passkey_synthetic.png", "niah_goat.png", "toy_prior.png",
-                "toy_prior_all_heads.png", "vit_resolution.png", "vit_prior_goat.png", "vit_cls_attention.png"):
+                "toy_prior_all_heads.png", "vit_resolution.png", "vit_prior_goat.png", "vit_cls_attention.png",
+                "vit_canvas.png"):
         assert (out / png).stat().st_size > 1000, png
     log = capsys.readouterr().out
     assert "[1/6] lm/jargon/goat" in log and "at step 4 after" in log and "evaluated in" in log
