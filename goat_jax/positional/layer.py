@@ -23,8 +23,8 @@ Array = jax.Array
 
 # Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
 # and one entry here.
-ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, rope_scaling.NTK, rope_scaling.YARN, alibi.ALIBI,
-             alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR, rope.ROPE2D)
+ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
+             rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D)
 POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
 _BY_NAME = {e.name: e for e in ENCODINGS}
 
