@@ -160,8 +160,9 @@ def test_yarn_beta_fields_move_the_ramp():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enc", ["ntk", "yarn"])
-@pytest.mark.parametrize("causal,kv,factor", [(True, N, None), (False, 2, None), (True, 2, 3.0)])
+@pytest.mark.parametrize("enc,causal,kv,factor", [("ntk", True, N, None), ("yarn", False, 2, None),
+                                                  ("yarn", True, 2, 3.0),
+                                                  pytest.param("ntk", False, 2, 3.0, marks=pytest.mark.slow)])
 def test_layer_matches_reference(enc, causal, kv, factor, rng):
     """Dynamic (the key length 2.5x the training length) and fixed factors, GQA, an offset."""
     t = 80 if factor is None else 12
@@ -225,7 +226,7 @@ def test_gradients_match_float64_finite_differences(rng):
     params = init(module, rng, x, is_causal=True)
     w = rng.normal(size=(1, t, E))
     direction = rng.normal(size=x.shape)
-    grad = jax.grad(lambda xx: jnp.sum(module.apply({"params": params}, xx, is_causal=True) * w))(x)
+    grad = jax.jit(jax.grad(lambda xx: jnp.sum(module.apply({"params": params}, xx, is_causal=True) * w)))(x)
     pos = np.arange(t, dtype=np.float64)
     logn = np_logn(pos, True, t, 16)
     f64 = lambda xx: np.sum(np_layer(params, xx, "yarn", 2, True, pos, t / 16, logn, length=16) * w)
@@ -239,7 +240,8 @@ def test_gradients_match_float64_finite_differences(rng):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enc,causal", [("rope", True), ("yarn", False), ("alibi", True)])
+@pytest.mark.parametrize("enc,causal", [("rope", True), ("yarn", False),
+                                        pytest.param("alibi", True, marks=pytest.mark.slow)])
 def test_logn_matches_reference(enc, causal, rng):
     """Per-query factors ln(p + 1) / ln L causally (positions with an offset), ln S / ln L
     otherwise. For 'alibi' (a materialized bias) 'content' leaves the bias alone, 'all' scales it."""
@@ -279,8 +281,9 @@ def _np_alibi(params, x, pos, factors, mode):
         w["out_proj"]["bias"], np.float64)
 
 
-@pytest.mark.parametrize("mode", ["content", "all"])
-@pytest.mark.parametrize("impl", ["xla", "dense"])
+@pytest.mark.parametrize("mode,impl", [("content", "xla"), ("all", "xla"),
+                                       pytest.param("content", "dense", marks=pytest.mark.slow),
+                                       pytest.param("all", "dense", marks=pytest.mark.slow)])
 def test_logn_goat_matches_reference(mode, impl, rng):
     """GOAT: 'content' scales q_c . k_c / sqrt(d_c), 'all' the prior (Fourier + sink) too; on
     the packed path ('xla') and the materialized-prior path ('dense')."""
@@ -299,6 +302,7 @@ def test_logn_goat_matches_reference(mode, impl, rng):
     assert rel_err(other, ref) > 1e-4  # the two modes differ here
 
 
+@pytest.mark.slow  # the CPU flash kernel compiles slowly; the packed xla path is tested above
 def test_flash_kernel_runs_yarn_with_logn(rng):
     x = jnp.asarray(rng.normal(size=(1, 64, E)), jnp.float32)
     module = make("yarn", 2, logn_scaling="all", training_seq_len=16)
