@@ -348,3 +348,80 @@ def test_lm_config_fields_and_model(rng):
     assert (attn.logn_scaling, attn.rope_scaling_factor, attn.yarn_beta_fast, attn.training_seq_len) == (
         "content", 2.0, 16.0, 8)
     assert lm.make_attention(lm.LMConfig(logn_scaling="all", training_seq_len=8), False).logn_scaling == "all"
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments.evaluate: a RoPE run evaluated with yarn / ntk / log-n on its own parameters
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_workdir(workdir):
+    """A 'rope' smoke run as experiments.train leaves it (config.json + a checkpoint), holding
+    N(0, 0.3) parameters: the evaluation path without training."""
+    import json
+    import os
+
+    from configs import lm_tiny
+    from goat_jax.train import checkpoint as checkpoint_lib
+    from goat_jax.train import run as run_lib
+    from goat_jax.train import tasks
+    from tests.config_helpers import random_params
+
+    config = lm_tiny.get_config("rope,smoke")
+    config.progress_bar = False
+    task = tasks.get_task(config.task)
+    model = task.build_model(config)
+    tx, _ = run_lib.make_optimizer(task, config)
+    params = random_params(model, 8, np.random.default_rng(0))
+    state = run_lib.TrainState(step=jnp.ones((), jnp.int32), params=params, opt_state=tx.init(params))
+    os.makedirs(workdir)
+    with open(run_lib.config_path(workdir), "w") as f:
+        json.dump(config.to_dict(), f, default=str)
+    ckpt = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config.to_dict(), keep=1, async_save=False,
+                                       resume_safe_fields=task.resume_safe_fields, field_defaults=task.field_defaults())
+    ckpt.save(1, state, {}, wait=True)
+    ckpt.close()
+    return workdir
+
+
+def test_evaluate_swaps_a_rope_run_to_yarn_with_logn(tmp_path):
+    """At 1x the training length yarn + log-n is the RoPE run exactly; at 2x it differs; the
+    parameters are the run's own."""
+    from experiments import evaluate
+    from goat_jax.eval import lm_run, runs
+
+    workdir = _rope_workdir(str(tmp_path / "rope"))
+    got = evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--multipliers", "1,2",
+                         "--position_encoding", "yarn", "--logn_scaling", "content", "--out", str(tmp_path / "o")])
+    assert list(got) == ["rope as yarn+logn_content"]
+    swapped = got["rope as yarn+logn_content"]["extrapolation"]
+    run = runs.load_lm_run(workdir)
+    plain = runs.eval_extrapolation(run, (1, 2))
+    n = run.train_len
+    assert swapped[n]["ppl"] == pytest.approx(plain[n]["ppl"], rel=1e-6)
+    assert abs(swapped[2 * n]["ppl"] - plain[2 * n]["ppl"]) > 1e-3 * plain[2 * n]["ppl"]
+    as_ntk = lm_run.swap_encoding(run, "ntk")
+    assert as_ntk.params is run.params and as_ntk.model.config.position_encoding == "ntk"
+    assert run.model.config.position_encoding == "rope"  # the loaded run is left as it was
+
+
+def test_evaluate_refuses_swaps_that_do_not_share_parameters(tmp_path):
+    import json
+
+    from experiments import evaluate
+
+    def bare(name, encoding, **model):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"task": "lm", "seq_len": 64, "model": {
+            "position_encoding": encoding, **model}}))
+        return str(path)
+
+    cases = [(bare("goat", "goat"), ["--position_encoding", "yarn"], "only 'rope' runs can be evaluated as"),
+             (bare("rope", "rope"), ["--position_encoding", "alibi"], r"a 'rope' run takes 'yarn', 'ntk', 'rope_pi'"),
+             (bare("goat_nolen", "goat", training_seq_len=None), ["--logn_scaling", "all"],
+              "left unset; setting it now would also change its sink")]
+    for workdir, flags, match in cases:
+        with pytest.raises(ValueError, match=match):
+            evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--out", str(tmp_path / "o"), *flags])
+    assert not (tmp_path / "o").exists()
