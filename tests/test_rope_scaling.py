@@ -1,7 +1,6 @@
 """'ntk' and 'yarn' (goat_jax/positional/rope_scaling.py) and log-n scaling (goat_jax/layers.py)
 against Hugging Face transformers' ``modeling_rope_utils`` and independent float64 references."""
 
-import math
 import time
 
 import flax.linen as nn
@@ -208,7 +207,8 @@ def _decode(module_full, module_dec, params, x):
     return jnp.concatenate(outs, axis=1), ref
 
 
-@pytest.mark.parametrize("enc,kw", [("yarn", {}), ("ntk", {"logn_scaling": "content"}), ("rope", {"logn_scaling": "all"})])
+@pytest.mark.parametrize("enc,kw", [("yarn", {}), ("rope", {"logn_scaling": "all"}),
+                                    pytest.param("ntk", {"logn_scaling": "content"}, marks=pytest.mark.slow)])
 def test_decode_equals_full_forward(enc, kw, rng):
     """The dynamic factor follows the cache length (the full forward's), log-n the position."""
     x = jnp.asarray(rng.normal(size=(2, 2 * TRAIN, E)), jnp.float32)
@@ -240,7 +240,7 @@ def test_gradients_match_float64_finite_differences(rng):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enc,causal", [("rope", True), ("yarn", False),
+@pytest.mark.parametrize("enc,causal", [("rope", True), pytest.param("yarn", False, marks=pytest.mark.slow),
                                         pytest.param("alibi", True, marks=pytest.mark.slow)])
 def test_logn_matches_reference(enc, causal, rng):
     """Per-query factors ln(p + 1) / ln L causally (positions with an offset), ln S / ln L
