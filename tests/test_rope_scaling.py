@@ -341,6 +341,10 @@ def test_lm_config_fields_and_model(rng):
         lm.LMConfig(position_encoding="yarn")
     with pytest.raises(ValueError, match="logn_scaling='all' needs model.training_seq_len"):
         lm.LMConfig(position_encoding="goat", logn_scaling="all")
+    with pytest.raises(ValueError, match="rope_scaling_factor=0.5 is out of range"):
+        lm.LMConfig(position_encoding="ntk", rope_scaling_factor=0.5)
+    with pytest.raises(ValueError, match=r"logn_scaling='x' is not allowed: allowed is one of \['content', 'all'\]"):
+        lm.LMConfig(logn_scaling="x", training_seq_len=8)
     assert {"yarn", "ntk"} <= set(lm.POSITION_ENCODINGS)
     cfg = lm.LMConfig(position_encoding="yarn", training_seq_len=8, logn_scaling="content", rope_scaling_factor=2.0,
                       yarn_beta_fast=16.0, num_layers=1)
