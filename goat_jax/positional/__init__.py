@@ -24,6 +24,11 @@ name            module          what it is
 'naive_prior'   naive_prior.py  a learned dense per-head [N, max_len, max_len] log-prior: the
                                 L x L prior that GOAT's packing avoids (its memory is the
                                 point of the comparison); XLA / dense kernels only
+'ntk'           rope_scaling.py dynamic NTK-aware RoPE (bloc97 2023, Emozilla / HF 'dynamic'):
+                                base times f ** (H / (H - 2)), f = max(1, key length /
+                                training_seq_len) or ``rope_scaling_factor``; every kernel
+'yarn'          rope_scaling.py YaRN (Peng et al. 2023): NTK-by-parts frequencies and the
+                                attention temperature (0.1 ln f + 1) ** 2; every kernel
 ==============  ==============  ==============================================================
 
 Absolute encodings are added to the token embeddings before the first layer, not inside
@@ -53,6 +58,9 @@ Projections, positions, the KV cache, the kernel call and sowing are written onc
 ``ENCODINGS`` (``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and
 'any'), so a registered encoding is offered by them with no second list; an encoding that needs a
 new layer field also needs that field passed by the model's ``make_attention``.
+
+Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, in
+:class:`goat_jax.layers.AttentionBase`), so any 1D encoding and GOAT can add it.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
 H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
