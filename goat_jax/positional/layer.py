@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax.attention import default_sink_channels
-from goat_jax.positional import alibi, naive_prior, nope, rope
+from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope
 from goat_jax.positional.base import EncodingContext, PositionEncoding
 
 Array = jax.Array
@@ -24,7 +24,7 @@ Array = jax.Array
 # Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
 # and one entry here.
 ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
-             rope.ROPE2D)
+             rope.ROPE2D, fire.FIRE, kerple.KERPLE_LOG, fox.FOX)
 POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
 _BY_NAME = {e.name: e for e in ENCODINGS}
 
@@ -73,7 +73,8 @@ class PositionalAttention(layers.AttentionBase):
 
     Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len``
     ('rope_pi', required); ``max_len`` ('naive_prior', required: the table is
-    [N, max_len, max_len]).
+    [N, max_len, max_len]); ``fox_gate_bias_init`` ('fox': the forget gates' initial bias).
+    'fox' also keeps ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
     """
 
     position_encoding: str = "rope"
@@ -81,6 +82,7 @@ class PositionalAttention(layers.AttentionBase):
     training_seq_len: Optional[int] = None
     max_len: Optional[int] = None
     attention_scale: Optional[float] = None
+    fox_gate_bias_init: float = 0.0
 
     def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _Plan:
         if self.attention_scale is not None and not self.attention_scale > 0:
