@@ -162,11 +162,15 @@ def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[st
         "rope": pos_lib.PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
         "alibi_packed": pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
                                                     implementation=impl),
+        # FoX packs its forget-gate bias into q/k channels, so it runs on the same kernel.
+        "fox": pos_lib.PositionalAttention(num_heads=n, position_encoding="fox", dtype=dtype, implementation=impl),
     }
     if bias_ok:
         mods["alibi_bias"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi", dtype=dtype)
         mods["naive_LxL"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="naive_prior",
                                                         max_len=length, dtype=dtype)
+        mods["fire"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="fire", dtype=dtype)
+        mods["kerple_log"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="kerple_log", dtype=dtype)
     out = []
     for name, mod in mods.items():
         params = jax.jit(lambda x_, m=mod: m.init(jax.random.PRNGKey(0), x_, is_causal=True))(x)["params"]

@@ -77,6 +77,7 @@ class LMConfig:
     training_seq_len: Optional[int] = borrow(PriorSettings, "training_seq_len")
     rope_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
                                                doc="RoPE / RoPE-PI base; <= 1 gives no rotation spectrum"))
+    fox_gate_bias_init: float = declare(0.0, Float(doc="'fox': initial bias of the forget gates (0 as the official FoX; larger starts them nearer 1)"))
     pos_rank: int = borrow(PriorSettings, "pos_rank")
     abs_rank: int = borrow(PriorSettings, "abs_rank")
     prior_init: str = borrow(PriorSettings, "prior_init")
@@ -259,7 +260,8 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
                                max_len=cfg.max_len, training_seq_len=cfg.training_seq_len,
-                               attention_scale=cfg.baseline_attention_scale, **common)
+                               attention_scale=cfg.baseline_attention_scale,
+                               fox_gate_bias_init=cfg.fox_gate_bias_init, **common)
 
 
 class DecoderBlock(nn.Module):
