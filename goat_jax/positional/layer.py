@@ -68,8 +68,8 @@ class PositionalAttention(layers.AttentionBase):
 
     ``attention_scale``: the factor on ``q . k`` before the softmax; None is ``1 / sqrt(head_dim)``,
     1.0 is the official synthetic script's baselines (queries multiplied by ``sqrt(head_dim)``
-    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior')
-    are added unscaled either way.
+    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
+    'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
 
     Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len``
     ('rope_pi', required); ``max_len`` ('naive_prior', required: the table is
