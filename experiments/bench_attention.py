@@ -178,11 +178,15 @@ def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[st
         "rope": pos_lib.PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
         "alibi_packed": pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
                                                     implementation=impl),
+        # FoX packs its forget-gate bias into q/k channels, so it runs on the same kernel.
+        "fox": pos_lib.PositionalAttention(num_heads=n, position_encoding="fox", dtype=dtype, implementation=impl),
     }
     if bias_ok:
         mods["alibi_bias"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi", dtype=dtype)
         mods["naive_LxL"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="naive_prior",
                                                         max_len=length, dtype=dtype)
+        mods["fire"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="fire", dtype=dtype)
+        mods["kerple_log"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="kerple_log", dtype=dtype)
     for spec in extra:  # after the standard rows, which keep their names and meaning
         enc, mod = extra_layer(spec, n, length, dtype, impl)
         if bias_ok or not enc.materialized_bias:
