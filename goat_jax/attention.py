@@ -91,17 +91,20 @@ def pack_query(q_content: Array, q_rel: Array, q_sink: Array, sink_channels: int
     return jnp.concatenate(parts, axis=-1)
 
 
-def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype) -> Array:
+def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype,
+             rel_per_head: bool = False) -> Array:
     """Packed keys ``[k_c, cos(w p_j), sin(w p_j), split(u(j))]``.
 
     Args:
-      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R]; u: [..., S, K] float32.
+      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R] shared by the heads, or [..., S, K, 2R]
+        when ``rel_per_head`` (learned per-head frequencies); u: [..., S, K] float32.
     Returns:
       [B, S, K, d_c + 2R + sink_channels] in ``dtype``.
     """
     b, s, kh, _ = k_content.shape
+    rel = k_rel if rel_per_head else k_rel[..., None, :]
     parts = [k_content.astype(dtype),
-             jnp.broadcast_to(k_rel[..., None, :], (b, s, kh, k_rel.shape[-1])).astype(dtype)]
+             jnp.broadcast_to(rel, (b, s, kh, k_rel.shape[-1])).astype(dtype)]
     if sink_channels:
         u = jnp.broadcast_to(u, (b, s, kh))
         parts.append(split_exact(u, sink_channels, dtype))
@@ -140,6 +143,13 @@ class GoatPrior(nn.Module):
         sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
         self.lambda_sym = self.param("lambda_sym", sym_init, (k, r), f32)
         self.lambda_asym = self.param("lambda_asym", nn.initializers.zeros, (k, r), f32)
+        if spec.learn_frequencies and r:
+            # Starts at the fixed ladder, so a run with learned frequencies starts as the
+            # official prior; float32 like the rest, since w * p needs the mantissa.
+            ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
+                prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
+            self.pos_freqs = self.param(
+                "pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), (k, r), f32)
         self.prior_gate_scale_raw = self.param(
             "prior_gate_scale_raw", nn.initializers.constant(-10.0), (spec.num_heads,), f32)
         self.prior_gate_bias = self.param(
@@ -164,6 +174,8 @@ class GoatPrior(nn.Module):
 
     def _params(self) -> dict:
         names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
+        if self.spec.learn_frequencies and self.spec.pos_rank:
+            names.append("pos_freqs")
         if self.spec.enable_key_bias:
             names += ["key_bias", "sink_gain", "sink_bump", "recency_slope_raw"]
         return {name: getattr(self, name) for name in names}
@@ -176,7 +188,7 @@ class GoatPrior(nn.Module):
         return q_rel, q_sink, gate
 
     def key(self, k_pos: prior_lib.Positions, is_causal: bool):
-        """Returns ``(k_rel [.., S, 2R], u [.., S, K])``, float32."""
+        """Returns ``(k_rel [.., S, 2R] or [.., S, K, 2R] if learned per head, u [.., S, K])``, float32."""
         return prior_lib.key_features(self.spec, self._params(), k_pos, is_causal)
 
     def log_prior(self, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions, is_causal: bool,
@@ -325,7 +337,8 @@ class GoatAttention(layers.AttentionBase):
         q_rel, q_sink, _ = prior.query(q_pos, q_content)
         k_rel, u = prior.key(k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
-        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype)  # [B, S, K, qk_dim]
+        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
+                            rel_per_head=prior.spec.learn_frequencies and prior.spec.pos_rank > 0)  # [B, S, K, qk_dim]
         return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 

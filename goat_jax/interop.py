@@ -170,6 +170,12 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
         raise ValueError("to_official: out_features must equal embed_dim for the official module.")
     kv = module.kv_num_heads or module.num_heads
     pr = module.prior
+    if pr.learn_frequencies:
+        raise ValueError(
+            "to_official: prior.learn_frequencies=True (learned relative frequencies, parameter "
+            "prior.pos_freqs) has no counterpart in the official package, whose frequencies are "
+            "the fixed ladder of pos_base; its outputs would differ. Export a module trained with "
+            "learn_frequencies=False (model.learn_frequencies=False), or keep this run in goat_jax.")
     if pr.sink_extrapolation != "official":
         raise ValueError(
             f"to_official: prior.sink_extrapolation={pr.sink_extrapolation!r} has no counterpart in "

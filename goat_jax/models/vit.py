@@ -92,6 +92,7 @@ class ViTConfig:
     abs_rank: int = borrow(PriorSettings, "abs_rank", default=2)
     prior_init: str = borrow(PriorSettings, "prior_init", default="uniform")  # official ViT: a flat prior
     enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
+    learn_frequencies: bool = borrow(PriorSettings, "learn_frequencies")  # rows' and columns'
     rope_base: float = declare(100.0, Float(min=1.0, min_inclusive=False,
                                             doc="'rope2d' base (Heo et al. 2024: 100); <= 1 gives no rotation spectrum"))
     rope_mixed_base: float = declare(10.0, Float(min=1.0, min_inclusive=False,
