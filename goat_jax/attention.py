@@ -143,13 +143,6 @@ class GoatPrior(nn.Module):
         sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
         self.lambda_sym = self.param("lambda_sym", sym_init, (k, r), f32)
         self.lambda_asym = self.param("lambda_asym", nn.initializers.zeros, (k, r), f32)
-        if spec.learn_frequencies and r:
-            # Starts at the fixed ladder, so a run with learned frequencies starts as the
-            # official prior; float32 like the rest, since w * p needs the mantissa.
-            ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
-                prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
-            self.pos_freqs = self.param(
-                "pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), (k, r), f32)
         self.prior_gate_scale_raw = self.param(
             "prior_gate_scale_raw", nn.initializers.constant(-10.0), (spec.num_heads,), f32)
         self.prior_gate_bias = self.param(
@@ -171,6 +164,14 @@ class GoatPrior(nn.Module):
             self.sink_bump = self.param("sink_bump", nn.initializers.zeros, (k,), f32)
             self.recency_slope_raw = self.param(
                 "recency_slope_raw", _alibi_raw_init(k, spec.prior_init), (k,), f32)
+        if spec.learn_frequencies and r:
+            # Made last, so the other parameters draw the same random numbers as with the fixed
+            # ladder; starts at the ladder, i.e. as the fixed prior. float32 like the rest, since
+            # w * p needs the mantissa.
+            ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
+                prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
+            self.pos_freqs = self.param(
+                "pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), (k, r), f32)
 
     def _params(self) -> dict:
         names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
@@ -338,7 +339,7 @@ class GoatAttention(layers.AttentionBase):
         k_rel, u = prior.key(k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
-                            rel_per_head=prior.spec.learn_frequencies and prior.spec.pos_rank > 0)  # [B, S, K, qk_dim]
+                            rel_per_head=k_rel.ndim > u.ndim)  # learned frequencies: a head axis  # [B, S, K, qk_dim]
         return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 

@@ -70,7 +70,8 @@ def _f64(tree):
 def _init(rng, has_cls=True, grid=GRID):
     x = rng.standard_normal((1, grid[0] * grid[1] + int(has_cls), E))
     attn = _layer()
-    v = attn.init(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32), spatial_shape=grid, has_cls_token=has_cls)
+    v = jax.jit(lambda x: attn.init(jax.random.PRNGKey(0), x, spatial_shape=grid, has_cls_token=has_cls))(
+        jnp.asarray(x, jnp.float32))
     # Every parameter moved (zero biases would hide layout bugs); frequencies by up to ~0.3.
     v = jax.tree_util.tree_map(lambda a: a + 0.3 * jnp.asarray(rng.standard_normal(a.shape), a.dtype),
                                flax.core.meta.unbox(v))
@@ -151,10 +152,10 @@ def test_axial_frequencies_give_rope2d(has_cls, rng):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
-def test_sharding_names_bf16_and_errors(rng):
-    x = jnp.asarray(rng.standard_normal((1, 13, E)), jnp.bfloat16)
-    boxed = _layer(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16).init(
-        jax.random.PRNGKey(0), x, spatial_shape=GRID, has_cls_token=True)["params"][PARAM_NAME]
+def test_sharding_names_bf16_and_errors():
+    x = jnp.zeros((1, 13, E), jnp.bfloat16)
+    boxed = jax.eval_shape(lambda x: _layer(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16).init(
+        jax.random.PRNGKey(0), x, spatial_shape=GRID, has_cls_token=True), x)["params"][PARAM_NAME]
     assert tuple(boxed.names) == ("kv_heads", None, None)
     assert boxed.value.dtype == jnp.float32  # angles reach row * f; bf16 would blur them
     mesh = types.SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 2})
@@ -176,7 +177,7 @@ def test_vit_train_step_moves_the_frequencies(rng):
     model = ViT(cfg)
     images = jnp.asarray(rng.standard_normal((4, 8, 8, 1)), jnp.float32)
     labels = jnp.asarray([0, 1, 2, 3])
-    params = flax.core.meta.unbox(model.init(jax.random.PRNGKey(0), images))["params"]
+    params = flax.core.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), images))["params"]
     f0, f1 = (np.asarray(params[f"block_{i}"]["attention"][PARAM_NAME]) for i in (0, 1))
     assert f0.shape == (2, 4, 2) and not np.allclose(f0, f1)  # per layer, own random angles
     np.testing.assert_allclose(np.linalg.norm(f0[:, 0], axis=-1), 1.0, rtol=1e-6)  # magnitude 10 ** 0
