@@ -341,8 +341,9 @@ class GoatAttention(layers.AttentionBase):
         q_rel, q_sink, _ = prior.query(q_pos, q_content)
         k_rel, u = prior.key(k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
+        # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
-                            rel_per_head=k_rel.ndim > u.ndim)  # learned frequencies: a head axis  # [B, S, K, qk_dim]
+                            rel_per_head=k_rel.ndim > u.ndim)  # [B, S, K, qk_dim]
         return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 
