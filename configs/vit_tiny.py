@@ -72,7 +72,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.embed_dim = 128  # residual width
     c.model.num_heads = 4  # head dim 32
     c.model.mlp_dim = 256  # GELU MLP hidden (2x: a small model on small data)
-    c.model.position_encoding = encoding  # 'goat' | 'ape' | 'sincos2d' | 'rope2d' | 'nope'
+    c.model.position_encoding = encoding  # 'goat' | 'ape' | 'sincos2d' | 'rope2d' | 'rope_mixed' | 'nope'
     c.model.drop_path_rate = 0.1  # official value, linear over depth
     c.model.norm_eps = 1e-6  # LayerNorm epsilon
     c.model.pos_rank = 8  # GOAT R: 2R = 16 of the 32 head dims (official: 32 of 64)
@@ -80,6 +80,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.prior_init = "uniform"  # official ViT: a flat prior at init
     c.model.enable_key_bias = True  # learned sink u(j) (official: on)
     c.model.rope_base = 100.0  # 'rope2d' base (Heo et al. 2024)
+    c.model.rope_mixed_base = 10.0  # 'rope_mixed' initial frequency ladder base (Heo et al. 2024)
     c.model.sincos_temperature = 10_000.0  # 'sincos2d' temperature (big_vision)
     c.model.dtype = "float32"  # compute dtype (CPU: float32)
     c.model.param_dtype = "float32"  # parameter dtype
