@@ -19,7 +19,11 @@ from goat_jax import config_files
 from goat_jax.reproduce import notes as report_notes
 
 ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's
+# The comparators of docs/protocols.md ("Comparators") trained as their own rows in the tiny
+# language family; 'ntk'/'yarn' and log-n are evaluated-with rows of RoPE's runs (TINY_LM_VARIANTS).
+COMPARATORS = ("fire", "kerple_log", "fox")
 VIT_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")  # the vision family's
+VIT_COMPARATORS = ("rope_mixed",)  # learned 2D frequencies (Heo et al. 2024), the tiny vision family's too
 DNA_ENCODINGS = ("goat", "rope", "alibi", "nope")  # the genome family's
 FAMILIES = ("lm", "vit", "dna")  # --families: language (LM, retrieval, toy), vision, DNA
 FAMILY_TITLES = {"lm": "Language", "vit": "Vision", "dna": "DNA"}  # REPORT.md's family sections, in order
@@ -168,7 +172,19 @@ SUITES = {
         notes=report_notes.LM_NOTES,
         vit_notes=report_notes.VIT_NOTES,
         dna_notes=report_notes.DNA_NOTES,
-        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
+        encodings=ENCODINGS + COMPARATORS, vit_encodings=VIT_ENCODINGS + VIT_COMPARATORS,
+        lm_variants=(
+            LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),
+            # GOAT's Fourier frequencies learned (the paper's future work), trained as its own row.
+            LMVariant("goat+learn_frequencies", "goat", {"model.learn_frequencies": True}),
+            # How a RoPE model is usually run past its training length: the RoPE runs themselves,
+            # evaluated with rescaled frequencies (dynamic factor) or log-n scaled logits.
+            LMVariant("rope+yarn", "rope", trained_as="rope", eval_overrides={"model.position_encoding": "yarn"}),
+            LMVariant("rope+ntk", "rope", trained_as="rope", eval_overrides={"model.position_encoding": "ntk"}),
+            LMVariant("rope+logn", "rope", trained_as="rope", eval_overrides={"model.logn_scaling": "content"}),
+            LMVariant("rope+yarn+logn", "rope", trained_as="rope",
+                      eval_overrides={"model.position_encoding": "yarn", "model.logn_scaling": "content"}),
+            LMVariant("goat+logn", "goat", trained_as="goat", eval_overrides={"model.logn_scaling": "content"})),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
         retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
