@@ -461,6 +461,12 @@ class AttentionBase(nn.Module):
                            (query.shape[0], self.num_heads, query.shape[1],
                             attended_length(self, self.decode, key.shape[1])))
         plan = self._plan(call, shape)
+        if (call.q_segment_ids is not None and plan.implementation == "cudnn"
+                and self.implementation in (None, "auto")):
+            # The automatic choice must not pick the one kernel that refuses segment ids.
+            kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
+                             "attention in jax cannot take them).")
+            plan = plan._replace(implementation="flash")
 
         proj = lambda x, name, heads, axes: project_heads(
             x, name, heads, head_dim, axes, self.use_bias, shape.dtype, self.param_dtype, self.kernel_init_std)

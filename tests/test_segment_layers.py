@@ -242,3 +242,20 @@ def test_bad_segment_input_raises_naming_the_argument():
     # The sink without training_seq_len would normalize by the window, not the document.
     _bad(ref.goat_module(num_heads=N, head_dim=H, pos_rank=2, abs_rank=2), x, "need training_seq_len",
          is_causal=True, segment_ids=ok)
+
+
+def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch):
+    """Where the automatic choice is cuDNN (GPU, bf16), segment ids get 'flash' instead (cuDNN
+    refuses them); an explicit implementation='cudnn' still gets the kernel's clear error."""
+    from goat_jax import kernels
+    used = []
+    real_attend = kernels.attend
+    monkeypatch.setattr(kernels, "resolve_implementation", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(kernels, "attend", lambda *a, **k: used.append(k["implementation"]) or real_attend(
+        *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))
+    ids = jnp.asarray([[1, 1, 2, 2, 2, PAD_SEGMENT_ID]], jnp.int32)
+    x = jnp.zeros((1, 6, E))
+    for name in ("goat", "rope"):
+        _layer(name, None).init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
+        _layer(name, None).init(jax.random.key(0), x, is_causal=True)
+    assert used == ["flash", "cudnn", "flash", "cudnn"]
