@@ -57,8 +57,9 @@ document: ``ctx.key_len`` (and the query/key lengths) is the packed window's, so
 length-dependent encoding reads ``goat_jax.segments.segment_lengths(ctx.call.kv_segment_ids)``
 ([B, S], each token's document length; 'rope_pi' does this) when ``ctx.call.q_segment_ids`` is
 not None; an encoding that cannot be made per document raises in ``check_layer``/``encode``
-when segment ids are given. tests/test_segment_layers.py checks every registered 1D encoding:
-a packed row equals each document alone.
+when segment ids are given. tests/test_segment_layers.py runs every registered 1D encoding on
+every CPU kernel (the slow suite; a few in the default one): a packed row equals each document
+alone.
 
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
 :class:`goat_jax.layers.AttentionBase`. The models read their ``POSITION_ENCODINGS`` from
