@@ -255,7 +255,7 @@ def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch):
         *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))
     ids = jnp.asarray([[1, 1, 2, 2, 2, PAD_SEGMENT_ID]], jnp.int32)
     x = jnp.zeros((1, 6, E))
-    for name in ("goat", "rope"):
-        _layer(name, None).init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
-        _layer(name, None).init(jax.random.key(0), x, is_causal=True)
-    assert used == ["flash", "cudnn", "flash", "cudnn"]
+    layer = _layer("rope", None)  # the choice is made in the shared layer, once for every subclass
+    layer.init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
+    layer.init(jax.random.key(0), x, is_causal=True)
+    assert used == ["flash", "cudnn"]
