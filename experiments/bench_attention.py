@@ -9,7 +9,10 @@ What is compared, at equal B, T = S = L, N, H and ``loss = sum(outputs)`` (causa
 * ``layer``: the whole Flax layer (projections included), gradients w.r.t. the parameters:
   ``GoatAttention`` vs ``PositionalAttention`` ('nope' = plain, 'rope', 'alibi', ...), plus
   the official PyTorch ``goat.GoatAttention`` and a plain PyTorch SDPA layer (CPU, float32,
-  ``torch.set_num_threads`` = the core count JAX uses).
+  ``torch.set_num_threads`` = the core count JAX uses). ``--layer-encodings`` adds rows for
+  more ``PositionalAttention`` encodings (e.g. ``yarn,ntk,rope+logn``: ``+logn`` adds log-n
+  scaling of the content logits), each with ``training_seq_len = L / 4`` so that the
+  length-dependent ones (rope_pi, ntk, yarn, log-n) run past their training length.
 * ``profile`` (core, GOAT split up): the kernel alone on pre-packed q~/k~, and GOAT with the
   prior features precomputed, to see where any extra time goes (features vs. concatenation).
 
@@ -151,8 +154,21 @@ def core_variants(b: int, length: int, n: int, h: int, dtype, impl: str, rng, bi
 # ----------------------------------------------------------------------------------------------
 
 
+def extra_layer(spec: str, n: int, length: int, dtype, impl: Optional[str]):
+    """The PositionalAttention of a ``--layer-encodings`` entry ``ENCODING[+logn]``; ValueError
+    naming the flag for an unknown encoding."""
+    encoding, _, option = spec.partition("+")
+    if encoding not in pos_lib.POSITION_ENCODINGS or option not in ("", "logn"):
+        raise ValueError(f"--layer-encodings: {spec!r} is not ENCODING[+logn] with ENCODING one of "
+                         f"{pos_lib.POSITION_ENCODINGS}.")
+    enc = pos_lib.get_encoding(encoding)
+    return enc, pos_lib.PositionalAttention(
+        num_heads=n, position_encoding=encoding, dtype=dtype, implementation=None if enc.materialized_bias else impl,
+        training_seq_len=max(2, length // 4), max_len=length, logn_scaling="content" if option else None)
+
+
 def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[str], rng, bias_ok: bool,
-                   pos_rank: int, abs_rank: int) -> List[Variant]:
+                   pos_rank: int, abs_rank: int, extra: Sequence[str] = ()) -> List[Variant]:
     e = n * h
     x = jnp.asarray(rng.normal(size=(b, length, e)), jnp.float32)
     mods = {
@@ -162,11 +178,19 @@ def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[st
         "rope": pos_lib.PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
         "alibi_packed": pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
                                                     implementation=impl),
+        # FoX packs its forget-gate bias into q/k channels, so it runs on the same kernel.
+        "fox": pos_lib.PositionalAttention(num_heads=n, position_encoding="fox", dtype=dtype, implementation=impl),
     }
     if bias_ok:
         mods["alibi_bias"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi", dtype=dtype)
         mods["naive_LxL"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="naive_prior",
                                                         max_len=length, dtype=dtype)
+        mods["fire"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="fire", dtype=dtype)
+        mods["kerple_log"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="kerple_log", dtype=dtype)
+    for spec in extra:  # after the standard rows, which keep their names and meaning
+        enc, mod = extra_layer(spec, n, length, dtype, impl)
+        if bias_ok or not enc.materialized_bias:
+            mods[spec] = mod
     out = []
     for name, mod in mods.items():
         params = jax.jit(lambda x_, m=mod: m.init(jax.random.PRNGKey(0), x_, is_causal=True))(x)["params"]
@@ -258,7 +282,7 @@ def run_section(title: str, lengths: Sequence[int], args, dtype, impl: Optional[
             gc.collect()
         if "layer" in args.sections:
             vs = layer_variants(args.batch, length, args.heads, args.head_dim, dtype, impl, rng, bias_ok,
-                                args.pos_rank, args.abs_rank)
+                                args.pos_rank, args.abs_rank, args.layer_encodings)
             if with_torch and "torch" in args.sections:
                 vs += torch_variants(args.batch, length, args.heads, args.head_dim, args.threads)
             measure(vs, args.repeats)
@@ -445,8 +469,13 @@ def main(argv=None):
     parser.add_argument("--gpu-bias-max-len", type=int, default=16384,
                         help="longest L for the materialized-bias variants on GPU")
     parser.add_argument("--out", default=None, help="markdown file to write (e.g. benchmarks/attention.md)")
+    parser.add_argument("--layer-encodings", default="", help="layer section: more PositionalAttention "
+                        "rows, comma list of ENCODING[+logn], e.g. yarn,ntk,rope+logn (training_seq_len L/4)")
     args = parser.parse_args(argv)
     args.sections = set(args.sections.split(","))
+    args.layer_encodings = [e for e in args.layer_encodings.split(",") if e]
+    for spec in args.layer_encodings:  # refuse a bad entry before any benchmark runs
+        extra_layer(spec, args.heads, 8, jnp.float32, None)
 
     command = "python experiments/bench_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])
     backend = jax.default_backend()

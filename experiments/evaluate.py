@@ -49,6 +49,12 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
                  ``--resolutions`` px (e.g. 28,42,56,84), a PNG of top-1 vs resolution, and for
                  GOAT the block-0 centre-patch log-prior (goat_jax.eval.vision).
 
+A RoPE run can be evaluated with 'yarn', 'ntk' or 'rope_pi' (``--position_encoding``), and any
+run with log-n scaling (``--logn_scaling content|all``), on its own parameters
+(goat_jax.eval.lm_run.swap_encoding; other swaps do not share parameters and are refused), e.g.
+``--workdir runs/tiny_rope --position_encoding yarn --logn_scaling content``; the default labels
+then read e.g. 'rope as yarn+logn_content'.
+
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
 """
@@ -61,7 +67,10 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from goat_jax import cli
-from goat_jax.eval import runs
+from goat_jax.eval import lm_run, runs
+from goat_jax.layers import LOGN_MODES
+from goat_jax.models.lm import POSITION_ENCODINGS
+from goat_jax.train import run as run_lib
 from goat_jax.eval.runs import EVALS
 
 
@@ -164,13 +173,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                    "resamples for the standard errors (default 100000; 0: none)")
     p.add_argument("--lm_eval_log_samples", action="store_true", help="lm_eval: write every "
                    "request and response to OUT/lm_eval_samples/<label>/<task>.jsonl")
+    p.add_argument("--position_encoding", default=None, choices=POSITION_ENCODINGS, help="evaluate "
+                   "with this encoding on the run's parameters: 'yarn', 'ntk' or 'rope_pi' for a "
+                   "'rope' run (other swaps are refused)")
+    p.add_argument("--logn_scaling", default=None, choices=LOGN_MODES, help="evaluate with log-n "
+                   "scaling of the content logits ('content') or of the whole logit ('all')")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
+    swap = {"position_encoding": args.position_encoding, "logn_scaling": args.logn_scaling}
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
     lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     runs.check_evals_fit(args.workdir, evals)
     runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
+    if any(swap.values()):
+        if "resolution" in evals:
+            raise ValueError("--position_encoding / --logn_scaling apply to language runs, not --evals resolution.")
+        for workdir in args.workdir:
+            lm_run.check_swap(run_lib.read_config(workdir), workdir, **swap)
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -185,9 +205,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return results
     mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
+    if any(swap.values()) and not args.label:
+        suffix = (f" as {args.position_encoding}" if args.position_encoding else "") + (
+            f"+logn_{args.logn_scaling}" if args.logn_scaling else "")
+        labels = [label + suffix for label in labels]
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
-        run = runs.load_lm_run(workdir)
+        run = lm_run.swap_encoding(runs.load_lm_run(workdir), **swap)
         cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}

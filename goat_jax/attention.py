@@ -257,6 +257,9 @@ class GoatAttention(layers.AttentionBase):
     has_cls_token_default: bool = False
     sink_channels: Optional[int] = None
 
+    def _training_len(self) -> Optional[int]:
+        return self.prior.training_seq_len if isinstance(self.prior, prior_lib.PriorSettings) else None
+
     def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _GoatPlan:
         if not isinstance(self.prior, prior_lib.PriorSettings):
             raise ValueError(

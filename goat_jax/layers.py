@@ -9,6 +9,7 @@ Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv he
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -233,6 +234,37 @@ def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
     return jnp.where(cache.start + t > cache.length, jnp.nan, out)
 
 
+# Log-n scaling (docs/protocols.md, Comparators): which part of the logits it multiplies.
+LOGN_MODES = ("content", "all")
+
+
+def logn_factors(q_index: Array, is_causal: bool, key_len: int, training_len: int) -> Array:
+    """Per-query log-n factors ``max(1, ln n / ln training_len)``, [T] or [B, T] float32.
+
+    n is the number of keys the query may attend: ``position + 1`` for a causal query (so a
+    decoded token gets the factor of its row in the full forward; Qwen's logn attention, SSMax),
+    the key length S for non-causal attention (padding included; with segment ids, ``key_len``
+    is [B, T]: the keys of each query's own document).
+    """
+    n = q_index + 1.0 if is_causal else jnp.asarray(key_len, jnp.float32) * jnp.ones_like(q_index)
+    return jnp.maximum(1.0, jnp.log(jnp.maximum(n, 1.0)) / math.log(training_len))
+
+
+def apply_logn(enc: "Encoded", factors: Array, mode: str) -> "Encoded":
+    """Multiplies the queries of ``enc`` row by row by ``factors`` ([T] / [B, T]): the content
+    channels only (``mode='content'``: the first ``content_keys.shape[-1]`` channels of q, i.e.
+    ``q . k`` of the content), or every packed channel and the bias too (``mode='all'``: the
+    whole logit, prior included). In float32, then back to the kernel's dtype."""
+    s = factors if factors.ndim == 2 else factors[None]  # [B|1, T]
+    qf = enc.q.astype(jnp.float32)
+    if mode == "content":
+        d = enc.content_keys.shape[-1]
+        q = jnp.concatenate([qf[..., :d] * s[:, :, None, None], qf[..., d:]], axis=-1)
+        return enc._replace(q=q.astype(enc.q.dtype))
+    bias = None if enc.bias is None else enc.bias * s[:, None, :, None]
+    return enc._replace(q=(qf * s[:, :, None, None]).astype(enc.q.dtype), bias=bias)
+
+
 # ----------------------------------------------------------------------------------------------
 # The shared attention layer: call signature, projections, positions, cache, kernel, sowing
 # ----------------------------------------------------------------------------------------------
@@ -384,6 +416,10 @@ class AttentionBase(nn.Module):
     * ``kernel_init_std``: None draws the q/k/v/out projection kernels Xavier-uniform (the
       official module's own init); a float draws them ``N(0, kernel_init_std)``
       (:func:`projection_init`). Biases start at zero either way.
+    * ``logn_scaling``: None, or log-n scaling of the logits (1D positions): each query row is
+      multiplied by ``max(1, ln n / ln training_seq_len)`` (:func:`logn_factors`) before the
+      kernel, so every kernel runs it; 'content' scales the content logits ``q . k`` only, 'all'
+      the whole logit including a packed or materialized prior (:func:`apply_logn`).
 
     A subclass adds its fields and three steps, each called once per call in this order:
 
@@ -406,6 +442,25 @@ class AttentionBase(nn.Module):
     implementation: Optional[str] = None
     decode: bool = False
     kernel_init_std: Optional[float] = None
+    logn_scaling: Optional[str] = None
+
+    def _training_len(self) -> Optional[int]:
+        """The training context length log-n scaling divides by (subclasses say where it is)."""
+        return None
+
+    def _check_logn(self, call: AttentionCall) -> None:
+        """Raises ValueError naming the field when ``logn_scaling`` cannot run on this call."""
+        if self.logn_scaling is None:
+            return
+        if self.logn_scaling not in LOGN_MODES:
+            raise ValueError(f"logn_scaling must be None or one of {LOGN_MODES}, got {self.logn_scaling!r}.")
+        length = self._training_len()
+        if length is None or length < 2:
+            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs training_seq_len >= 2 (it scales "
+                             f"logits by ln n / ln training_seq_len), got {length}.")
+        if call.spatial_shape is not None:
+            raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D sequences; drop it for 2D "
+                             "inputs (spatial_shape was given).")
 
     def _plan(self, call: AttentionCall, shape: LayerShape) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define _plan (see AttentionBase).")
@@ -467,6 +522,7 @@ class AttentionBase(nn.Module):
             kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
                              "attention in jax cannot take them).")
             plan = plan._replace(implementation="flash")
+        self._check_logn(call)
 
         proj = lambda x, name, heads, axes: project_heads(
             x, name, heads, head_dim, axes, self.use_bias, shape.dtype, self.param_dtype, self.kernel_init_std)
@@ -490,6 +546,17 @@ class AttentionBase(nn.Module):
                              "positions have no documents to restart at. Drop segment_ids, or use "
                              "1D positions.")
         enc = self._encode(call, shape, plan, q, k, q_pos, k_pos, cache)
+        if self.logn_scaling is not None:
+            if q_pos.is_2d:
+                raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D positions; this call "
+                                 "uses 2D (row, col) positions.")
+            keys_seen = s
+            if call.q_segment_ids is not None and not is_causal:
+                # Each query's n is the key count of its own document, as when it runs alone.
+                keys_seen = jnp.sum(call.q_segment_ids[:, :, None] == call.kv_segment_ids[:, None, :],
+                                    axis=-1).astype(jnp.float32)  # [B, T]
+            enc = apply_logn(enc, logn_factors(q_pos.index, is_causal, keys_seen, self._training_len()),
+                             self.logn_scaling)
 
         keys, causal_offset, kv_lengths = enc.k, enc.causal_offset, None
         if cache is not None:

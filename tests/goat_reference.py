@@ -101,10 +101,12 @@ def sink_prior(p, cfg, k_index, k_coords, k_cls, grid, is_causal):
 
 
 def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask=None,
-                   offset_q=0, offset_k=0, grid=None, has_cls=False, return_logits=False):
+                   offset_q=0, offset_k=0, grid=None, has_cls=False, return_logits=False,
+                   logn=None, logn_mode="content"):
     """Reference GoatAttention forward. ``cfg``: num_heads, kv_num_heads, head_dim, pos_rank,
     abs_rank, [pos_base, abs_base, training_seq_len, prior_gate, enable_key_bias,
-    sink_extrapolation]."""
+    sink_extrapolation]. ``logn``: None or per-query factors [T] multiplying the content logits
+    (``logn_mode='content'``) or content plus prior (``'all'``) row by row."""
     p = unboxed(params)
     xq, xk, xv = (np.asarray(x, np.float64) for x in (xq, xk, xv))
     n, kv, h = cfg["num_heads"], cfg["kv_num_heads"], cfg["head_dim"]
@@ -132,6 +134,10 @@ def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask
         norm = np.linalg.norm(q[..., :d_c], axis=-1)  # [B, T, N]
         gate = 1.0 / (1.0 + np.exp(-(p["prior"]["prior_gate_bias"] - _softplus(p["prior"]["prior_gate_scale_raw"]) * norm)))
         prior = prior * np.moveaxis(gate, -1, 1)[..., None]
+    if logn is not None:
+        row = np.asarray(logn, np.float64)[:, None]  # [T, 1]
+        logits = logits * row
+        prior = prior * row if logn_mode == "all" else prior
     logits = logits + prior
 
     mask = np.ones((1, 1, t, s), bool)

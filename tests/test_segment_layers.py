@@ -35,6 +35,9 @@ def _layer(name, implementation, dtype=jnp.float32, **extra):
                   dtype=dtype, param_dtype=dtype, **extra)
     if name == "goat":
         return ref.goat_module(**GOAT_PRIOR, **common)
+    if name in ("ntk", "yarn"):  # a fixed factor: the dynamic one refuses packed windows > TRAIN_LEN
+        extra.setdefault("rope_scaling_factor", 2.0)
+        common.update(extra)
     return PositionalAttention(position_encoding=name, training_seq_len=TRAIN_LEN, max_len=64, **common)
 
 
@@ -80,12 +83,12 @@ def _close(got, want, what, tol=1e-5):
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol}"
 
 
-def _alone_float64(name, params, x, ct, lengths, is_causal=True):
+def _alone_float64(name, params, x, ct, lengths, is_causal=True, **fields):
     """Each document run alone through the layer in float64 ('xla' kernel): outputs [1, L, E],
     input gradients and the summed parameter gradients."""
     outs, gxs, gps = [], [], None
     with jax.enable_x64(True):
-        module = _layer(name, "xla", jnp.float64)
+        module = _layer(name, "xla", jnp.float64, **fields)
         p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
         if len(set(lengths)) == 1:  # equal documents: alone = one row each of a batch
             n, d = lengths[0], len(lengths)
@@ -105,18 +108,18 @@ def _alone_float64(name, params, x, ct, lengths, is_causal=True):
     return outs, gxs, gps
 
 
-def _check_packed_equals_alone(name, implementation, rng, docs="equal", is_causal=True):
+def _check_packed_equals_alone(name, implementation, rng, docs="equal", is_causal=True, **fields):
     lengths, pad = DOCS[docs]
     t = sum(lengths) + pad
     ids = _packed_ids(lengths, pad)
-    module = _layer(name, implementation)
+    module = _layer(name, implementation, **fields)
     params = _random_params(module, rng, t)
     x = rng.normal(size=(1, t, E)).astype(np.float32)
     ct = rng.normal(size=(1, t, E)).astype(np.float32)
     ct[:, sum(lengths):] = 0  # padding carries no loss, as weight 0 in the LM loss
     out, g_x, g_p = _value_and_grads(module, params, jnp.asarray(x), jnp.asarray(ct), is_causal=is_causal,
                                      segment_ids=jnp.asarray(ids))
-    want_out, want_gx, want_gp = _alone_float64(name, params, x, ct, lengths, is_causal)
+    want_out, want_gx, want_gp = _alone_float64(name, params, x, ct, lengths, is_causal, **fields)
     start = 0
     for i, n in enumerate(lengths):
         sl = slice(start, start + n)
@@ -158,6 +161,14 @@ def test_packed_documents_equal_documents_alone(name, implementation, rng):
 @pytest.mark.parametrize("name", [_slow("goat"), _slow("rope"), _slow("alibi"), _slow("naive_prior")])
 def test_bidirectional_packed_documents_equal_documents_alone(name, rng):
     _check_packed_equals_alone(name, "xla", rng, is_causal=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_logn_scaling_follows_each_document(is_causal, rng):
+    """log-n factors per document: a causal query's n is its document position + 1, a
+    bidirectional one's the length of its own document, not the window's."""
+    _check_packed_equals_alone("rope", "xla", rng, docs="short", is_causal=is_causal, logn_scaling="content")
 
 
 @pytest.mark.parametrize("name", ["rope_pi", _slow("goat")])
@@ -239,6 +250,10 @@ def test_bad_segment_input_raises_naming_the_argument():
          segment_ids=jnp.ones((1, 4), jnp.int32))
     _bad(ref.goat_module(num_heads=N, head_dim=H, pos_rank=2, abs_rank=2, training_seq_len=8, pos_encoding="auto"),
          jnp.zeros((1, 4, E)), "1D sequences", segment_ids=jnp.ones((1, 4), jnp.int32))
+    # ntk/yarn's dynamic factor follows the window's length, not each document's.
+    for name in ("ntk", "yarn"):
+        _bad(_layer(name, "xla", rope_scaling_factor=None), jnp.zeros((1, 12, E)), "the dynamic factor follows",
+             is_causal=True, segment_ids=jnp.asarray([[1] * 6 + [2] * 6], jnp.int32))
     # The sink without training_seq_len would normalize by the window, not the document.
     _bad(ref.goat_module(num_heads=N, head_dim=H, pos_rank=2, abs_rank=2), x, "need training_seq_len",
          is_causal=True, segment_ids=ok)

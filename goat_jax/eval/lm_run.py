@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import ml_collections
+
 from goat_jax.models.lm import TransformerLM
 from goat_jax.train import run as run_lib
 
@@ -41,3 +43,51 @@ def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
         raise ValueError(f"{workdir}: config.task={run.config.task!r} trained a "
                          f"{type(run.model).__name__}; the language evaluations need the LM (TransformerLM).")
     return LMRun(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
+
+
+# Encodings that read a RoPE run's parameters unchanged at evaluation time: the same projections,
+# no parameters of their own; only the rotation frequencies (and YaRN's temperature) differ.
+SWAPS = {"rope": ("yarn", "ntk", "rope_pi")}
+
+
+def check_swap(config: ml_collections.ConfigDict, workdir: str, position_encoding: Optional[str] = None,
+               logn_scaling: Optional[str] = None) -> None:
+    """Raises ValueError naming the flag unless a run with ``config`` (its config.json) can be
+    evaluated with ``position_encoding`` / ``logn_scaling`` on its own parameters
+    (:func:`swap_encoding`); reads nothing else, so it runs before any work."""
+    trained = str(config.model.get("position_encoding", "goat"))
+    if position_encoding is not None and position_encoding != trained:
+        allowed = SWAPS.get(trained, ())
+        if position_encoding not in allowed:
+            fits = (f"a {trained!r} run takes {', '.join(repr(e) for e in allowed)}" if allowed else
+                    f"only 'rope' runs can be evaluated as "
+                    f"{', '.join(repr(e) for e in SWAPS['rope'])}")
+            raise ValueError(f"--position_encoding {position_encoding} does not share the parameters of "
+                             f"{workdir} (trained with {trained!r}): {fits}.")
+    if (logn_scaling is not None and (position_encoding or trained) == "goat"
+            and config.model.get("training_seq_len") is None):
+        raise ValueError(f"--logn_scaling needs model.training_seq_len, which the GOAT run {workdir} left "
+                         "unset; setting it now would also change its sink (normalized by it), so this "
+                         "run cannot take log-n scaling at evaluation.")
+
+
+def swap_encoding(run: LMRun, position_encoding: Optional[str] = None,
+                  logn_scaling: Optional[str] = None) -> LMRun:
+    """``run`` evaluated with another, parameter-compatible attention: ``position_encoding``
+    ('yarn', 'ntk' or 'rope_pi' for a 'rope' run: the usual way to run RoPE past its training
+    length without retraining) and/or ``logn_scaling`` ('content' / 'all', any encoding of the
+    LM, GOAT included). The parameters are the run's own; the config and model are rebuilt, with
+    ``model.training_seq_len`` set to the run's ``seq_len`` when a non-GOAT run left it unset
+    (it changes nothing else there). Raises ValueError naming the flag for a combination that
+    does not share the parameters (:func:`check_swap`)."""
+    if position_encoding is None and logn_scaling is None:
+        return run
+    check_swap(run.config, run.workdir, position_encoding, logn_scaling)
+    config = ml_collections.ConfigDict(run.config.to_dict())
+    if position_encoding is not None:
+        config.model.position_encoding = position_encoding
+    if logn_scaling is not None:
+        config.model.logn_scaling = logn_scaling
+    if config.model.get("training_seq_len") is None and config.model.position_encoding != "goat":
+        config.model.training_seq_len = int(config.seq_len)
+    return dataclasses.replace(run, config=config, model=run.task.build_model(config))

@@ -34,6 +34,7 @@ from goat_jax import segments
 from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.layers import LOGN_MODES
 from goat_jax.prior import PriorSettings
 
 Array = jax.Array
@@ -78,6 +79,14 @@ class LMConfig:
     training_seq_len: Optional[int] = borrow(PriorSettings, "training_seq_len")
     rope_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
                                                doc="RoPE / RoPE-PI base; <= 1 gives no rotation spectrum"))
+    # 'ntk' / 'yarn' (goat_jax/positional/rope_scaling.py) and log-n scaling (any 1D encoding).
+    rope_scaling_factor: Optional[float] = declare(None, Float(min=1.0, optional=True,
+                                                               doc="'ntk'/'yarn' fixed factor; None: dynamic, max(1, keys / training_seq_len)"))
+    yarn_beta_fast: float = declare(32.0, Float(min=0.0, min_inclusive=False, doc="'yarn': rotations above which a pair extrapolates"))
+    yarn_beta_slow: float = declare(1.0, Float(min=0.0, min_inclusive=False, doc="'yarn': rotations below which a pair interpolates"))
+    logn_scaling: Optional[str] = declare(None, Str(choices=LOGN_MODES, optional=True,
+                                                    doc="logits x max(1, ln n / ln training_seq_len): 'content' or 'all' (prior too)"))
+    fox_gate_bias_init: float = declare(0.0, Float(doc="'fox': initial bias of the forget gates (0 as the official FoX; larger starts them nearer 1)"))
     pos_rank: int = borrow(PriorSettings, "pos_rank")
     abs_rank: int = borrow(PriorSettings, "abs_rank")
     prior_init: str = borrow(PriorSettings, "prior_init")
@@ -111,6 +120,13 @@ class LMConfig:
         if self.position_encoding == "rope_pi" and self.training_seq_len is None:
             raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length "
                              "positions are interpolated back to).")
+        if self.training_seq_len is None and (
+                self.position_encoding == "yarn" or self.logn_scaling is not None
+                or (self.position_encoding == "ntk" and self.rope_scaling_factor is None)):
+            what = (f"logn_scaling={self.logn_scaling!r}" if self.logn_scaling is not None
+                    else f"position_encoding={self.position_encoding!r}")
+            raise ValueError(f"{what} needs model.training_seq_len (the training context length it "
+                             "scales from).")
 
     @property
     def max_positions(self) -> Optional[int]:
@@ -250,7 +266,7 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                   param_dtype=cfg.weight_dtype, implementation=cfg.implementation, decode=decode,
-                  kernel_init_std=cfg.attention_init_std, name=name)
+                  kernel_init_std=cfg.attention_init_std, logn_scaling=cfg.logn_scaling, name=name)
     if cfg.position_encoding == "goat":
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.
@@ -260,7 +276,10 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
     return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
                                max_len=cfg.max_len, training_seq_len=cfg.training_seq_len,
-                               attention_scale=cfg.baseline_attention_scale, **common)
+                               rope_scaling_factor=cfg.rope_scaling_factor, yarn_beta_fast=cfg.yarn_beta_fast,
+                               yarn_beta_slow=cfg.yarn_beta_slow,
+                               attention_scale=cfg.baseline_attention_scale,
+                               fox_gate_bias_init=cfg.fox_gate_bias_init, **common)
 
 
 class DecoderBlock(nn.Module):

@@ -24,6 +24,18 @@ name            module          what it is
 'naive_prior'   naive_prior.py  a learned dense per-head [N, max_len, max_len] log-prior: the
                                 L x L prior that GOAT's packing avoids (its memory is the
                                 point of the comparison); XLA / dense kernels only
+'ntk'           rope_scaling.py dynamic NTK-aware RoPE (bloc97 2023, Emozilla / HF 'dynamic'):
+                                base times f ** (H / (H - 2)), f = max(1, key length /
+                                training_seq_len) or ``rope_scaling_factor``; every kernel
+'yarn'          rope_scaling.py YaRN (Peng et al. 2023): NTK-by-parts frequencies and the
+                                attention temperature (0.1 ln f + 1) ** 2; every kernel
+'fire'          fire.py         FIRE (Li et al. 2024): a learned MLP of the progressively
+                                interpolated log distance, materialized; XLA / dense only
+'kerple_log'    kerple.py       Kerple, log variant (Chi et al. 2022): -r1 log(1 + r2 |i - j|)
+                                with learned r1, r2 > 0, materialized; XLA / dense only
+'fox'           fox.py          FoX, the Forgetting Transformer (Lin et al. 2025): a learned
+                                data-dependent forget gate, its bias c_i - c_j packed into q/k
+                                channels like 'alibi_packed'; every kernel; causal only
 ==============  ==============  ==============================================================
 
 Absolute encodings are added to the token embeddings before the first layer, not inside
@@ -67,6 +79,9 @@ Projections, positions, the KV cache, the kernel call and sowing are written onc
 'any'), so a registered encoding is offered by them with no second list; an encoding that needs a
 new layer field also needs that field passed by the model's ``make_attention``.
 
+Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, in
+:class:`goat_jax.layers.AttentionBase`), so any 1D encoding and GOAT can add it.
+
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
 H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
 """
@@ -74,12 +89,16 @@ H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
 from goat_jax.positional.absolute import LearnedPositionEmbedding, sincos_2d_embedding, sinusoidal_embedding
 from goat_jax.positional.alibi import alibi_bias, pack_alibi_key, pack_alibi_query
 from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.positional.fire import fire_bias
+from goat_jax.positional.fox import fox_cumulative, fox_log_forget, pack_fox_key
+from goat_jax.positional.kerple import kerple_log_bias
 from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding
 from goat_jax.positional.naive_prior import naive_prior_bias
 from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
 
 __all__ = [
     "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "LearnedPositionEmbedding", "PositionEncoding",
-    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "get_encoding", "naive_prior_bias",
-    "pack_alibi_key", "pack_alibi_query", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
+    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "fire_bias", "fox_cumulative",
+    "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key", "pack_alibi_query",
+    "pack_fox_key", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
 ]

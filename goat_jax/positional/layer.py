@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax.attention import default_sink_channels
-from goat_jax.positional import alibi, naive_prior, nope, rope
+from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_scaling
 from goat_jax.positional.base import EncodingContext, PositionEncoding
 
 Array = jax.Array
@@ -24,7 +24,7 @@ Array = jax.Array
 # Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
 # and one entry here.
 ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
-             rope.ROPE2D)
+             rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D, fire.FIRE, kerple.KERPLE_LOG, fox.FOX)
 POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
 _BY_NAME = {e.name: e for e in ENCODINGS}
 
@@ -68,12 +68,17 @@ class PositionalAttention(layers.AttentionBase):
 
     ``attention_scale``: the factor on ``q . k`` before the softmax; None is ``1 / sqrt(head_dim)``,
     1.0 is the official synthetic script's baselines (queries multiplied by ``sqrt(head_dim)``
-    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior')
-    are added unscaled either way.
+    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
+    'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
 
-    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'rope2d'); ``training_seq_len``
-    ('rope_pi', required); ``max_len`` ('naive_prior', required: the table is
-    [N, max_len, max_len]).
+    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'ntk', 'yarn', 'rope2d');
+    ``training_seq_len`` ('rope_pi', 'yarn', and 'ntk' unless ``rope_scaling_factor`` is set:
+    required); ``rope_scaling_factor`` ('ntk', 'yarn': None = dynamic, ``max(1, key length /
+    training_seq_len)``, or a fixed factor >= 1); ``yarn_beta_fast`` / ``yarn_beta_slow``
+    ('yarn': the rotation counts bounding its interpolation ramp, 32 and 1 as the paper);
+    ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
+    ``fox_gate_bias_init`` ('fox': the forget gates' initial bias). 'fox' also keeps
+    ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
     """
 
     position_encoding: str = "rope"
@@ -81,6 +86,13 @@ class PositionalAttention(layers.AttentionBase):
     training_seq_len: Optional[int] = None
     max_len: Optional[int] = None
     attention_scale: Optional[float] = None
+    rope_scaling_factor: Optional[float] = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    fox_gate_bias_init: float = 0.0
+
+    def _training_len(self) -> Optional[int]:
+        return self.training_seq_len
 
     def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _Plan:
         if self.attention_scale is not None and not self.attention_scale > 0:

@@ -9,6 +9,8 @@ Shape legend: B batch, L/T/S tokens, N heads, H head dim.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,8 @@ def rope_frequencies(dim: int, base: float = 10_000.0) -> Array:
     return jnp.asarray(base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
 
 
-def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float = 1.0) -> Array:
+def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float = 1.0,
+               frequencies: Optional[Array] = None) -> Array:
     """Rotates ``x`` by its positions (rotate-half layout, as GPT-NeoX / Llama).
 
     Dim ``i < H/2`` is paired with dim ``i + H/2`` and the pair is rotated by the angle
@@ -42,12 +45,17 @@ def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float 
       positions: [T] or [B, T] (integer or float) positions.
       scale: a float, or an array broadcasting to ``positions`` (per-token factors, e.g. one per
         packed document).
+      frequencies: None for :func:`rope_frequencies` of ``base``, or [H/2] inverse
+        frequencies to use instead (the rescaled ladders of 'yarn' / 'ntk', ``rope_scaling.py``).
     Returns:
       [B, T, N, H] in ``x``'s dtype; the rotation is computed in float32 (angles reach
       ``p * theta_0 = p`` radians, too coarse in bfloat16).
     """
     h = x.shape[-1]
-    angle = (jnp.asarray(positions, jnp.float32) / scale)[..., None] * rope_frequencies(h, base)
+    freqs = rope_frequencies(h, base) if frequencies is None else jnp.asarray(frequencies, jnp.float32)
+    if freqs.shape != (h // 2,):
+        raise ValueError(f"frequencies must be [head_dim / 2] = [{h // 2}], got {freqs.shape}.")
+    angle = (jnp.asarray(positions, jnp.float32) / scale)[..., None] * freqs
     cos = jnp.cos(angle)[..., None, :]  # [(B,) T, 1, H/2]
     sin = jnp.sin(angle)[..., None, :]
     xf = x.astype(jnp.float32)

@@ -180,6 +180,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
     """
     config = read_config(workdir)
     task = tasks_lib.get_task(config.task)
+    config = tasks_lib.with_field_defaults(config, task)  # an older run lacks newer fields
     model = task.build_model(config)
     tx, _ = make_optimizer(task, config)
     _, init_state = make_init_fns(task, model, tx, config, batch_size=1)

@@ -144,6 +144,27 @@ def dataclass_defaults(cls: Any, section: str) -> Dict[str, Any]:
             if f.default is not dataclasses.MISSING}
 
 
+# Deprecated fields a config may still carry but that a filled-in config must not gain.
+_NOT_FILLED = frozenset({"model.name"})
+
+
+def with_field_defaults(config: Any, task: "Task") -> Any:
+    """A copy of ``config`` (an ml_collections ConfigDict) with every field of
+    :attr:`Task.field_defaults` that it lacks set to its default, for configs written before the
+    field existed (an old run's ``config.json``, an old config file): the same defaults that
+    :class:`goat_jax.train.checkpoint.Checkpointer` treats as "no change" on resume. Only fields
+    of sections the config has are added; ``config`` itself is not modified."""
+    filled = type(config)(config.to_dict())
+    for dotted, default in task.field_defaults().items():
+        section, _, name = dotted.rpartition(".")
+        if dotted in _NOT_FILLED or not section or section not in filled:
+            continue
+        parent = filled[section]
+        if name not in parent:
+            parent[name] = default
+    return filled
+
+
 def builtin_tasks() -> Tuple[str, ...]:
     """Names of the task modules in ``goat_jax/tasks/`` (the accepted short ``config.task``)."""
     package = importlib.import_module(BUILTIN_PACKAGE)

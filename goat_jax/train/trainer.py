@@ -340,6 +340,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
+    # A config written before a field existed (e.g. data.packing) gets the field's default.
+    config = tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task))
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
