@@ -79,6 +79,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.prior_init = "uniform"  # official: the prior starts flat
     c.model.enable_key_bias = True  # official: key bias (sink) on
     c.model.rope_base = 100.0  # 'rope2d' base (Heo et al. 2024)
+    c.model.rope_mixed_base = 10.0  # 'rope_mixed' initial frequency ladder base (Heo et al. 2024)
     c.model.sincos_temperature = 10_000.0  # 'sincos2d' (big_vision)
     c.model.dtype = "bfloat16"  # compute dtype on accelerators (the prior stays float32)
     c.model.param_dtype = "float32"  # parameters and optimizer state

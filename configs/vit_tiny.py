@@ -5,7 +5,9 @@
 
 The argument names the position encoding (default 'goat'; any of
 goat_jax.models.vit.POSITION_ENCODINGS), optionally followed by ',smoke': a seconds-long variant
-for tests, e.g. ``configs/vit_tiny.py:goat,smoke``. Everything else is identical across encodings.
+for tests, e.g. ``configs/vit_tiny.py:goat,smoke``, and/or ',canvas': the canvas protocol's model
+(head dim 64, GOAT ranks R = 16, M = 2, 4 blocks, 4 epochs; docs/protocols.md). Everything else
+is identical across encodings.
 
 28 x 28 grayscale images in 7 x 7 patches: a 4 x 4 grid at the training resolution, so the
 evaluation resolutions 28, 42, 56, 84 (1x, 1.5x, 2x, 3x) are 4x4, 6x6, 8x8 and 12x12 grids.
@@ -25,8 +27,8 @@ from goat_jax.train import wandb_logger
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
     parts = [p for p in (arg or "").split(",") if p]
-    smoke = "smoke" in parts
-    encoding = next((p for p in parts if p != "smoke"), "goat")
+    smoke, canvas = "smoke" in parts, "canvas" in parts
+    encoding = next((p for p in parts if p not in ("smoke", "canvas")), "goat")
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
     c.seed = 0  # parameter init, data order, augmentation and drop-path
@@ -70,7 +72,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.embed_dim = 128  # residual width
     c.model.num_heads = 4  # head dim 32
     c.model.mlp_dim = 256  # GELU MLP hidden (2x: a small model on small data)
-    c.model.position_encoding = encoding  # 'goat' | 'ape' | 'sincos2d' | 'rope2d' | 'nope'
+    c.model.position_encoding = encoding  # 'goat' | 'ape' | 'sincos2d' | 'rope2d' | 'rope_mixed' | 'nope'
     c.model.drop_path_rate = 0.1  # official value, linear over depth
     c.model.norm_eps = 1e-6  # LayerNorm epsilon
     c.model.pos_rank = 8  # GOAT R: 2R = 16 of the 32 head dims (official: 32 of 64)
@@ -78,6 +80,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.prior_init = "uniform"  # official ViT: a flat prior at init
     c.model.enable_key_bias = True  # learned sink u(j) (official: on)
     c.model.rope_base = 100.0  # 'rope2d' base (Heo et al. 2024)
+    c.model.rope_mixed_base = 10.0  # 'rope_mixed' initial frequency ladder base (Heo et al. 2024)
     c.model.sincos_temperature = 10_000.0  # 'sincos2d' temperature (big_vision)
     c.model.dtype = "float32"  # compute dtype (CPU: float32)
     c.model.param_dtype = "float32"  # parameter dtype
@@ -87,6 +90,18 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.data.num_eval_batches = 0  # the whole 10k test split
     c.data.read_threads = 2  # 2-core machine
 
+    if canvas:  # the canvas protocol (docs/protocols.md, "Tiny vision protocol: objects on a larger canvas")
+        # Head dim 64 so GOAT takes the official ViT ranks (2R = 32 of 64 dims, M = 2), the same
+        # shape for every encoding; 4 blocks and 4 epochs keep a run near 15 CPU-minutes.
+        c.model.embed_dim = 128
+        c.model.num_heads = 2  # head dim 64
+        c.model.num_layers = 4
+        c.model.pos_rank = 16  # official ViT guidance
+        c.model.abs_rank = 2
+        c.num_train_steps = 1880  # 4 epochs of 60k images at batch 128
+        c.eval_every_steps = 470
+        c.checkpoint_every_steps = 470  # one checkpoint per epoch, all kept: the prior's range over training
+        c.keep_checkpoints = 5
     if smoke:  # seconds per run: the CLI smoke test
         c.num_train_steps = 6
         c.global_batch_size = 16

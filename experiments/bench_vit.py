@@ -1,10 +1,11 @@
 """Benchmarks the ViT training step per position encoding; writes benchmarks/vit.md.
 
     python -m experiments.bench_vit [--out benchmarks/vit.md] [--steps 5] [--batch_s16 4]
+        [--encodings goat,ape,rope2d,rope_mixed]
 
 For each shape (the tiny Fashion-MNIST ViT of configs/vit_tiny.py; ViT-S/16 of
 configs/vit_s16_imagenet.py trained at 224 and at 384 px) and each encoding (GOAT, the official
-'ape' baseline, 'rope2d'): XLA's compiled memory of the jitted step (``memory_analysis()``:
+'ape' baseline, 'rope2d', 'rope_mixed'; ``--encodings``): XLA's compiled memory of the jitted step (``memory_analysis()``:
 arguments = params + AdamW state + batch, temporaries = activations and workspace) and the
 median seconds per step. The step is the engine's: ``value_and_grad`` of the task loss
 (:func:`goat_jax.tasks.vit.loss`, drop-path on) and the AdamW update of the config. Encodings
@@ -26,6 +27,7 @@ from absl import app
 from absl import flags
 
 from configs import vit_s16_imagenet, vit_tiny
+from goat_jax.models.vit import POSITION_ENCODINGS
 from goat_jax.tasks import vit as vit_task
 
 _OUT = flags.DEFINE_string("out", "benchmarks/vit.md", "Markdown file to write.")
@@ -36,7 +38,8 @@ _IMPL = flags.DEFINE_string("implementation", "xla", "Attention kernel of every 
                             "committed table: 'xla'; the automatic choice would take 'flash' for "
                             "the larger shapes).")
 
-ENCODINGS = ("goat", "ape", "rope2d")
+_ENCODINGS = flags.DEFINE_list("encodings", ["goat", "ape", "rope2d", "rope_mixed"],
+                               "Encodings to time ('ape' is the ratio's baseline, so it is always run).")
 WARMUP = 1  # steps after compilation before timing
 
 
@@ -79,10 +82,14 @@ def main(argv):
     """Runs every shape and encoding and writes the markdown table."""
     del argv
     load_start = os.getloadavg()[0]
+    encodings = ["ape"] + [e for e in _ENCODINGS.value if e != "ape"]  # 'ape': the ratio's baseline
+    unknown = sorted(set(encodings) - set(POSITION_ENCODINGS))
+    if unknown:  # before compiling anything
+        raise app.UsageError(f"--encodings: unknown {unknown}; choose from {list(POSITION_ENCODINGS)}.")
     rows = []
     for label, module, res, batch in _shapes():
         runs = {}
-        for enc in ENCODINGS:
+        for enc in encodings:
             t0 = time.perf_counter()
             compiled, state, mem, n = _step_for(module, enc, res, batch)
             print(f"{label} {enc}: compiled in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -104,10 +111,11 @@ def main(argv):
             print(rows[-1], flush=True)
 
     lines = [
-        "# ViT train step: GOAT vs the official `ape` baseline vs `rope2d`", "",
+        "# ViT train step: GOAT vs the official `ape` baseline vs " + ", ".join(
+            f"`{e}`" for e in encodings if e not in ("goat", "ape")), "",
         "Made by `python -m experiments.bench_vit` "
         f"(`--steps {_STEPS.value} --batch_tiny {_BATCH_TINY.value} --batch_s16 {_BATCH_S16.value} "
-        f"--implementation {_IMPL.value}`) on "
+        f"--implementation {_IMPL.value} --encodings {','.join(_ENCODINGS.value)}`) on "
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__}, float32, attention kernel `{_IMPL.value}`; load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.", "",
@@ -124,7 +132,8 @@ def main(argv):
     lines += ["", "The machine is shared with other jobs: absolute times are noisy, the ratios within "
               "one shape are the comparison. GOAT's extra cost is the prior features packed into q/k "
               "(2R + 1 of each head's dims are prior channels, so its content dims are fewer, not "
-              "more); `ape` adds a table, `rope2d` rotates q and k."]
+              "more); `ape` adds a table, `rope2d` rotates q and k, `rope_mixed` rotates them by learned "
+              "per-head angles."]
     with open(_OUT.value, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {_OUT.value}")

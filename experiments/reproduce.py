@@ -1,8 +1,9 @@
 """Reproduce the paper's experiments at one scale: one command -> REPORT.md + figures.
 
-    python -m experiments.reproduce --suite tiny                   # ~2.5 h on 2 CPU cores
+    python -m experiments.reproduce --suite tiny                   # 3 seeds: ~1-2 days on 2 CPU cores
     python -m experiments.reproduce --suite tiny --families dna    # one family: lm, vit or dna
     python -m experiments.reproduce --suite smoke --out /tmp/rep   # minutes: the harness end to end
+    python -m experiments.reproduce --suite tiny --families lm --seeds 3 --jobs 2   # part of it
     python -m experiments.reproduce --suite paper --dry_run        # the cluster commands, printed
 
 Three families, each comparing position encodings with everything else identical:
@@ -22,7 +23,11 @@ Three families, each comparing position encodings with everything else identical
   train tokens/s (goat_jax/reproduce/dna_family.py).
 
 Then it writes ``OUT/REPORT.md`` (the command, date, settings, the headline checks of every
-family with PASS/FAIL and their numbers, all tables) and its PNGs. Runs live under
+family with their verdicts and numbers, all tables) and its PNGs. With ``--seeds N`` every run
+trains N times (seed = the config's + k; the toy figure once) and every number is the mean ±
+95% Student t interval over seeds; each headline check is judged on the paired difference
+(supported / contradicted / inconclusive; goat_jax/reproduce/stats.py), the old fixed
+threshold kept as PASS/FAIL next to it. Runs live under
 ``--workdir`` and resume: re-running after an interruption retrains nothing that finished, and
 evaluations are cached per run (``reproduce_eval.json``). A suite is a ``Suite`` in
 ``goat_jax/reproduce/suites.py: SUITES``; extra LM rows (``LMVariant``) and retrieval variants
@@ -72,6 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--retrieval_variants", default=None,
                    help="comma list of the suite's retrieval variants to train and report (default: all "
                    "of them; 'none': only the default retrieval runs)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="trains per run, seed = the config's + k (default: the suite's; tiny 3, smoke 1); "
+                   "every number is then mean ± 95%% Student t interval over seeds, finished seeds are reused")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training jobs at once, each in a subprocess logging to <workdir>.log (default 1: "
+                   "one after another; 2 on 2 cores finishes the tiny suite sooner)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -80,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         families=_split(args.families) or [], encodings=_split(args.encodings),
         vit_encodings=_split(args.vit_encodings), dna_encodings=_split(args.dna_encodings),
         retrieval_variants=None if args.retrieval_variants is None else args.retrieval_variants.split(","),
-        dry_run=args.dry_run)
+        dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs)
 
 
 if __name__ == "__main__":

@@ -91,17 +91,20 @@ def pack_query(q_content: Array, q_rel: Array, q_sink: Array, sink_channels: int
     return jnp.concatenate(parts, axis=-1)
 
 
-def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype) -> Array:
+def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype,
+             rel_per_head: bool = False) -> Array:
     """Packed keys ``[k_c, cos(w p_j), sin(w p_j), split(u(j))]``.
 
     Args:
-      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R]; u: [..., S, K] float32.
+      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R] shared by the heads, or [..., S, K, 2R]
+        when ``rel_per_head`` (learned per-head frequencies); u: [..., S, K] float32.
     Returns:
       [B, S, K, d_c + 2R + sink_channels] in ``dtype``.
     """
     b, s, kh, _ = k_content.shape
+    rel = k_rel if rel_per_head else k_rel[..., None, :]
     parts = [k_content.astype(dtype),
-             jnp.broadcast_to(k_rel[..., None, :], (b, s, kh, k_rel.shape[-1])).astype(dtype)]
+             jnp.broadcast_to(rel, (b, s, kh, k_rel.shape[-1])).astype(dtype)]
     if sink_channels:
         u = jnp.broadcast_to(u, (b, s, kh))
         parts.append(split_exact(u, sink_channels, dtype))
@@ -161,9 +164,19 @@ class GoatPrior(nn.Module):
             self.sink_bump = self.param("sink_bump", nn.initializers.zeros, (k,), f32)
             self.recency_slope_raw = self.param(
                 "recency_slope_raw", _alibi_raw_init(k, spec.prior_init), (k,), f32)
+        if spec.learn_frequencies and r:
+            # Made last, so the other parameters draw the same random numbers as with the fixed
+            # ladder; starts at the ladder, i.e. as the fixed prior. float32 like the rest, since
+            # w * p needs the mantissa.
+            ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
+                prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
+            self.pos_freqs = self.param(
+                "pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), (k, r), f32)
 
     def _params(self) -> dict:
         names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
+        if self.spec.learn_frequencies and self.spec.pos_rank:
+            names.append("pos_freqs")
         if self.spec.enable_key_bias:
             names += ["key_bias", "sink_gain", "sink_bump", "recency_slope_raw"]
         return {name: getattr(self, name) for name in names}
@@ -176,7 +189,7 @@ class GoatPrior(nn.Module):
         return q_rel, q_sink, gate
 
     def key(self, k_pos: prior_lib.Positions, is_causal: bool):
-        """Returns ``(k_rel [.., S, 2R], u [.., S, K])``, float32."""
+        """Returns ``(k_rel [.., S, 2R] or [.., S, K, 2R] if learned per head, u [.., S, K])``, float32."""
         return prior_lib.key_features(self.spec, self._params(), k_pos, is_causal)
 
     def log_prior(self, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions, is_causal: bool,
@@ -343,7 +356,9 @@ class GoatAttention(layers.AttentionBase):
         q_rel, q_sink, _ = prior.query(q_pos, q_content)
         k_rel, u = prior.key(k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
-        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype)  # [B, S, K, qk_dim]
+        # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
+        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
+                            rel_per_head=k_rel.ndim > u.ndim)  # [B, S, K, qk_dim]
         return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 

@@ -153,7 +153,16 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
       module: the GoatAttention whose hyper-parameters are copied.
       params: its variables (``{'params': ...}``, boxed or unboxed).
       embed_dim: model width; inferred from ``q_proj`` when omitted.
+    Raises:
+      ValueError: for settings the official package lacks (``learn_frequencies=True``,
+        ``sink_extrapolation='linear'``) or shapes it cannot hold.
     """
+    if module.prior.learn_frequencies:  # before importing torch: nothing to convert
+        raise ValueError(
+            "to_official: prior.learn_frequencies=True (learned relative frequencies, parameter "
+            "prior.pos_freqs) has no counterpart in the official package, whose frequencies are "
+            "the fixed ladder of pos_base; its outputs would differ. Export a module trained with "
+            "learn_frequencies=False (model.learn_frequencies=False), or keep this run in goat_jax.")
     import torch
     import goat
 

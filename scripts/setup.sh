@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 
 # Real data the tests and the tiny configs read (docs/protocols.md, "Real data used at small
 # scale"): the Jargon File (language), Fashion-MNIST IDX files (ViT), bacterial genomes and
-# 40 kb of human chr17 (DNA).
-DATA_PACKAGES="jargon-text dataset-fashion-mnist ragout-examples python-pyfaidx-examples"
+# 40 kb of human chr17 and ~200 kb of human GRCh37 chromosomes 1-3 (DNA).
+DATA_PACKAGES="jargon-text dataset-fashion-mnist ragout-examples python-pyfaidx-examples artfastqgenerator-examples"
 MISSING=""
 for pkg in $DATA_PACKAGES; do dpkg -s "$pkg" >/dev/null 2>&1 || MISSING="$MISSING $pkg"; done
 if [ -n "$MISSING" ]; then

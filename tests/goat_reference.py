@@ -45,21 +45,26 @@ def _positions(length, offset, grid, has_cls):
 
 
 def relative_prior(p, cfg, q_coords, k_coords, q_cls, k_cls, grid):
-    """kappa_h(p_i - p_j) [N, T, S] from position differences."""
+    """kappa_h(p_i - p_j) [N, T, S] from position differences. The frequencies are the fixed
+    ladder, or ``p['pos_freqs']`` [K, R] (learned, per KV head) when the params have them."""
     g, r = cfg["num_heads"] // cfg["kv_num_heads"], cfg["pos_rank"]
     a = np.repeat(p["lambda_sym"], g, axis=0)  # [N, R]
     b = np.repeat(p["lambda_asym"], g, axis=0)
-    w = _freqs(r, cfg.get("pos_base", 1e4))
+    if "pos_freqs" in p:
+        w = np.repeat(p["pos_freqs"], g, axis=0)  # [N, R]
+    else:
+        w = np.broadcast_to(_freqs(r, cfg.get("pos_base", 1e4)), a.shape)
+
+    def kappa(d, sl):  # d [T, S] -> [N, T, S]
+        ph = d[None, :, :, None] * w[:, None, None, sl]  # [N, T, S, R']
+        return (np.cos(ph) * a[:, None, None, sl]).sum(-1) + (np.sin(ph) * b[:, None, None, sl]).sum(-1)
+
     if grid is None:
-        d = q_coords[:, None] - k_coords[None, :]  # [T, S]
-        ph = d[..., None] * w  # [T, S, R]
-        return np.einsum("tsr,nr->nts", np.cos(ph), a) + np.einsum("tsr,nr->nts", np.sin(ph), b)
+        return kappa(q_coords[:, None] - k_coords[None, :], slice(0, r))
     r_row = r - r // 2
     out = 0.0
     for axis, sl in ((0, slice(0, r_row)), (1, slice(r_row, r))):
-        d = q_coords[:, None, axis] - k_coords[None, :, axis]
-        ph = d[..., None] * w[sl]
-        out = out + np.einsum("tsr,nr->nts", np.cos(ph), a[:, sl]) + np.einsum("tsr,nr->nts", np.sin(ph), b[:, sl])
+        out = out + kappa(q_coords[:, None, axis] - k_coords[None, :, axis], sl)
     keep = ~(q_cls[:, None] | k_cls[None, :])
     return out * keep
 

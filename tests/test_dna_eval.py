@@ -1,5 +1,7 @@
 """DNA evaluation math (goat_jax.eval.dna): NLL / bits per base / accuracy and the GC metric."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +166,27 @@ def test_n_targets_are_not_scored_and_all_n_is_an_error(tmp_path, tiny_lm):
     assert got.excluded_n == 30 and got.num_bases == 16 * 8 - 30
     clean = dna_eval.score_records(apply, params, [ids[0][:33]], 16)  # the two windows before the gap
     assert clean.excluded_n == 0 and clean.num_bases == 32
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/share/doc/artfastqgenerator/examples/miniReference.fasta.gz"),
+                    reason="Debian package artfastqgenerator-examples not installed (scripts/setup.sh installs it)")
+def test_grch37_second_human_genome_reads_and_scores(tiny_lm):
+    """The DNA family's second human genome, read by the harness's reader and checked against
+    a plain gzip + text parse of the same file (record names, lengths, bases, Ns)."""
+    import gzip
+
+    from goat_jax.data import dna as dna_data
+
+    path = dna_data.HUMAN_GRCH37_CHR1_3
+    with gzip.open(path, "rt") as f:
+        chunks = f.read().split(">")[1:]
+    ref = {c.split("\n", 1)[0].split()[0]: c.split("\n", 1)[1].replace("\n", "").upper() for c in chunks}
+    records, info = dna_eval.read_fasta_records([path])
+    assert info["records"] == list(ref) == ["1", "2", "3"]
+    assert info["bases"] == [len(s) for s in ref.values()] and sum(info["bases"]) > 190_000
+    for rec, seq in zip(records, ref.values()):
+        assert fasta.decode(rec) == "".join(b if b in "ACGT" else "N" for b in seq)
+    model, params = tiny_lm
+    out = dna_eval.evaluate_fasta(model, params, [path], 16, multipliers=(1,), max_bases=2000, gc_num_windows=0)
+    assert out["data"]["records"] == ["1"] and out["data"]["bases"] == [2000]
+    assert np.isfinite(out["by_length"][16]["bits_per_base"]) and out["by_length"][16]["bits_per_base"] > 0

@@ -61,7 +61,7 @@ def test_registry_names_every_encoding_once():
     # The order users and configs saw before the package, kept; later encodings come in between.
     old = ["nope", "rope", "rope_pi", "alibi", "alibi_packed", "naive_prior", "rope2d"]
     assert [n for n in names if n in old] == old
-    assert {"ntk", "yarn", "fire", "kerple_log", "fox"} <= set(names)  # the comparators
+    assert {"ntk", "yarn", "fire", "kerple_log", "fox", "rope_mixed"} <= set(names)  # the comparators
     for e in positional.ENCODINGS:
         assert isinstance(e, PositionEncoding) and e.positions in ("1d", "2d", "any"), e
         assert positional.get_encoding(e.name) is e

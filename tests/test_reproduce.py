@@ -46,9 +46,17 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     for claim in ("ViT: GOAT's learned 2D prior is shift-invariant on the training grid (4x4, shift (1, 1)",
                   "ViT: GOAT's learned 2D prior is shift-invariant on a larger grid",
                   "DNA: GOAT compiled train-step memory < RoPE's"):
-        assert re.search(re.escape(claim) + r".*\| (PASS|\*\*FAIL\*\*) \| .*\d", report), claim
+        assert re.search(re.escape(claim) + r".*\| inconclusive \(1 seed\) \| .* = .*\d.* \| .*\d.* \| "
+                         r"(PASS|\*\*FAIL\*\*) \|", report) or ("memory" in claim and re.search(
+                             re.escape(claim) + r".*\| \*\*(supported|contradicted)\*\* \| .*\d.* \| (PASS|\*\*FAIL\*\*) \|",
+                             report)), claim
+    # The canvas protocol's table and GOAT's prior split into kappa and u, with its range per checkpoint.
+    assert "| encoding | 28 px canvas (1x) | 56 px canvas (2x) | top-1 lost 1x -> 2x (points) |" in report
+    assert re.search(r"\| 0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.e-]+ \|", report)  # block 0's parts
+    assert "at each kept checkpoint" in report and "step 2:" in report
     for png in ("perplexity_jargon.png", "passkey_synthetic.png", "niah_goat.png", "toy_prior.png",
-                "toy_prior_all_heads.png", "vit_resolution.png", "vit_prior_goat.png", "vit_cls_attention.png"):
+                "toy_prior_all_heads.png", "vit_resolution.png", "vit_prior_goat.png", "vit_cls_attention.png",
+                "vit_canvas.png"):
         assert (out / png).stat().st_size > 1000, png
     log = capsys.readouterr().out
     assert "[1/6] lm/jargon/goat" in log and "at step 4 after" in log and "evaluated in" in log
@@ -88,7 +96,7 @@ def test_paper_dry_run_prints_commands_for_every_run(capsys):
         assert any(f"configs/lm_fineweb_1b.py:{enc} " in c for c in trains)
         assert any(f"configs/retrieval_tiny.py:passkey,{enc},paper,official " in c for c in trains)
     evals = [c for c in cmds if " experiments.evaluate " in c]
-    assert len(evals) == 7  # c4, fineweb, passkey, niah, ViT, DNA on 2 genomes: encodings side by side
+    assert len(evals) == 8  # c4, fineweb, passkey, niah, ViT, DNA on 3 genomes: encodings side by side
     assert all(c.count("--workdir") == len(suites.ENCODINGS) for c in evals[:4])
     assert any("--evals extrapolation,passkey,sinks,diagnostics --chunk_size 512 --multipliers 1,2,4,8,16"
                in c for c in evals)
@@ -128,25 +136,36 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
-    # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding.
-    assert len(lines) == (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
-                          + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
+    # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding: 3 seeds
+    # each (the tiny suite's default), but the toy figure, trained once.
+    one_seed = (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
+                + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
+    assert len(lines) == 3 * one_seed - 2
+    assert sum("toy" in line for line in lines) == 1
+    # Seed 0 keeps the 1-seed workdir (a finished run is reused); seed k its sibling <dir>_seed<k>.
+    assert any(l.endswith("in runs/reproduce_tiny/dna_long/alibi") and "dna/dna/alibi " in l for l in lines)
+    assert any(l.endswith("in runs/reproduce_tiny/dna_long/alibi_seed2") and "dna/dna/alibi@seed2 " in l for l in lines)
+    assert reproduce.main(["--suite", "tiny", "--dry_run", "--seeds", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == one_seed
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
-    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA runs: no overrides
-        assert f"vit/vit/{enc} (configs/vit_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/vit/{enc}" in lines[
-            [i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
+    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA protocols: their own configs and folders
+        assert (f"vit/vit/{enc} (configs/vit_tiny.py:{enc},canvas, overrides {{}}) in "
+                f"runs/reproduce_tiny/vit_canvas/{enc}") in lines[[i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
     for enc in suites.DNA_ENCODINGS:
-        assert any(f"(configs/dna_tiny.py:{enc}, overrides {{}}) in runs/reproduce_tiny/dna/{enc}" in l for l in lines)
+        assert any(f"(configs/dna_tiny.py:{enc},long, overrides {{}}) in runs/reproduce_tiny/dna_long/{enc}" in l
+                   for l in lines)
     # One family alone, with its own encodings.
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "vit", "--vit_encodings",
-                           "goat,ape"]) == 0
+                           "goat,ape", "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [l.split()[5] for l in lines] == ["vit/vit/goat", "vit/vit/ape"]
     with pytest.raises(ValueError, match="--families: unknown \\['images'\\]"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm,images"])
     # The language family without its retrieval variants; a variant the suite lacks is named.
-    assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none"]) == 0
+    assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none",
+                           "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
     assert not any("official" in l for l in lines)

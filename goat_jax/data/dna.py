@@ -73,6 +73,10 @@ from goat_jax.config.fields import Bool, Int, Section, Str, Strs, check_section
 ECOLI_MG1655 = "/usr/share/doc/ragout/examples/E.Coli/references/MG1655-K12.fasta.gz"
 ECOLI_DH1 = "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"
 HUMAN_CHR17_40KB = "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"
+# ~200 kbp of human GRCh37 in three records (named 1, 2, 3: pieces of chromosomes 1-3), Debian
+# package artfastqgenerator-examples: a second human genome (another assembly and chromosomes than
+# chr17's hg19 piece) for the DNA family's held-out evaluation.
+HUMAN_GRCH37_CHR1_3 = "/usr/share/doc/artfastqgenerator/examples/miniReference.fasta.gz"
 SOURCES = ("fasta", "parquet")
 EVAL_SPLITS = ("valid", "test")  # data.eval_split: the held-out records evaluated
 EVAL_OFFSETS = ("start", "hashed")  # data.eval_offsets: where eval crops start

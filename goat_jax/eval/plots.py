@@ -124,6 +124,12 @@ def plot_prior_grid(model, params: Any, path: str, *, panel: str = "probs",
     return _save(fig, path)
 
 
+def error_bars(values: Sequence[Any]) -> list[float]:
+    """The 95% half-widths of ``values`` for ``errorbar`` (a value with a ``half_width``, e.g.
+    a mean over seeds from goat_jax/reproduce/stats.py; 0 for a plain number or one seed)."""
+    return [float(getattr(v, "half_width", None) or 0.0) for v in values]
+
+
 def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(lengths))
@@ -148,7 +154,7 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
     for label, by_len in results.items():
         lengths = sorted(by_len)
         ppl = [getattr(by_len[n], "ppl", by_len[n]) for n in lengths]
-        ax.plot(lengths, ppl, marker="o", label=label)
+        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=label)
     ax.set_yscale("log")
     _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylabel("perplexity")
@@ -166,7 +172,9 @@ def plot_passkey_accuracy(results: Mapping[str, Mapping[int, float]], path: str,
     all_lengths = sorted({int(n) for r in results.values() for n in r})
     for label, by_len in results.items():
         lengths = sorted(by_len)
-        ax.plot(lengths, [100.0 * by_len[n] for n in lengths], marker="o", label=label)
+        acc = [by_len[n] for n in lengths]
+        ax.errorbar(lengths, [100.0 * a for a in acc], yerr=[100.0 * e for e in error_bars(acc)],
+                    marker="o", capsize=3, label=label)
     _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylim(-3, 103)
     ax.set_ylabel("accuracy (%)")

@@ -112,7 +112,7 @@ def _prior_components(spec: prior_lib.PriorSpec, p, seq_len: int):
     lags = jnp.arange(seq_len, dtype=jnp.float32)
     if spec.pos_rank:
         kap = prior_lib.kappa(lags, p["lambda_sym"], p["lambda_asym"],
-                              prior_lib.frequencies(spec.pos_rank, spec.pos_base))  # [K, S]
+                              prior_lib.relative_frequencies(spec, p))  # [K, S]; learned ones if any
         kap = jnp.repeat(kap, spec.group_size, axis=0)
     else:
         kap = jnp.zeros((spec.num_heads, seq_len))

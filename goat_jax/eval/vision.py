@@ -159,8 +159,9 @@ def plot_cls_attention(images: Mapping[int, np.ndarray], maps: Mapping[str, Mapp
 
 def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], path: str,
                      train_resolution: Optional[int] = None) -> None:
-    """Top-1 (%) against evaluation resolution, one line per run; a dotted line marks the
-    training resolution."""
+    """Top-1 (%) against evaluation resolution, one line per run, with 95% error bars where a
+    value carries a ``half_width`` (a mean over seeds); a dotted line marks the training
+    resolution."""
     with _extras.imports(__name__):
         import matplotlib
 
@@ -170,7 +171,9 @@ def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], p
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for label, by_res in results.items():
         rs = sorted(int(r) for r in by_res)
-        ax.plot(rs, [100 * by_res[r]["top1"] for r in rs], marker="o", label=label)
+        top1 = [by_res[r]["top1"] for r in rs]
+        ax.errorbar(rs, [100 * t for t in top1], yerr=[100 * float(getattr(t, "half_width", None) or 0) for t in top1],
+                    marker="o", capsize=3, label=label)
     if train_resolution:
         ax.axvline(train_resolution, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("evaluation resolution (px)")

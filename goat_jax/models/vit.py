@@ -7,22 +7,24 @@ patchify with a ``patch x patch`` stride-``patch`` convolution -> prepend a CLS 
 position encoding changes with ``position_encoding``; widths, norms, MLP, initialization and
 drop-path are identical, so comparisons between encodings are fair:
 
-==========  ===================================================================================
-'goat'      :class:`goat_jax.attention.GoatAttention` with the 2D prior (rows get the first
-            ``R - R//2`` frequencies), CLS first with zero position features, no absolute
-            embedding at all (official: R = 16, M = 2, uniform init, key bias on)
-'ape'       a learned absolute table ``[1 + rows*cols, E]`` incl. the CLS entry (timm/DeiT);
-            at another grid its patch part is resized bicubically (PyTorch
-            ``F.interpolate(mode='bicubic', align_corners=False)`` semantics, see
-            :func:`resize_position_table`) and the CLS entry is kept: the official baseline
-'sincos2d'  big_vision's fixed 2D sin-cos embedding on the patches (CLS gets none)
-'rope2d'    axial 2D RoPE inside attention (:func:`goat_jax.positional.apply_rope_2d`)
-'nope'      no position information
-==========  ===================================================================================
+============  ===================================================================================
+'goat'        :class:`goat_jax.attention.GoatAttention` with the 2D prior (rows get the first
+              ``R - R//2`` frequencies), CLS first with zero position features, no absolute
+              embedding at all (official: R = 16, M = 2, uniform init, key bias on)
+'ape'         a learned absolute table ``[1 + rows*cols, E]`` incl. the CLS entry (timm/DeiT);
+              at another grid its patch part is resized bicubically (PyTorch
+              ``F.interpolate(mode='bicubic', align_corners=False)`` semantics, see
+              :func:`resize_position_table`) and the CLS entry is kept: the official baseline
+'sincos2d'    big_vision's fixed 2D sin-cos embedding on the patches (CLS gets none)
+'rope2d'      axial 2D RoPE inside attention (:func:`goat_jax.positional.apply_rope_2d`)
+'rope_mixed'  RoPE-Mixed (Heo et al. 2024): 2D RoPE with learned per-head, per-layer frequencies
+              that mix rows and columns (:mod:`goat_jax.positional.rope_mixed`)
+'nope'        no position information
+============  ===================================================================================
 
 Any input resolution divisible by the patch size runs at apply time: the patch grid is read
-from the input, so GOAT, 'sincos2d' and 'rope2d' extrapolate with the same patch step, and
-'ape' interpolates its table.
+from the input, so GOAT, 'sincos2d', 'rope2d' and 'rope_mixed' extrapolate with the same patch
+step (grid coordinates, no interpolation), and 'ape' interpolates its table.
 
 Shape legend: B batch, R x C input pixels, P patch size, Ch channels, h x w patch grid,
 L = 1 + h w tokens, E embed_dim, F mlp_dim, K num_classes.
@@ -90,8 +92,11 @@ class ViTConfig:
     abs_rank: int = borrow(PriorSettings, "abs_rank", default=2)
     prior_init: str = borrow(PriorSettings, "prior_init", default="uniform")  # official ViT: a flat prior
     enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
+    learn_frequencies: bool = borrow(PriorSettings, "learn_frequencies")  # rows' and columns'
     rope_base: float = declare(100.0, Float(min=1.0, min_inclusive=False,
                                             doc="'rope2d' base (Heo et al. 2024: 100); <= 1 gives no rotation spectrum"))
+    rope_mixed_base: float = declare(10.0, Float(min=1.0, min_inclusive=False,
+                                                  doc="'rope_mixed' initial ladder base (Heo et al. 2024: 10)"))
     sincos_temperature: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
                                                         doc="'sincos2d' temperature (big_vision default)"))
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
@@ -108,8 +113,8 @@ class ViTConfig:
                              f"num_heads={self.num_heads}.")
         if self.position_encoding == "sincos2d" and self.embed_dim % 4:
             raise ValueError(f"position_encoding='sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}.")
-        if self.position_encoding == "rope2d" and (self.embed_dim // self.num_heads) % 4:
-            raise ValueError("position_encoding='rope2d' needs a head dim divisible by 4, got "
+        if self.position_encoding in ("rope2d", "rope_mixed") and (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(f"position_encoding={self.position_encoding!r} needs a head dim divisible by 4, got "
                              f"{self.embed_dim // self.num_heads}.")
         _ = self.prior  # the GOAT settings' own rules
 
@@ -245,7 +250,8 @@ def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
     encoding = cfg.position_encoding if cfg.position_encoding in ATTENTION_ENCODINGS else "nope"
-    return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base, **common)
+    base = cfg.rope_mixed_base if encoding == "rope_mixed" else cfg.rope_base
+    return PositionalAttention(position_encoding=encoding, rope_base=base, **common)
 
 
 class EncoderBlock(nn.Module):

@@ -16,6 +16,10 @@ name            module          what it is
 'rope2d'        rope.py         axial 2D RoPE for patch grids (Heo et al. 2024, "RoPE-Axial"):
                                 half of each head rotated by the row, half by the column;
                                 needs ``spatial_shape``
+'rope_mixed'    rope_mixed.py   RoPE-Mixed (Heo et al. 2024): 2D RoPE whose per-pair angle
+                                ``row * F[h, m, 0] + col * F[h, m, 1]`` has learned per-head,
+                                per-layer frequencies mixing the axes (param
+                                'rope_mixed_freqs' [K, H/2, 2]); ViT only; every kernel
 'alibi'         alibi.py        ALiBi (Press et al. 2022) as a materialized [N, T, S] additive
                                 bias: the textbook form; XLA / dense kernels only
 'alibi_packed'  alibi.py        the same ALiBi logits packed into q/k channels exactly like
@@ -95,10 +99,11 @@ from goat_jax.positional.kerple import kerple_log_bias
 from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding
 from goat_jax.positional.naive_prior import naive_prior_bias
 from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
+from goat_jax.positional.rope_mixed import apply_rope_mixed
 
 __all__ = [
     "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "LearnedPositionEmbedding", "PositionEncoding",
-    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "fire_bias", "fox_cumulative",
-    "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key", "pack_alibi_query",
-    "pack_fox_key", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
+    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "apply_rope_mixed", "fire_bias",
+    "fox_cumulative", "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key",
+    "pack_alibi_query", "pack_fox_key", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
 ]

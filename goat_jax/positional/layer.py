@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax.attention import default_sink_channels
-from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_scaling
+from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_mixed, rope_scaling
 from goat_jax.positional.base import EncodingContext, PositionEncoding
 
 Array = jax.Array
@@ -24,7 +24,8 @@ Array = jax.Array
 # Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
 # and one entry here.
 ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
-             rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D, fire.FIRE, kerple.KERPLE_LOG, fox.FOX)
+             rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D, rope_mixed.ROPE_MIXED, fire.FIRE, kerple.KERPLE_LOG,
+             fox.FOX)
 POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
 _BY_NAME = {e.name: e for e in ENCODINGS}
 
@@ -56,7 +57,7 @@ class PositionalAttention(layers.AttentionBase):
     [B, S, E'] (default ``query``); returns [B, T, out_features or E]. Positions
     (``arange + position_offset_*`` or explicit ``q_positions``/``k_positions``, [T] / [B, T])
     move the encoding only; causal masking is by sequence index. Positions are 1D except for
-    the 2D encodings ('rope2d'), which need ``spatial_shape`` (rows, cols) and
+    the 2D encodings ('rope2d', 'rope_mixed'), which need ``spatial_shape`` (rows, cols) and
     ``has_cls_token`` as GoatAttention's 2D mode; 'nope' accepts (and ignores) them, the choice
     for ViTs with absolute embeddings.
 
@@ -71,7 +72,8 @@ class PositionalAttention(layers.AttentionBase):
     before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
     'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
 
-    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'ntk', 'yarn', 'rope2d');
+    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'ntk', 'yarn', 'rope2d'; for
+    'rope_mixed' the base of its initial frequency ladder, Heo et al.: 10);
     ``training_seq_len`` ('rope_pi', 'yarn', and 'ntk' unless ``rope_scaling_factor`` is set:
     required); ``rope_scaling_factor`` ('ntk', 'yarn': None = dynamic, ``max(1, key length /
     training_seq_len)``, or a fixed factor >= 1); ``yarn_beta_fast`` / ``yarn_beta_slow``

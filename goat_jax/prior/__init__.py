@@ -40,7 +40,7 @@ Shape legend used in docstrings:
   R relative rank (``pos_rank``), M absolute rank (``abs_rank``).
 """
 
-from goat_jax.prior.features import key_features, log_prior, query_features, query_gate
+from goat_jax.prior.features import key_features, log_prior, query_features, query_gate, relative_frequencies
 from goat_jax.prior.fourier import fourier_features, frequencies, kappa
 from goat_jax.prior.positions import (MAX_POSITION, Positions, check_grid, concrete_range, positions_1d,
                                       positions_2d, real_dtype, validate_positions)
@@ -51,6 +51,6 @@ from goat_jax.prior.sink_term import (alibi_slopes, inverse_softplus, sink, sink
 __all__ = [
     "MAX_POSITION", "PRIOR_GATES", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes",
     "check_grid", "concrete_range", "fourier_features", "frequencies", "inverse_softplus", "kappa",
-    "key_features", "log_prior", "positions_1d", "positions_2d", "query_features", "query_gate",
+    "key_features", "log_prior", "positions_1d", "positions_2d", "query_features", "query_gate", "relative_frequencies",
     "real_dtype", "sink", "sink_mlp", "sink_mlp_inputs", "sink_mlp_values", "validate_positions",
 ]

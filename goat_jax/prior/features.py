@@ -30,6 +30,14 @@ def _per_query_head(x: Array, spec: PriorSpec) -> Array:
     return jnp.repeat(x, spec.group_size, axis=0)
 
 
+def relative_frequencies(spec: PriorSpec, params: Params) -> Array:
+    """The relative prior's frequencies: the fixed ladder [R] (``fourier.frequencies``), or the
+    learned ``pos_freqs`` [K, R] (per KV head) when ``spec.learn_frequencies``; float32."""
+    if spec.learn_frequencies and spec.pos_rank:
+        return params["pos_freqs"].astype(real_dtype())
+    return fourier.frequencies(spec.pos_rank, spec.pos_base)
+
+
 def query_gate(spec: PriorSpec, params: Params, q_content: Optional[Array]) -> Optional[Array]:
     """The ``query_norm`` prior gate ``g = sigmoid(b_h - softplus(s_h) * ||q_c||)``.
 
@@ -59,14 +67,19 @@ def query_features(
       The leading dims are those of ``q_pos`` broadcast with the gate's [B, T].
     """
     r = spec.pos_rank
-    feats = fourier.fourier_features(q_pos, fourier.frequencies(r, spec.pos_base))  # [..., T, 2R]
-    cos, sin = feats[..., None, :r], feats[..., None, r:]  # [..., T, 1, R]
+    freqs = relative_frequencies(spec, params)
+    if freqs.ndim == 2:  # learned, per KV head: each query head reads its KV head's frequencies
+        feats = fourier.fourier_features(q_pos, _per_query_head(freqs, spec))  # [..., T, N, 2R]
+        cos, sin = feats[..., :r], feats[..., r:]  # [..., T, N, R]
+    else:
+        feats = fourier.fourier_features(q_pos, freqs)  # [..., T, 2R]
+        cos, sin = feats[..., None, :r], feats[..., None, r:]  # [..., T, 1, R]
     a = _per_query_head(params["lambda_sym"], spec).astype(real_dtype()) if r else None
     b = _per_query_head(params["lambda_asym"], spec).astype(real_dtype()) if r else None
     if r:
         q_rel = jnp.concatenate([a * cos + b * sin, a * sin - b * cos], axis=-1)  # [..., T, N, 2R]
     else:
-        q_rel = jnp.zeros(feats.shape[:-1] + (spec.num_heads, 0), real_dtype())
+        q_rel = jnp.zeros(cos.shape[:-2] + (spec.num_heads, 0), real_dtype())
     q_sink = jnp.ones(q_rel.shape[:-1], real_dtype())
     if gate is not None:
         q_rel = q_rel * gate[..., None]
@@ -75,9 +88,10 @@ def query_features(
 
 
 def key_features(spec: PriorSpec, params: Params, k_pos: Positions, is_causal: bool) -> Tuple[Array, Array]:
-    """Key-side prior channels: ``k_rel`` [..., S, 2R] (``[cos(w p_j), sin(w p_j)]``) and ``u``
-    [..., S, K] (see :func:`goat_jax.prior.sink_term.sink`), float32."""
-    k_rel = fourier.fourier_features(k_pos, fourier.frequencies(spec.pos_rank, spec.pos_base))
+    """Key-side prior channels: ``k_rel`` [..., S, 2R] (``[cos(w p_j), sin(w p_j)]``; [..., S,
+    K, 2R] with learned per-head frequencies) and ``u`` [..., S, K] (see
+    :func:`goat_jax.prior.sink_term.sink`), float32."""
+    k_rel = fourier.fourier_features(k_pos, relative_frequencies(spec, params))
     return k_rel, sink_term.sink(spec, params, k_pos, is_causal)
 
 
@@ -103,7 +117,9 @@ def log_prior(
       [B or 1, N, T, S] float32.
     """
     r = spec.pos_rank
-    freqs = fourier.frequencies(r, spec.pos_base)
+    freqs = relative_frequencies(spec, params)
+    if freqs.ndim == 2:
+        freqs = _per_query_head(freqs, spec)  # [N, R]
     a = _per_query_head(params["lambda_sym"], spec).astype(real_dtype()) if r else None
     b = _per_query_head(params["lambda_asym"], spec).astype(real_dtype()) if r else None
     qc, kc = q_pos.coords, k_pos.coords
@@ -120,8 +136,8 @@ def log_prior(
         r_row = r - r // 2
         d_row = qc[:, :, None, 0] - kc[:, None, :, 0]
         d_col = qc[:, :, None, 1] - kc[:, None, :, 1]
-        rel = fourier.kappa(d_row, a[:, :r_row], b[:, :r_row], freqs[:r_row]) + fourier.kappa(
-            d_col, a[:, r_row:], b[:, r_row:], freqs[r_row:]
+        rel = fourier.kappa(d_row, a[:, :r_row], b[:, :r_row], freqs[..., :r_row]) + fourier.kappa(
+            d_col, a[:, r_row:], b[:, r_row:], freqs[..., r_row:]
         )
         rel = jnp.moveaxis(rel, 0, 1)  # [B, N, T, S]
         cls_q = q_pos.is_cls if q_pos.is_cls is not None else jnp.zeros(qc.shape[1], bool)

@@ -31,18 +31,25 @@ def fourier_features(pos: Positions, freqs: Array) -> Array:
     remaining ``F // 2`` to the column, laid out ``[cos_row, cos_col, sin_row, sin_col]``
     (official order), so the dot product of two tokens' features is a separable sum over axes.
     CLS tokens get zeros.
+
+    ``freqs`` is [F] (the fixed ladder, shared by the heads) or [K, F] (learned per head,
+    ``PriorSettings.learn_frequencies``); the latter gives [..., L, K, 2F].
     """
-    f = freqs.shape[0]
+    f = freqs.shape[-1]
+    per_head = freqs.ndim == 2
+    # With per-head frequencies the coordinates get a head axis, before the frequency axis.
+    coords = (pos.coords[..., None] if not pos.is_2d else pos.coords[..., None, :]) if per_head else pos.coords
     if not pos.is_2d:
-        phase = pos.coords[..., None] * freqs  # [..., L, F]
+        phase = coords[..., None] * freqs  # [..., L, (K,) F]
     else:
         f_row = f - f // 2
         phase = jnp.concatenate(
-            [pos.coords[..., 0:1] * freqs[:f_row], pos.coords[..., 1:2] * freqs[f_row:]], axis=-1
-        )  # [..., L, F]
+            [coords[..., 0:1] * freqs[..., :f_row], coords[..., 1:2] * freqs[..., f_row:]], axis=-1
+        )  # [..., L, (K,) F]
     feats = jnp.concatenate([jnp.cos(phase), jnp.sin(phase)], axis=-1)
     if pos.is_cls is not None:
-        feats = jnp.where(pos.is_cls[..., None], 0.0, feats)
+        cls = pos.is_cls[..., None, None] if per_head else pos.is_cls[..., None]
+        feats = jnp.where(cls, 0.0, feats)
     return feats
 
 
@@ -52,11 +59,16 @@ def kappa(delta: Array, lam_sym: Array, lam_asym: Array, freqs: Array) -> Array:
     Args:
       delta: [...] position differences ``p_i - p_j`` (1D).
       lam_sym, lam_asym: [H, R] coefficients A, B.
-      freqs: [R].
+      freqs: [R] (the fixed ladder) or [H, R] (learned per head).
     Returns:
       [H, ...] float32.
     """
-    phase = jnp.asarray(delta, real_dtype())[..., None] * freqs  # [..., R]
+    delta = jnp.asarray(delta, real_dtype())
+    if freqs.ndim == 2:
+        shape = (freqs.shape[0],) + (1,) * delta.ndim + (freqs.shape[1],)  # [H, 1.., R]
+        phase = delta[None, ..., None] * freqs.reshape(shape)
+        return jnp.sum(jnp.cos(phase) * lam_sym.reshape(shape) + jnp.sin(phase) * lam_asym.reshape(shape), axis=-1)
+    phase = delta[..., None] * freqs  # [..., R]
     out = jnp.einsum("...r,hr->h...", jnp.cos(phase), lam_sym) + jnp.einsum(
         "...r,hr->h...", jnp.sin(phase), lam_asym
     )

@@ -45,6 +45,11 @@ class PriorSettings:
         ``0 .. training_seq_len - 1``, exactly the official sink; beyond, the MLP's output
         continues along its secant over the window's second half, see
         :func:`goat_jax.prior.sink_term.sink_mlp_values`). 'linear' needs ``training_seq_len`` and 1D positions.
+      learn_frequencies: the relative prior's frequencies ``w_r`` become a parameter
+        ``pos_freqs`` [K, R] (per KV head, like the amplitudes), initialised to the fixed
+        geometric ladder; in 2D mode the row and column frequencies are both in it. False
+        (default): the fixed ladder, no extra parameter, the official module exactly. The sink
+        MLP's absolute frequencies stay fixed (an MLP of them is already learned).
     """
 
     pos_rank: int = declare(8, Int(min=0, doc="GOAT relative rank R"))
@@ -58,6 +63,8 @@ class PriorSettings:
     init_scale_prior: float = declare(1e-3, Float(min=0.0, doc="std of the sink MLP's initial kernels"))
     sink_extrapolation: str = declare("official", Str(choices=SINK_EXTRAPOLATIONS,
                                                       doc="'linear' needs training_seq_len"))
+    learn_frequencies: bool = declare(False, Bool(doc="learn the relative Fourier frequencies (per KV "
+                                                      "head, initialised to the ladder); not in the official package"))
 
     def __post_init__(self):
         check_instance(self)

@@ -4,7 +4,8 @@
 Modules, bottom to top (each imports only those above it in this list, never one below):
 
   notes        the tiny report's notes, one tuple per family (prose)
-  suites       Suite / LMVariant / RetrievalVariant, SUITES, Job and plan(): which runs
+  stats        seeds and intervals: Estimate (mean ± 95% t over seeds), aggregate, verdicts
+  suites       Suite / LMVariant / RetrievalVariant, SUITES, Job and plan(): which runs (x seeds)
   dna_bench    the genome model's train step compiled and timed (also experiments.bench_dna)
   lm_family    the language family: evaluations per job, headline checks, report sections
   vit_family   the vision family: the same for the ViTs

@@ -31,6 +31,7 @@ from goat_jax.eval import dna as dna_eval
 from goat_jax.eval import runs as ev
 from goat_jax.eval.runs import table
 from goat_jax.reproduce import dna_bench
+from goat_jax.reproduce import stats
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.train import run as run_lib
 
@@ -106,9 +107,11 @@ def _total(row: dict) -> float:
     return row["arguments"] + row["temporaries"]
 
 
-def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[tuple[str, Optional[bool], str]]:
-    """The paper's genomics claims at this scale: ``[(claim, passed or None, numbers)]``:
-    GOAT's held-out NLL below RoPE's (at the training length); GOAT's compiled train-step
+def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[stats.Check]:
+    """The paper's genomics claims at this scale as :class:`goat_jax.reproduce.stats.Check` s
+    (verdict on the paired GOAT - RoPE difference; the old comparison as PASS/FAIL):
+    GOAT's held-out NLL below RoPE's (at the training length, and at the longest evaluated
+    length, where the paper's extrapolation claim lives); GOAT's compiled train-step
     memory (arguments + temporaries) below RoPE's at every measured length; GOAT's GC
     agreement r above RoPE's."""
     runs = _runs(jobs, results)
@@ -118,22 +121,31 @@ def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]
         n1 = int(g["train_len"])
         bg, br = _scores(g), _scores(r)
         top = max(set(bg) & set(br))
-        checks.append((f"DNA: GOAT held-out NLL < RoPE's at the training length ({n1} bases)",
-                       bg[n1] < br[n1], f"bits/base at {n1}: GOAT {bg[n1]:.4f}, RoPE {br[n1]:.4f}; at "
-                       f"{top} ({top // n1}x): GOAT {bg[top]:.4f}, RoPE {br[top]:.4f}"))
+        checks.append(stats.judged(
+            f"DNA: GOAT held-out NLL < RoPE's at the training length ({n1} bases)", bg[n1] < br[n1],
+            f"bits/base at {n1}: GOAT {bg[n1]:.4f}, RoPE {br[n1]:.4f}; at {top} ({top // n1}x): GOAT "
+            f"{bg[top]:.4f}, RoPE {br[top]:.4f}", bg[n1] - br[n1], -1, "GOAT - RoPE (bits/base)", ".4f"))
+        if top != n1:
+            checks.append(stats.judged(
+                f"DNA: GOAT held-out NLL < RoPE's at {top // n1}x the training length ({top} bases)",
+                bg[top] < br[top], f"bits/base at {top}: GOAT {bg[top]:.4f}, RoPE {br[top]:.4f}",
+                bg[top] - br[top], -1, "GOAT - RoPE (bits/base)", ".4f"))
     if memory:
         by = {(m["encoding"], m["length"]): _total(m) for m in memory}
         lengths = sorted({m["length"] for m in memory})
         ok = all(by[("goat", n)] < by[("rope", n)] for n in lengths)
-        checks.append(("DNA: GOAT compiled train-step memory < RoPE's (official model, every length)", ok,
-                       "GOAT / RoPE MiB: " + ", ".join(f"{by[('goat', n)]:.1f} / {by[('rope', n)]:.1f} at {n}"
-                                                      for n in lengths)))
+        worst = max(by[("goat", n)] - by[("rope", n)] for n in lengths)  # deterministic: no seeds
+        checks.append(stats.judged(
+            "DNA: GOAT compiled train-step memory < RoPE's (official model, every length)", ok,
+            "GOAT / RoPE MiB: " + ", ".join(f"{by[('goat', n)]:.1f} / {by[('rope', n)]:.1f} at {n}"
+                                           for n in lengths), worst, -1, "max GOAT - RoPE (MiB, compiled)", ".1f"))
     if g and r and "r_model" in g["heldout"].get("gc", {}) and "r_model" in r["heldout"].get("gc", {}):
         gg, gr = g["heldout"]["gc"], r["heldout"]["gc"]
-        checks.append(("DNA: GC agreement r (samples vs. the true continuation) GOAT > RoPE",
-                       gg["r_model"] > gr["r_model"], f"GOAT {gg['r_model']:.3f}, RoPE {gr['r_model']:.3f} "
-                       f"({gg['num_windows']} windows; no-model references: prompt {gg['r_prompt']:.3f}, "
-                       f"halves {gg['r_halves']:.3f})"))
+        checks.append(stats.judged(
+            "DNA: GC agreement r (samples vs. the true continuation) GOAT > RoPE", gg["r_model"] > gr["r_model"],
+            f"GOAT {gg['r_model']:.3f}, RoPE {gr['r_model']:.3f} ({gg['num_windows']} windows; no-model "
+            f"references: prompt {gg['r_prompt']:.3f}, halves {gg['r_halves']:.3f})",
+            gg["r_model"] - gr["r_model"], +1, "GOAT - RoPE (r)"))
     return checks
 
 

@@ -36,13 +36,25 @@ class _Watcher(threading.Thread):
             except OSError:
                 continue  # no metrics yet
             if rows:
-                cli.log(f"  {self.job.name}: step {rows[-1]['step']}/{self.total}, loss "
+                cli.log(f"  {self.job.run_name}: step {rows[-1]['step']}/{self.total}, loss "
                         f"{rows[-1]['train_loss']:.3f}, {time.time() - self.start_time:.0f}s")
 
 
-def train(job: Job) -> dict:
-    """Trains (or resumes / skips a finished) ``job``; returns ``{'seconds', 'summary'}``."""
+def job_config(job: Job):
+    """The config ``job`` trains with: its spec and overrides, the seed moved by the job's
+    seed offset (seed k of a multi-seed report trains with the config's seed + k)."""
     config = load_config(job.spec, job.overrides)
+    if job.seed_offset:
+        config.seed = int(config.seed) + int(job.seed_offset)
+    return config
+
+
+def train(job: Job) -> dict:
+    """Trains (or resumes / skips a finished) ``job``; returns ``{'seconds', 'summary'}``.
+    An evaluated-with row (``job.trains`` False) trains nothing: its run is another row's."""
+    if not job.trains:
+        return {"seconds": 0.0, "summary": {}}
+    config = job_config(job)
     config.progress_bar = False  # the watcher logs instead (readable in a log file)
     t0 = time.time()
     watcher = _Watcher(job, int(config.num_train_steps))
@@ -52,7 +64,7 @@ def train(job: Job) -> dict:
     finally:
         watcher.stop.set()
     loss = summary.get("train_loss")  # absent when the run had already finished
-    cli.log(f"  {job.name}: at step {summary['step']} after {time.time() - t0:.0f}s "
+    cli.log(f"  {job.run_name}: at step {summary['step']} after {time.time() - t0:.0f}s "
             f"({'train loss %.3f' % loss if loss is not None else 'already trained'})")
     return {"seconds": run_lib.training_seconds(job.workdir), "summary": summary}
 
@@ -61,16 +73,61 @@ _EVALUATORS = {"lm": lm_family.evaluate_lm_job, "vit": vit_family.evaluate_vit_j
                "dna": dna_family.evaluate_dna_job}
 
 
+def eval_settings(job: Job, suite: Suite) -> dict:
+    """The suite settings ``job``'s evaluations depend on: a cached evaluation made with other
+    settings (e.g. fewer lengths) is redone, not reported as if it had these."""
+    fields = {"lm": ("multipliers", "lm_ppl_multipliers", "num_examples", "niah_examples", "niah_depths",
+                     "standard_trials", "sink_examples"),
+              "vit": ("vit_scales", "vit_eval_batches", "vit_canvas_scales"),
+              "dna": ("dna_multipliers", "dna_max_bases", "dna_genomes", "dna_gc_windows")}[job.family]
+    out = {f: getattr(suite, f) for f in fields}
+    if job.eval_overrides:
+        out["eval_overrides"] = job.eval_overrides
+    return json.loads(json.dumps(out, default=list))
+
+
+def cache_path(job: Job) -> str:
+    """The evaluation cache of ``job``: ``WORKDIR/reproduce_eval.json``, or for an
+    evaluated-with row (which shares another row's workdir) ``reproduce_eval_<label>.json``."""
+    name = EVAL_CACHE if job.trains else EVAL_CACHE.replace(".json", f"_{job.label}.json")
+    return os.path.join(job.workdir, name)
+
+
 def evaluate(job: Job, suite: Suite) -> dict:
-    """The evaluations of ``job`` by its family (cached in ``WORKDIR/reproduce_eval.json``)."""
-    cache = os.path.join(job.workdir, EVAL_CACHE)
+    """The evaluations of ``job`` by its family, cached in :func:`cache_path` together with the
+    settings they were made with (:func:`eval_settings`); a cache made with other settings is
+    redone."""
+    cache = cache_path(job)
+    settings = eval_settings(job, suite)
     if os.path.exists(cache):
         with open(cache) as f:
-            return json.load(f)
+            cached = json.load(f)
+        if cached.get("eval_settings") == settings:
+            return cached
+        cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
+    out["eval_settings"] = settings
     with open(cache, "w") as f:
         json.dump(out, f, default=float)
-    cli.log(f"  {job.name}: evaluated in {out['eval_seconds']:.0f}s")
+    cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s")
     return out
+
+
+def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
+    """Trains then evaluates ``job``: ``{'train_seconds', 'result', 'wall_seconds'}`` (this
+    call's wall clock: ~0 for a reused run). With ``log_path`` the
+    process's stdout and stderr go to that file (a worker of ``--jobs J``: one log per job)."""
+    if log_path:
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for stream in (1, 2):
+            os.dup2(fd, stream)
+        os.close(fd)
+        from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top  # worker only
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    t0 = time.time()
+    seconds = train(job)["seconds"]
+    result = evaluate(job, suite)
+    return {"train_seconds": seconds, "result": result, "wall_seconds": time.time() - t0}

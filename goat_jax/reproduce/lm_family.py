@@ -9,15 +9,19 @@ Results are keyed by ``Job.name`` (``kind/dataset/label``): ``lm/jargon/goat``,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import flax.linen as nn
+import jax
 import numpy as np
 
 from goat_jax.config_files import load_config
 from goat_jax.eval import plots, toy
 from goat_jax.eval import runs as ev
+from goat_jax.reproduce import stats
 from goat_jax.reproduce.suites import Job, Suite
 
 
@@ -30,10 +34,10 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
         res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True, train=False)
         return {"summary": res["summary"], "sink": res["checks"]["sink"],
                 "diagonal": res["checks"]["diagonal"], "loss": res["loss"]}
-    run = ev.load_lm_run(job.workdir)
+    run = load_for_evaluation(job)
     out = {"train_len": run.train_len, "step": run.step}
     if job.kind == "lm":
-        out["extrapolation"] = ev.eval_extrapolation(run, suite.multipliers)
+        out["extrapolation"] = ev.eval_extrapolation(run, suite.lm_ppl_multipliers or suite.multipliers)
         out["sinks"] = ev.eval_sinks(run, num_examples=suite.sink_examples)
         out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("standard",),
                                          num_trials=suite.standard_trials)
@@ -46,41 +50,80 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
     return out
 
 
-def lm_checks(results: dict[str, dict], encodings: Sequence[str]) -> list[tuple[str, Optional[bool], str]]:
-    """The language claims: ``[(claim, passed or None if not measured, numbers)]``. Only the
-    plain encodings take part (variant rows such as ``goat+<option>`` are shown, not judged)."""
+def load_for_evaluation(job: Job) -> ev.LMRun:
+    """``job``'s trained run, its model rebuilt with ``job.eval_overrides`` (model fields set at
+    evaluation time, the params untouched) for an evaluated-with row; ValueError naming the
+    field when the override changes the parameters the run trained."""
+    run = ev.load_lm_run(job.workdir)
+    if not job.eval_overrides:
+        return run
+    config = run.config.copy_and_resolve_references()
+    with config.unlocked():
+        for key, value in job.eval_overrides.items():
+            config.model[key.removeprefix("model.")] = value
+    model = run.task.build_model(config)
+    ids = np.zeros((1, run.train_len), np.int32)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids)["params"]
+    if jax.tree.structure(nn.unbox(shapes)) != jax.tree.structure(run.params):
+        raise ValueError(f"lm_variants {job.label!r}: eval_overrides {job.eval_overrides} change the "
+                         "model's parameters; an evaluated-with row may only change evaluation-time fields.")
+    return dataclasses.replace(run, config=config, model=model)
+
+
+def lm_checks(results: dict[str, dict], encodings: Sequence[str],
+              multiplier: int = 16) -> list[stats.Check]:
+    """The language claims as :class:`goat_jax.reproduce.stats.Check` s (claim, the old
+    threshold's PASS/FAIL or None if not measured, numbers, verdict on the paired difference).
+    Extrapolation is judged at ``multiplier`` x the training length (the longest measured if
+    shorter). Only the plain encodings take part (variant rows are shown, not judged)."""
     lm = {e: results.get(f"lm/jargon/{e}", {}).get("extrapolation") for e in encodings}
     lm = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in lm.items() if r}
     pk = {e: results.get(f"passkey/passkey/{e}", {}).get("passkey", {}).get("synthetic") for e in encodings}
     pk = {e: {int(n): a for n, a in r.items()} for e, r in pk.items() if r}
     checks = []
 
+    def at(r):  # the judged length: multiplier x the shortest, or the longest below it
+        n1 = min(r)
+        return max(n for n in r if n <= multiplier * n1)
+
     def ratio(e):
         r = lm.get(e, {})
-        return r[max(r)] / r[min(r)] if len(r) > 1 else None
+        return r[at(r)] / r[min(r)] if len(r) > 1 else None
 
     g, rr = ratio("goat"), ratio("rope")
     if g is not None and rr is not None:
-        top = max(lm["goat"]) // min(lm["goat"])
-        checks.append((f"GOAT perplexity at {top}x <= 1.3 x its in-distribution perplexity",
-                       g <= 1.3, f"GOAT {top}x / 1x = {g:.2f}"))
-        checks.append((f"RoPE perplexity at {top}x >= 3 x its in-distribution perplexity",
-                       rr >= 3.0, f"RoPE {top}x / 1x = {rr:.2f}"))
+        top = at(lm["goat"]) // min(lm["goat"])
+        checks.append(stats.judged(f"GOAT perplexity at {top}x <= 1.3 x its in-distribution perplexity",
+                                   g <= 1.3, f"GOAT {top}x / 1x = {g:.2f}", g - 1.3, -1, "ratio - 1.3", ".2f"))
+        checks.append(stats.judged(f"RoPE perplexity at {top}x >= 3 x its in-distribution perplexity",
+                                   rr >= 3.0, f"RoPE {top}x / 1x = {rr:.2f}", rr - 3.0, +1, "ratio - 3", ".2f"))
+        checks.append(stats.judged(f"GOAT's {top}x / 1x perplexity ratio < RoPE's", g < rr,
+                                   f"GOAT {g:.2f}, RoPE {rr:.2f}", g - rr, -1, "GOAT - RoPE", ".2f"))
     base = {e: r[min(r)] for e, r in lm.items() if e != "goat"}
     if "goat" in lm and base:
         best = min(base, key=base.get)
-        gap = lm["goat"][min(lm["goat"])] / base[best] - 1
-        checks.append(("GOAT in-distribution perplexity within 2% of the best baseline", gap <= 0.02,
-                       f"GOAT {lm['goat'][min(lm['goat'])]:.3f} vs {best} {base[best]:.3f} ({100 * gap:+.1f}%)"))
+        g1 = lm["goat"][min(lm["goat"])]
+        gap = g1 / base[best] - 1
+        checks.append(stats.judged("GOAT in-distribution perplexity within 2% of the best baseline", gap <= 0.02,
+                                   f"GOAT {g1:.3f} vs {best} {base[best]:.3f} ({100 * gap:+.1f}%)",
+                                   100 * gap - 2, -1, f"GOAT / {best} - 1 - 2% (points)", ".1f"))
+        if "rope" in lm:
+            r1 = lm["rope"][min(lm["rope"])]
+            checks.append(stats.judged("GOAT in-distribution perplexity < RoPE's", g1 < r1,
+                                       f"GOAT {g1:.3f}, RoPE {r1:.3f}", g1 - r1, -1, "GOAT - RoPE"))
     for e, cmp_, thr in (("goat", ">=", 0.9), ("rope", "<=", 0.5)):
         r = pk.get(e)
         if r:
             n8 = 8 * min(r)
             acc = r.get(n8)
-            ok = None if acc is None else (acc >= thr if cmp_ == ">=" else acc <= thr)
-            checks.append((f"{'GOAT' if e == 'goat' else 'RoPE'} synthetic passkey accuracy at 8x the "
-                           f"training length {cmp_} {100 * thr:.0f}%", ok,
-                           "not measured" if acc is None else f"{100 * acc:.0f}% at {n8}"))
+            name = "GOAT" if e == "goat" else "RoPE"
+            claim = f"{name} synthetic passkey accuracy at 8x the training length {cmp_} {100 * thr:.0f}%"
+            if acc is None:
+                checks.append(stats.Check(claim, None, "not measured"))
+                continue
+            ok = acc >= thr if cmp_ == ">=" else acc <= thr
+            checks.append(stats.judged(claim, ok, f"{100 * acc:.0f}% at {n8}", 100 * (acc - thr),
+                                       1 if cmp_ == ">=" else -1, f"accuracy - {100 * thr:.0f}% (points)", ".0f"))
     return checks
 
 

@@ -41,6 +41,11 @@ LM_NOTES = (
 )
 
 VIT_NOTES = (
+    "Protocol (docs/protocols.md, 'Tiny vision protocol: objects on a larger canvas', written "
+    "before the comparison was run): the headline canvas check is the test of the position "
+    "claim; the upsampling table is the old protocol's, kept for comparison. The notes below "
+    "were written about the old protocol's 1-seed run (2 epochs, head dim 32) and must be "
+    "re-read against the numbers above them.",
     "Every encoding loses 35-65 points at 2x: with a fixed 7-pixel patch, a 56-px image "
     "puts a quarter of a training patch's content in each patch, so the patch embedding "
     "sees inputs unlike any in training whatever the position encoding; the encodings "
@@ -62,6 +67,10 @@ VIT_NOTES = (
 )
 
 DNA_NOTES = (
+    "Protocol (docs/protocols.md, 'Tiny DNA protocol: long windows', written before the "
+    "comparison was run): 512-base windows, 1500 steps, GC over 1,600 windows, a second human "
+    "genome. The notes below were written about the old 256-base, 800-step 1-seed run and "
+    "must be re-read against the numbers above them.",
     "At this scale every model stays close to the genome's short-range base statistics: "
     "1.94-1.98 bits per base against 2.0 for a uniform guess over ACGT (800 steps, 3.3M "
     "bases seen; the paper's hg38 runs see orders of magnitude more). The encodings "

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Optional
 
-from goat_jax.reproduce import dna_family, lm_family, vit_family
+from goat_jax.reproduce import dna_family, lm_family, stats, vit_family
 from goat_jax.reproduce.suites import FAMILY_TITLES, LM_KINDS, ROOT, Job, Suite
 from goat_jax.train import run as run_lib
 
@@ -40,19 +42,50 @@ def _setup_line(job: Job) -> str:
                    + (f", seed {c['seed']}" if job.kind == "dna" else ""))
 
 
+def _base(run_name: str) -> str:
+    """A run name without its ``@seed<k>`` suffix (the row it belongs to)."""
+    return re.sub(r"@seed\d+$", "", run_name)
+
+
+def _seed_of(run_name: str) -> int:
+    m = re.search(r"@seed(\d+)$", run_name)
+    return int(m.group(1)) if m else 0
+
+
 def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
-                   command: str, timings: dict[str, float], total_seconds: float) -> str:
+                   command: str, timings: dict[str, float], total_seconds: float, seeds: int = 1,
+                   failed: Optional[dict] = None) -> str:
     """One family's part of REPORT.md (``## <Family>`` and its subsections): the provenance of
     this invocation (command, date, commit, compute), the setup, the headline checks with their
     numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's)."""
-    mine = {k: v for k, v in timings.items() if k.split(" ", 1)[1] in {j.name for j in jobs}}
+    names = {j.name for j in jobs}
+    walls = {k.split(" ", 1)[1]: v for k, v in timings.items()
+             if k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
+    mine = {k: v for k, v in timings.items() if not k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
+    by_seed = {}  # this invocation's wall clock per seed (jobs run at once overlap: the sum is CPU-ish)
+    for k, v in walls.items():
+        by_seed[_seed_of(k)] = by_seed.get(_seed_of(k), 0.0) + v
+    failed = failed or {}  # this family's failed runs (write_report picks them)
     md = [f"## {FAMILY_TITLES[family]}", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
           f"Code: git {_git_commit()}  ",
           f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), no accelerator  ",
           f"Compute: {sum(mine.values()) / 60:.1f} min over this family's stages (training "
           f"{sum(v for k, v in mine.items() if k.startswith('train')) / 60:.1f} min); the invocation "
-          f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused)", ""]
+          f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused; "
+          f"stage times of reused runs are those of the invocation that made them)  ",
+          "Wall clock of this invocation per seed (train + evaluate, summed over the family's runs; "
+          "~0 for reused runs): " + ", ".join(f"seed +{k} {v / 60:.1f} min" for k, v in sorted(by_seed.items()))
+          + "  ",
+          f"Seeds: {seeds} (seed = the config's seed + k, k = 0..{seeds - 1}; the toy figure is trained once). "
+          + (f"Every number is the {stats.INTERVAL_NAME}; " if seeds > 1 else
+             "One seed: numbers are single runs, there is no interval, and every verdict is "
+             f"'{stats.ONE_SEED}'; ")
+          + "a verdict is on the paired (same-seed) difference named next to it: **supported** when its "
+          "interval excludes 0 on the claimed side, **contradicted** when it excludes 0 on the other, "
+          "inconclusive otherwise. The old fixed threshold is kept as a secondary column.", ""]
+    if failed:
+        md += ["**Failed runs** (left out of the numbers): " + "; ".join(f"`{k}`: {v}" for k, v in failed.items()), ""]
     body = ["## Setup (identical across position encodings)", ""]
     for kind, dataset in dict.fromkeys((j.kind, j.dataset) for j in jobs if not j.variant):
         job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
@@ -63,15 +96,18 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     if family == "lm":
         encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1]
                                        and not j.variant))
-        checks = lm_family.lm_checks(results, encodings)
+        checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier)
     elif family == "vit":
         checks = vit_family.vision_checks(jobs, results)
     else:
         memory = dna_family.dna_memory(suite, jobs)
         checks = dna_family.dna_checks(jobs, results, memory)
-    body += ["## Headline checks", "", "| claim | result | numbers |", "|---|---|---|"]
-    for claim, ok, numbers in checks:
-        body.append(f"| {claim} | {'PASS' if ok else ('not measured' if ok is None else '**FAIL**')} | {numbers} |")
+    body += ["## Headline checks", "", "| claim | verdict | paired difference | numbers | threshold |",
+             "|---|---|---|---|---|"]
+    for c in checks:
+        word = f"**{c.verdict}**" if c.verdict in (stats.SUPPORTED, stats.CONTRADICTED) else (c.verdict or "-")
+        body.append(f"| {c.claim} | {word} | {c.difference or '-'} | {c.numbers} | "
+                    f"{'PASS' if c.ok else ('not measured' if c.ok is None else '**FAIL**')} |")
     body.append("")
     notes = {"lm": suite.notes, "vit": suite.vit_notes, "dna": suite.dna_notes}[family]
     if notes:
@@ -82,7 +118,7 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
         body += vit_family.vision_section(jobs, results, out)
     else:
         body += dna_family.dna_section(suite, jobs, results, memory)
-    body += ["## Run times", "", "| stage | seconds |", "|---|---|"]
+    body += ["## Run times", "", "| stage (@seed<k>: seed + k) | seconds |", "|---|---|"]
     body += [f"| {k} | {v:.0f} |" for k, v in mine.items()]
     # One level deeper than a standalone report: the family is the ## heading.
     md += [("#" + line) if line.startswith("##") else line for line in body]
@@ -90,18 +126,30 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
 
 
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
-                 command: str, timings: dict[str, float], total_seconds: float) -> str:
+                 command: str, timings: dict[str, float], total_seconds: float, *,
+                 per_seed: Optional[dict[str, dict]] = None, failed: Optional[dict[str, str]] = None,
+                 seeds: int = 1) -> str:
     """Writes the sections of the families in ``jobs`` to ``OUT/sections/<family>.md``, then
     ``OUT/REPORT.md``: every family section found in ``OUT/sections`` (a family not run this
     time keeps the section of the invocation that last ran it, with that invocation's command,
-    date and commit), and merges ``results`` into ``OUT/results.json``. Returns the markdown."""
+    date and commit), and merges ``results`` into ``OUT/results.json``: per row its mean over
+    seeds (``results[name]``) and every seed's own values (``results[name]['seeds']``,
+    ``{run name: values}``, from ``per_seed``). Returns the markdown."""
     os.makedirs(os.path.join(out, "sections"), exist_ok=True)
     for family in FAMILY_TITLES:
-        fam_jobs = [j for j in jobs if j.family == family]
+        fam_jobs = [j for j in jobs if j.family == family and j.name in results]  # failed rows: listed, not shown
+        fam_failed = {k: v for k, v in (failed or {}).items()
+                      if _base(k) in {j.name for j in jobs if j.family == family}}
         if fam_jobs:
-            text = family_section(family, suite, fam_jobs, results, out, command, timings, total_seconds)
-            with open(os.path.join(out, "sections", f"{family}.md"), "w") as f:
-                f.write(text)
+            text = family_section(family, suite, fam_jobs, results, out, command, timings, total_seconds,
+                                  seeds=seeds, failed=fam_failed)
+        elif any(j.family == family for j in jobs):  # every run of the family failed: say so, keep no old text
+            text = (f"## {FAMILY_TITLES[family]}\n\nCommand: `{command}`  \nEvery run failed: "
+                    + "; ".join(f"`{k}`: {v}" for k, v in fam_failed.items()) + "\n")
+        else:
+            continue
+        with open(os.path.join(out, "sections", f"{family}.md"), "w") as f:
+            f.write(text)
     sections = []
     for family in FAMILY_TITLES:
         path = os.path.join(out, "sections", f"{family}.md")
@@ -121,7 +169,9 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     if os.path.exists(os.path.join(out, "results.json")):
         with open(os.path.join(out, "results.json")) as f:
             merged = json.load(f)
-    merged.update(results)
+    for name, value in results.items():
+        own = {k: v for k, v in (per_seed or {}).items() if _base(k) == name}
+        merged[name] = {**value, "seeds": own} if own else value
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(merged, f, indent=1, default=float)
     return text

@@ -6,9 +6,11 @@ for the paper suite and ``dry_run``, print or run the shell commands instead.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import subprocess
 import time
+from concurrent import futures
 from collections.abc import Sequence
 from typing import Optional
 
@@ -18,8 +20,8 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 from goat_jax import cli
 from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
-from goat_jax.reproduce import lm_family, paper, paper_table, report
-from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Suite, plan
+from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
+from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 
 
 def select_retrieval_variants(suite: Suite, labels: Optional[Sequence[str]]) -> Suite:
@@ -52,12 +54,16 @@ def check_encodings(encodings: Optional[Sequence[str]], vit_encodings: Optional[
 def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, out: Optional[str] = None,
               families: Sequence[str] = FAMILIES, encodings: Optional[Sequence[str]] = None,
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
-              retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False) -> int:
+              retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False,
+              seeds: Optional[int] = None, jobs: int = 1) -> int:
     """Runs (or prints) suite ``suite_name``'s ``families``; returns the process exit code.
 
     ``workdir``: the runs root (default ``runs/reproduce_<suite>``); ``out``: the report
     directory (default ``reports/<suite>``); encodings default to the suite's; ``command`` is
-    the command line written into the report.
+    the command line written into the report. ``seeds``: trains per run (default the suite's
+    ``seeds``; seed = the config's + k); ``jobs``: training jobs run at once in subprocesses
+    (1: one after another in this process). Exit code 1 when a job failed (the others are
+    reported).
     """
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
@@ -66,14 +72,20 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     if not families:
         raise ValueError(f"--families is empty; give some of {','.join(FAMILIES)}.")
     encodings = list(encodings or suite.encodings)
+    seeds = suite.seeds if seeds is None else int(seeds)
+    if seeds < 1:
+        raise ValueError(f"--seeds {seeds}: give 1 or more.")
+    if int(jobs) < 1:
+        raise ValueError(f"--jobs {jobs}: give 1 or more (training jobs run at once).")
     plan_kwargs = {"families": list(families), "vit_encodings": vit_encodings, "dna_encodings": dna_encodings}
     root = workdir or os.path.join("runs", f"reproduce_{suite.name}")
     out = out or os.path.join("reports", suite.name)
 
     if suite.name == "paper" or dry_run:
         cmds = paper.paper_commands(suite, root, encodings, out, **plan_kwargs) if suite.name == "paper" else [
-            f"# in-process: train + evaluate {j.name} ({j.spec}, overrides {j.overrides}) in {j.workdir}"
-            for j in plan(suite, root, encodings, **plan_kwargs)]
+            f"# in-process: {'train + ' if j.trains else ''}evaluate {j.run_name} ({j.spec}, overrides "
+            f"{j.overrides}{', evaluated with ' + str(j.eval_overrides) if j.eval_overrides else ''}) in {j.workdir}"
+            for j in plan(suite, root, encodings, seeds=seeds, **plan_kwargs)]
         if dry_run:
             if suite.name == "paper":  # sizes, budgets and departures from the official recipes
                 # The language runs: paper_table holds the official language recipes only.
@@ -90,23 +102,76 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax INFO lines would drown the progress log
     t_start = time.time()
-    jobs = plan(suite, root, encodings, **plan_kwargs)
-    if not jobs:
+    all_jobs = plan(suite, root, encodings, seeds=seeds, **plan_kwargs)
+    if not all_jobs:
         raise ValueError(f"--families {','.join(families)}: suite {suite.name!r} has no runs there.")
-    cli.log(f"suite {suite.name}: {len(jobs)} runs under {root}, report in {out}")
-    results, timings = {}, {}
-    for i, job in enumerate(jobs):
-        cli.log(f"[{i + 1}/{len(jobs)}] {job.name}: {job.spec} {job.overrides or ''}")
-        timings[f"train {job.name}"] = jobs_lib.train(job)["seconds"]
-        results[job.name] = jobs_lib.evaluate(job, suite)
-        timings[f"eval {job.name}"] = results[job.name]["eval_seconds"]
-        cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
+    cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
+            + (f", {jobs} at once" if jobs > 1 else ""))
+    raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start)
+    # The report: one row per (kind, dataset, label) from seed 0's job, its numbers aggregated
+    # over the seeds that finished (a failed seed leaves the others' estimate, and is listed).
+    rows = [j for j in all_jobs if j.seed_offset == 0]
+    results = {}
+    for job in rows:
+        per_seed = [raw[j.run_name] for j in all_jobs if j.name == job.name and j.run_name in raw]
+        if per_seed:
+            results[job.name] = stats.aggregate(per_seed)
+    per_seed_results = {j.run_name: {"seed_offset": j.seed_offset, **raw[j.run_name]}
+                        for j in all_jobs if j.run_name in raw}
     os.makedirs(out, exist_ok=True)
-    lm_family.copy_toy_figures(jobs, out)
-    report.write_report(suite, jobs, results, out, command, timings, time.time() - t_start)
+    lm_family.copy_toy_figures(rows, out)
+    report.write_report(suite, rows, results, out, command, timings, time.time() - t_start,
+                        per_seed=per_seed_results, failed=failed, seeds=seeds)
     cli.log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
-    for family in dict.fromkeys(j.family for j in jobs):  # this invocation's verdicts, for the log
+    for family in dict.fromkeys(j.family for j in rows):  # this invocation's verdicts, for the log
         with open(os.path.join(out, "sections", f"{family}.md")) as f:
             part = f.read().split("### Headline checks", 1)[-1]
         print(f"{FAMILY_TITLES[family]}: headline checks" + part.split("\n### ", 1)[0])
-    return 0
+    for name, error in failed.items():
+        cli.log(f"FAILED {name}: {error}")
+    return 1 if failed else 0
+
+
+def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
+    """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
+    run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
+    ``<workdir>.log`` (a failure is recorded, the other jobs go on); evaluated-with rows,
+    which read another row's run, wait until every training job is done. ``jobs`` = 1: one
+    after another in this process, as before (an exception stops the suite)."""
+    raw, timings, failed = {}, {}, {}
+
+    def record(job, res):
+        timings[f"train {job.run_name}"] = res["train_seconds"]
+        raw[job.run_name] = res["result"]
+        timings[f"eval {job.run_name}"] = res["result"]["eval_seconds"]
+        timings[f"wall {job.run_name}"] = res["wall_seconds"]
+
+    if jobs == 1:
+        for i, job in enumerate(all_jobs):
+            cli.log(f"[{i + 1}/{len(all_jobs)}] {job.run_name}: {job.spec} {job.overrides or ''}")
+            record(job, jobs_lib.train_and_evaluate(job, suite))
+            cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
+        return raw, timings, failed
+    trained = [j for j in all_jobs if j.trains]
+    context = multiprocessing.get_context("spawn")  # a fresh JAX per job; fork would copy its threads
+    with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        pending = {}
+        for job in trained:
+            log_path = job.workdir + ".log"
+            pending[pool.submit(jobs_lib.train_and_evaluate, job, suite, log_path)] = job
+            cli.log(f"queued {job.run_name} (log {log_path})")
+        for i, fut in enumerate(futures.as_completed(pending)):
+            job = pending[fut]
+            try:
+                record(job, fut.result())
+                cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} done; elapsed "
+                        f"{(time.time() - t_start) / 60:.1f} min")
+            except Exception as e:  # pylint: disable=broad-except  # one job's failure loses no other
+                failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
+                cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} FAILED: {failed[job.run_name]}")
+    for job in (j for j in all_jobs if not j.trains):
+        if any(f.startswith(f"{job.kind}/{job.dataset}/") for f in failed):
+            failed[job.run_name] = "not evaluated: a training job of its dataset failed"
+            continue
+        record(job, jobs_lib.train_and_evaluate(job, suite))
+    return raw, timings, failed

@@ -19,7 +19,11 @@ from goat_jax import config_files
 from goat_jax.reproduce import notes as report_notes
 
 ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's
+# The comparators of docs/protocols.md ("Comparators") trained as their own rows in the tiny
+# language family; 'ntk'/'yarn' and log-n are evaluated-with rows of RoPE's runs (TINY_LM_VARIANTS).
+COMPARATORS = ("fire", "kerple_log", "fox")
 VIT_ENCODINGS = ("goat", "ape", "sincos2d", "rope2d", "nope")  # the vision family's
+VIT_COMPARATORS = ("rope_mixed",)  # learned 2D frequencies (Heo et al. 2024), the tiny vision family's too
 DNA_ENCODINGS = ("goat", "rope", "alibi", "nope")  # the genome family's
 FAMILIES = ("lm", "vit", "dna")  # --families: language (LM, retrieval, toy), vision, DNA
 FAMILY_TITLES = {"lm": "Language", "vit": "Vision", "dna": "DNA"}  # REPORT.md's family sections, in order
@@ -41,6 +45,11 @@ class LMVariant:
     encoding: str  # fills {enc} of the dataset's config spec (and must be its position encoding)
     overrides: dict = dataclasses.field(default_factory=dict)  # on top of Suite.lm_overrides
     spec: str = ""  # a config spec to use instead of the dataset's ({enc} filled in); '' = the dataset's
+    # An evaluated-with row: no training of its own; it evaluates the trained run of row
+    # ``trained_as`` (an encoding or another variant's label, same seeds) with these model
+    # fields changed at evaluation time (e.g. RoPE evaluated with a frequency rescaling).
+    trained_as: str = ""
+    eval_overrides: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +72,13 @@ class Suite:
     name: str
     lm: tuple[tuple[str, str], ...]  # (dataset label, config spec) of the perplexity LMs
     retrieval: str  # config spec of the synthetic retrieval models
-    toy: str  # config spec of the toy copy-mixture model
+    toy: str  # config spec of the toy copy-mixture model ('' = none)
     lm_overrides: dict = dataclasses.field(default_factory=dict)
     retrieval_overrides: dict = dataclasses.field(default_factory=dict)
     toy_overrides: dict = dataclasses.field(default_factory=dict)
     tasks: tuple[str, ...] = ("passkey", "niah")
     multipliers: tuple[int, ...] = (1, 2, 4, 8, 16)  # evaluation lengths / training length
+    lm_ppl_multipliers: tuple[int, ...] = ()  # the LMs' perplexity lengths if not these ('': multipliers)
     num_examples: int = 64  # synthetic passkey examples per length
     niah_examples: int = 16  # NIAH examples per (length, depth) cell
     niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT depths
@@ -90,6 +100,10 @@ class Suite:
     vit_overrides: dict = dataclasses.field(default_factory=dict)
     vit_scales: tuple[float, ...] = (1, 1.5, 2, 3)
     vit_eval_batches: Optional[int] = None  # None: the config's data.num_eval_batches
+    # The canvas protocol (goat_jax/eval/canvas.py): also top-1 with each test image pasted at a
+    # random patch-aligned offset on canvases of these multiples of the training resolution.
+    vit_canvas_scales: tuple[float, ...] = ()
+    vit_dir: str = "vit"  # ROOT/<vit_dir>/<enc>: a new protocol gets its own runs
     # DNA: one genome LM per encoding (spec with {enc}), scored at these multiples of its
     # training length on the first dna_max_bases bases of the held-out region and of each genome.
     dna: str = ""  # '' = no DNA family in this suite
@@ -101,10 +115,16 @@ class Suite:
     dna_gc_windows: int = 256  # GC agreement windows (docs/experiments.md: N >= 256)
     dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
     dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
+    dna_dir: str = "dna"  # ROOT/<dna_dir>/<enc>
+    # Seeds: every run (but the toy figure) trains once per seed, seed = the config's + k
+    # (k = 0 .. seeds-1); the report gives mean ± 95% t interval over them (goat_jax/reproduce/stats.py).
+    seeds: int = 1  # --seeds default
+    lm_check_multiplier: int = 16  # the length ratio the LM extrapolation claims are judged at
 
 
 _DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples/E.Coli/references/DH1.fasta.gz"),
-                ("human chr17 (40 kb)", "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"))
+                ("human chr17 (40 kb)", "/usr/share/doc/python-pyfaidx-examples/examples/chr17.hg19.part.fa"),
+                ("human GRCh37 chr1-3 (200 kb)", "/usr/share/doc/artfastqgenerator/examples/miniReference.fasta.gz"))
 
 
 SUITES = {
@@ -118,31 +138,53 @@ SUITES = {
         multipliers=(1, 16), num_examples=8, niah_examples=8, niah_depths=(0.5,),
         standard_trials=2, sink_examples=2, encodings=("goat", "rope"),
         vit="configs/vit_tiny.py:{enc},smoke", vit_encodings=("goat", "ape"), vit_scales=(1, 2),
+        vit_canvas_scales=(1, 2),
         vit_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
         vit_eval_batches=1,
         dna="configs/dna_tiny.py:{enc},smoke", dna_encodings=("goat", "rope"), dna_multipliers=(1, 4),
         dna_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
-        dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:], dna_gc_windows=4, dna_memory_lengths=(64,),
-        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}),
+        dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:2], dna_gc_windows=4, dna_memory_lengths=(64,),
+        dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}, seeds=1),
     # ~1 hour on 2 CPU cores. Settings chosen once for all encodings (see REPORT.md).
     "tiny": Suite(
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
-        retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py",
-        # Every model trains at 64 tokens, so 16x is 1024. MHA instead of lm_tiny's GQA: GOAT's
-        # prior is per KV head, and 2 priors per layer cost it ~15% perplexity at this size.
+        retrieval="configs/retrieval_tiny.py:{task},{enc}", toy="configs/toy_copy_mixture.py", seeds=3,
+        # Every model trains at 64 tokens, so 16x is 1024 and 64x 4096 (perplexity only: the
+        # retrieval and passkey evaluations stop at 16x, their cost grows with length x examples).
+        # MHA instead of lm_tiny's GQA: GOAT's prior is per KV head, and 2 priors per layer cost
+        # it ~15% perplexity at this size.
         # 1000 steps: GOAT and RoPE are still improving at 600 (2-3% apart).
+        lm_ppl_multipliers=(1, 2, 4, 8, 16, 32, 64),
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000, "checkpoint_every_steps": 1000},
         retrieval_overrides={},
-        # ViT and DNA runs: their configs as they are. Evaluations capped to minutes per run on
-        # 2 cores: 4,096 of the 10k test images (32 x 128) at every resolution (top-1 standard
-        # error ~0.6 points at 85%), 65,536 bases of each DNA set (~32 windows at 8x).
-        vit="configs/vit_tiny.py:{enc}", vit_eval_batches=32,
-        dna="configs/dna_tiny.py:{enc}", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
+        # ViT and DNA evaluations capped to minutes per run on 2 cores: 4,096 of the 10k test
+        # images (32 x 128) at every resolution and canvas (top-1 standard error ~0.6 points at
+        # 85%), 65,536 bases of each DNA set (16 windows at 8x of 512).
+        # Vision: the canvas protocol (docs/protocols.md): head dim 64 for GOAT's official ViT
+        # ranks, 4 epochs; the same runs also evaluated by upsampling (the old protocol's table).
+        vit="configs/vit_tiny.py:{enc},canvas", vit_eval_batches=32, vit_canvas_scales=(1, 1.5, 2, 3),
+        vit_dir="vit_canvas",
+        # DNA: the long-window protocol: 512-base windows (half the official 1024), 1500 steps,
+        # GC agreement over 1,600 windows (95% interval of r ~ +-0.05), two human genomes.
+        dna="configs/dna_tiny.py:{enc},long", dna_genomes=_DNA_GENOMES, dna_max_bases=65_536,
+        dna_gc_windows=1600, dna_dir="dna_long",
         notes=report_notes.LM_NOTES,
         vit_notes=report_notes.VIT_NOTES,
         dna_notes=report_notes.DNA_NOTES,
-        lm_variants=(LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),),
+        encodings=ENCODINGS + COMPARATORS, vit_encodings=VIT_ENCODINGS + VIT_COMPARATORS,
+        lm_variants=(
+            LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},linear_sink"),
+            # GOAT's Fourier frequencies learned (the paper's future work), trained as its own row.
+            LMVariant("goat+learn_frequencies", "goat", {"model.learn_frequencies": True}),
+            # How a RoPE model is usually run past its training length: the RoPE runs themselves,
+            # evaluated with rescaled frequencies (dynamic factor) or log-n scaled logits.
+            LMVariant("rope+yarn", "rope", trained_as="rope", eval_overrides={"model.position_encoding": "yarn"}),
+            LMVariant("rope+ntk", "rope", trained_as="rope", eval_overrides={"model.position_encoding": "ntk"}),
+            LMVariant("rope+logn", "rope", trained_as="rope", eval_overrides={"model.logn_scaling": "content"}),
+            LMVariant("rope+yarn+logn", "rope", trained_as="rope",
+                      eval_overrides={"model.position_encoding": "yarn", "model.logn_scaling": "content"}),
+            LMVariant("goat+logn", "goat", trained_as="goat", eval_overrides={"model.logn_scaling": "content"})),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
         retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
@@ -168,6 +210,9 @@ class Job:
     overrides: dict
     workdir: str
     variant: str = ""  # the LMVariant label of an extra LM row ('' for the plain encodings)
+    seed_offset: int = 0  # k: trains with the config's seed + k (k = 0 is the run of a 1-seed report)
+    eval_overrides: dict = dataclasses.field(default_factory=dict)  # model fields changed at evaluation
+    trains: bool = True  # False: an evaluated-with row, evaluating another row's run in ``workdir``
 
     @property
     def label(self) -> str:
@@ -180,32 +225,57 @@ class Job:
         return f"{self.kind}/{self.dataset}/{self.label}"
 
     @property
+    def run_name(self) -> str:
+        """:attr:`name` plus ``@seed<k>`` for k > 0: one training run (logs, run times)."""
+        return self.name + (f"@seed{self.seed_offset}" if self.seed_offset else "")
+
+    @property
     def family(self) -> str:
         """``'lm'`` (LMs, retrieval, toy), ``'vit'`` or ``'dna'``: the family the job belongs to."""
         return "lm" if self.kind in LM_KINDS else self.kind
 
 
+def seed_workdir(workdir: str, k: int) -> str:
+    """Seed ``k``'s workdir: seed 0 keeps the 1-seed path (so a finished run is reused), seed
+    k > 0 is its sibling ``<workdir>_seed<k>``."""
+    return workdir if k == 0 else f"{workdir}_seed{k}"
+
+
+def with_seeds(jobs: Sequence[Job], seeds: int) -> list[Job]:
+    """Every job of ``jobs`` once per seed k = 0 .. ``seeds``-1 (seed-major: every seed-0 run
+    first, so a partial run of the suite gives a complete 1-seed report early), except the toy
+    figure, which is trained once. ValueError for ``seeds`` < 1."""
+    if int(seeds) < 1:
+        raise ValueError(f"--seeds {seeds}: give 1 or more (each seed trains every run once more).")
+    out = list(jobs)
+    for k in range(1, int(seeds)):
+        out += [dataclasses.replace(j, seed_offset=k, workdir=seed_workdir(j.workdir, k))
+                for j in jobs if j.kind != "toy"]
+    return out
+
+
 def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
          families: Sequence[str] = FAMILIES, vit_encodings: Optional[Sequence[str]] = None,
-         dna_encodings: Optional[Sequence[str]] = None) -> list[Job]:
+         dna_encodings: Optional[Sequence[str]] = None, seeds: int = 1) -> list[Job]:
     """Every run of ``suite``'s ``families``, in order. Language (``encodings``, default
     ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
     retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
-    ``vit_encodings`` in ``ROOT/vit/<enc>``. DNA: a genome LM per ``dna_encodings`` in
-    ``ROOT/dna/<enc>``. Defaults: the suite's encodings of each family."""
+    ``vit_encodings`` in ``ROOT/<suite.vit_dir>/<enc>``. DNA: a genome LM per ``dna_encodings`` in
+    ``ROOT/<suite.dna_dir>/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
+    the runs of seeds 1.. (:func:`with_seeds`)."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}.")
     jobs = []
     if "lm" in families:
         jobs += _plan_language(suite, root, list(encodings or suite.encodings))
-    for family, spec, encs, overrides in (
-            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides),
-            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides)):
+    for family, spec, encs, overrides, folder in (
+            ("vit", suite.vit, vit_encodings or suite.vit_encodings, suite.vit_overrides, suite.vit_dir),
+            ("dna", suite.dna, dna_encodings or suite.dna_encodings, suite.dna_overrides, suite.dna_dir)):
         if family in families and spec:
             jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
-                         os.path.join(root, family, enc)) for enc in encs]
-    return jobs
+                         os.path.join(root, folder, enc)) for enc in encs]
+    return with_seeds(jobs, seeds)
 
 
 def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
@@ -215,10 +285,18 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
         for enc in encodings:
             jobs.append(Job("lm", dataset, enc, spec.format(enc=enc), dict(suite.lm_overrides),
                             os.path.join(root, dataset, enc)))
+        known = list(suite.encodings) + [v.label for v in suite.lm_variants if not v.trained_as]
+        planned = set(encodings) | {v.label for v in suite.lm_variants if not v.trained_as}
         for v in suite.lm_variants:
+            if v.trained_as and v.trained_as not in known:  # a typo in the suite: refuse
+                raise ValueError(f"lm_variants {v.label!r}: trained_as={v.trained_as!r} is not a trained row "
+                                 f"of suite {suite.name!r}; choose from {', '.join(known)}.")
+            if v.trained_as and v.trained_as not in planned:  # e.g. --encodings without its row
+                continue
             jobs.append(Job("lm", dataset, v.encoding, (v.spec or spec).format(enc=v.encoding),
-                            {**suite.lm_overrides, **v.overrides}, os.path.join(root, dataset, v.label),
-                            variant=v.label))
+                            {**suite.lm_overrides, **v.overrides},
+                            os.path.join(root, dataset, v.trained_as or v.label), variant=v.label,
+                            eval_overrides=dict(v.eval_overrides), trains=not v.trained_as))
     retrieval = [("", suite.retrieval, {})] + [(f"_{v.label}", v.spec, v.overrides)
                                                for v in suite.retrieval_variants]
     for suffix, pattern, overrides in retrieval:
@@ -227,6 +305,7 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
                 jobs.append(Job(task, task + suffix, enc, pattern.format(task=task, enc=enc),
                                 {**suite.retrieval_overrides, **overrides},
                                 os.path.join(root, task + suffix, enc)))
-    jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
-                    os.path.join(root, "toy")))
+    if suite.toy:  # '' = no toy figure (e.g. a trimmed suite in a test)
+        jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
+                        os.path.join(root, "toy")))
     return jobs

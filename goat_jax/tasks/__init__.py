@@ -30,7 +30,10 @@ from typing import Any, Dict
 # model. 'prior' is the GoatPrior module name, so its sink-MLP kernels are excluded too.
 NO_DECAY_NAMES = frozenset({
     "bias", "scale", "prior", "lambda_sym", "lambda_asym", "key_bias", "sink_gain", "sink_bump",
-    "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias",
+    "recency_slope_raw", "prior_gate_scale_raw", "prior_gate_bias", "pos_freqs",
+    # Frequencies (GOAT's learned ones, RoPE-Mixed's): decay would pull them to 0, i.e. to no
+    # position information; Heo et al.'s code excludes RoPE-Mixed's 'freqs' from decay too.
+    "rope_mixed_freqs",
 })
 
 

@@ -31,8 +31,10 @@ Batch = tasks.Batch
 # substrings, 1-D or not, so the sink gain, bump and recency slope and the gate parameters *are*
 # decayed. Applied to our dotted parameter paths, the names correspond: PyTorch ``*.bias`` = our
 # Dense/LayerNorm ``*.bias``; ``ln_*`` = our ``*_norm`` modules; ``lambda_sym/asym`` and the
-# sink MLP ``key_bias.*`` keep their names under ``prior``.
-OFFICIAL_C4_NO_DECAY_SUBSTRINGS = (".bias", "ln", "norm", "lambda_", "key_bias")
+# sink MLP ``key_bias.*`` keep their names under ``prior``. ``pos_freqs`` (learned frequencies,
+# PriorSettings.learn_frequencies) is not in the official model, so it matches no official
+# parameter: it is excluded, like the coefficients it multiplies, rather than pulled to 0.
+OFFICIAL_C4_NO_DECAY_SUBSTRINGS = (".bias", "ln", "norm", "lambda_", "key_bias", "pos_freqs")
 official_c4_decay_mask = optim.substring_decay_mask(OFFICIAL_C4_NO_DECAY_SUBSTRINGS)
 
 

@@ -168,6 +168,22 @@ def median_throughput(workdir: str) -> Optional[float]:
     return rates[len(rates) // 2] if rates else None
 
 
+def checkpoint_steps(workdir: str) -> tuple[int, ...]:
+    """The steps of ``workdir``'s complete checkpoints, ascending (read-only; () if none)."""
+    directory = checkpoint_dir(workdir)
+    if not os.path.isdir(directory):
+        return ()
+    config = read_config(workdir)
+    task = tasks_lib.get_task(config.task)
+    ckpt = checkpoint_lib.Checkpointer(directory, config.to_dict(), keep=int(config.keep_checkpoints),
+                                       async_save=False, resume_safe_fields=task.resume_safe_fields,
+                                       field_defaults=task.field_defaults(), read_only=True)
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
+
+
 def load_run(workdir: str, step: Optional[int] = None) -> Run:
     """Restores the params of ``workdir``'s checkpoint at ``step`` (default: the latest
     complete one), read-only.

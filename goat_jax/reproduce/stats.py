@@ -1,0 +1,189 @@
+"""Seeds and intervals for the report harness: every number of a multi-seed report is an
+:class:`Estimate` (the mean over seeds, carrying every seed's value), and every headline check
+is judged by :func:`verdict` on a paired difference.
+
+The interval is a two-sided 95% Student t interval over seeds,
+``mean ± t(0.975, n-1) * sd / sqrt(n)`` (``sd`` with ``n-1`` in the denominator): seeds are
+the unit of replication (a new seed draws a new init, data order and dropout), evaluation
+windows are the same for every seed, so their noise is inside each seed's value. With one seed
+there is no interval, and the verdict says so instead of inventing one.
+
+Arithmetic on estimates is per seed: ``a - b`` of two estimates over the same seeds is the
+paired difference (seed k minus seed k), ``a / b`` the per-seed ratio; a plain number applies
+to every seed. So the family modules compute a check's quantity exactly as for one run and get
+its paired interval for free. This is the bottom of :mod:`goat_jax.reproduce` next to
+``suites`` and imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+CONFIDENCE = 0.95  # the report's interval: two-sided 95%, Student t over seeds
+INTERVAL_NAME = "mean ± 95% Student t interval over seeds"
+SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
+ONE_SEED = "inconclusive (1 seed)"
+
+
+def t_quantile(df: int, confidence: float = CONFIDENCE) -> float:
+    """The two-sided Student t critical value with ``df`` degrees of freedom (scipy: a
+    dependency of jax, so always installed)."""
+    from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top  # on use only
+
+    return float(scipy_stats.t.ppf(0.5 + confidence / 2, df))
+
+
+class Estimate(float):
+    """A number measured once per seed: its float value is the mean, ``values`` the seeds'
+    values in seed order, ``half_width`` the 95% t half-width (None for one seed). Formats as
+    ``'mean ± half'`` with the given spec (the mean alone for one seed)."""
+
+    values: tuple[float, ...]
+
+    def __new__(cls, values: Sequence[float]):
+        vals = tuple(float(v) for v in values)
+        if not vals:
+            raise ValueError("Estimate: needs at least one seed's value.")
+        obj = super().__new__(cls, math.fsum(vals) / len(vals))
+        obj.values = vals
+        return obj
+
+    def __reduce__(self):  # pickles (and copies) with its seeds, not as a bare float
+        return (Estimate, (self.values,))
+
+    @property
+    def n(self) -> int:
+        """How many seeds."""
+        return len(self.values)
+
+    @property
+    def half_width(self) -> Optional[float]:
+        """The 95% t half-width over seeds; None with one seed (no interval exists)."""
+        if self.n < 2:
+            return None
+        mean = float(self)
+        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / (self.n - 1))
+        return t_quantile(self.n - 1) * sd / math.sqrt(self.n)
+
+    @property
+    def interval(self) -> Optional[tuple[float, float]]:
+        """(low, high) of the 95% interval, or None with one seed."""
+        h = self.half_width
+        return None if h is None else (float(self) - h, float(self) + h)
+
+    def __format__(self, spec: str) -> str:
+        text = format(float(self), spec)
+        h = self.half_width
+        return text if h is None else f"{text} ± {format(h, spec.replace('+', ''))}"
+
+    def __str__(self) -> str:
+        return format(self, "")
+
+    def _apply(self, other: Any, op, reverse: bool = False):
+        if isinstance(other, Estimate):
+            if other.n != self.n:  # different seed sets: no pairing is possible
+                raise ValueError(f"Estimate: cannot pair {self.n} seeds with {other.n}.")
+            pairs = zip(other.values, self.values) if reverse else zip(self.values, other.values)
+            return Estimate([op(a, b) for a, b in pairs])
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return Estimate([op(other, a) if reverse else op(a, other) for a in self.values])
+        return NotImplemented
+
+    def __add__(self, o): return self._apply(o, operator.add)  # noqa: E704
+    def __radd__(self, o): return self._apply(o, operator.add, True)  # noqa: E704
+    def __sub__(self, o): return self._apply(o, operator.sub)  # noqa: E704
+    def __rsub__(self, o): return self._apply(o, operator.sub, True)  # noqa: E704
+    def __mul__(self, o): return self._apply(o, operator.mul)  # noqa: E704
+    def __rmul__(self, o): return self._apply(o, operator.mul, True)  # noqa: E704
+    def __truediv__(self, o): return self._apply(o, operator.truediv)  # noqa: E704
+    def __rtruediv__(self, o): return self._apply(o, operator.truediv, True)  # noqa: E704
+    def __pow__(self, o): return self._apply(o, operator.pow)  # noqa: E704
+    def __rpow__(self, o): return self._apply(o, operator.pow, True)  # noqa: E704
+    def __neg__(self): return Estimate([-v for v in self.values])  # noqa: E704
+    def __abs__(self): return Estimate([abs(v) for v in self.values])  # noqa: E704
+
+
+Number = Union[float, Estimate]
+
+
+def per_seed_max(items: Sequence[Number]) -> Number:
+    """The largest of ``items`` per seed (e.g. the worst block of each seed's run); plain
+    numbers apply to every seed."""
+    ests = [x for x in items if isinstance(x, Estimate)]
+    if not ests:
+        return max(items)
+    n = ests[0].n
+    return Estimate([max(x.values[k] if isinstance(x, Estimate) else float(x) for x in items)
+                     for k in range(n)])
+
+
+def half_width(x: Any) -> Optional[float]:
+    """The 95% half-width of ``x`` (0 for a plain number, None for a one-seed estimate):
+    what the plots draw as error bars."""
+    if isinstance(x, Estimate):
+        return x.half_width
+    return 0.0
+
+
+def aggregate(per_seed: Sequence[Any]) -> Any:
+    """One result structure per seed (the same shape: dicts, lists, numbers) -> one structure
+    whose numbers are :class:`Estimate` s over the seeds. Keys present in every seed are kept;
+    equal ints (steps, lengths, counts) stay ints; strings, booleans and None keep the first
+    seed's value. One seed gives one-seed estimates (no interval)."""
+    first = per_seed[0]
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(s, dict) and k in s for s in per_seed)]
+        return {k: aggregate([s[k] for s in per_seed]) for k in keys}
+    if isinstance(first, (list, tuple)):
+        if all(isinstance(s, (list, tuple)) and len(s) == len(first) for s in per_seed):
+            return [aggregate([s[i] for s in per_seed]) for i in range(len(first))]
+        return first
+    numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in per_seed)
+    if numbers:
+        if all(isinstance(s, int) for s in per_seed) and len(set(per_seed)) == 1:
+            return first
+        return Estimate(per_seed)
+    return first
+
+
+class Check(NamedTuple):
+    """One headline check: the claim, the old fixed-threshold result (``ok``: True / False /
+    None if not measured), the numbers, the verdict word on ``difference`` and that
+    difference as printed (e.g. ``'GOAT - RoPE = -0.020 ± 0.010 bits'``)."""
+
+    claim: str
+    ok: Optional[bool]
+    numbers: str
+    verdict: str = ""
+    difference: str = ""
+
+
+def verdict(difference: Any, claimed_sign: int) -> str:
+    """The verdict on a claim that ``difference`` is > 0 (``claimed_sign`` +1) or < 0 (-1):
+    'supported' when its 95% interval excludes 0 on the claimed side, 'contradicted' when it
+    excludes 0 on the other, 'inconclusive' otherwise, 'inconclusive (1 seed)' with one seed.
+    A plain number is a deterministic measurement (e.g. compiled memory): judged by its sign."""
+    if claimed_sign not in (1, -1):
+        raise ValueError(f"claimed_sign: {claimed_sign}; give +1 (claimed > 0) or -1 (claimed < 0).")
+    if isinstance(difference, Estimate):
+        if difference.n < 2:
+            return ONE_SEED
+        lo, hi = difference.interval
+        lo, hi = lo * claimed_sign, hi * claimed_sign
+        if lo > 0 and hi > 0:
+            return SUPPORTED
+        if lo < 0 and hi < 0:
+            return CONTRADICTED
+        return INCONCLUSIVE
+    d = float(difference) * claimed_sign
+    return SUPPORTED if d > 0 else (CONTRADICTED if d < 0 else INCONCLUSIVE)
+
+
+def judged(claim: str, ok: Optional[bool], numbers: str, difference: Any, claimed_sign: int,
+           what: str, fmt: str = ".3f") -> Check:
+    """A :class:`Check` whose verdict is :func:`verdict` of ``difference`` and whose printed
+    difference is ``'<what> = <difference>'`` (``what`` says what was subtracted)."""
+    return Check(claim, ok, numbers, verdict(difference, claimed_sign), f"{what} = {difference:{fmt}}")

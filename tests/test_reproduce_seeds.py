@@ -1,0 +1,205 @@
+"""Seeds and intervals in the report harness (goat_jax/reproduce/stats.py, --seeds, --jobs):
+the interval against a float64 reference, verdicts on paired differences, aggregation of
+per-seed results, and the language family end to end with 2 seeds (reuse, per-seed values in
+results.json, a failed job under --jobs 2 reported without losing the others)."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import reproduce
+from goat_jax.reproduce import dna_family, lm_family, stats, suites, vit_family
+
+T_975_DF2 = 4.30265273  # Student t, two-sided 95%, 2 degrees of freedom (printed tables, 9 digits)
+
+
+def test_estimate_is_mean_with_a_t_interval_and_pairs_by_seed():
+    vals = [1.0, 2.5, 4.0]
+    e = stats.Estimate(vals)
+    ref = np.asarray(vals, np.float64)
+    assert float(e) == pytest.approx(ref.mean(), abs=1e-15)
+    assert e.half_width == pytest.approx(T_975_DF2 * ref.std(ddof=1) / math.sqrt(3), rel=1e-8)
+    assert stats.t_quantile(2) == pytest.approx(T_975_DF2, rel=1e-8)
+    assert format(e, ".2f") == f"2.50 ± {e.half_width:.2f}"
+    # Arithmetic is per seed: the paired difference's interval, not the difference of means'.
+    f = stats.Estimate([0.9, 2.4, 3.95])
+    d = e - f
+    assert d.values == pytest.approx((0.1, 0.1, 0.05))
+    assert d.half_width < 0.1 < e.half_width  # pairing removes the shared seed-to-seed spread
+    assert (100 * e).values == pytest.approx((100.0, 250.0, 400.0))
+    assert (e / f).values == pytest.approx(tuple(a / b for a, b in zip(vals, [0.9, 2.4, 3.95])))
+    assert (1 - e).values == pytest.approx((0.0, -1.5, -3.0))
+    assert stats.per_seed_max([e, f, 2.0]).values == pytest.approx((2.0, 2.5, 4.0))
+    with pytest.raises(ValueError, match="cannot pair 3 seeds with 2"):
+        _ = e - stats.Estimate([1.0, 2.0])
+    # One seed: no interval is invented.
+    one = stats.Estimate([0.7])
+    assert one.half_width is None and one.interval is None and format(one, ".3f") == "0.700"
+    assert json.loads(json.dumps({"x": e})) == {"x": pytest.approx(2.5)}  # json keeps the mean
+
+
+@pytest.mark.parametrize("values,sign,word", [
+    ([-0.03, -0.02, -0.025], -1, stats.SUPPORTED), ([-0.03, -0.02, -0.025], +1, stats.CONTRADICTED),
+    ([-0.03, 0.02, 0.001], -1, stats.INCONCLUSIVE), ([-0.5], -1, stats.ONE_SEED)])
+def test_verdict_follows_the_interval_of_the_difference(values, sign, word):
+    assert stats.verdict(stats.Estimate(values), sign) == word
+
+
+def test_verdict_of_a_deterministic_number_and_bad_sign():
+    assert stats.verdict(-1.0, -1) == stats.SUPPORTED and stats.verdict(0.5, -1) == stats.CONTRADICTED
+    with pytest.raises(ValueError, match="claimed_sign: 0; give \\+1"):
+        stats.verdict(1.0, 0)
+
+
+def test_aggregate_keeps_structure_ints_and_strings():
+    per_seed = [{"step": 4, "train_len": 32, "label": "goat", "by": {"32": {"ppl": 2.0}}, "l": [1.0, 2.0],
+                 "only_in_first": 1},
+                {"step": 4, "train_len": 32, "label": "goat", "by": {"32": {"ppl": 4.0}}, "l": [3.0, 4.0]}]
+    agg = stats.aggregate(per_seed)
+    assert agg["step"] == 4 and type(agg["step"]) is int and agg["label"] == "goat"
+    assert agg["by"]["32"]["ppl"].values == (2.0, 4.0) and float(agg["by"]["32"]["ppl"]) == 3.0
+    assert [x.values for x in agg["l"]] == [(1.0, 3.0), (2.0, 4.0)]
+    assert "only_in_first" not in agg
+
+
+def _vit(top1_1x, top1_2x):
+    return {"step": 2, "train_resolution": 28, "eval_images": 16,
+            "resolution": {"28": {"top1": top1_1x, "loss": 1.0}, "56": {"top1": top1_2x, "loss": 2.0}}}
+
+
+def _dna(bits):
+    by_length = {"64": {"bits_per_base": bits, "ppl": 2 ** bits, "accuracy": 0.3}}
+    return {"train_len": 64, "heldout": {"by_length": by_length, "gc": {}}, "genomes": {}}
+
+
+def test_family_checks_judge_paired_differences_over_seeds(tmp_path):
+    """Made-up per-seed results, aggregated as the runner does: a difference that holds in
+    every seed is supported (or contradicted), one that flips sign is inconclusive."""
+    jobs = suites.plan(suites.SUITES["smoke"], str(tmp_path), families=["vit", "dna"])
+    seeds = {"vit/vit/goat": [_vit(0.90, 0.80), _vit(0.91, 0.82), _vit(0.89, 0.79)],  # drops 10, 9, 10
+             "vit/vit/ape": [_vit(0.90, 0.70), _vit(0.92, 0.70), _vit(0.90, 0.71)],  # drops 20, 22, 19
+             "dna/dna/goat": [_dna(1.90), _dna(1.95), _dna(1.91)],
+             "dna/dna/rope": [_dna(1.92), _dna(1.93), _dna(1.92)]}  # GOAT - RoPE: -0.02, +0.02, -0.01
+    results = {k: stats.aggregate(v) for k, v in seeds.items()}
+    checks = {c.claim.split(" (")[0]: c for c in vit_family.vision_checks(jobs, results)
+              + dna_family.dna_checks(jobs, results, [])}
+    drop = checks["ViT: GOAT loses less top-1 than ape at 2x the training resolution"]
+    assert drop.verdict == stats.SUPPORTED and drop.ok is True
+    diff = stats.Estimate([-10.0, -13.0, -9.0])
+    assert drop.difference == f"GOAT drop - ape drop (points) = {diff:.2f}"
+    assert "±" in drop.numbers
+    nll = checks["DNA: GOAT held-out NLL < RoPE's at the training length"]
+    assert nll.verdict == stats.INCONCLUSIVE
+    assert re.search(r"= -0\.0033 ± 0\.\d{4}$", nll.difference)
+    one = {k: stats.aggregate(v[:1]) for k, v in seeds.items()}  # one seed: never an interval
+    assert {c.verdict for c in vit_family.vision_checks(jobs, one)} == {stats.ONE_SEED}
+
+
+def test_evaluated_with_rows_are_planned_on_their_trained_run():
+    suite = dataclasses.replace(suites.SUITES["smoke"], lm_variants=(LINEAR_AT_EVAL,))
+    jobs = suites.plan(suite, "/r", families=["lm"], seeds=2)
+    rows = [j for j in jobs if j.label == "goat@linear_sink"]
+    assert [j.workdir for j in rows] == ["/r/jargon/goat", "/r/jargon/goat_seed1"] and not any(j.trains for j in rows)
+    assert [j.label for j in suites.plan(suite, "/r", ["rope"], families=["lm"]) if j.kind == "lm"] == ["rope"]
+    bad = dataclasses.replace(suite, lm_variants=(dataclasses.replace(LINEAR_AT_EVAL, trained_as="gaot"),))
+    with pytest.raises(ValueError, match="trained_as='gaot' is not a trained row of suite 'smoke'; choose from goat"):
+        suites.plan(bad, "/r", families=["lm"])
+
+
+def _lm_only_suite():
+    """The smoke suite's language models alone (no retrieval, no toy), GOAT only: the
+    fastest run of the seed machinery end to end."""
+    return dataclasses.replace(suites.SUITES["smoke"], name="smoke_lm", tasks=(), toy="", encodings=("goat",),
+                               lm_variants=(LINEAR_AT_EVAL,), retrieval_variants=(), multipliers=(1, 2),
+                               standard_trials=1, sink_examples=1)
+
+
+# An evaluated-with row: GOAT's trained run, evaluated with the sink MLP continued linearly past
+# the training length (the same function up to it: docs/extrapolation.md).
+LINEAR_AT_EVAL = suites.LMVariant("goat@linear_sink", "goat", trained_as="goat",
+                                  eval_overrides={"model.sink_extrapolation": "linear"})
+
+
+def _two_seeds(tmp_path, monkeypatch, capsys):
+    """Runs the LM-only suite with 2 seeds; returns (argv, runs, out) after checking it."""
+    monkeypatch.setitem(suites.SUITES, "smoke_lm", _lm_only_suite())
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    argv = ["--suite", "smoke_lm", "--families", "lm", "--workdir", str(runs), "--out", str(out)]
+    assert reproduce.main(argv + ["--seeds", "2"]) == 0
+    log = capsys.readouterr().out
+    assert "[3/4] lm/jargon/goat@seed1" in log
+    # Seed 1 trains with the config's seed + 1, in the sibling workdir; seed 0 where 1 seed would.
+    cfg = [json.loads((runs / "jargon" / d / "config.json").read_text()) for d in ("goat", "goat_seed1")]
+    assert cfg[1]["seed"] == cfg[0]["seed"] + 1
+    report = (out / "REPORT.md").read_text()
+    assert "Seeds: 2" in report and stats.INTERVAL_NAME in report
+    assert re.search(r"\| goat \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", report)  # perplexity by length
+    saved = json.loads((out / "results.json").read_text())["lm/jargon/goat"]
+    assert set(saved["seeds"]) == {"lm/jargon/goat", "lm/jargon/goat@seed1"}
+    ppl = [saved["seeds"][k]["extrapolation"]["32"]["ppl"] for k in sorted(saved["seeds"])]
+    assert ppl[0] != ppl[1] and saved["extrapolation"]["32"]["ppl"] == pytest.approx(np.mean(ppl))
+    # The evaluated-with row shares GOAT's trained runs (no workdir of its own, its own cache),
+    # evaluates them with the override (the same function up to the training length).
+    assert not any(d.startswith("goat@") for d in os.listdir(runs / "jargon"))
+    assert (runs / "jargon" / "goat_seed1" / "reproduce_eval_goat@linear_sink.json").exists()
+    row = json.loads((out / "results.json").read_text())["lm/jargon/goat@linear_sink"]["seeds"]
+    for k in ("", "@seed1"):
+        plain, linear = saved["seeds"][f"lm/jargon/goat{k}"], row[f"lm/jargon/goat@linear_sink{k}"]
+        assert linear["extrapolation"]["32"]["ppl"] == pytest.approx(plain["extrapolation"]["32"]["ppl"], rel=1e-6)
+        assert linear["eval_settings"]["eval_overrides"] == {"model.sink_extrapolation": "linear"}
+    job = next(j for j in suites.plan(_lm_only_suite(), str(runs), families=["lm"]) if not j.trains)
+    run = lm_family.load_for_evaluation(job)
+    assert run.model.config.sink_extrapolation == "linear" and run.config.model.sink_extrapolation == "linear"
+    with pytest.raises(ValueError, match="change the model's parameters"):
+        lm_family.load_for_evaluation(dataclasses.replace(job, eval_overrides={"model.num_layers": 3}))
+    return argv, runs, out
+
+
+def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
+    _, runs, _ = _two_seeds(tmp_path, monkeypatch, capsys)
+    assert not (runs / "jargon" / "goat.log").exists()  # --jobs 1: in this process, no worker logs
+
+
+@pytest.mark.slow
+def test_jobs_in_subprocesses_reuse_runs_and_report_a_failed_job(tmp_path, monkeypatch, capsys):
+    argv, runs, out = _two_seeds(tmp_path, monkeypatch, capsys)
+    # Again with --jobs 2 and a row whose config does not exist: the finished runs are reused
+    # (nothing retrained or re-evaluated), the broken row is reported, exit code 1.
+    broken = suites.LMVariant("broken", "goat", spec="configs/no_such_config.py:{enc}")
+    monkeypatch.setitem(suites.SUITES, "smoke_lm", dataclasses.replace(_lm_only_suite(), lm_variants=(broken,)))
+    assert reproduce.main(argv + ["--seeds", "1", "--jobs", "2"]) == 1
+    log = capsys.readouterr().out
+    assert "lm/jargon/broken FAILED" in log and "lm/jargon/goat done" in log
+    worker_log = (runs / "jargon" / "goat.log").read_text()
+    assert "already trained" in worker_log and "evaluated in" not in worker_log
+    report = (out / "REPORT.md").read_text()
+    assert "**Failed runs**" in report and "no_such_config" in report and "Seeds: 1" in report
+    assert re.search(r"\| goat \| [\d.]+ \| [\d.]+ \|", report)  # one seed: plain numbers
+    assert stats.ONE_SEED in report
+
+
+@pytest.mark.slow
+def test_issue_command_smoke_two_seeds_language(tmp_path):
+    """The command of issue 19, as a user runs it (slow: every language stage twice)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": suites.ROOT}
+    subprocess.run([sys.executable, "-m", "experiments.reproduce", "--suite", "smoke", "--seeds", "2",
+                    "--families", "lm", "--workdir", str(tmp_path / "runs"), "--out", str(out)],
+                   check=True, cwd=suites.ROOT, env=env, capture_output=True, timeout=1800)
+    report = (out / "REPORT.md").read_text()
+    head = report.split("### Headline checks", 1)[1].split("\n### ", 1)[0]
+    rows = [l for l in head.splitlines() if l.startswith("| GOAT") or l.startswith("| RoPE")]
+    measured = [l for l in rows if "not measured" not in l]
+    assert measured and all(re.search(r"\| \*{0,2}(supported|contradicted|inconclusive)\*{0,2} \|", l)
+                            for l in measured)
+    assert "±" in head
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved["passkey/passkey/rope"]["seeds"]) == {"passkey/passkey/rope", "passkey/passkey/rope@seed1"}
+    assert (out / "perplexity_jargon.png").stat().st_size > 1000
