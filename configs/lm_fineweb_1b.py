@@ -97,6 +97,10 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.data.eval_paths = ()  # empty: hold out eval_fraction of the row groups
     c.data.eval_fraction = 0.001  # ~0.1% of row groups held out (by content hash)
     c.data.text_key = "text"  # FineWeb text column
+    # Our choice (no official FineWeb script exists): whole pages packed with segment ids, since
+    # most pages are shorter than the 2048-token context (docs/packing.md, Which to use). The
+    # automatic kernel is then 'flash' on GPU: cuDNN's fused attention cannot take segment ids.
+    c.data.packing = "documents"
     c.data.tokenizer = "sentencepiece"  # see the module docstring
     c.data.spm_model_path = "runs/tokenizers/fineweb_128k.model"  # trained here on first use
     c.data.spm_vocab_size = 128_256  # = model.vocab_size

@@ -29,6 +29,10 @@ Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
                  its max attention weight and the mass on the last ``--recent_keys`` (128) keys,
                  per head and mean, through the KV cache in chunks of ``--chunk_size`` (default
                  512) queries; for GOAT also ``u_curves_<label>.png``, u(j) per layer.
+  documents      held-out documents packed whole into windows with segment ids (each attended
+                 and positioned alone; goat_jax.eval.documents, docs/packing.md): perplexity at
+                 ``m x`` the training length, and per layer the attention mass on each
+                 document's first token; for runs of either data.packing.
   dna            genome runs (configs/dna_*.py) on the FASTA files of ``--fasta``: NLL in nats
                  and bits per base, perplexity and next-base accuracy at ``m x`` the training
                  length (or ``--lengths``), and GC agreement over ``--gc_windows`` windows

@@ -248,6 +248,10 @@ class GoatAttention(layers.AttentionBase):
     * 2D: ``pos_encoding='2d'`` (or 'auto' with a ``spatial_shape``) uses (row, col) positions
       of a row-major ``spatial_shape`` grid, CLS first if ``has_cls_token``; offsets are
       (row, col) pairs.
+    * ``segment_ids`` (packed documents, 1D only): positions restart per document, so the
+      relative prior, the sink (its first-token bump included) and the recency slope see
+      document positions; with the sink this needs ``training_seq_len``, for the same reason
+      as decoding.
     * ``decode=True`` needs ``training_seq_len`` when the sink is enabled, because otherwise the
       sink normalizes positions by the key length, which changes while decoding. The cache holds
       the packed keys.
@@ -299,6 +303,17 @@ class GoatAttention(layers.AttentionBase):
             raise ValueError(
                 "spatial_shape was given but pos_encoding='1d'; use pos_encoding='2d' (or 'auto') "
                 "for (row, col) positions.")
+        if use_2d and call.q_segment_ids is not None:
+            raise ValueError("segment_ids are for 1D sequences (packed documents); pos_encoding="
+                             f"{self.pos_encoding!r} chose 2D (row, col) positions here. Drop "
+                             "segment_ids, or use pos_encoding='1d'.")
+        if (call.q_segment_ids is not None and settings.enable_key_bias
+                and settings.training_seq_len is None):
+            raise ValueError(
+                "segment_ids with the sink (enable_key_bias) need training_seq_len: without it the "
+                "sink normalizes positions by the window's key length, not each document's, so a "
+                "packed document would not see the prior it sees alone. Set training_seq_len to "
+                "the training context length.")
         if use_2d and self.decode:
             raise ValueError("KV-cache decoding supports 1D positions only.")
         if self.decode and settings.enable_key_bias and settings.training_seq_len is None:

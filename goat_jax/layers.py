@@ -20,6 +20,7 @@ import numpy as np
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
+from goat_jax import segments as segments_lib
 
 Array = jax.Array
 Dtype = Any
@@ -242,9 +243,10 @@ def logn_factors(q_index: Array, is_causal: bool, key_len: int, training_len: in
 
     n is the number of keys the query may attend: ``position + 1`` for a causal query (so a
     decoded token gets the factor of its row in the full forward; Qwen's logn attention, SSMax),
-    the key length S for non-causal attention (padding included).
+    the key length S for non-causal attention (padding included; with segment ids, ``key_len``
+    is [B, T]: the keys of each query's own document).
     """
-    n = q_index + 1.0 if is_causal else jnp.full_like(q_index, float(key_len))
+    n = q_index + 1.0 if is_causal else jnp.asarray(key_len, jnp.float32) * jnp.ones_like(q_index)
     return jnp.maximum(1.0, jnp.log(jnp.maximum(n, 1.0)) / math.log(training_len))
 
 
@@ -286,6 +288,64 @@ class AttentionCall(NamedTuple):
     position_offset_k: Offset
     q_positions: Optional[Array]
     k_positions: Optional[Array]
+    # [B, T] / [B, S] int32 document ids (None without segments); with them, q_positions /
+    # k_positions are the per-document positions unless the caller gave explicit ones.
+    q_segment_ids: Optional[Array] = None
+    kv_segment_ids: Optional[Array] = None
+
+
+def resolve_call_segments(call: AttentionCall, segment_ids: Optional[Array],
+                          kv_segment_ids: Optional[Array], decode: bool) -> AttentionCall:
+    """Validates a call's segment ids and returns the call with ``q_segment_ids`` /
+    ``kv_segment_ids`` set and, where no explicit positions were given, ``q_positions`` /
+    ``k_positions`` restarting at 0 at each segment (:func:`goat_jax.segments.segment_positions`).
+
+    Every check runs before any parameter or cache is made. Raises ValueError naming the
+    argument for: ``kv_segment_ids`` without ``segment_ids``; cross-attention (key is not query)
+    without ``kv_segment_ids``; wrong shape or dtype; ids that re-appear after another id in a
+    row, or explicit positions that do not restart at 0 where the ids change (both only when
+    concrete: under ``jit`` traced ids and positions are used as given); position offsets
+    (documents start at 0); ``decode=True``. Decoding is refused rather than supported within
+    one segment because the cache holds one sequence per row: a packed prompt's documents would
+    share it, and a decoded document is simply a row of its own.
+    """
+    if segment_ids is None:
+        if kv_segment_ids is not None:
+            raise ValueError("kv_segment_ids needs segment_ids (the queries' ids) as well.")
+        return call
+    if decode:
+        raise ValueError(
+            "segment_ids are not supported with decode=True: the KV cache holds one sequence per "
+            "row, so decode each document in a row of its own (without segment_ids).")
+    self_attention = call.key is call.query
+    if kv_segment_ids is None:
+        if not self_attention:
+            raise ValueError("Cross-attention with segment_ids needs kv_segment_ids [B, S], the "
+                             "keys' document ids.")
+        kv_segment_ids = segment_ids
+    if call.spatial_shape is not None:
+        raise ValueError("segment_ids are for 1D sequences (packed documents); a patch grid "
+                         "(spatial_shape) has no documents. Drop segment_ids or spatial_shape.")
+    b, t, s = call.query.shape[0], call.query.shape[1], call.key.shape[1]
+    q_ids, kv_ids = kernels.resolve_segments((b, t), (b, s), q_segment_ids=segment_ids,
+                                            kv_segment_ids=kv_segment_ids)
+    names = ("segment_ids", "segment_ids" if self_attention and kv_segment_ids is segment_ids else "kv_segment_ids")
+    for ids, name in zip((q_ids, kv_ids), names):
+        segments_lib.check_contiguous(ids, name)
+    for which, offset in (("q", call.position_offset_q), ("k", call.position_offset_k)):
+        if offset is not None:
+            raise ValueError(f"position_offset_{which} cannot be combined with segment_ids: positions "
+                             "restart at 0 in every segment. Pass explicit positions instead.")
+    positions = []
+    for name, explicit, ids, ids_name in (("q_positions", call.q_positions, q_ids, names[0]),
+                                          ("k_positions", call.k_positions, kv_ids, names[1])):
+        if explicit is None:
+            positions.append(segments_lib.segment_positions(ids))
+        else:
+            segments_lib.check_positions_agree(explicit, ids, name, ids_name)
+            positions.append(explicit)
+    return call._replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=positions[0],
+                         k_positions=positions[1])
 
 
 class LayerShape(NamedTuple):
@@ -333,12 +393,19 @@ class AttentionBase(nn.Module):
 
     Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
     spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
-    q_positions=None, k_positions=None)`` with ``query`` [B, T, E] and ``key``/``value``
-    [B, S, E'] (default: ``query``, i.e. self-attention). Returns [B, T, out_features or E].
+    q_positions=None, k_positions=None, segment_ids=None, kv_segment_ids=None)`` with
+    ``query`` [B, T, E] and ``key``/``value`` [B, S, E'] (default: ``query``, i.e.
+    self-attention). Returns [B, T, out_features or E].
 
     * ``key_padding_mask``: [B, S] bool, True = padding (PyTorch/official convention).
     * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
       decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]).
+    * ``segment_ids`` [B, T] integer ids (document-aware packing; :func:`resolve_call_segments`):
+      a query attends only to keys of its own id, and positions restart at 0 at each run of
+      equal ids, so every encoding sees each document as if it ran alone. ``kv_segment_ids``
+      [B, S] gives the keys' ids for cross-attention. Padding is a run of its own id
+      (``goat_jax.data.packing.PAD_SEGMENT_ID``): it attends only to padding, never to a
+      document, and its outputs carry weight 0 in the loss.
     * ``decode=True``: KV-cache decoding in the 'cache' collection (``cached_key``,
       ``cached_value``, ``cache_index``): ``init`` with a full-length input sizes the cache;
       each ``apply(..., mutable=['cache'])`` appends the new tokens at the cache index and
@@ -433,12 +500,15 @@ class AttentionBase(nn.Module):
         position_offset_k: Offset = None,
         q_positions: Optional[Array] = None,
         k_positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+        kv_segment_ids: Optional[Array] = None,
     ) -> Array:
         key = query if key is None else key
         value = key if value is None else value
         check_qkv(query, key, value)
         call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
                              position_offset_q, position_offset_k, q_positions, k_positions)
+        call = resolve_call_segments(call, segment_ids, kv_segment_ids, self.decode)
         embed_dim = query.shape[-1]
         kv_heads, head_dim = head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
         shape = LayerShape(self.num_heads, kv_heads, head_dim,
@@ -446,6 +516,12 @@ class AttentionBase(nn.Module):
                            (query.shape[0], self.num_heads, query.shape[1],
                             attended_length(self, self.decode, key.shape[1])))
         plan = self._plan(call, shape)
+        if (call.q_segment_ids is not None and plan.implementation == "cudnn"
+                and self.implementation in (None, "auto")):
+            # The automatic choice must not pick the one kernel that refuses segment ids.
+            kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
+                             "attention in jax cannot take them).")
+            plan = plan._replace(implementation="flash")
         self._check_logn(call)
 
         proj = lambda x, name, heads, axes: project_heads(
@@ -465,12 +541,21 @@ class AttentionBase(nn.Module):
             if cache is not None:
                 call = call._replace(position_offset_q=cache.start, position_offset_k=cache.start)
         q_pos, k_pos = self._positions(call, plan, t, s)
+        if call.q_segment_ids is not None and (q_pos.is_2d or k_pos.is_2d):
+            raise ValueError("segment_ids are for 1D sequences (packed documents); 2D (patch-grid) "
+                             "positions have no documents to restart at. Drop segment_ids, or use "
+                             "1D positions.")
         enc = self._encode(call, shape, plan, q, k, q_pos, k_pos, cache)
         if self.logn_scaling is not None:
             if q_pos.is_2d:
                 raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D positions; this call "
                                  "uses 2D (row, col) positions.")
-            enc = apply_logn(enc, logn_factors(q_pos.index, is_causal, s, self._training_len()),
+            keys_seen = s
+            if call.q_segment_ids is not None and not is_causal:
+                # Each query's n is the key count of its own document, as when it runs alone.
+                keys_seen = jnp.sum(call.q_segment_ids[:, :, None] == call.kv_segment_ids[:, None, :],
+                                    axis=-1).astype(jnp.float32)  # [B, T]
+            enc = apply_logn(enc, logn_factors(q_pos.index, is_causal, keys_seen, self._training_len()),
                              self.logn_scaling)
 
         keys, causal_offset, kv_lengths = enc.k, enc.causal_offset, None
@@ -480,6 +565,7 @@ class AttentionBase(nn.Module):
         out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
                              is_causal=is_causal, causal_offset=causal_offset,
                              key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, bias=enc.bias,
+                             q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
                              return_probs=sow)  # [B, T, N, Hv]
         if sow:
             out, probs = out

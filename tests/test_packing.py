@@ -162,13 +162,15 @@ class _ListIterDataset(text_lib.grain.IterDataset):
         return iter(text_lib.grain.MapDataset.source(self._items).to_iter_dataset())
 
 
-def test_lm_task_refuses_documents_until_the_model_reads_segment_ids():
+def test_lm_task_accepts_documents_and_feeds_their_fields_to_the_model():
     from goat_jax.tasks import lm as lm_task
     from tests import config_helpers
 
     lm_task.validate(config_helpers.lm_smoke_config())  # 'concat' passes
-    with pytest.raises(ValueError, match="data.packing='documents' is not yet wired"):
-        lm_task.validate(config_helpers.lm_smoke_config(**{"data.packing": "documents"}))
+    lm_task.validate(config_helpers.lm_smoke_config(**{"data.packing": "documents"}))
+    batch = {"inputs": 0, "segment_ids": 1, "positions": 2}
+    assert lm_task.document_inputs(batch) == {"segment_ids": 1, "positions": 2}
+    assert lm_task.document_inputs({"inputs": 0}) == {}
 
 
 def test_segment_positions_reproduce_the_packers_positions(corpus, rng):

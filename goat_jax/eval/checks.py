@@ -18,7 +18,7 @@ from goat_jax.train import run as run_lib
 # ViT. A mismatch is refused before any work by :func:`check_evals_fit`.
 EVAL_TASKS = {
     "extrapolation": ("lm",), "passkey": ("lm",), "niah": ("lm",), "sinks": ("lm",),
-    "diagnostics": ("lm",), "dna": ("dna",), "lm_eval": ("lm",), "resolution": ("vit",),
+    "diagnostics": ("lm",), "documents": ("lm",), "dna": ("dna",), "lm_eval": ("lm",), "resolution": ("vit",),
 }
 
 def evals_for_task(task: str) -> list[str]:

@@ -16,6 +16,8 @@ Evaluations (protocols in docs/experiments.md; the metrics live in
   niah           synthetic NIAH span token accuracy over lengths x depths (heatmap).
   sinks          attention mass on position 0 and first-key norm / other keys, per layer, on
                  held-out data at the training length.
+  documents      held-out documents packed with segment ids: perplexity and the mass on each
+                 document's first token (:mod:`goat_jax.eval.documents`).
   diagnostics    the official C4 run's: last-layer attention mass on token 0, max attention
                  and mass on the last 128 keys at every length (KV cache, query chunks), and
                  GOAT's per-layer u(j) curves.
@@ -38,7 +40,7 @@ import numpy as np
 
 from goat_jax.cli import log
 from goat_jax.data import synthetic, text
-from goat_jax.eval import chunked, diagnostics, extrapolation, retrieval, sinks
+from goat_jax.eval import chunked, diagnostics, documents, extrapolation, retrieval, sinks
 from goat_jax.eval.checks import EVAL_TASKS, check_evals_fit, check_output_dir, evals_for_task  # noqa: F401
 from goat_jax.eval.lm_run import LMRun, load_lm_run  # noqa: F401  (runs.LMRun, runs.load_lm_run)
 from goat_jax.train import run as run_lib
@@ -102,6 +104,10 @@ def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
     Length extrapolation), and the stream holds no packer-inserted BOS."""
     data = ml_collections.ConfigDict(run.config.data.to_dict())
     data.num_eval_batches = 0  # <= 0: the whole eval split
+    # The stream is the held-out documents end to end, whatever packing the run trained with,
+    # so runs of 'concat' and 'documents' are scored on the same tokens.
+    if "packing" in data:
+        data.packing = "concat"
     data.read_threads = 1
     if text_file is not None:
         if run.is_synthetic:
@@ -362,6 +368,15 @@ def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict
                       ", ".join(f"{x:.2f}" for x in s["first_mass_max_head"]) + " | " +
                       ", ".join(f"{x:.2f}" for x in s["key_norm_ratio"]) + " |")
         md.append("")
+    docs = {k: r["documents"] for k, r in results.items() if "documents" in r}
+    if docs:
+        md += ["## Packed held-out documents (each attended and positioned alone)", "",
+               table({k: {int(n): v["ppl"] for n, v in r["ppl"].items()} for k, r in docs.items()}), "",
+               "| model | mass on own document's first token, per layer (mean head) | (max head) |",
+               "|---|---|---|"]
+        md += [f"| {k} | " + ", ".join(f"{x:.2f}" for x in r["first_mass"]) + " | "
+               + ", ".join(f"{x:.2f}" for x in r["first_mass_max_head"]) + " |" for k, r in docs.items()]
+        md.append("")
     md += _diagnostics_markdown({k: r["diagnostics"] for k, r in results.items() if "diagnostics" in r},
                                 out, train_len)
     md += _dna_markdown({k: r["dna"] for k, r in results.items() if "dna" in r})
@@ -489,6 +504,8 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                                      num_trials=num_trials)
         elif name == "niah":
             out[name] = eval_niah(run, multipliers, num_examples=max(8, num_examples // 2))
+        elif name == "documents":
+            out[name] = documents.eval_documents(run, multipliers)
         elif name == "dna":
             out[name] = eval_dna(run, multipliers=multipliers, **(dna_options or {}))
         elif name == "lm_eval":

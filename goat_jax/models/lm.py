@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import positional
+from goat_jax import segments
 from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
@@ -287,7 +288,8 @@ class DecoderBlock(nn.Module):
 
     Norm and MLP follow ``config.block``: RMSNorm + SwiGLU ('llama') or LayerNorm + GELU ('gpt2').
 
-    ``positions`` (None or [T] / [B, T] int) move the attention's notion of position; they must
+    ``positions`` (None or [T] / [B, T] int) move the attention's notion of position and
+    ``segment_ids`` (None or [B, T] int) keep it inside each packed document; both must
     be None while decoding (the attention reads them from its cache index). Under ``nn.scan``
     (``scanned=True``) the block returns ``(x, None)``, scan's (carry, output) convention.
     """
@@ -297,11 +299,11 @@ class DecoderBlock(nn.Module):
     scanned: bool = False
 
     @nn.compact
-    def __call__(self, x: Array, positions: Optional[Array]):
+    def __call__(self, x: Array, positions: Optional[Array], segment_ids: Optional[Array] = None):
         cfg = self.config
         h = _norm(cfg, "attn_norm")(x)
         h = make_attention(cfg, self.decode)(h, is_causal=True, q_positions=positions,
-                                             k_positions=positions)
+                                             k_positions=positions, segment_ids=segment_ids)
         x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
         mlp = GeluMLP if cfg.block == "gpt2" else SwiGLU
         h = mlp(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
@@ -319,7 +321,10 @@ class TransformerLM(nn.Module):
 
     Call: ``model.apply(variables, tokens, positions=None)``. ``positions`` ([T] or [B, T] int)
     default to ``arange(T)``; they drive the attention prior / rotation and, for 'sinusoidal' /
-    'learned', the absolute embedding.
+    'learned', the absolute embedding. ``segment_ids`` ([B, T] int; document-aware packing,
+    ``data.packing='documents'``) keep every layer's attention inside each document; positions
+    then default to each document's own (``goat_jax.segments.segment_positions``), which the
+    absolute embeddings read too. Not while decoding.
 
     KV-cache decoding: ``dm = model.clone(decode=True)``; ``dm.init(rng, tokens_of_full_length)``
     sizes the 'cache' collection for that length; then each
@@ -343,7 +348,8 @@ class TransformerLM(nn.Module):
         return offset
 
     @nn.compact
-    def __call__(self, tokens: Array, *, positions: Optional[Array] = None) -> Array:
+    def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None) -> Array:
         cfg = self.config
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be [batch, length] integers, got {tokens.shape} {tokens.dtype}.")
@@ -351,6 +357,10 @@ class TransformerLM(nn.Module):
         cfg.check_length(t, "tokens.shape[1]")
         if self.decode and positions is not None:
             raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+        if segment_ids is not None and positions is None:
+            # Per-document positions, computed once here so that the absolute embeddings and
+            # every layer read the same ones (the layers would derive the same from the ids).
+            positions = segments.segment_positions(segment_ids)
 
         embed = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
                          param_dtype=cfg.weight_dtype,
@@ -380,12 +390,12 @@ class TransformerLM(nn.Module):
             block = nn.remat(block, prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
-                            split_rngs={"params": True}, in_axes=(nn.broadcast,),
+                            split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                             length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, decode=self.decode, scanned=True, name="layers")(x, positions)
+            x, _ = stack(cfg, decode=self.decode, scanned=True, name="layers")(x, positions, segment_ids)
         else:
             for i in range(cfg.num_layers):
-                x = block(cfg, decode=self.decode, name=f"layer_{i}")(x, positions)
+                x = block(cfg, decode=self.decode, name=f"layer_{i}")(x, positions, segment_ids)
 
         x = _norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:

@@ -64,6 +64,19 @@ head shapes, dtype, scale):
 * ``encode(layer, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);
 * ``bias(layer, ctx)``: an additive bias, or None.
 
+Segments (document-aware packing). When a call has ``segment_ids``, the layer has already made
+the positions per document (``EncodingContext.q_pos`` [B, T], ``k_pos`` / ``attended_k_pos``
+[B, S], restarting at 0 at each document) and the kernel masks every pair of tokens of different
+documents, so an encoding that reads positions only through the context honours segments with
+no code of its own. An encoding that reads anything else about the sequence must make it per
+document: ``ctx.key_len`` (and the query/key lengths) is the packed window's, so a
+length-dependent encoding reads ``goat_jax.segments.segment_lengths(ctx.call.kv_segment_ids)``
+([B, S], each token's document length; 'rope_pi' does this) when ``ctx.call.q_segment_ids`` is
+not None; an encoding that cannot be made per document raises in ``check_layer``/``encode``
+when segment ids are given. tests/test_segment_layers.py runs every registered 1D encoding on
+every CPU kernel (the slow suite; a few in the default one): a packed row equals each document
+alone.
+
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
 :class:`goat_jax.layers.AttentionBase`. The models read their ``POSITION_ENCODINGS`` from
 ``ENCODINGS`` (``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
+from goat_jax import segments
 from goat_jax.positional.base import EncodingContext, PositionEncoding
 
 Array = jax.Array
@@ -42,6 +43,8 @@ def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float 
     Args:
       x: [B, T, N, H].
       positions: [T] or [B, T] (integer or float) positions.
+      scale: a float, or an array broadcasting to ``positions`` (per-token factors, e.g. one per
+        packed document).
       frequencies: None for :func:`rope_frequencies` of ``base``, or [H/2] inverse
         frequencies to use instead (the rescaled ladders of 'yarn' / 'ntk', ``rope_scaling.py``).
     Returns:
@@ -95,7 +98,9 @@ class Rope(PositionEncoding):
 class RopePI(PositionEncoding):
     """'rope_pi': RoPE with positions times ``training_seq_len / key_length`` once the keys outgrow
     the training length. While decoding the key length is the cache's, i.e. that of the full
-    forward the decoding reproduces."""
+    forward the decoding reproduces. With segment ids the key length is each token's own
+    document's (``goat_jax.segments.segment_lengths``), so a packed document is scaled as it is
+    alone."""
 
     name = "rope_pi"
 
@@ -105,6 +110,14 @@ class RopePI(PositionEncoding):
                              "positions are interpolated back to).")
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+        call = ctx.call
+        if call.q_segment_ids is not None:
+            # Per token: the length of the document it belongs to, [B, T] / [B, S].
+            pi_q, pi_k = (jnp.maximum(1.0, segments.segment_lengths(ids).astype(jnp.float32)
+                                      / layer.training_seq_len)
+                          for ids in (call.q_segment_ids, call.kv_segment_ids))
+            return (apply_rope(q, ctx.q_pos, layer.rope_base, pi_q), apply_rope(k, ctx.k_pos, layer.rope_base, pi_k),
+                    ctx.scale)
         pi = max(1.0, ctx.key_len / layer.training_seq_len)
         return (apply_rope(q, ctx.q_pos, layer.rope_base, pi), apply_rope(k, ctx.k_pos, layer.rope_base, pi),
                 ctx.scale)

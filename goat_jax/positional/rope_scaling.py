@@ -116,6 +116,14 @@ class _ScaledRope(PositionEncoding):
         raise NotImplementedError
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+        if (ctx.call.q_segment_ids is not None and layer.rope_scaling_factor is None
+                and ctx.key_len > layer.training_seq_len):
+            # One frequency ladder per call: a per-document dynamic factor has no exact form here.
+            raise ValueError(
+                f"position_encoding={self.name!r} with segment_ids: the dynamic factor follows the key "
+                f"length, here the packed window's ({ctx.key_len} > training_seq_len="
+                f"{layer.training_seq_len}), not each document's. Set rope_scaling_factor (a fixed "
+                "factor), or pack windows no longer than training_seq_len.")
         f = scale_factor(layer, ctx.key_len)
         if f == 1.0:  # exactly 'rope'
             freqs, logit_factor = None, 1.0

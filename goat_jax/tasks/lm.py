@@ -69,19 +69,34 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
     return tasks.Datasets(train=train, make_eval=make_eval, info={"tokenizer": tokenizer})
 
 
+def document_inputs(batch) -> Dict[str, Any]:
+    """The model's keyword inputs of a batch: ``segment_ids`` and ``positions`` of a
+    ``data.packing='documents'`` batch (attention stays inside each document, positions restart
+    per document), none for ``'concat'``."""
+    if "segment_ids" not in batch:
+        return {}
+    return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
+
+
 def loss(apply_fn, params, batch, rng):
-    """Summed token cross-entropy over ``weights`` (the LM has no dropout: ``rng`` unused)."""
+    """Summed token cross-entropy over ``weights`` (the LM has no dropout: ``rng`` unused).
+    Padding of packed documents has weight 0, so it never enters the loss."""
     del rng
-    logits = apply_fn({"params": params}, batch["inputs"])  # [B, T, V] float32
+    logits = apply_fn({"params": params}, batch["inputs"], **document_inputs(batch))  # [B, T, V] float32
     loss_sum, weight_sum = tasks.weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     return loss_sum, (weight_sum, {})
 
 
 def dummy_batch(config, batch_size: int) -> Batch:
-    """Zeros of the training shapes."""
+    """Zeros of the training shapes (with ``segment_ids``/``positions`` under
+    ``data.packing='documents'``: one document per row)."""
     shape = (batch_size, config.seq_len)
-    return {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
-            "weights": np.ones(shape, np.float32)}
+    batch = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
+             "weights": np.ones(shape, np.float32)}
+    if not is_synthetic(config) and config.data.get("packing", "concat") == "documents":
+        batch["segment_ids"] = np.ones(shape, np.int32)
+        batch["positions"] = np.broadcast_to(np.arange(config.seq_len, dtype=np.int32), shape).copy()
+    return batch
 
 
 def flops_per_token(config) -> float:
@@ -122,13 +137,6 @@ def validate(config) -> None:
     if stray:
         raise ValueError(f"data.source={config.data.get('source')!r} does not use data field(s) "
                          f"{['data.' + f for f in stray]}; remove them or change data.source.")
-    if not is_synthetic(config) and config.data.get("packing", "concat") == "documents":
-        # The batches carry segment_ids/positions, but the model does not read them yet: it would
-        # attend across the packed documents and count positions from the window start.
-        raise ValueError(
-            "data.packing='documents' is not yet wired into the LM: the model does not consume "
-            "the batch's segment_ids and positions yet, so it would silently attend across "
-            "documents. Use data.packing='concat' until the layers take segment_ids.")
     validate_model(config, "lm")
 
 
