@@ -53,6 +53,15 @@ def np_rotate(x, p, theta):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
+def _softmax_out(logits, v, w):
+    """float64 softmax over keys, the weighted values and the layer's output projection."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", p, v)
+    return np.einsum("btnh,nhe->bte", out, np.asarray(w["out_proj"]["kernel"], np.float64)) + np.asarray(
+        w["out_proj"]["bias"], np.float64)
+
+
 def np_layer(params, x, enc, kv, causal, pos, f, logn=None, length=TRAIN):
     """Float64 PositionalAttention forward for 'rope'/'ntk'/'yarn' at factor f (trained at
     ``length``); ``logn``: per-query factors multiplying the logits."""
@@ -74,11 +83,7 @@ def np_layer(params, x, enc, kv, causal, pos, f, logn=None, length=TRAIN):
     t = x.shape[1]
     if causal:
         logits = np.where(np.arange(t)[None, :] <= np.arange(t)[:, None], logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = np.einsum("bnts,bsnh->btnh", p, v)
-    return np.einsum("btnh,nhe->bte", out, np.asarray(w["out_proj"]["kernel"], np.float64)) + np.asarray(
-        w["out_proj"]["bias"], np.float64)
+    return _softmax_out(logits, v, w)
 
 
 def np_logn(pos, causal, s, length):
@@ -274,11 +279,7 @@ def _np_alibi(params, x, pos, factors, mode):
     logits = logits + (bias * factors[:, None] if mode == "all" else bias)
     t = x.shape[1]
     logits = np.where(np.arange(t)[None, :] <= np.arange(t)[:, None], logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = np.einsum("bnts,bsnh->btnh", p, v)
-    return np.einsum("btnh,nhe->bte", out, np.asarray(w["out_proj"]["kernel"], np.float64)) + np.asarray(
-        w["out_proj"]["bias"], np.float64)
+    return _softmax_out(logits, v, w)
 
 
 @pytest.mark.parametrize("mode,impl", [("content", "xla"), ("all", "xla"),
