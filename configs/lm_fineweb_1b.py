@@ -100,7 +100,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     # Our choice (no official FineWeb script exists): whole pages packed with segment ids, since
     # most pages are shorter than the 2048-token context (docs/packing.md, Which to use). The
     # automatic kernel is then 'flash' on GPU: cuDNN's fused attention cannot take segment ids.
-    c.data.packing = "documents"
+    c.data.packing = "documents"  # our choice (above); "concat" is the alternative
     c.data.tokenizer = "sentencepiece"  # see the module docstring
     c.data.spm_model_path = "runs/tokenizers/fineweb_128k.model"  # trained here on first use
     c.data.spm_vocab_size = 128_256  # = model.vocab_size

@@ -138,8 +138,9 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     # LM, passkey, NIAH per encoding, the official-synthetic passkey and NIAH per encoding, the
     # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding: 3 seeds
     # each (the tiny suite's default), but the toy figure, trained once.
-    one_seed = (5 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
-                + len(suites.VIT_ENCODINGS) + len(suites.DNA_ENCODINGS))
+    tiny = suites.SUITES["tiny"]
+    one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants)
+                + len(tiny.vit_encodings) + len(tiny.dna_encodings))
     assert len(lines) == 3 * one_seed - 2
     assert sum("toy" in line for line in lines) == 1
     # Seed 0 keeps the 1-seed workdir (a finished run is reused); seed k its sibling <dir>_seed<k>.
@@ -150,7 +151,7 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert len(lines) == one_seed
     assert sum("retrieval_tiny.py:niah,rope,official" in line for line in lines) == 1
     assert sum("lm_tiny.py:goat,linear_sink" in line for line in lines) == 1
-    for enc in suites.VIT_ENCODINGS:  # the tiny report's ViT and DNA protocols: their own configs and folders
+    for enc in tiny.vit_encodings:  # the tiny report's ViT and DNA protocols: their own configs and folders
         assert (f"vit/vit/{enc} (configs/vit_tiny.py:{enc},canvas, overrides {{}}) in "
                 f"runs/reproduce_tiny/vit_canvas/{enc}") in lines[[i for i, l in enumerate(lines) if f"vit/vit/{enc} " in l][0]]
     for enc in suites.DNA_ENCODINGS:
@@ -167,7 +168,7 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none",
                            "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 * len(suites.ENCODINGS) + 1 + len(suites.SUITES["tiny"].lm_variants)
+    assert len(lines) == 3 * len(tiny.encodings) + 1 + len(tiny.lm_variants)
     assert not any("official" in l for l in lines)
     with pytest.raises(ValueError, match="--retrieval_variants paper: suite 'tiny' has official"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--retrieval_variants", "paper"])
