@@ -313,8 +313,7 @@ def _check_config(cfg: ml_collections.ConfigDict) -> None:
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
-    packing = cfg.get("packing", "concat")  # configs from before the field: concat
-    if packing == "documents" and cfg.bos_windows:
+    if cfg.packing == "documents" and cfg.bos_windows:
         raise ValueError("data.bos_windows=True puts BOS at the start of every concatenated window; "
                          "with data.packing='documents' every document starts with its own BOS. "
                          "Set data.bos_windows=False or data.packing='concat'.")
@@ -376,7 +375,7 @@ def make_lm_datasets(
     stream = functools.partial(
         _token_stream, tokenizer=tokenizer, seed=seed, process_index=process_index,
         process_count=process_count, read_threads=cfg.read_threads, bos_windows=cfg.bos_windows)
-    if cfg.get("packing", "concat") == "documents":
+    if cfg.packing == "documents":
         pack = functools.partial(
             packing_lib.pack_documents, seq_len=seq_len, pad_id=tokenizer.pad_id,
             num_bins=packing_lib.num_packing_bins(local_batch))
