@@ -9,8 +9,7 @@ Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv he
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple
 
 import flax
 import flax.linen as nn
@@ -20,10 +19,12 @@ import numpy as np
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax import segments as segments_lib
+from goat_jax.attention_call import (  # re-exported: layers.Encoded etc. are the public names
+    LOGN_MODES, AttentionCall, Encoded, LayerShape, Offset, apply_logn, logn_factors, resolve_call_segments)
 
 Array = jax.Array
 Dtype = Any
+
 
 class LogicallyPartitioned(nn.LogicallyPartitioned):
     """``nn.LogicallyPartitioned`` that also works from Flax NNX without a mesh.
@@ -234,156 +235,9 @@ def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
     return jnp.where(cache.start + t > cache.length, jnp.nan, out)
 
 
-# Log-n scaling (docs/protocols.md, Comparators): which part of the logits it multiplies.
-LOGN_MODES = ("content", "all")
-
-
-def logn_factors(q_index: Array, is_causal: bool, key_len: int, training_len: int) -> Array:
-    """Per-query log-n factors ``max(1, ln n / ln training_len)``, [T] or [B, T] float32.
-
-    n is the number of keys the query may attend: ``position + 1`` for a causal query (so a
-    decoded token gets the factor of its row in the full forward; Qwen's logn attention, SSMax),
-    the key length S for non-causal attention (padding included; with segment ids, ``key_len``
-    is [B, T]: the keys of each query's own document).
-    """
-    n = q_index + 1.0 if is_causal else jnp.asarray(key_len, jnp.float32) * jnp.ones_like(q_index)
-    return jnp.maximum(1.0, jnp.log(jnp.maximum(n, 1.0)) / math.log(training_len))
-
-
-def apply_logn(enc: "Encoded", factors: Array, mode: str) -> "Encoded":
-    """Multiplies the queries of ``enc`` row by row by ``factors`` ([T] / [B, T]): the content
-    channels only (``mode='content'``: the first ``content_keys.shape[-1]`` channels of q, i.e.
-    ``q . k`` of the content), or every packed channel and the bias too (``mode='all'``: the
-    whole logit, prior included). In float32, then back to the kernel's dtype."""
-    s = factors if factors.ndim == 2 else factors[None]  # [B|1, T]
-    qf = enc.q.astype(jnp.float32)
-    if mode == "content":
-        d = enc.content_keys.shape[-1]
-        q = jnp.concatenate([qf[..., :d] * s[:, :, None, None], qf[..., d:]], axis=-1)
-        return enc._replace(q=q.astype(enc.q.dtype))
-    bias = None if enc.bias is None else enc.bias * s[:, None, :, None]
-    return enc._replace(q=(qf * s[:, :, None, None]).astype(enc.q.dtype), bias=bias)
-
-
 # ----------------------------------------------------------------------------------------------
 # The shared attention layer: call signature, projections, positions, cache, kernel, sowing
 # ----------------------------------------------------------------------------------------------
-
-# A position offset: None, an int or traced int scalar (1D), or a (row, col) pair (GOAT's 2D mode).
-Offset = Union[None, int, Array, Tuple[int, int]]
-
-
-class AttentionCall(NamedTuple):
-    """The arguments of one attention call (see :class:`AttentionBase`), with ``key`` and
-    ``value`` already defaulted; while decoding, both offsets are the cache index."""
-
-    query: Array
-    key: Array
-    value: Array
-    is_causal: bool
-    key_padding_mask: Optional[Array]
-    spatial_shape: Optional[Tuple[int, ...]]
-    has_cls_token: Optional[bool]
-    position_offset_q: Offset
-    position_offset_k: Offset
-    q_positions: Optional[Array]
-    k_positions: Optional[Array]
-    # [B, T] / [B, S] int32 document ids (None without segments); with them, q_positions /
-    # k_positions are the per-document positions unless the caller gave explicit ones.
-    q_segment_ids: Optional[Array] = None
-    kv_segment_ids: Optional[Array] = None
-
-
-def resolve_call_segments(call: AttentionCall, segment_ids: Optional[Array],
-                          kv_segment_ids: Optional[Array], decode: bool) -> AttentionCall:
-    """Validates a call's segment ids and returns the call with ``q_segment_ids`` /
-    ``kv_segment_ids`` set and, where no explicit positions were given, ``q_positions`` /
-    ``k_positions`` restarting at 0 at each segment (:func:`goat_jax.segments.segment_positions`).
-
-    Every check runs before any parameter or cache is made. Raises ValueError naming the
-    argument for: ``kv_segment_ids`` without ``segment_ids``; cross-attention (key is not query)
-    without ``kv_segment_ids``; wrong shape or dtype; ids that re-appear after another id in a
-    row, or explicit positions that do not restart at 0 where the ids change (both only when
-    concrete: under ``jit`` traced ids and positions are used as given); position offsets
-    (documents start at 0); ``decode=True``. Decoding is refused rather than supported within
-    one segment because the cache holds one sequence per row: a packed prompt's documents would
-    share it, and a decoded document is simply a row of its own.
-    """
-    if segment_ids is None:
-        if kv_segment_ids is not None:
-            raise ValueError("kv_segment_ids needs segment_ids (the queries' ids) as well.")
-        return call
-    if decode:
-        raise ValueError(
-            "segment_ids are not supported with decode=True: the KV cache holds one sequence per "
-            "row, so decode each document in a row of its own (without segment_ids).")
-    self_attention = call.key is call.query
-    if kv_segment_ids is None:
-        if not self_attention:
-            raise ValueError("Cross-attention with segment_ids needs kv_segment_ids [B, S], the "
-                             "keys' document ids.")
-        kv_segment_ids = segment_ids
-    if call.spatial_shape is not None:
-        raise ValueError("segment_ids are for 1D sequences (packed documents); a patch grid "
-                         "(spatial_shape) has no documents. Drop segment_ids or spatial_shape.")
-    b, t, s = call.query.shape[0], call.query.shape[1], call.key.shape[1]
-    q_ids, kv_ids = kernels.resolve_segments((b, t), (b, s), q_segment_ids=segment_ids,
-                                            kv_segment_ids=kv_segment_ids)
-    names = ("segment_ids", "segment_ids" if self_attention and kv_segment_ids is segment_ids else "kv_segment_ids")
-    for ids, name in zip((q_ids, kv_ids), names):
-        segments_lib.check_contiguous(ids, name)
-    for which, offset in (("q", call.position_offset_q), ("k", call.position_offset_k)):
-        if offset is not None:
-            raise ValueError(f"position_offset_{which} cannot be combined with segment_ids: positions "
-                             "restart at 0 in every segment. Pass explicit positions instead.")
-    positions = []
-    for name, explicit, ids, ids_name in (("q_positions", call.q_positions, q_ids, names[0]),
-                                          ("k_positions", call.k_positions, kv_ids, names[1])):
-        if explicit is None:
-            positions.append(segments_lib.segment_positions(ids))
-        else:
-            segments_lib.check_positions_agree(explicit, ids, name, ids_name)
-            positions.append(explicit)
-    return call._replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=positions[0],
-                         k_positions=positions[1])
-
-
-class LayerShape(NamedTuple):
-    """Head bookkeeping of one call: N query heads, K kv heads, H head dim, the compute dtype,
-    E the model dim and the (B, N, T, S attended) logits shape the automatic kernel choice reads."""
-
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: Any
-    embed_dim: int
-    logits_shape: Tuple[int, int, int, int]
-
-    @property
-    def group(self) -> int:
-        """G = N // K, the query heads sharing one kv head."""
-        return self.num_heads // self.kv_heads
-
-
-class Encoded(NamedTuple):
-    """What a layer's position handling hands to the kernel.
-
-    Attributes:
-      q: [B, T, N, Hqk] queries as the kernel sees them (rotated, packed, ...).
-      k: [B, S, K, Hqk] keys as the kernel sees them: what the KV cache stores.
-      scale: the factor on ``q . k`` (1.0 when a scale is folded into packed queries).
-      content_keys: [B, S, K, Hk] keys before any position encoding (sown for evaluations).
-      causal_offset: shift of the causal mask (GOAT's 1D offsets; replaced by the cache index
-        while decoding).
-      bias: None, or an additive [B or 1, N, T, S attended] float32 bias (xla/dense kernels).
-    """
-
-    q: Array
-    k: Array
-    scale: float
-    content_keys: Array
-    causal_offset: Any = 0
-    bias: Optional[Array] = None
 
 
 class AttentionBase(nn.Module):

@@ -37,7 +37,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from goat_jax import _extras  # noqa: the leaf module of optional-package errors
+from goat_jax import _extras  # the leaf module of optional-package errors
 
 # float32 is what the device computes with: a larger "finite" value is inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)

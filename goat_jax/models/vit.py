@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.attention import GoatAttention
-from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
+from goat_jax.config.fields import Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
 from goat_jax.prior import PriorSettings

@@ -21,7 +21,6 @@ import dataclasses
 import math
 from typing import Dict
 
-import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras

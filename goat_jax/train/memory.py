@@ -81,7 +81,7 @@ def check_fits(per_device: Optional[int], device: Any, local_devices: int, *,
     cpu = device.platform == "cpu"
     need = per_device * (local_devices if cpu else 1)
     where = (f"{local_devices} CPU device(s) x {per_device / GiB:.2f} GiB" if cpu
-             else f"per device")
+             else "per device")
     estimate = (f"one train step needs an estimated {need / GiB:.2f} GiB ({where}; XLA's plan of "
                 "the step: state, batch, activations and gradients)")
     advice = ("Lower the memory per step: a smaller global_batch_size or more grad_accum_steps "
