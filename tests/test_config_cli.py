@@ -96,3 +96,20 @@ def test_every_sequence_field_is_settable_from_the_command_line(spec, monkeypatc
         for part in name.split("."):
             got = got[part]
         assert got == ("user_value",), name
+
+
+def test_a_record_name_read_as_a_number_is_refused_with_the_quoting_fix(monkeypatch):
+    """``--config.data.test_records=22`` (chromosome 22) reaches the config as the int 22; the
+    field check refuses it before any work and says how to keep it a string."""
+    from goat_jax.config.fields import check_section
+    from goat_jax.data.dna import DATA
+
+    monkeypatch.chdir(ROOT)
+    config = _parse("configs/dna_hg38.py:goat", "--config.data.test_records=22")
+    assert tuple(config.data.test_records) == (22,)
+    with pytest.raises(ValueError, match=r"data\.test_records=\(22,\) has the wrong type.*reads 22 as a "
+                                         r"number.*--config\.data\.test_records=\"'22'\""):
+        check_section(config.data, DATA.specs, "data")
+    quoted = _parse("configs/dna_hg38.py:goat", "--config.data.test_records='22'")
+    assert tuple(quoted.data.test_records) == ("22",)
+    check_section(quoted.data, DATA.specs, "data")

@@ -228,6 +228,11 @@ def check_section(values: Mapping[str, Any], specs: Mapping[str, Field], section
             elif spec.kind in ("strs", "ints", "floats"):
                 fix = (f"Repeat --config.{prefix}{name}=ELEMENT once per element" +
                        ("." if spec.nonempty else f", or pass --config.{prefix}{name}='()' for none."))
+                numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)] \
+                    if spec.kind == "strs" and isinstance(value, (tuple, list)) else []
+                if numbers:  # absl reads an element that looks like a number as one: 22 for chr 22
+                    fix += (f" The command line reads {numbers[0]!r} as a number; quote a string that "
+                            f"looks like one: --config.{prefix}{name}=\"'{numbers[0]}'\".")
             else:
                 fix = f"Set --config.{prefix}{name} to an allowed value."
             where = f"{owner}.{name}" if owner else f"{prefix}{name}"
