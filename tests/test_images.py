@@ -192,6 +192,19 @@ def test_bad_folders_and_files(tmp_path, jpeg_root):
         I.make_image_datasets(_folder_cfg(jpeg_root, channels=2), global_batch_size=2, seed=0)
 
 
+def test_unprepared_tfds_dataset_is_one_error_naming_the_fields(tmp_path):
+    """ImageNet not prepared in data.tfds_data_dir: a ValueError naming the fields and the
+    `tfds build` command, before any download or preparation is attempted (nothing is written)."""
+    pytest.importorskip("tensorflow_datasets")
+    cfg = I.default_data_config()
+    cfg.update(tfds_data_dir=str(tmp_path), read_threads=1)
+    with pytest.raises(ValueError, match=r"data\.tfds_name='imagenet2012' split data\.tfds_train_split='train' "
+                                         r"could not be opened from data\.tfds_data_dir=.*tfds build imagenet2012 "
+                                         r"--file_format=array_record"):
+        I.make_image_datasets(cfg, global_batch_size=2, seed=0)
+    assert not os.listdir(tmp_path)
+
+
 def test_grayscale_folder_decodes_as_rgb_and_as_gray(jpeg_root):
     path = os.path.join(jpeg_root, "train", "n00", "img0.JPEG")
     assert Image.open(path).mode == "L"

@@ -32,6 +32,8 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import ml_collections
 import numpy as np
 
+from goat_jax.data import tfds_source
+
 DOC_SPLITS = ("entries", "paragraphs", "files")  # how text files are cut into documents
 
 
@@ -229,21 +231,8 @@ def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
 
 
 def tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> Split:
-    with _extras.imports(__name__):
-        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-    try:
-        # download=False: preparing C4-sized data is a separate, offline job, never a side
-        # effect of starting training.
-        source = tfds.data_source(cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None,
-                                  download=False)
-    except Exception as e:  # tfds raises many types; all mean "not found / not prepared".
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise ValueError(
-            f"data.tfds_name={cfg.tfds_name!r} split data.{field}={split!r} could not be opened "
-            f"from data.tfds_data_dir={cfg.tfds_data_dir!r} ({reason}). Prepare it as "
-            "array_record (`tfds build --file_format=array_record`) or fix these fields."
-        ) from e
+    source = tfds_source.open_data_source(cfg.tfds_name, split, cfg.tfds_data_dir, name_field="data.tfds_name",
+                                          split_field=f"data.{field}", dir_field="data.tfds_data_dir")
     if len(source) and cfg.text_key not in source[0]:
         raise ValueError(f"data.text_key={cfg.text_key!r} is not a feature of {cfg.tfds_name} "
                          f"(features: {sorted(source[0])}).")

@@ -54,6 +54,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from PIL import Image
 
 from goat_jax.data import hosts
+from goat_jax.data import tfds_source
 from goat_jax.data import image_transforms as T
 from goat_jax.config.fields import Bool, Float, Floats, Int, Section, Str, check_section
 
@@ -246,12 +247,10 @@ def _load_splits(cfg: ml_collections.ConfigDict):
                                  f"dataset-fashion-mnist or set data.folder (default {FASHION_MNIST_DIR}).")
             splits.append(_ArraySource(read_idx(paths[0]), read_idx(paths[1])))
         return splits[0], splits[1], 10
-    with _extras.imports(__name__):
-        import tensorflow_datasets as tfds  # imported lazily: only this source needs it
-
-    kwargs = dict(data_dir=cfg.tfds_data_dir or None)
-    train = tfds.data_source(cfg.tfds_name, split=cfg.tfds_train_split, **kwargs)
-    val = tfds.data_source(cfg.tfds_name, split=cfg.tfds_eval_split, **kwargs)
+    train, val = (tfds_source.open_data_source(cfg.tfds_name, split, cfg.tfds_data_dir, name_field="data.tfds_name",
+                                               split_field=f"data.{field}", dir_field="data.tfds_data_dir")
+                  for split, field in ((cfg.tfds_train_split, "tfds_train_split"),
+                                       (cfg.tfds_eval_split, "tfds_eval_split")))
     num_classes = train.dataset_info.features["label"].num_classes
     return _TfdsSource(train), _TfdsSource(val), int(num_classes)
 
