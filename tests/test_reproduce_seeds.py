@@ -203,3 +203,18 @@ def test_issue_command_smoke_two_seeds_language(tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["passkey/passkey/rope"]["seeds"]) == {"passkey/passkey/rope", "passkey/passkey/rope@seed1"}
     assert (out / "perplexity_jargon.png").stat().st_size > 1000
+
+
+def test_compute_per_seed_counts_reused_runs_by_their_own_stage_times():
+    """A reused run has ~0 wall clock in this invocation but keeps the train/eval seconds it took
+    when made; rows of another family are left out."""
+    from goat_jax.reproduce import report
+
+    timings = {"train vit/vit/goat": 600.0, "eval vit/vit/goat": 60.0, "wall vit/vit/goat": 0.1,
+               "train vit/vit/goat@seed1": 500.0, "eval vit/vit/goat@seed1": 50.0,
+               "wall vit/vit/goat@seed1": 560.0, "train vit/vit/ape@seed1": 100.0,
+               "eval vit/vit/ape@seed1": 10.0, "wall vit/vit/ape@seed1": 111.0,
+               "train dna/dna/goat": 900.0, "eval dna/dna/goat": 90.0, "wall dna/dna/goat": 990.0}
+    got = report.compute_by_seed(timings, {"vit/vit/goat", "vit/vit/ape"})
+    assert got == {0: {"stages": 660.0, "train": 600.0, "wall": 0.1},
+                   1: {"stages": 660.0, "train": 600.0, "wall": 671.0}}

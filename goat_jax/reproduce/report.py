@@ -52,6 +52,26 @@ def _seed_of(run_name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def compute_by_seed(timings: dict[str, float], names: set[str]) -> dict[int, dict[str, float]]:
+    """Per seed offset k, the compute of the runs whose row (``Job.name``) is in ``names``:
+    ``{'stages': train + evaluate seconds, 'train': training seconds, 'wall': this invocation's
+    wall clock}``. ``timings`` holds ``'train <run name>'`` / ``'eval <run name>'`` (the seconds
+    the stage took when the run was made: a reused run counts) and ``'wall <run name>'`` (this
+    invocation's: ~0 for a reused run)."""
+    out: dict[int, dict[str, float]] = {}
+    for key, seconds in timings.items():
+        stage, run = key.split(" ", 1)
+        if _base(run) not in names:
+            continue
+        entry = out.setdefault(_seed_of(run), {"stages": 0.0, "train": 0.0, "wall": 0.0})
+        if stage == "wall":
+            entry["wall"] += seconds
+        else:
+            entry["stages"] += seconds
+            entry["train"] += seconds if stage == "train" else 0.0
+    return out
+
+
 def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                    command: str, timings: dict[str, float], total_seconds: float, seeds: int = 1,
                    failed: Optional[dict] = None) -> str:
@@ -59,12 +79,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     this invocation (command, date, commit, compute), the setup, the headline checks with their
     numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's)."""
     names = {j.name for j in jobs}
-    walls = {k.split(" ", 1)[1]: v for k, v in timings.items()
-             if k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
     mine = {k: v for k, v in timings.items() if not k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
-    by_seed = {}  # this invocation's wall clock per seed (jobs run at once overlap: the sum is CPU-ish)
-    for k, v in walls.items():
-        by_seed[_seed_of(k)] = by_seed.get(_seed_of(k), 0.0) + v
+    by_seed = compute_by_seed(timings, names)
     failed = failed or {}  # this family's failed runs (write_report picks them)
     md = [f"## {FAMILY_TITLES[family]}", "",
           f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
@@ -74,9 +90,13 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
           f"{sum(v for k, v in mine.items() if k.startswith('train')) / 60:.1f} min); the invocation "
           f"took {total_seconds / 60:.1f} min (finished runs and cached evaluations are reused; "
           f"stage times of reused runs are those of the invocation that made them)  ",
-          "Wall clock of this invocation per seed (train + evaluate, summed over the family's runs; "
-          "~0 for reused runs): " + ", ".join(f"seed +{k} {v / 60:.1f} min" for k, v in sorted(by_seed.items()))
-          + "  ",
+          "Compute per seed (train + evaluate seconds summed over the family's runs, as each run "
+          "took them when it was made, so reused runs count; runs that shared the cores with other "
+          "jobs took longer than on idle cores): "
+          + ", ".join(f"seed +{k} {v['stages'] / 60:.1f} min (training {v['train'] / 60:.1f})"
+                      for k, v in sorted(by_seed.items()))
+          + "; this invocation's wall clock per seed (~0 for reused runs): "
+          + ", ".join(f"seed +{k} {v['wall'] / 60:.1f} min" for k, v in sorted(by_seed.items())) + "  ",
           f"Seeds: {seeds} (seed = the config's seed + k, k = 0..{seeds - 1}; the toy figure is trained once). "
           + (f"Every number is the {stats.INTERVAL_NAME}; " if seeds > 1 else
              "One seed: numbers are single runs, there is no interval, and every verdict is "
