@@ -16,8 +16,10 @@ The measurement is goat_jax/reproduce/dna_bench.py (the DNA report section uses 
 
 from __future__ import annotations
 
-from absl import app
-from absl import flags
+from goat_jax import _extras
+with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
+    from absl import app
+    from absl import flags
 
 from goat_jax.reproduce import dna_bench
 

@@ -22,8 +22,10 @@ import time
 
 import jax
 import numpy as np
-from absl import app
-from absl import flags
+from goat_jax import _extras
+with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
+    from absl import app
+    from absl import flags
 
 from configs import lm_c4_125m
 from configs import lm_tiny

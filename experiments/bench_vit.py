@@ -22,9 +22,11 @@ import time
 import flax.linen as nn
 import jax
 import numpy as np
-import optax
-from absl import app
-from absl import flags
+from goat_jax import _extras
+with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
+    import optax
+    from absl import app
+    from absl import flags
 
 from configs import vit_s16_imagenet, vit_tiny
 from goat_jax.models.vit import POSITION_ENCODINGS

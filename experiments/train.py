@@ -23,9 +23,11 @@ writes its part of each checkpoint there.
 import logging as py_logging
 import os
 
-from absl import app
-from absl import flags
-from absl import logging
+from goat_jax import _extras
+with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
+    from absl import app
+    from absl import flags
+    from absl import logging
 from goat_jax import cli
 from goat_jax import config_files
 from goat_jax.train import sharding
