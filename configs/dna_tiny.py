@@ -81,7 +81,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
         c.global_batch_size = 16
         c.num_train_steps = 1500
         c.eval_every_steps = 500
-        c.checkpoint_every_steps = 500
+        c.checkpoint_every_steps = 100  # a killed run loses at most 100 steps (minutes, not an hour)
         c.model.max_len = 8192  # up to 16x
         c.data.num_eval_batches = 8  # 8 x 16 x 512 = 65k held-out bases per eval
     if smoke:  # seconds per run: CLI and engine tests

@@ -100,8 +100,10 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
         c.model.abs_rank = 2
         c.num_train_steps = 1880  # 4 epochs of 60k images at batch 128
         c.eval_every_steps = 470
-        c.checkpoint_every_steps = 470  # one checkpoint per epoch, all kept: the prior's range over training
-        c.keep_checkpoints = 5
+        # Every half epoch, all kept: the prior's range over training, and a killed run (e.g. a
+        # session's end) loses at most half an epoch.
+        c.checkpoint_every_steps = 235
+        c.keep_checkpoints = 9
     if smoke:  # seconds per run: the CLI smoke test
         c.num_train_steps = 6
         c.global_batch_size = 16
