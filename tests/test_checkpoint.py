@@ -131,7 +131,7 @@ def test_leftover_temporary_directory_is_ignored(tmp_path):
 # Kill and resume the real entry point
 # ----------------------------------------------------------------------------------------------
 
-STEPS = 150  # long enough that the kill lands mid-run; each smoke step takes milliseconds
+STEPS = 80  # the kill lands at step ~20-25, with ~55 steps and ~6 checkpoint saves (seconds) to spare
 _ARGS = ["--config", "configs/lm_tiny.py:goat,smoke", f"--config.num_train_steps={STEPS}",
          "--config.checkpoint_every_steps=10", "--config.keep_checkpoints=3",
          "--config.progress_bar=False"]

@@ -70,6 +70,28 @@ def _train(workdir):
     return proc, {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
+def test_documents_packing_trains_and_evaluates_in_process(tmp_path):
+    """The default suite's sibling of the CLI test below: the trainer on packed documents (4
+    steps), then the documents evaluation of the run it wrote. Resuming the packer exactly is
+    tested at the pipeline level (tests/test_packing.py) and through the CLI (slow, below)."""
+    from goat_jax.config_files import load_config
+    from goat_jax.eval import documents as doc_eval
+    from goat_jax.eval import runs
+    from goat_jax.train import trainer
+
+    config = load_config("configs/lm_tiny.py:goat,smoke", {
+        "data.packing": "documents", "num_train_steps": 4, "checkpoint_every_steps": 4,
+        "progress_bar": False})
+    summary = trainer.train_and_evaluate(config, str(tmp_path))
+    assert summary["step"] == 4 and np.isfinite(summary["train_loss"])
+    run = runs.load_lm_run(str(tmp_path))
+    result = doc_eval.eval_documents(run, (1,), max_windows=4)
+    assert np.isfinite(result["ppl"][run.train_len]["ppl"]) and result["ppl"][run.train_len]["tokens"] > 0
+    assert len(result["first_mass"]) == config.model.num_layers
+    assert all(0 < m < 1 for m in result["first_mass"])
+
+
+@pytest.mark.slow
 def test_documents_packing_trains_resumes_exactly_and_evaluates(tmp_path):
     """8 steps; then the step-8 checkpoint is removed (a run killed after saving step 4) and the
     same command resumes at step 4: steps 5-8 repeat the losses bit for bit, so the packer's
