@@ -42,11 +42,19 @@ def apply_logn(enc: "Encoded", factors: Array, mode: str) -> "Encoded":
     """Multiplies the queries of ``enc`` row by row by ``factors`` ([T] / [B, T]): the content
     channels only (``mode='content'``: the first ``content_keys.shape[-1]`` channels of q, i.e.
     ``q . k`` of the content), or every packed channel and the bias too (``mode='all'``: the
-    whole logit, prior included). In float32, then back to the kernel's dtype."""
+    whole logit, prior included). In float32, then back to the kernel's dtype. ValueError for
+    ``'all'`` on packed position channels in a dtype other than float32 (the packed split would
+    be rounded; ``'content'`` leaves those channels alone)."""
     s = factors if factors.ndim == 2 else factors[None]  # [B|1, T]
+    d = enc.content_keys.shape[-1]
+    if mode == "all" and enc.q.shape[-1] > d and enc.q.dtype != jnp.float32:
+        raise ValueError(
+            f"logn_scaling='all' with {jnp.dtype(enc.q.dtype).name} queries would round each packed "
+            "position channel times the factor to one value of that dtype, breaking the exact split "
+            "that carries large position terms (GOAT's sink u(j), packed ALiBi, FoX) far from the "
+            "start. Use logn_scaling='content', or dtype float32.")
     qf = enc.q.astype(jnp.float32)
     if mode == "content":
-        d = enc.content_keys.shape[-1]
         q = jnp.concatenate([qf[..., :d] * s[:, :, None, None], qf[..., d:]], axis=-1)
         return enc._replace(q=q.astype(enc.q.dtype))
     bias = None if enc.bias is None else enc.bias * s[:, None, :, None]

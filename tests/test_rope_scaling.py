@@ -430,3 +430,18 @@ def test_evaluate_refuses_swaps_that_do_not_share_parameters(tmp_path):
         with pytest.raises(ValueError, match=match):
             evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--out", str(tmp_path / "o"), *flags])
     assert not (tmp_path / "o").exists()
+
+
+def test_logn_all_refuses_packed_channels_in_bf16(rng):
+    """'all' in bfloat16 would round GOAT's packed sink channels times the factor: refused before
+    any work, naming the two fixes; 'content' in bf16 and 'all' in float32 run."""
+    cfg = dict(num_heads=2, kv_num_heads=2, head_dim=16, pos_rank=2, abs_rank=2, training_seq_len=8)
+    x = jnp.asarray(rng.normal(size=(1, 16, E)), jnp.float32)
+    params = goat_ref.goat_module(**cfg, logn_scaling="all").init(jax.random.PRNGKey(0), x, is_causal=True)
+    with pytest.raises(ValueError, match=r"logn_scaling='all' with bfloat16.*logn_scaling='content', or dtype float32"):
+        goat_ref.goat_module(**cfg, logn_scaling="all", dtype=jnp.bfloat16).apply(params, x, is_causal=True)
+    y = goat_ref.goat_module(**cfg, logn_scaling="content", dtype=jnp.bfloat16).apply(params, x, is_causal=True)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    # A RoPE layer has no packed channels: 'all' runs in bf16.
+    module = make("rope", 2, logn_scaling="all", training_seq_len=8, dtype=jnp.bfloat16)
+    assert bool(jnp.all(jnp.isfinite(module.apply({"params": init(module, rng, x, is_causal=True)}, x, is_causal=True))))
