@@ -145,7 +145,7 @@ SUITES = {
         dna_overrides={"num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2},
         dna_max_bases=2048, dna_genomes=_DNA_GENOMES[1:2], dna_gc_windows=4, dna_memory_lengths=(64,),
         dna_memory_model={"num_layers": 1, "embed_dim": 32, "num_heads": 2, "mlp_dim": 64}, seeds=1),
-    # ~20-35 hours on 2 CPU cores with 3 seeds (docs/experiments.md, "Compute of the tiny suite"): run
+    # ~15 hours on 2 CPU cores with 3 seeds (docs/experiments.md, "Compute of the tiny suite"): run
     # it in parts or sittings, finished runs are reused. Settings chosen once for all encodings.
     "tiny": Suite(
         name="tiny", lm=(("jargon", "configs/lm_tiny.py:{enc}"),),
