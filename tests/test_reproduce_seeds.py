@@ -200,6 +200,7 @@ def test_issue_command_smoke_two_seeds_language(tmp_path):
     assert measured and all(re.search(r"\| \*{0,2}(supported|contradicted|inconclusive)\*{0,2} \|", l)
                             for l in measured)
     assert "±" in head
+    assert re.search(r"Compute per seed .*seed \+0 [\d.]+ min \(training [\d.]+\), seed \+1 [\d.]+ min", report)
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["passkey/passkey/rope"]["seeds"]) == {"passkey/passkey/rope", "passkey/passkey/rope@seed1"}
     assert (out / "perplexity_jargon.png").stat().st_size > 1000
