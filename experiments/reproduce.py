@@ -1,6 +1,7 @@
 """Reproduce the paper's experiments at one scale: one command -> REPORT.md + figures.
 
-    python -m experiments.reproduce --suite tiny                   # 3 seeds: ~1-2 days on 2 CPU cores
+    python -m experiments.reproduce --suite tiny                   # 3 seeds: ~15 h on 2 CPU cores
+    python -m experiments.reproduce --suite tiny --status          # how far it got, what is left
     python -m experiments.reproduce --suite tiny --families dna    # one family: lm, vit or dna
     python -m experiments.reproduce --suite smoke --out /tmp/rep   # minutes: the harness end to end
     python -m experiments.reproduce --suite tiny --families lm --seeds 3 --jobs 2   # part of it
@@ -84,6 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="training jobs at once, each in a subprocess logging to <workdir>.log (default 1: "
                    "one after another; 2 on 2 cores finishes the tiny suite sooner)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--status", action="store_true",
+                   help="print where every planned run stands (done, trained, partial at step k/N, ...) per "
+                   "family and seed, and the compute still to go; trains and writes nothing")
     args = p.parse_args(argv)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return runner.reproduce(
@@ -91,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         families=_split(args.families) or [], encodings=_split(args.encodings),
         vit_encodings=_split(args.vit_encodings), dna_encodings=_split(args.dna_encodings),
         retrieval_variants=None if args.retrieval_variants is None else args.retrieval_variants.split(","),
-        dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs)
+        dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs, status=args.status)
 
 
 if __name__ == "__main__":

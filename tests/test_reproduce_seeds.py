@@ -163,8 +163,12 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
 
 
 def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
-    _, runs, _ = _two_seeds(tmp_path, monkeypatch, capsys)
+    argv, runs, _ = _two_seeds(tmp_path, monkeypatch, capsys)
     assert not (runs / "jargon" / "goat.log").exists()  # --jobs 1: in this process, no worker logs
+    # --status on the real workdirs: every run (trained + evaluated-with) is done, nothing to go.
+    assert reproduce.main(argv + ["--seeds", "2", "--status"]) == 0
+    text = capsys.readouterr().out
+    assert "4 of 4 runs done" in text and "~0.0 h" in text and "not counted" not in text, text
 
 
 @pytest.mark.slow
@@ -219,3 +223,36 @@ def test_compute_per_seed_counts_reused_runs_by_their_own_stage_times():
     got = report.compute_by_seed(timings, {"vit/vit/goat", "vit/vit/ape"})
     assert got == {0: {"stages": 660.0, "train": 600.0, "wall": 0.1},
                    1: {"stages": 660.0, "train": 600.0, "wall": 671.0}}
+
+
+def test_status_counts_states_and_estimates_what_is_left(tmp_path, capsys):
+    """--status on the smoke suite: nothing run yet is 'missing', a workdir without a checkpoint
+    'started'; the estimate comes from finished runs of the same kind and names the kinds it
+    cannot estimate."""
+    from goat_jax.reproduce import status
+
+    jobs = suites.plan(suites.SUITES["smoke"], str(tmp_path), seeds=2)
+    lm_goat = next(j for j in jobs if j.name == "lm/jargon/goat" and j.seed_offset == 0)
+    os.makedirs(lm_goat.workdir)
+    states = [status.run_state(j, suites.SUITES["smoke"]) for j in jobs]
+    by_name = {s.job.run_name: s.state for s in states}
+    assert by_name["lm/jargon/goat"] == "started" and by_name["lm/jargon/rope"] == "missing"
+    assert by_name["dna/dna/goat@seed1"] == "missing" and set(by_name.values()) <= {"started", "missing"}
+
+    # The estimate, from made-up finished runs: one finished lm/jargon run (600 s + 60 s) ...
+    done = status.RunState(lm_goat, "done", 4, 4, train_seconds=600.0, eval_seconds=60.0)
+    rope = next(j for j in jobs if j.name == "lm/jargon/rope" and j.seed_offset == 0)
+    half = status.RunState(rope, "partial", 2, 4)
+    fresh = status.RunState(dataclasses.replace(rope, seed_offset=1), "missing", 0, 4)
+    trained = status.RunState(dataclasses.replace(rope, seed_offset=2), "trained", 4, 4)
+    vit = next(j for j in jobs if j.kind == "vit")
+    left, unknown = status.remaining_seconds([done, half, fresh, trained, status.RunState(vit, "missing", 0, 2)])
+    assert left == pytest.approx((300 + 60) + (600 + 60) + 60)  # half the training left, all, evaluation only
+    assert unknown == ["vit/vit"]
+    text = status.render([done, half, fresh, trained], "smoke", str(tmp_path), 3, jobs=2)
+    assert "| lm | +0 | 1 | 0 | 1 | 0 | 0 | 0 |" in text and "| lm | +2 | 0 | 1 | 0 | 0 | 0 | 0 |" in text
+    assert "lm/jargon/rope: partial (step 2/4)" in text and "~0.3 h of one job slot, ~0.1 h with 2 jobs" in text
+
+    # Through the command line: prints, trains and writes nothing.
+    assert reproduce.main(["--suite", "smoke", "--status", "--workdir", str(tmp_path / "none")]) == 0
+    assert "runs (1 seed(s))" in capsys.readouterr().out and not (tmp_path / "none").exists()

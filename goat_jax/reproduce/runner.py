@@ -21,6 +21,7 @@ from goat_jax import cli
 from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
+from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 
 
@@ -55,7 +56,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
               families: Sequence[str] = FAMILIES, encodings: Optional[Sequence[str]] = None,
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
               retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False,
-              seeds: Optional[int] = None, jobs: int = 1) -> int:
+              seeds: Optional[int] = None, jobs: int = 1, status: bool = False) -> int:
     """Runs (or prints) suite ``suite_name``'s ``families``; returns the process exit code.
 
     ``workdir``: the runs root (default ``runs/reproduce_<suite>``); ``out``: the report
@@ -63,7 +64,8 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     the command line written into the report. ``seeds``: trains per run (default the suite's
     ``seeds``; seed = the config's + k); ``jobs``: training jobs run at once in subprocesses
     (1: one after another in this process). Exit code 1 when a job failed (the others are
-    reported).
+    reported). ``status``: print where the suite's runs stand (goat_jax/reproduce/status.py) and
+    the compute still to go, training and writing nothing.
     """
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
@@ -105,6 +107,11 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     all_jobs = plan(suite, root, encodings, seeds=seeds, **plan_kwargs)
     if not all_jobs:
         raise ValueError(f"--families {','.join(families)}: suite {suite.name!r} has no runs there.")
+    if status:
+        absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
+        print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite.name, root,
+                                seeds, int(jobs)))
+        return 0
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
             + (f", {jobs} at once" if jobs > 1 else ""))
     raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start)

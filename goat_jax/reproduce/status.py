@@ -1,0 +1,134 @@
+"""Where a suite stands, without training or evaluating anything: every planned run's state
+(what ``python -m experiments.reproduce --status`` prints), counted per family and seed, with the
+compute still to go estimated from the runs that finished.
+
+A suite such as ``tiny`` with 3 seeds is ~15 h of 2 CPU cores, run in several sittings: the same
+command reuses finished runs and resumes killed ones, and this view says how far it got. Sits
+above :mod:`goat_jax.reproduce.jobs` (it reads the same workdirs and evaluation caches) and
+below the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Optional
+
+from goat_jax.reproduce import jobs as jobs_lib
+from goat_jax.reproduce.suites import FAMILIES, Job, Suite
+from goat_jax.train import run as run_lib
+
+# A run's state, in order of progress: evaluated with this suite's settings / trained to its last
+# step, evaluation missing or made with other settings / a checkpoint before the last step /
+# a workdir without a checkpoint (killed before its first save, or training now) / nothing yet.
+# An evaluated-with row (it trains nothing) is 'waiting' while the run it reads is unfinished.
+STATES = ("done", "trained", "partial", "started", "missing", "waiting")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """One planned run: ``state`` (one of :data:`STATES`), its newest checkpoint ``step`` of
+    ``total`` training steps, and for a finished run the seconds its training and evaluation
+    took (``train_seconds``, ``eval_seconds``; None when not done)."""
+
+    job: Job
+    state: str
+    step: int = 0
+    total: int = 0
+    train_seconds: Optional[float] = None
+    eval_seconds: Optional[float] = None
+
+
+def _cached_evaluation(job: Job, suite: Suite) -> Optional[dict]:
+    """The job's evaluation cache if it was made with this suite's settings, else None."""
+    path = jobs_lib.cache_path(job)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None  # torn by a kill mid-write: the run will be evaluated again
+    return cached if cached.get("eval_settings") == jobs_lib.eval_settings(job, suite) else None
+
+
+def run_state(job: Job, suite: Suite) -> RunState:
+    """The :class:`RunState` of ``job`` read from its workdir (read-only)."""
+    total = int(jobs_lib.job_config(job).num_train_steps)
+    steps = run_lib.checkpoint_steps(job.workdir) if os.path.exists(run_lib.config_path(job.workdir)) else ()
+    step = steps[-1] if steps else 0
+    cached = _cached_evaluation(job, suite)
+    if not job.trains:  # an evaluated-with row: its run is another row's
+        state = "done" if cached else ("trained" if step >= total else "waiting")
+    elif cached and step >= total:
+        state = "done"
+    elif step >= total:
+        state = "trained"
+    elif step:
+        state = "partial"
+    else:
+        state = "started" if os.path.isdir(job.workdir) else "missing"
+    done = state == "done"
+    return RunState(job, state, step, total,
+                    train_seconds=run_lib.training_seconds(job.workdir) if done and job.trains else (0.0 if done else None),
+                    eval_seconds=float(cached.get("eval_seconds", 0.0)) if done else None)
+
+
+def remaining_seconds(states: Sequence[RunState]) -> tuple[float, list[str]]:
+    """Compute still to go, in seconds of one job slot: per unfinished run, the mean train and
+    evaluation seconds of the finished runs of its kind and dataset (``Job.kind``/``dataset``, e.g.
+    every ``lm/jargon`` row), the training scaled by the fraction of steps left. Returns the
+    total and the kind/dataset groups that have no finished run to estimate from (left out)."""
+    finished: dict[tuple[str, str, bool], list[RunState]] = {}
+    for s in states:
+        if s.state == "done":
+            finished.setdefault((s.job.kind, s.job.dataset, s.job.trains), []).append(s)
+    total, unknown = 0.0, []
+    for s in states:
+        if s.state == "done":
+            continue
+        group = finished.get((s.job.kind, s.job.dataset, s.job.trains))
+        if not group:
+            name = f"{s.job.kind}/{s.job.dataset}" + ("" if s.job.trains else " (evaluated-with rows)")
+            if name not in unknown:
+                unknown.append(name)
+            continue
+        train = statistics.mean(g.train_seconds or 0.0 for g in group)
+        evaluate = statistics.mean(g.eval_seconds or 0.0 for g in group)
+        left = 1.0 - (s.step / s.total if s.total and s.state == "partial" else 0.0)
+        total += (train * left if s.state in ("partial", "started", "missing") else 0.0) + evaluate
+    return total, unknown
+
+
+def render(states: Sequence[RunState], suite_name: str, root: str, seeds: int, jobs: int = 1) -> str:
+    """The status text: a table of states per family and seed, the unfinished runs with their
+    progress, and the estimate of :func:`remaining_seconds` (divided by ``jobs`` at once)."""
+    lines = [f"suite {suite_name}: {len(states)} runs ({seeds} seed(s)) under {root}", "",
+             "| family | seed | " + " | ".join(STATES) + " |", "|---|---|" + "---|" * len(STATES)]
+    groups: dict[tuple[str, int], dict[str, int]] = {}
+    for s in states:
+        counts = groups.setdefault((s.job.family, s.job.seed_offset), dict.fromkeys(STATES, 0))
+        counts[s.state] += 1
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    for (family, seed), counts in sorted(groups.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
+        lines.append(f"| {family} | +{seed} | " + " | ".join(str(counts[k]) for k in STATES) + " |")
+    unfinished = [s for s in states if s.state in ("trained", "partial", "started")]
+    if unfinished:
+        lines += ["", "In progress:"] + [
+            f"  {s.job.run_name}: " + {"trained": "trained, to evaluate", "partial": f"partial (step {s.step}/{s.total})",
+                                       "started": "started, no checkpoint yet"}[s.state]
+            for s in unfinished]
+    left, unknown = remaining_seconds(states)
+    done = sum(s.state == "done" for s in states)
+    lines += ["", f"{done} of {len(states)} runs done; still to go"
+              + (" for the kinds with a finished run" if unknown else "")
+              + f": ~{left / 3600:.1f} h of one job slot"
+              + (f", ~{left / 3600 / jobs:.1f} h with {jobs} jobs at once" if jobs > 1 else "")
+              + " (from the finished runs' own train/eval times)"]
+    if unknown:
+        lines.append("  not counted (no finished run of that kind yet; docs/experiments.md, 'Compute of "
+                     "the tiny suite', has measured costs): " + ", ".join(unknown))
+    return "\n".join(lines)
