@@ -256,3 +256,24 @@ def test_status_counts_states_and_estimates_what_is_left(tmp_path, capsys):
     # Through the command line: prints, trains and writes nothing.
     assert reproduce.main(["--suite", "smoke", "--status", "--workdir", str(tmp_path / "none")]) == 0
     assert "runs (1 seed(s))" in capsys.readouterr().out and not (tmp_path / "none").exists()
+
+
+def test_a_torn_evaluation_cache_is_evaluated_again_and_rewritten_whole(tmp_path, monkeypatch):
+    """A suite killed while writing a run's evaluation cache left half a JSON file; the next
+    invocation evaluates that run again (instead of failing it) and the cache is written to a
+    temporary file and renamed, so it is whole or absent."""
+    from goat_jax.reproduce import jobs as jobs_lib
+
+    suite = suites.SUITES["smoke"]
+    job = next(j for j in suites.plan(suite, str(tmp_path)) if j.name == "lm/jargon/goat")
+    os.makedirs(job.workdir)
+    with open(jobs_lib.cache_path(job), "w") as f:
+        f.write('{"extrapolation": {"32": {"ppl"')
+    calls = []
+    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s: calls.append(j.name) or {"value": 1.5})
+    out = jobs_lib.evaluate(job, suite)
+    assert calls == ["lm/jargon/goat"] and out["value"] == 1.5
+    with open(jobs_lib.cache_path(job)) as f:
+        assert json.load(f)["value"] == 1.5
+    assert os.listdir(job.workdir) == [os.path.basename(jobs_lib.cache_path(job))]  # no temporary left
+    assert jobs_lib.evaluate(job, suite)["value"] == 1.5 and calls == ["lm/jargon/goat"]  # cached now

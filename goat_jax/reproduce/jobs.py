@@ -100,17 +100,24 @@ def evaluate(job: Job, suite: Suite) -> dict:
     cache = cache_path(job)
     settings = eval_settings(job, suite)
     if os.path.exists(cache):
-        with open(cache) as f:
-            cached = json.load(f)
+        try:
+            with open(cache) as f:
+                cached = json.load(f)
+        except json.JSONDecodeError:  # torn by a kill mid-write (before writes were atomic)
+            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
+            cached = {}
         if cached.get("eval_settings") == settings:
             return cached
-        cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
+        if cached:
+            cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
     out["eval_settings"] = settings
-    with open(cache, "w") as f:
+    tmp = f"{cache}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:  # then renamed: a kill mid-write leaves the old cache or none, never half
         json.dump(out, f, default=float)
+    os.replace(tmp, cache)
     cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s")
     return out
 
