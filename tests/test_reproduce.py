@@ -286,3 +286,15 @@ def test_encoding_typos_are_refused_at_parsing_even_in_a_dry_run(tmp_path, flag,
             reproduce.main(["--suite", "smoke", "--workdir", str(tmp_path / "runs"),
                             "--out", str(tmp_path / "out"), flag, value, *extra])
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+def test_readme_reproduce_commands_parse(capsys):
+    """Every ``python -m experiments.reproduce`` line of the README is accepted by the command
+    line as written (run here as a dry run: the plan is printed, nothing trains)."""
+    with open(os.path.join(suites.ROOT, "README.md")) as f:
+        lines = [l.split("#", 1)[0].strip() for l in f if l.startswith("python -m experiments.reproduce")]
+    assert len(lines) >= 4
+    for line in lines:
+        args = shlex.split(line)[3:]
+        assert reproduce.main(args + ["--dry_run"]) == 0, line
+    assert "in-process" in capsys.readouterr().out
