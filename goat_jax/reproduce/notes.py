@@ -33,6 +33,18 @@ LM_NOTES = (
     "attention scale 1 (no 1/sqrt(head_dim)); at this size and 600 steps none of them learns "
     "the passkey even at 1x (0%), while GOAT, whose logits the scale does not touch, keeps "
     "~100% to 16x. The gap there measures the baselines' scale as much as the positions.",
+    "The comparators (fire, kerple_log, fox; docs/protocols.md, 'Comparators') train with "
+    "every other encoding's settings, untuned, and are judged by no headline check except as "
+    "candidates for the best baseline in distribution. FIRE's threshold L starts at 512, the "
+    "reference listing's init: with 64-token training windows its normalized distance "
+    "psi(i - j) / psi(max(i, L)) never exceeds ~0.5 in training (psi(63) / psi(512) with c = "
+    "0.1), so from 2x on its MLP reads inputs it never saw; a threshold at the training length "
+    "is the obvious ablation and was not run. Kerple and FoX have no such range: a fixed "
+    "function of the distance, and a gate summed over the tokens in between.",
+    "rope+yarn, rope+ntk, rope+logn, rope+yarn+logn and goat+logn train nothing: they are the "
+    "rope / goat runs evaluated with the rescaled frequencies (dynamic factor: evaluation "
+    "length / 64) and/or log-n scaled content logits, as these methods are used on a trained "
+    "RoPE model; goat+learn_frequencies trains GOAT with its Fourier frequencies as parameters.",
     "goat+linear_sink is GOAT with the sink MLP continued linearly past the training "
     "length (model.sink_extrapolation='linear', docs/extrapolation.md). Up to 64 keys it "
     "is the official prior, so it trains as goat (the same function; float32 rounding of "
