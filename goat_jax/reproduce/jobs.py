@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from typing import Optional
 
 from goat_jax import cli
 from goat_jax.config_files import load_config
@@ -93,31 +94,39 @@ def cache_path(job: Job) -> str:
     return os.path.join(job.workdir, name)
 
 
+def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dict]:
+    """``job``'s cached evaluation (:func:`cache_path`) if it was made with this suite's settings
+    (:func:`eval_settings`), else None: no cache, one made with other settings, or one torn by a
+    kill mid-write (before writes were whole). ``log``: say which, when there is a cache."""
+    cache = cache_path(job)
+    if not os.path.exists(cache):
+        return None
+    try:
+        with open(cache) as f:
+            cached = json.load(f)
+    except json.JSONDecodeError:
+        if log:
+            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
+        return None
+    if cached.get("eval_settings") == eval_settings(job, suite):
+        return cached
+    if log:
+        cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
+    return None
+
+
 def evaluate(job: Job, suite: Suite) -> dict:
     """The evaluations of ``job`` by its family, cached in :func:`cache_path` together with the
-    settings they were made with (:func:`eval_settings`); a cache made with other settings is
-    redone."""
-    cache = cache_path(job)
-    settings = eval_settings(job, suite)
-    if os.path.exists(cache):
-        try:
-            with open(cache) as f:
-                cached = json.load(f)
-        except json.JSONDecodeError:  # torn by a kill mid-write (before writes were atomic)
-            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
-            cached = {}
-        if cached.get("eval_settings") == settings:
-            return cached
-        if cached:
-            cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
+    settings they were made with; a cache made with other settings (or torn) is redone. The
+    cache is written whole (:func:`goat_jax.train.run.write_whole`)."""
+    cached = cached_evaluation(job, suite, log=True)
+    if cached is not None:
+        return cached
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
-    out["eval_settings"] = settings
-    tmp = f"{cache}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:  # then renamed: a kill mid-write leaves the old cache or none, never half
-        json.dump(out, f, default=float)
-    os.replace(tmp, cache)
+    out["eval_settings"] = eval_settings(job, suite)
+    run_lib.write_whole(cache_path(job), json.dumps(out, default=float))
     cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s")
     return out
 

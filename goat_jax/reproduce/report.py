@@ -145,15 +145,6 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     return "\n".join(md) + "\n"
 
 
-def _write_whole(path: str, text: str) -> None:
-    """Writes ``text`` to a temporary file beside ``path`` and renames it over ``path``: a kill
-    mid-write leaves the previous file (the report and results.json are merged into, not rebuilt)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                  command: str, timings: dict[str, float], total_seconds: float, *,
                  per_seed: Optional[dict[str, dict]] = None, failed: Optional[dict[str, str]] = None,
@@ -177,7 +168,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
                     + "; ".join(f"`{k}`: {v}" for k, v in fam_failed.items()) + "\n")
         else:
             continue
-        _write_whole(os.path.join(out, "sections", f"{family}.md"), text)
+        run_lib.write_whole(os.path.join(out, "sections", f"{family}.md"), text)
     sections = []
     for family in FAMILY_TITLES:
         path = os.path.join(out, "sections", f"{family}.md")
@@ -191,7 +182,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
           "(`sections/<family>.md`).", ""]
     md += [f"* [{FAMILY_TITLES[f]}](#{FAMILY_TITLES[f].lower()})" for f, _ in sections] + [""]
     text = "\n".join(md) + "\n" + "\n".join(body for _, body in sections)
-    _write_whole(os.path.join(out, "REPORT.md"), text)
+    run_lib.write_whole(os.path.join(out, "REPORT.md"), text)
     merged = {}
     if os.path.exists(os.path.join(out, "results.json")):
         with open(os.path.join(out, "results.json")) as f:
@@ -199,6 +190,6 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     for name, value in results.items():
         own = {k: v for k, v in (per_seed or {}).items() if _base(k) == name}
         merged[name] = {**value, "seeds": own} if own else value
-    _write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
+    run_lib.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
     return text
 

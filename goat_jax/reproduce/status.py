@@ -11,7 +11,6 @@ below the runner.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -42,25 +41,12 @@ class RunState:
     eval_seconds: Optional[float] = None
 
 
-def _cached_evaluation(job: Job, suite: Suite) -> Optional[dict]:
-    """The job's evaluation cache if it was made with this suite's settings, else None."""
-    path = jobs_lib.cache_path(job)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None  # torn by a kill mid-write: the run will be evaluated again
-    return cached if cached.get("eval_settings") == jobs_lib.eval_settings(job, suite) else None
-
-
 def run_state(job: Job, suite: Suite) -> RunState:
     """The :class:`RunState` of ``job`` read from its workdir (read-only)."""
     total = int(jobs_lib.job_config(job).num_train_steps)
     steps = run_lib.checkpoint_steps(job.workdir) if os.path.exists(run_lib.config_path(job.workdir)) else ()
     step = steps[-1] if steps else 0
-    cached = _cached_evaluation(job, suite)
+    cached = jobs_lib.cached_evaluation(job, suite)
     if not job.trains:  # an evaluated-with row: its run is another row's
         state = "done" if cached else ("trained" if step >= total else "waiting")
     elif cached and step >= total:

@@ -46,6 +46,16 @@ TENSORBOARD_DIR = "tensorboard"
 CHECKPOINT_DIR = "checkpoints"
 
 
+def write_whole(path: str, text: str) -> None:
+    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``: a kill
+    mid-write leaves the previous file or none, never half of one (and a reader of a live run
+    never sees a partial file)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def config_path(workdir: str) -> str:
     """``WORKDIR/config.json``."""
     return os.path.join(workdir, CONFIG_FILE)

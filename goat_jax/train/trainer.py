@@ -375,10 +375,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
         # Written whole then renamed: a reader of the live run never sees a partial file.
-        path = run_lib.config_path(workdir)
-        with open(path + ".tmp", "w") as f:
-            json.dump(config_dict, f, indent=2, default=str)
-        os.replace(path + ".tmp", path)
+        run_lib.write_whole(run_lib.config_path(workdir), json.dumps(config_dict, indent=2, default=str))
 
     # --- Mesh -----------------------------------------------------------------------------------
     mesh = sharding_lib.make_mesh(config.mesh)
