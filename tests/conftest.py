@@ -1,10 +1,29 @@
 """Shared fixtures: fresh random inputs every run, with the seed printed for reproduction."""
 
 import os
+import tempfile
 import time
 
 import numpy as np
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_pytest(tmp_path_factory):
+    """Points TMPDIR (this process's ``tempfile`` and every subprocess a test starts) at a folder
+    under pytest's base temp, which pytest prunes: a library that leaves temporary files behind
+    does so there, not in the machine's /tmp (TFDS's DatasetInfo makes an empty ``tmp*tfds``
+    folder for each builder of a dataset that is not prepared, e.g. under ``mock_data``)."""
+    folder = str(tmp_path_factory.mktemp("tmpdir"))
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # re-read TMPDIR
+    yield folder
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
 
 
 @pytest.fixture

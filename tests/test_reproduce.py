@@ -35,6 +35,12 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     assert re.search(r"\| goat \| [\d.]+ \| [\d.]+ \|", report)
     assert "| encoding | 32 (1x) | 512 (16x) |" in report
     assert "Command: `python -m experiments.reproduce --suite smoke" in report
+    # The retrieval models' answer loss is read from their own metrics: smoke runs log no
+    # evaluation (eval_every_steps 0), so it is None and no line claims one (the rendered line:
+    # test_variants_are_one_line_entries_planned_and_rendered).
+    saved = json.loads((out / "results.json").read_text())
+    assert "final_eval_loss" in saved["passkey/passkey/goat"] and saved["passkey/passkey/goat"]["final_eval_loss"] is None
+    assert "Held-out loss on the answer digits" not in report
     # Vision: top-1 at 1x and 2x the 28 px training resolution, images/s.
     assert "| encoding | step | 28 px (1x) | 56 px (2x) | top-1 lost 1x -> 2x (points) | train images/s |" in report
     assert re.search(r"\| goat \| 2 \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| [\d,]+ \|", report)
@@ -206,7 +212,8 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
         if j.kind == "lm":
             results[j.name] = {"train_len": 32, "extrapolation": {32: {"ppl": 2.0 + next(rng)}, 512: {"ppl": 9.0}}}
         elif j.kind == "passkey":
-            results[j.name] = {"train_len": 32, "passkey": {"synthetic": {32: 1.0, 512: next(rng) / 100}}}
+            results[j.name] = {"train_len": 32, "passkey": {"synthetic": {32: 1.0, 512: next(rng) / 100}},
+                               "final_eval_loss": 2.302 if j.encoding == "rope" else 0.25}
         elif j.kind == "niah":
             results[j.name] = {"train_len": 32, "niah": {"lengths": [32, 512], "depths": [0.5],
                                                          "token_accuracy": [[1.0], [0.5]],
@@ -216,6 +223,10 @@ def test_variants_are_one_line_entries_planned_and_rendered(tmp_path):
     assert "## Synthetic passkey, official variant" in md
     assert "## Needle in a haystack, official variant" in md
     assert md.index("## Synthetic passkey (") < md.index("## Synthetic passkey, official")
+    # Whether each retrieval model learned its task: its answer loss next to chance (ln 10).
+    passkey_part = md.split("## Synthetic passkey (", 1)[1].split("## ", 1)[0]
+    assert "ln 10 = 2.30" in passkey_part and "goat 0.250, rope 2.302" in passkey_part
+    assert "Held-out loss" not in md.split("## Needle in a haystack (", 1)[1].split("## ", 1)[0]  # none given
     for png in ("passkey_synthetic.png", "passkey_synthetic_official.png", "niah_official_goat.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     # The headline checks judge the plain encodings only.

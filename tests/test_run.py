@@ -136,3 +136,14 @@ def test_metrics_reader_skips_torn_lines_and_summarizes(tmp_path, rng):
     assert run_lib.median_throughput(str(tmp_path)) == pytest.approx(ordered[len(ordered) // 2], rel=0, abs=0)
     (tmp_path / run_lib.METRICS_FILE).write_text('{"step": 1, "eval_loss": 0.5}\n')
     assert run_lib.median_throughput(str(tmp_path)) is None and run_lib.training_seconds(str(tmp_path)) == 0.0
+
+
+def test_last_logged_is_the_newest_row_with_the_key(tmp_path):
+    """last_logged: the value of the last row that has the key; None without one or without metrics."""
+    assert run_lib.last_logged(str(tmp_path), "eval_loss") is None  # no metrics file yet
+    rows = [{"step": 1, "eval_loss": 2.0}, {"step": 2, "train_loss": 1.0}, {"step": 3, "eval_loss": 0.75},
+            {"step": 4, "train_loss": 0.5, "eval_loss": None}]
+    (tmp_path / run_lib.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_lib.last_logged(str(tmp_path), "eval_loss") == 0.75
+    assert run_lib.last_logged(str(tmp_path), "train_loss") == 0.5
+    assert run_lib.last_logged(str(tmp_path), "grad_norm") is None

@@ -133,7 +133,8 @@ def evaluate(job: Job, suite: Suite) -> dict:
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
     """Trains then evaluates ``job``: ``{'train_seconds', 'result', 'wall_seconds'}`` (this
-    call's wall clock: ~0 for a reused run). With ``log_path`` the
+    call's wall clock: ~0 for a reused run); ``result`` is :func:`evaluate`'s plus
+    ``final_eval_loss``, the run's last logged held-out loss (None if it logged none). With ``log_path`` the
     process's stdout and stderr go to that file (a worker of ``--jobs J``: one log per job)."""
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -145,5 +146,8 @@ def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
         absl_logging.set_verbosity(absl_logging.WARNING)
     t0 = time.time()
     seconds = train(job)["seconds"]
-    result = evaluate(job, suite)
+    result = dict(evaluate(job, suite))
+    # Read from the run's metrics on every call (not cached with the evaluations): whether the
+    # model learned its task at all, e.g. a retrieval model whose answer loss stayed at chance.
+    result["final_eval_loss"] = run_lib.last_logged(job.workdir, "eval_loss")
     return {"train_seconds": seconds, "result": result, "wall_seconds": time.time() - t0}

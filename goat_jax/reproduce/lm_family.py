@@ -10,6 +10,7 @@ Results are keyed by ``Job.name`` (``kind/dataset/label``): ``lm/jargon/goat``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -23,6 +24,9 @@ from goat_jax.eval import plots, toy
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import stats
 from goat_jax.reproduce.suites import Job, Suite
+
+
+CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)
 
 
 def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
@@ -148,6 +152,19 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
                  if j.kind == kind and j.dataset == dataset}
         return {k: v for k, v in found.items() if v}
 
+    def answer_loss(kind: str, dataset: str) -> list[str]:
+        """A line under a retrieval table: each model's held-out loss on the answer digits at the
+        training length, the test of whether it learned the task at all."""
+        found = {j.label: results.get(j.name, {}).get("final_eval_loss") for j in jobs
+                 if j.kind == kind and j.dataset == dataset}
+        found = {k: v for k, v in found.items() if v is not None}
+        if not found:
+            return []
+        return ["Held-out loss on the answer digits at the training length (the run's last evaluation, "
+                f"nats per digit; a uniform guess over the 10 digits is ln 10 = {CHANCE_DIGIT_LOSS:.2f}: "
+                "a row near it did not learn the task even in distribution, so its scores beyond 1x "
+                "say nothing about extrapolation): " + ", ".join(f"{e} {v:.3f}" for e, v in found.items()), ""]
+
     md: list[str] = []
     for dataset, _ in suite.lm:
         ext = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in rows("lm", dataset, "extrapolation").items()}
@@ -166,7 +183,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
         if pk:
             md += [f"## Synthetic passkey{title} (official GOAT variant: teacher-forced exact match of the "
                    "8-digit key)", "", length_table(pk, _train_len(results, "passkey", "passkey" + suffix), pct=True),
-                   "", f"![passkey](passkey_synthetic{suffix}.png)", ""]
+                   ""] + answer_loss("passkey", "passkey" + suffix) + [f"![passkey](passkey_synthetic{suffix}.png)", ""]
             plots.plot_passkey_accuracy(pk, os.path.join(out, f"passkey_synthetic{suffix}.png"),
                                         train_len=min(next(iter(pk.values()))), title=f"Synthetic passkey{title}")
         if suffix:
@@ -183,6 +200,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
                     for e, g in niah.items()}
             md += [f"## Needle in a haystack{title} (synthetic; value-span token accuracy, mean over depths)", "",
                    length_table(mean, _train_len(results, "niah", "niah" + suffix), pct=True), ""]
+            md += answer_loss("niah", "niah" + suffix)
             for e, g in niah.items():
                 plots.plot_niah_heatmap({k: np.asarray(v) for k, v in g.items()},
                                         os.path.join(out, f"niah{suffix}_{e}.png"), title=f"NIAH{title}, {e}")

@@ -171,6 +171,15 @@ def training_seconds(workdir: str) -> float:
     return max((float(row.get("elapsed_s") or 0.0) for row in read_metrics(workdir)), default=0.0)
 
 
+def last_logged(workdir: str, key: str) -> Optional[float]:
+    """The value of ``key`` (e.g. ``'eval_loss'``) in the last row of a run's metrics that has
+    it, or None when no row has it (or the run has no metrics yet)."""
+    if not os.path.exists(metrics_path(workdir)):
+        return None
+    values = [float(row[key]) for row in read_metrics(workdir) if row.get(key) is not None]
+    return values[-1] if values else None
+
+
 def median_throughput(workdir: str) -> Optional[float]:
     """Median ``tokens_per_sec`` over a run's training rows (tokens/s for language and genome
     models, images/s for ViTs), or None when no row has it."""
