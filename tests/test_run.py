@@ -147,3 +147,24 @@ def test_last_logged_is_the_newest_row_with_the_key(tmp_path):
     assert run_lib.last_logged(str(tmp_path), "eval_loss") == 0.75
     assert run_lib.last_logged(str(tmp_path), "train_loss") == 0.5
     assert run_lib.last_logged(str(tmp_path), "grad_norm") is None
+
+
+def test_write_whole_replaces_text_and_bytes_and_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    """files.write_whole: the new content in one rename (text or bytes); a write that fails
+    midway (here: the rename refused) keeps the old file and leaves no temporary file."""
+    from goat_jax import files
+
+    path = str(tmp_path / "f")
+    files.write_whole(path, "old\n")
+    assert open(path).read() == "old\n"
+    files.write_whole(path, b"\x00\xffbytes")
+    assert open(path, "rb").read() == b"\x00\xffbytes"
+    files.write_whole(path, "old\n")
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        files.write_whole(path, "new\n")
+    assert open(path).read() == "old\n" and sorted(os.listdir(tmp_path)) == ["f"]

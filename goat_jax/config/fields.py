@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
 from goat_jax import _extras  # the leaf module of optional-package errors
+
+if TYPE_CHECKING:  # annotations only: ml_collections is imported where it is used
+    import ml_collections
 
 # float32 is what the device computes with: a larger "finite" value is inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable
 from typing import Protocol
 
-from goat_jax import _extras
+from goat_jax import _extras, files
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
 
@@ -286,11 +286,8 @@ def train_sentencepiece(
             "raise data.spm_vocab_size.") from e
     directory = os.path.dirname(os.path.abspath(model_path))
     os.makedirs(directory, exist_ok=True)
-    # Atomic so that a crash mid-write never leaves a truncated model for the next run to load.
-    tmp_path = f"{model_path}.tmp.{os.getpid()}"
-    with open(tmp_path, "wb") as f:
-        f.write(buffer.getvalue())
-    os.replace(tmp_path, model_path)
+    # Whole so that a crash mid-write never leaves a truncated model for the next run to load.
+    files.write_whole(model_path, buffer.getvalue())
     return SentencePieceTokenizer(buffer.getvalue())
 
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from goat_jax import _extras
+from goat_jax import _extras, files
 from goat_jax.train import run as run_lib
 
 # Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
@@ -64,10 +64,7 @@ def truncate_jsonl(path: str, last_step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             pass  # a line torn by a kill mid-write
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    files.write_whole(path, "".join(kept))
 
 
 # TensorBoard event files: TFRecords (little-endian u64 length, masked CRC32C of it, the Event
@@ -129,12 +126,11 @@ def trim_events(directory: str, last_step: int) -> None:
         kept = [r for r in records if event_pb2.Event.FromString(r).step <= last_step]
         if len(kept) == len(records) and sum(len(r) + 16 for r in records) == os.path.getsize(path):
             continue  # nothing to drop, nothing torn
-        with open(path + ".tmp", "wb") as f:
-            for r in kept:
-                header = struct.pack("<Q", len(r))
-                f.write(header + struct.pack("<I", masked_crc32c(header)) + r +
-                        struct.pack("<I", masked_crc32c(r)))
-        os.replace(path + ".tmp", path)
+        framed = []
+        for r in kept:
+            header = struct.pack("<Q", len(r))
+            framed.append(header + struct.pack("<I", masked_crc32c(header)) + r + struct.pack("<I", masked_crc32c(r)))
+        files.write_whole(path, b"".join(framed))
 
 
 def remove_empty_events(directory: str) -> None:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
+from goat_jax.files import write_whole  # noqa: F401  (run_lib.write_whole: the callers' name for it)
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -44,16 +45,6 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINT_DIR = "checkpoints"
-
-
-def write_whole(path: str, text: str) -> None:
-    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``: a kill
-    mid-write leaves the previous file or none, never half of one (and a reader of a live run
-    never sees a partial file)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def config_path(workdir: str) -> str:

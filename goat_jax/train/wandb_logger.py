@@ -19,7 +19,7 @@ import secrets
 import string
 from typing import Any, Callable, Dict, Optional
 
-from goat_jax import _extras
+from goat_jax import _extras, files
 
 MODES = ("disabled", "online", "offline")
 RUN_ID_FILE = "wandb_run_id"
@@ -88,9 +88,7 @@ class WandbLogger:
         else:
             # W&B's id format: 8 lowercase letters and digits.
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-            with open(path + ".tmp", "w") as f:
-                f.write(run_id + "\n")
-            os.replace(path + ".tmp", path)
+            files.write_whole(path, run_id + "\n")
         directory = os.environ.get("WANDB_DIR") or os.path.join(workdir, "wandb")
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(
