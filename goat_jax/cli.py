@@ -67,6 +67,21 @@ def _parse_absl_flags(argv):
         from absl import flags  # pylint: disable=g-import-not-at-top
     try:
         return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        # ml_collections looks the field of a --config.<field>=<value> flag up with getattr: a
+        # field the config does not have (a typo) surfaces as its KeyError / AttributeError.
+        if debug():
+            raise
+        inner = e
+        while isinstance(inner, BaseException) and inner.args:  # AttributeError(KeyError(message))
+            inner = inner.args[0]
+        name, _, hint = str(inner).partition("\n")
+        name = name.strip("'\"")
+        flag_names = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")]
+        given = next((f for f in flag_names if name in f.lstrip("-").split(".")[1:]), "a --config.<field> flag")
+        _fail(f"{given}: the config has no field {name!r}" + (f" ({hint.strip()})" if hint else "")
+              + "; the fields are the config file's, plus every model field of its task "
+              "(docs/training.md, 'Configs').")
     except flags.Error as e:
         if debug():
             raise

@@ -45,7 +45,11 @@ def _one_line_error(proc):
     # Refused by the data pipeline after validation: the workdir the trainer made is removed again.
     (["--config.data.paths=/nonexistent/corpus.txt"], "configs/lm_tiny.py:goat,smoke",
      "/nonexistent/corpus.txt'] matches no files"),
-], ids=["optimizer", "toy_data", "config_token", "data_file"])
+    # A --config.<field> flag naming no field: one line naming the flag, with ml_collections' guess.
+    (["--config.model.fox_gate_bias_int=1.0"], "configs/lm_tiny.py:fox,smoke",
+     "error: --config.model.fox_gate_bias_int: the config has no field 'fox_gate_bias_int' "
+     "(Did you mean \"fox_gate_bias_init\""),
+], ids=["optimizer", "toy_data", "config_token", "data_file", "field_typo"])
 def test_train_errors_are_one_line_and_leave_no_workdir(tmp_path, overrides, config, expected):
     workdir = tmp_path / "run"
     line = _one_line_error(_train(workdir, *overrides, config=config))

@@ -10,6 +10,7 @@ from absl import flags
 
 from configs import lm_tiny, toy_copy_mixture
 from goat_jax import config_files
+from goat_jax.models import lm
 
 
 def _write_config(path, body="c.x = 1\n    c.sub = ml_collections.ConfigDict({'y': 2.0})"):
@@ -19,14 +20,18 @@ def _write_config(path, body="c.x = 1\n    c.sub = ml_collections.ConfigDict({'y
 
 
 def test_load_config_equals_the_config_function(tmp_path, monkeypatch):
-    """The same config as calling ``get_config`` directly, from the repository root or from
-    any other working directory (relative specs fall back to the repository root)."""
+    """The same config as calling ``get_config`` directly (plus the model fields the file leaves
+    out, at their defaults), from the repository root or from any other working directory
+    (relative specs fall back to the repository root)."""
     for cwd in (config_files.REPO_ROOT, str(tmp_path)):
         monkeypatch.chdir(cwd)
-        assert config_files.load_config("configs/lm_tiny.py:rope,smoke").to_dict() == \
-            lm_tiny.get_config("rope,smoke").to_dict()
-        assert config_files.load_config("configs/toy_copy_mixture.py").to_dict() == \
-            toy_copy_mixture.get_config().to_dict()
+        for spec, raw in (("configs/lm_tiny.py:rope,smoke", lm_tiny.get_config("rope,smoke")),
+                          ("configs/toy_copy_mixture.py", toy_copy_mixture.get_config())):
+            raw, loaded = raw.to_dict(), config_files.load_config(spec).to_dict()
+            assert {**loaded, "model": None} == {**raw, "model": None}
+            assert {k: v for k, v in loaded["model"].items() if k in raw["model"]} == raw["model"]
+            added = {k: v for k, v in loaded["model"].items() if k not in raw["model"]}
+            assert added and all(v == getattr(lm.LMConfig, k) for k, v in added.items()), added
 
 
 def test_overrides_apply_and_unknown_fields_are_refused(tmp_path):

@@ -165,6 +165,39 @@ def with_field_defaults(config: Any, task: "Task") -> Any:
     return filled
 
 
+_CLI_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def add_model_defaults(config: Any) -> Any:
+    """Adds to ``config.model`` (in place; returns ``config``) every model field of the config's
+    task that the config file leaves out, at its default, so that any model field can be set
+    with ``--config.model.<field>=<value>`` or an override, not only those the file lists. A
+    default of None becomes a typed placeholder (from the field's declared kind) so that the
+    command line can still set it; a None field with no plain type is left out. Field references
+    of the file are kept (the config is not copied). A config without ``task`` or ``model``, or
+    with an unknown task (validation names it later), is returned unchanged."""
+    if "task" not in config or "model" not in config:
+        return config
+    try:
+        task = get_task(config.task)
+    except ValueError:
+        return config
+    from ml_collections import config_dict  # pylint: disable=g-import-not-at-top  # configs only
+
+    specs = task.field_specs(config).get("model", {})
+    for dotted, default in task.field_defaults().items():
+        section, _, name = dotted.rpartition(".")
+        if section != "model" or dotted in _NOT_FILLED or name in config.model:
+            continue
+        if default is None:
+            kind = _CLI_TYPES.get(getattr(specs.get(name), "kind", None))
+            if kind is None:
+                continue
+            default = config_dict.placeholder(kind)
+        config.model[name] = default
+    return config
+
+
 def builtin_tasks() -> Tuple[str, ...]:
     """Names of the task modules in ``goat_jax/tasks/`` (the accepted short ``config.task``)."""
     package = importlib.import_module(BUILTIN_PACKAGE)
