@@ -254,6 +254,27 @@ def test_lm_offers_the_encodings_and_passes_the_gate_bias():
     cfg = lm.LMConfig(position_encoding="fox", fox_gate_bias_init=2.5)
     attn = lm.make_attention(cfg, decode=False)
     assert attn.position_encoding == "fox" and attn.fox_gate_bias_init == 2.5
+    attn = lm.make_attention(lm.LMConfig(position_encoding="fire", fire_threshold_init=64.0), decode=False)
+    assert attn.fire_threshold_init == 64.0
+    with pytest.raises(ValueError, match="fire_threshold_init"):
+        lm.LMConfig(position_encoding="fire", fire_threshold_init=0.0).validate()
+
+
+def test_fire_threshold_init_sets_the_initial_L(rng):
+    """fire_threshold_init: the initial L (multiplier L / 512), so at init the normalizer is
+    psi(max(64, i)): queries at positions 60-69 cross it, and the layer equals the float64
+    reference there, values and gradients."""
+    b, t = 1, 10
+    x = jnp.asarray(rng.normal(size=(b, t, E)), jnp.float32)
+    module = make("fire", fire_threshold_init=64.0)
+    params = nn.meta.unbox(jax.jit(lambda k: module.init(k, x, is_causal=True))(
+        jax.random.PRNGKey(int(rng.integers(2**31))))["params"])
+    assert float(params["fire_L_multiplier"]) == 64.0 / 512.0
+    cot = rng.normal(size=(b, t, E))
+    y, grads = value_and_grad(module, params, cot, x, is_causal=True, position_offset_q=60, position_offset_k=60)
+    ref_y, ref_grads = reference(params, x, "fire", 2, True, np.arange(t, dtype=np.float64) + 60, cot)
+    assert rel_err(y, ref_y) <= 1e-5
+    assert_grads_close(grads, ref_grads, 2e-4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ class LMConfig:
     logn_scaling: Optional[str] = declare(None, Str(choices=LOGN_MODES, optional=True,
                                                     doc="logits x max(1, ln n / ln training_seq_len): 'content' or 'all' (prior too)"))
     fox_gate_bias_init: float = declare(0.0, Float(doc="'fox': initial bias of the forget gates (0 as the official FoX; larger starts them nearer 1)"))
+    fire_threshold_init: float = declare(512.0, Float(min=0.0, min_inclusive=False,
+                                                      doc="'fire': the threshold L at init (512 as the reference listing)"))
     pos_rank: int = borrow(PriorSettings, "pos_rank")
     abs_rank: int = borrow(PriorSettings, "abs_rank")
     prior_init: str = borrow(PriorSettings, "prior_init")
@@ -280,7 +282,8 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
                                rope_scaling_factor=cfg.rope_scaling_factor, yarn_beta_fast=cfg.yarn_beta_fast,
                                yarn_beta_slow=cfg.yarn_beta_slow,
                                attention_scale=cfg.baseline_attention_scale,
-                               fox_gate_bias_init=cfg.fox_gate_bias_init, **common)
+                               fox_gate_bias_init=cfg.fox_gate_bias_init,
+                               fire_threshold_init=cfg.fire_threshold_init, **common)
 
 
 class DecoderBlock(nn.Module):

@@ -12,7 +12,8 @@ cost the comparison should show.
 Parameters (logical axes in brackets): ``fire_c`` [] ((),), ``fire_L_multiplier`` [] (()),
 with ``L = |multiplier| * 512``, ``fire_fc1_kernel``/``fire_fc1_bias`` [32] ((None,)),
 ``fire_fc2_kernel`` [32, N] ((None, 'heads')), ``fire_fc2_bias`` [N] (('heads',)). Initialized
-as the paper's reference listing: ``c = 0.1``, ``L = 512`` (multiplier 1), the MLP as PyTorch's
+as the paper's reference listing: ``c = 0.1``, ``L = 512`` (multiplier 1; the layer's
+``fire_threshold_init`` sets another initial ``L``, e.g. the training length), the MLP as PyTorch's
 default Linear (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for weights and biases), and a 1e-6 added
 to the normalizer. Under a causal mask the distance is the paper's ``p_i - p_j >= 0``; the
 ``|c x|`` makes the bias symmetric for bidirectional attention.
@@ -73,7 +74,7 @@ class Fire(PositionEncoding):
         n = ctx.shape.num_heads
         specs = {  # name: (initializer, shape, logical axes)
             "c": (nn.initializers.constant(C_INIT), (), ()),
-            "L_multiplier": (nn.initializers.ones, (), ()),
+            "L_multiplier": (nn.initializers.constant(layer.fire_threshold_init / L_INIT), (), ()),
             "fc1_kernel": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc1_bias": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc2_kernel": (_torch_linear_init(WIDTH), (WIDTH, n), (None, "heads")),

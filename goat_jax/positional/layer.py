@@ -79,6 +79,7 @@ class PositionalAttention(layers.AttentionBase):
     training_seq_len)``, or a fixed factor >= 1); ``yarn_beta_fast`` / ``yarn_beta_slow``
     ('yarn': the rotation counts bounding its interpolation ramp, 32 and 1 as the paper);
     ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
+    ``fire_threshold_init`` ('fire': the threshold L at init, 512 as the reference listing).
     ``fox_gate_bias_init`` ('fox': the forget gates' initial bias). 'fox' also keeps
     ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
     """
@@ -92,6 +93,7 @@ class PositionalAttention(layers.AttentionBase):
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     fox_gate_bias_init: float = 0.0
+    fire_threshold_init: float = 512.0
 
     def _training_len(self) -> Optional[int]:
         return self.training_seq_len
