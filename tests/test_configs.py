@@ -158,3 +158,30 @@ def test_command_line_errors_stop_before_training(tmp_path):
     proc = _train(tmp_path / "typo", "--config.model.embed_dims=32")
     assert proc.returncode != 0 and "embed_dims" in proc.stderr
     assert not (tmp_path / "typo").exists()
+
+
+def test_ablation_script_configs_are_valid():
+    """Every ``experiments.train`` command of scripts/ablations_tiny.sh builds a valid config
+    (the spec with its --config.<field>=<value> flags, validated as the trainer does first),
+    so the documented ablations cannot rot while nobody reruns them."""
+    import ast
+    import shlex
+
+    from goat_jax.config_files import load_config
+    from goat_jax.train import trainer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "ablations_tiny.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    commands = [shlex.split(line.replace('"$PY"', "python").replace("$task", "passkey"))
+                for line in text.splitlines() if "experiments.train" in line and not line.lstrip().startswith("#")]
+    assert len(commands) == 2, commands
+    for argv in commands:
+        spec = argv[argv.index("--config") + 1]
+        overrides = {}
+        for arg in argv:
+            if arg.startswith("--config."):
+                key, value = arg[len("--config."):].split("=", 1)
+                overrides[key] = ast.literal_eval(value)
+        config = load_config(spec, overrides)
+        assert trainer.validate_config(config, 1) > 0, spec
