@@ -180,9 +180,8 @@ def test_jobs_in_subprocesses_reuse_runs_and_report_a_failed_job(tmp_path, monke
     monkeypatch.setitem(suites.SUITES, "smoke_lm", dataclasses.replace(_lm_only_suite(), lm_variants=(broken,)))
     assert reproduce.main(argv + ["--seeds", "1", "--jobs", "2"]) == 1
     log = capsys.readouterr().out
-    assert "lm/jargon/broken FAILED" in log and "lm/jargon/goat done" in log
-    worker_log = (runs / "jargon" / "goat.log").read_text()
-    assert "already trained" in worker_log and "evaluated in" not in worker_log
+    assert "lm/jargon/broken FAILED" in log and "reused 1 finished and evaluated run(s); 1 to go" in log
+    assert not (runs / "jargon" / "goat.log").exists()  # read in the parent: no worker, no job slot
     report = (out / "REPORT.md").read_text()
     assert "**Failed runs**" in report and "no_such_config" in report and "Seeds: 1" in report
     assert re.search(r"\| goat \| [\d.]+ \| [\d.]+ \|", report)  # one seed: plain numbers
@@ -277,3 +276,32 @@ def test_a_torn_evaluation_cache_is_evaluated_again_and_rewritten_whole(tmp_path
         assert json.load(f)["value"] == 1.5
     assert os.listdir(job.workdir) == [os.path.basename(jobs_lib.cache_path(job))]  # no temporary left
     assert jobs_lib.evaluate(job, suite)["value"] == 1.5 and calls == ["lm/jargon/goat"]  # cached now
+
+
+def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_is_not(tmp_path, monkeypatch):
+    """jobs.reused: a run trained to its last step with the job's config and evaluated with the
+    suite's settings is read back (train seconds from its metrics, the cached evaluation) without
+    starting a trainer; a job whose config differs from the checkpoint's, that wants more steps,
+    or whose cache was made with other settings is left to run as usual."""
+    from goat_jax.reproduce import jobs as jobs_lib
+
+    suite = suites.SUITES["smoke"]
+    job = next(j for j in suites.plan(suite, str(tmp_path)) if j.name == "lm/jargon/goat")
+    assert jobs_lib.reused(job, suite) is None  # nothing trained yet
+    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s: {"value": 1.5})
+    first = jobs_lib.train_and_evaluate(job, suite)
+    again = jobs_lib.reused(job, suite)
+    assert again is not None and again["wall_seconds"] == 0.0
+    assert again["train_seconds"] == first["train_seconds"] > 0
+    assert again["result"] == first["result"] and again["result"]["value"] == 1.5
+
+    def trainer_started(*args, **kwargs):
+        raise AssertionError("a reused run must not start a trainer")
+
+    monkeypatch.setattr(jobs_lib.trainer, "train_and_evaluate", trainer_started)
+    assert jobs_lib.reused(job, suite)["result"]["value"] == 1.5
+    changed = dataclasses.replace(job, overrides={**job.overrides, "model.num_layers": 3})
+    longer = dataclasses.replace(job, overrides={**job.overrides, "num_train_steps": 2 * int(jobs_lib.job_config(job).num_train_steps)})
+    other_settings = dataclasses.replace(suite, multipliers=(1,))
+    assert jobs_lib.reused(changed, suite) is None and jobs_lib.reused(longer, suite) is None
+    assert jobs_lib.reused(job, other_settings) is None

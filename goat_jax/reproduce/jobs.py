@@ -131,6 +131,29 @@ def evaluate(job: Job, suite: Suite) -> dict:
     return out
 
 
+def _with_final_loss(job: Job, evaluation: dict) -> dict:
+    """``evaluation`` plus ``final_eval_loss``, read from the run's metrics on every call (not
+    cached with the evaluations): whether the model learned its task at all, e.g. a retrieval
+    model whose answer loss stayed at chance."""
+    return {**evaluation, "final_eval_loss": run_lib.last_logged(job.workdir, "eval_loss")}
+
+
+def reused(job: Job, suite: Suite) -> Optional[dict]:
+    """:func:`train_and_evaluate`'s result for a run that needs neither step, read without
+    starting a trainer or compiling anything (a suite resumed in a later sitting re-reads its
+    finished runs in seconds): a training job whose run is finished with a compatible config
+    (:func:`goat_jax.train.trainer.is_finished`) and whose evaluation is cached with this
+    suite's settings. None otherwise: the job then runs as usual (and the trainer names any
+    incompatibility)."""
+    if not job.trains:
+        return None
+    cached = cached_evaluation(job, suite)
+    if cached is None or not trainer.is_finished(job_config(job), job.workdir):
+        return None
+    return {"train_seconds": run_lib.training_seconds(job.workdir), "result": _with_final_loss(job, cached),
+            "wall_seconds": 0.0}
+
+
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
     """Trains then evaluates ``job``: ``{'train_seconds', 'result', 'wall_seconds'}`` (this
     call's wall clock: ~0 for a reused run); ``result`` is :func:`evaluate`'s plus
@@ -146,8 +169,5 @@ def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:
         absl_logging.set_verbosity(absl_logging.WARNING)
     t0 = time.time()
     seconds = train(job)["seconds"]
-    result = dict(evaluate(job, suite))
-    # Read from the run's metrics on every call (not cached with the evaluations): whether the
-    # model learned its task at all, e.g. a retrieval model whose answer loss stayed at chance.
-    result["final_eval_loss"] = run_lib.last_logged(job.workdir, "eval_loss")
+    result = _with_final_loss(job, evaluate(job, suite))
     return {"train_seconds": seconds, "result": result, "wall_seconds": time.time() - t0}

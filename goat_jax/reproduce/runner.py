@@ -144,7 +144,9 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
     run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
     ``<workdir>.log`` (a failure is recorded, the other jobs go on); evaluated-with rows,
     which read another row's run, wait until every training job is done. ``jobs`` = 1: one
-    after another in this process, as before (an exception stops the suite)."""
+    after another in this process, as before (an exception stops the suite). Runs that are
+    finished and evaluated (:func:`goat_jax.reproduce.jobs.reused`) are read first, in this
+    process, and take no job slot."""
     raw, timings, failed = {}, {}, {}
 
     def record(job, res):
@@ -153,6 +155,19 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
         timings[f"eval {job.run_name}"] = res["result"]["eval_seconds"]
         timings[f"wall {job.run_name}"] = res["wall_seconds"]
 
+    # Finished and evaluated runs are read here, in seconds, instead of in a trainer (a job
+    # slot, a fresh JAX, a restored state) each: a suite resumed in a later sitting goes straight
+    # to its unfinished runs.
+    todo = []
+    for job in all_jobs:
+        done = jobs_lib.reused(job, suite)
+        if done is None:
+            todo.append(job)
+        else:
+            record(job, done)
+    if len(todo) < len(all_jobs):
+        cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s); {len(todo)} to go")
+    all_jobs = todo
     if jobs == 1:
         for i, job in enumerate(all_jobs):
             cli.log(f"[{i + 1}/{len(all_jobs)}] {job.run_name}: {job.spec} {job.overrides or ''}")

@@ -316,6 +316,45 @@ class _Preemption:
 # ----------------------------------------------------------------------------------------------
 
 
+def _fingerprinted(config: ml_collections.ConfigDict, global_batch: int) -> Dict[str, Any]:
+    """The config dict a run's checkpoints are fingerprinted with: references resolved, the
+    global batch as validated."""
+    resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
+    resolved.global_batch_size = global_batch
+    return resolved.to_dict()
+
+
+def is_finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
+    """Whether :func:`train_and_evaluate` of ``config`` in ``workdir`` would train nothing: the
+    newest checkpoint is at ``num_train_steps`` or later and was written by a compatible config
+    (the same check the trainer makes before resuming). Read-only, compiles nothing; False for
+    an invalid config, a workdir without checkpoints or an incompatible one (the trainer then
+    says why). For callers that skip a finished run without starting a trainer for it."""
+    try:
+        global_batch = validate_config(config, jax.device_count(), jax.process_count())
+    except ValueError:
+        return False
+    task = tasks_lib.get_task(config.task)
+    config = tasks_lib.with_field_defaults(config, task)
+    directory = run_lib.checkpoint_dir(workdir)
+    if not os.path.isdir(directory):
+        return False
+    checkpointer = checkpoint_lib.Checkpointer(directory, _fingerprinted(config, global_batch),
+                                               keep=config.keep_checkpoints, async_save=False,
+                                               resume_safe_fields=task.resume_safe_fields,
+                                               field_defaults=task.field_defaults(), read_only=True)
+    try:
+        steps = checkpointer.all_steps()
+        if not steps or steps[-1] < int(config.num_train_steps):
+            return False
+        checkpointer.check_compatible()
+        return True
+    except checkpoint_lib.IncompatibleCheckpointError:
+        return False
+    finally:
+        checkpointer.close()
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        resume_with_changes: bool = False) -> Dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict with the last step,
@@ -363,9 +402,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
     ``progress['step']`` at the step being run."""
     task = tasks_lib.get_task(config.task)
-    resolved = ml_collections.ConfigDict(config.to_dict())  # resolves FieldReferences
-    resolved.global_batch_size = global_batch
-    config_dict = resolved.to_dict()
+    config_dict = _fingerprinted(config, global_batch)
     is_primary = jax.process_index() == 0
 
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
