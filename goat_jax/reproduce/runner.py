@@ -159,12 +159,17 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
     # slot, a fresh JAX, a restored state) each: a suite resumed in a later sitting goes straight
     # to its unfinished runs.
     todo = []
-    for job in all_jobs:
-        done = jobs_lib.reused(job, suite)
-        if done is None:
-            todo.append(job)
-        else:
-            record(job, done)
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
+    try:
+        for job in all_jobs:
+            done = jobs_lib.reused(job, suite)
+            if done is None:
+                todo.append(job)
+            else:
+                record(job, done)
+    finally:
+        absl_logging.set_verbosity(verbosity)
     if len(todo) < len(all_jobs):
         cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s); {len(todo)} to go")
     all_jobs = todo
