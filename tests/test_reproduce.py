@@ -145,7 +145,11 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     # toy; the extra LM rows; a ViT per 2D encoding; a genome LM per DNA encoding: 3 seeds
     # each (the tiny suite's default), but the toy figure, trained once.
     tiny = suites.SUITES["tiny"]
-    one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants)
+    # The LM variants' rows of the default retrieval tables: each variant made of model
+    # overrides (trained) or evaluated on a trained row, per task; one with its own LM config has none.
+    variant_retrieval = len(tiny.tasks) * sum(1 for v in tiny.lm_variants if v.trained_as or not v.spec)
+    assert variant_retrieval == 2 * 6
+    one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
                 + len(tiny.vit_encodings) + len(tiny.dna_encodings))
     assert len(lines) == 3 * one_seed - 2
     assert sum("toy" in line for line in lines) == 1
@@ -174,7 +178,7 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm", "--retrieval_variants", "none",
                            "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 * len(tiny.encodings) + 1 + len(tiny.lm_variants)
+    assert len(lines) == 3 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
     assert not any("official" in l for l in lines)
     with pytest.raises(ValueError, match="--retrieval_variants paper: suite 'tiny' has official"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--retrieval_variants", "paper"])

@@ -106,7 +106,19 @@ def test_evaluated_with_rows_are_planned_on_their_trained_run():
     suite = dataclasses.replace(suites.SUITES["smoke"], lm_variants=(LINEAR_AT_EVAL,))
     jobs = suites.plan(suite, "/r", families=["lm"], seeds=2)
     rows = [j for j in jobs if j.label == "goat@linear_sink"]
-    assert [j.workdir for j in rows] == ["/r/jargon/goat", "/r/jargon/goat_seed1"] and not any(j.trains for j in rows)
+    # On the LM and on every retrieval task's model of its trained row, per seed, training nothing.
+    assert [j.workdir for j in rows] == ["/r/jargon/goat", "/r/passkey/goat", "/r/niah/goat", "/r/jargon/goat_seed1",
+                                         "/r/passkey/goat_seed1", "/r/niah/goat_seed1"] and not any(j.trains for j in rows)
+    assert {j.name for j in rows} == {"lm/jargon/goat@linear_sink", "passkey/passkey/goat@linear_sink",
+                                      "niah/niah/goat@linear_sink"}
+    # A variant of model overrides trains its own retrieval models; one with its own LM config has none.
+    trained = suites.LMVariant("goat+freq", "goat", {"model.learn_frequencies": True})
+    own_config = suites.LMVariant("goat+ls", "goat", spec="configs/lm_tiny.py:{enc},linear_sink")
+    names = {j.name: j for j in suites.plan(dataclasses.replace(suite, lm_variants=(trained, own_config)), "/r",
+                                            families=["lm"])}
+    assert names["passkey/passkey/goat+freq"].trains and names["niah/niah/goat+freq"].workdir == "/r/niah/goat+freq"
+    assert names["niah/niah/goat+freq"].overrides["model.learn_frequencies"] is True
+    assert "lm/jargon/goat+ls" in names and not any(n.endswith("/goat+ls") and not n.startswith("lm/") for n in names)
     assert [j.label for j in suites.plan(suite, "/r", ["rope"], families=["lm"]) if j.kind == "lm"] == ["rope"]
     bad = dataclasses.replace(suite, lm_variants=(dataclasses.replace(LINEAR_AT_EVAL, trained_as="gaot"),))
     with pytest.raises(ValueError, match="trained_as='gaot' is not a trained row of suite 'smoke'; choose from goat"):

@@ -19,12 +19,15 @@ def paper_commands(suite: Suite, root: str, encodings: Optional[Sequence[str]], 
                    **plan_kwargs) -> list[str]:
     """``experiments.train`` per run, then ``experiments.evaluate`` per group of runs (all
     encodings side by side), then the toy. Override values are passed as ``--config.x=y``.
+    Evaluated-with rows (``Job.trains`` False) are left out: they train nothing, and their
+    evaluation is the trained row's with ``experiments.evaluate --position_encoding`` /
+    ``--logn_scaling``.
     ``plan_kwargs``: :func:`plan`'s ``families``, ``vit_encodings``, ``dna_encodings``."""
     py = "python -m"
     cmds, groups = [], {}
     jobs = plan(suite, root, encodings, **plan_kwargs)
     for job in jobs:
-        if job.kind == "toy":
+        if job.kind == "toy" or not job.trains:
             continue
         flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in job.overrides.items())
         cmds.append(f"{py} experiments.train --config {job.spec} --workdir {job.workdir} {flags}".strip())

@@ -281,6 +281,28 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
     return with_seeds(jobs, seeds)
 
 
+def _retrieval_variant_rows(suite: Suite, root: str, task: str, encodings: list[str]) -> list[Job]:
+    """The LM variants' rows of the default retrieval tables of ``task``: a variant given as
+    model overrides only (no ``spec`` of its own, e.g. ``model.learn_frequencies``) trains its
+    own retrieval model in ``ROOT/<task>/<label>``; an evaluated-with row evaluates the retrieval
+    model of its ``trained_as`` row with its ``eval_overrides`` (RoPE's passkey model with YaRN),
+    when that model is planned. A variant with its own LM config (``spec``) has no retrieval
+    counterpart and no row there."""
+    trained = set(encodings) | {v.label for v in suite.lm_variants if not v.trained_as and not v.spec}
+    jobs = []
+    for v in suite.lm_variants:
+        spec = suite.retrieval.format(task=task, enc=v.encoding)
+        if v.trained_as:
+            if v.trained_as in trained:
+                jobs.append(Job(task, task, v.encoding, spec, dict(suite.retrieval_overrides),
+                                os.path.join(root, task, v.trained_as), variant=v.label,
+                                eval_overrides=dict(v.eval_overrides), trains=False))
+        elif not v.spec:
+            jobs.append(Job(task, task, v.encoding, spec, {**suite.retrieval_overrides, **v.overrides},
+                            os.path.join(root, task, v.label), variant=v.label))
+    return jobs
+
+
 def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
     """The language family's runs (see :func:`plan`)."""
     jobs = []
@@ -308,6 +330,8 @@ def _plan_language(suite: Suite, root: str, encodings: list[str]) -> list[Job]:
                 jobs.append(Job(task, task + suffix, enc, pattern.format(task=task, enc=enc),
                                 {**suite.retrieval_overrides, **overrides},
                                 os.path.join(root, task + suffix, enc)))
+            if not suffix:
+                jobs += _retrieval_variant_rows(suite, root, task, encodings)
     if suite.toy:  # '' = no toy figure (e.g. a trimmed suite in a test)
         jobs.append(Job("toy", "copy_mixture", "goat", suite.toy, dict(suite.toy_overrides),
                         os.path.join(root, "toy")))
