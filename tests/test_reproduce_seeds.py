@@ -152,6 +152,7 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
     assert cfg[1]["seed"] == cfg[0]["seed"] + 1
     report = (out / "REPORT.md").read_text()
     assert "Seeds: 2" in report and stats.INTERVAL_NAME in report
+    assert "trains nothing: the goat run evaluated with model.sink_extrapolation=linear" in report
     assert re.search(r"\| goat \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", report)  # perplexity by length
     saved = json.loads((out / "results.json").read_text())["lm/jargon/goat"]
     assert set(saved["seeds"]) == {"lm/jargon/goat", "lm/jargon/goat@seed1"}

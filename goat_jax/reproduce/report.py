@@ -111,7 +111,10 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
         job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
         body.append(f"* **{kind if dataset in (kind, 'copy_mixture') or kind == 'lm' else dataset}**: "
                     + _setup_line(job))
-    body += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j) for j in jobs if j.variant]
+    body += [f"* **{j.dataset} {j.label}** (extra row): " + _setup_line(j)
+             + ("" if j.trains else f"; trains nothing: the {os.path.basename(j.workdir)} run evaluated with "
+                + ", ".join(f"{k}={v}" for k, v in j.eval_overrides.items()))
+             for j in jobs if j.variant]
     body.append("")
     if family == "lm":
         encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1]
