@@ -35,9 +35,14 @@ def test_differences_name_exactly_the_departures():
     plain = load_config("configs/retrieval_tiny.py:niah,rope,paper")
     assert set(paper_table.differences(plain, paper_table.official_recipe("niah", "niah", "rope"))) == {
         "data.span_loss_weight", "model.baseline_attention_scale"}
-    # A model field the config leaves out is compared at the model's default (what runs).
+    # A model field the config file leaves out is compared at the model's default (what runs;
+    # load_config adds it at that default).
+    from configs import lm_fineweb_1b
+    from goat_jax.models import lm
+
+    assert "block" not in lm_fineweb_1b.get_config("goat").model
     fw = load_config("configs/lm_fineweb_1b.py:goat")
-    assert "block" not in fw.model
+    assert fw.model.block == lm.LMConfig.block
     assert paper_table.differences(fw, paper_table.official_recipe("lm", "fineweb_1b", "goat")) == {}
 
 
