@@ -148,6 +148,19 @@ def dataclass_defaults(cls: Any, section: str) -> Dict[str, Any]:
 _NOT_FILLED = frozenset({"model.name"})
 
 
+def _missing_fields(config: Any, task: "Task", sections: Optional[set] = None) -> Iterator[Tuple[Any, str, Any]]:
+    """``(parent ConfigDict, field name, default)`` of each :attr:`Task.field_defaults` field
+    that ``config`` lacks, in the sections the config has (only ``sections`` if given)."""
+    for dotted, default in task.field_defaults().items():
+        section, _, name = dotted.rpartition(".")
+        if dotted in _NOT_FILLED or not section or section not in config:
+            continue
+        if sections is not None and section not in sections:
+            continue
+        if name not in config[section]:
+            yield config[section], name, default
+
+
 def with_field_defaults(config: Any, task: "Task") -> Any:
     """A copy of ``config`` (an ml_collections ConfigDict) with every field of
     :attr:`Task.field_defaults` that it lacks set to its default, for configs written before the
@@ -155,13 +168,8 @@ def with_field_defaults(config: Any, task: "Task") -> Any:
     :class:`goat_jax.train.checkpoint.Checkpointer` treats as "no change" on resume. Only fields
     of sections the config has are added; ``config`` itself is not modified."""
     filled = type(config)(config.to_dict())
-    for dotted, default in task.field_defaults().items():
-        section, _, name = dotted.rpartition(".")
-        if dotted in _NOT_FILLED or not section or section not in filled:
-            continue
-        parent = filled[section]
-        if name not in parent:
-            parent[name] = default
+    for parent, name, default in list(_missing_fields(filled, task)):
+        parent[name] = default
     return filled
 
 
@@ -185,16 +193,13 @@ def add_model_defaults(config: Any) -> Any:
     from ml_collections import config_dict  # pylint: disable=g-import-not-at-top  # configs only
 
     specs = task.field_specs(config).get("model", {})
-    for dotted, default in task.field_defaults().items():
-        section, _, name = dotted.rpartition(".")
-        if section != "model" or dotted in _NOT_FILLED or name in config.model:
-            continue
+    for parent, name, default in list(_missing_fields(config, task, {"model"})):
         if default is None:
             kind = _CLI_TYPES.get(getattr(specs.get(name), "kind", None))
             if kind is None:
                 continue
             default = config_dict.placeholder(kind)
-        config.model[name] = default
+        parent[name] = default
     return config
 
 
