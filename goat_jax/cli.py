@@ -78,7 +78,9 @@ def _parse_absl_flags(argv):
         name, _, hint = str(inner).partition("\n")
         name = name.strip("'\"")
         flag_names = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")]
-        given = next((f for f in flag_names if name in f.lstrip("-").split(".")[1:]), "a --config.<field> flag")
+        given = next((f for f in flag_names if name in f.lstrip("-").split(".")[1:]), None)
+        if given is None:  # not a flag's field: e.g. a bug inside a config file's get_config
+            raise
         _fail(f"{given}: the config has no field {name!r}" + (f" ({hint.strip()})" if hint else "")
               + "; the fields are the config file's, plus every model field of its task "
               "(docs/training.md, 'Configs').")
