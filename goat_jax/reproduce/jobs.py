@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Optional
 
-from goat_jax import cli
+from goat_jax import cli, files
 from goat_jax.config_files import load_config
 from goat_jax.reproduce import dna_family, lm_family, vit_family
 from goat_jax.reproduce.suites import Job, Suite
@@ -118,7 +118,7 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dic
 def evaluate(job: Job, suite: Suite) -> dict:
     """The evaluations of ``job`` by its family, cached in :func:`cache_path` together with the
     settings they were made with; a cache made with other settings (or torn) is redone. The
-    cache is written whole (:func:`goat_jax.train.run.write_whole`)."""
+    cache is written whole (:func:`goat_jax.files.write_whole`)."""
     cached = cached_evaluation(job, suite, log=True)
     if cached is not None:
         return cached
@@ -126,7 +126,7 @@ def evaluate(job: Job, suite: Suite) -> dict:
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
     out["eval_settings"] = eval_settings(job, suite)
-    run_lib.write_whole(cache_path(job), json.dumps(out, default=float))
+    files.write_whole(cache_path(job), json.dumps(out, default=float))
     cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s")
     return out
 

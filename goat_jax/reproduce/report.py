@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
+from goat_jax import files
 from goat_jax.reproduce import dna_family, lm_family, stats, vit_family
 from goat_jax.reproduce.suites import FAMILY_TITLES, LM_KINDS, ROOT, Job, Suite
 from goat_jax.train import run as run_lib
@@ -171,7 +172,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
                     + "; ".join(f"`{k}`: {v}" for k, v in fam_failed.items()) + "\n")
         else:
             continue
-        run_lib.write_whole(os.path.join(out, "sections", f"{family}.md"), text)
+        files.write_whole(os.path.join(out, "sections", f"{family}.md"), text)
     sections = []
     for family in FAMILY_TITLES:
         path = os.path.join(out, "sections", f"{family}.md")
@@ -185,7 +186,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
           "(`sections/<family>.md`).", ""]
     md += [f"* [{FAMILY_TITLES[f]}](#{FAMILY_TITLES[f].lower()})" for f, _ in sections] + [""]
     text = "\n".join(md) + "\n" + "\n".join(body for _, body in sections)
-    run_lib.write_whole(os.path.join(out, "REPORT.md"), text)
+    files.write_whole(os.path.join(out, "REPORT.md"), text)
     merged = {}
     if os.path.exists(os.path.join(out, "results.json")):
         with open(os.path.join(out, "results.json")) as f:
@@ -193,6 +194,6 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     for name, value in results.items():
         own = {k: v for k, v in (per_seed or {}).items() if _base(k) == name}
         merged[name] = {**value, "seeds": own} if own else value
-    run_lib.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
+    files.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
     return text
 

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
-from goat_jax.files import write_whole  # noqa: F401  (run_lib.write_whole: the callers' name for it)
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import _extras
+from goat_jax import _extras, files
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -412,7 +412,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
         # Written whole then renamed: a reader of the live run never sees a partial file.
-        run_lib.write_whole(run_lib.config_path(workdir), json.dumps(config_dict, indent=2, default=str))
+        files.write_whole(run_lib.config_path(workdir), json.dumps(config_dict, indent=2, default=str))
 
     # --- Mesh -----------------------------------------------------------------------------------
     mesh = sharding_lib.make_mesh(config.mesh)
