@@ -2,6 +2,7 @@
 
     python -m experiments.reproduce --suite tiny                   # 3 seeds: ~15 h on 2 CPU cores
     python -m experiments.reproduce --suite tiny --status          # how far it got, what is left
+    python -m experiments.reproduce --suite tiny --report_only     # the report of what finished so far
     python -m experiments.reproduce --suite tiny --families dna    # one family: lm, vit or dna
     python -m experiments.reproduce --suite smoke --out /tmp/rep   # minutes: the harness end to end
     python -m experiments.reproduce --suite tiny --families lm --seeds 3 --jobs 2   # part of it
@@ -28,7 +29,10 @@ family with their verdicts and numbers, all tables) and its PNGs. With ``--seeds
 trains N times (seed = the config's + k; the toy figure once) and every number is the mean ±
 95% Student t interval over seeds; each headline check is judged on the paired difference
 (supported / contradicted / inconclusive; goat_jax/reproduce/stats.py), the old fixed
-threshold kept as PASS/FAIL next to it. Runs live under
+threshold kept as PASS/FAIL next to it. The runs a headline check reads train first, family by
+family in the ``--families`` order and every seed of a family before the next family (the
+tables' other rows after them), so a suite stopped part way has verdicts to report:
+``--report_only`` writes that report from whatever finished. Runs live under
 ``--workdir`` and resume: re-running after an interruption retrains nothing that finished, and
 evaluations are cached per run (``reproduce_eval.json``). A suite is a ``Suite`` in
 ``goat_jax/reproduce/suites.py: SUITES``; extra LM rows (``LMVariant``) and retrieval variants
@@ -88,6 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--status", action="store_true",
                    help="print where every planned run stands (done, trained, partial at step k/N, ...) per "
                    "family and seed, and the compute still to go; trains and writes nothing")
+    p.add_argument("--report_only", action="store_true",
+                   help="write the report from the runs finished and evaluated so far (listing the others), "
+                   "training and evaluating nothing: the verdicts of a suite still running")
     args = p.parse_args(argv)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return runner.reproduce(
@@ -95,7 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         families=_split(args.families) or [], encodings=_split(args.encodings),
         vit_encodings=_split(args.vit_encodings), dna_encodings=_split(args.dna_encodings),
         retrieval_variants=None if args.retrieval_variants is None else args.retrieval_variants.split(","),
-        dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs, status=args.status)
+        dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs, status=args.status,
+        report_only=args.report_only)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,19 @@ def test_estimate_is_mean_with_a_t_interval_and_pairs_by_seed():
     assert (e / f).values == pytest.approx(tuple(a / b for a, b in zip(vals, [0.9, 2.4, 3.95])))
     assert (1 - e).values == pytest.approx((0.0, -1.5, -3.0))
     assert stats.per_seed_max([e, f, 2.0]).values == pytest.approx((2.0, 2.5, 4.0))
-    with pytest.raises(ValueError, match="cannot pair 3 seeds with 2"):
-        _ = e - stats.Estimate([1.0, 2.0])
+    # Pairing is by seed offset: seeds 0 and 2 of one row pair with seeds 0 and 2 of another,
+    # never seed 2 with seed 1 (a row whose seed 1 failed or has not finished).
+    gap = stats.Estimate([1.5, 3.0], seeds=[0, 2])
+    assert (e - gap).seeds == (0, 2) and (e - gap).values == pytest.approx((-0.5, 1.0))
+    assert (gap - e).values == pytest.approx((0.5, -1.0)) and (2 * gap).seeds == (0, 2)
+    assert stats.per_seed_max([e, gap]).values == pytest.approx((1.5, 4.0))
+    assert stats.common_seeds([e, gap, f]) == (0, 2)
+    with pytest.raises(ValueError, match=r"no seed in common to pair \(\[0\] vs \[1, 2\]\)"):
+        _ = stats.Estimate([1.0]) - stats.Estimate([1.0, 2.0], seeds=[1, 2])
+    with pytest.raises(ValueError, match="must be 2 distinct offsets in increasing order"):
+        stats.Estimate([1.0, 2.0], seeds=[1, 1])
+    import pickle  # an estimate keeps its seeds through a pickle (subprocess results, copies)
+    assert pickle.loads(pickle.dumps(gap)).seeds == (0, 2)
     # One seed: no interval is invented.
     one = stats.Estimate([0.7])
     assert one.half_width is None and one.interval is None and format(one, ".3f") == "0.700"
@@ -56,6 +67,11 @@ def test_verdict_of_a_deterministic_number_and_bad_sign():
     assert stats.verdict(-1.0, -1) == stats.SUPPORTED and stats.verdict(0.5, -1) == stats.CONTRADICTED
     with pytest.raises(ValueError, match="claimed_sign: 0; give \\+1"):
         stats.verdict(1.0, 0)
+
+
+def test_aggregate_carries_the_seed_offsets_it_is_given():
+    agg = stats.aggregate([{"x": 1.0}, {"x": 3.0}], seeds=[0, 2])
+    assert agg["x"].seeds == (0, 2) and stats.aggregate([{"x": 1.0}])["x"].seeds == (0,)
 
 
 def test_aggregate_keeps_structure_ints_and_strings():
@@ -146,7 +162,7 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
     argv = ["--suite", "smoke_lm", "--families", "lm", "--workdir", str(runs), "--out", str(out)]
     assert reproduce.main(argv + ["--seeds", "2"]) == 0
     log = capsys.readouterr().out
-    assert "[3/4] lm/jargon/goat@seed1" in log
+    assert "[2/4] lm/jargon/goat@seed1" in log  # the runs the checks read first, every seed
     # Seed 1 trains with the config's seed + 1, in the sibling workdir; seed 0 where 1 seed would.
     cfg = [json.loads((runs / "jargon" / d / "config.json").read_text()) for d in ("goat", "goat_seed1")]
     assert cfg[1]["seed"] == cfg[0]["seed"] + 1
@@ -182,6 +198,24 @@ def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
     assert reproduce.main(argv + ["--seeds", "2", "--status"]) == 0
     text = capsys.readouterr().out
     assert "4 of 4 runs done" in text and "~0.0 h" in text and "not counted" not in text, text
+
+    # --report_only with a third seed planned: the report of what finished, training nothing;
+    # seed 2 is listed as left out, every row is over its 2 seeds and a check says so.
+    def one_check(results, encodings, multiplier=16):
+        ppl = results["lm/jargon/goat"]["extrapolation"]["32"]["ppl"]
+        return [stats.judged("GOAT perplexity above 1", True, f"{ppl:.2f}", ppl - 1, +1, "ppl - 1")]
+
+    monkeypatch.setattr(lm_family, "lm_checks", one_check)
+    assert reproduce.main(argv + ["--seeds", "3", "--report_only"]) == 0
+    assert not (runs / "jargon" / "goat_seed2").exists()
+    report = (tmp_path / "out" / "REPORT.md").read_text()
+    assert "**Partial report** (`--report_only`" in report and "`lm/jargon/goat@seed2`" in report
+    assert "`lm/jargon/goat@linear_sink@seed2`" in report and "Seeds: 3" in report
+    assert "**Rows with fewer than 3 seeds**" in report and "`lm/jargon/goat` 2" in report
+    assert re.search(r"\| GOAT perplexity above 1 \| \*\*supported\*\* \(2 of 3 seeds\) \|", report), report
+    with pytest.raises(ValueError, match="--report_only: none of the 2 planned runs under .*none has finished"):
+        reproduce.main(["--suite", "smoke_lm", "--families", "lm", "--workdir", str(tmp_path / "none"),
+                        "--out", str(tmp_path / "out2"), "--report_only"])
 
 
 @pytest.mark.slow
@@ -318,3 +352,52 @@ def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_
     other_settings = dataclasses.replace(suite, multipliers=(1,))
     assert jobs_lib.reused(changed, suite) is None and jobs_lib.reused(longer, suite) is None
     assert jobs_lib.reused(job, other_settings) is None
+
+
+def _made_up_results(jobs):
+    """A result of the right shape for every job of a plan; the rows no headline check may read
+    (LM variants, ALiBi/NoPE genomes, other retrieval tasks and variants) get values that would
+    change the checks if they leaked in (a variant's perplexity below every baseline's)."""
+    rng = np.random.default_rng(0)
+    results = {}
+    for j in jobs:
+        low = bool(j.variant) or j.dataset != j.kind and j.kind != "lm"
+        if j.kind == "lm":
+            base = 1.0 if low else 6.0 + rng.random()
+            results[j.name] = {"extrapolation": {str(n): {"ppl": base * (1 + 0.1 * i)}
+                                                 for i, n in enumerate((64, 128, 512, 1024))}}
+        elif j.kind in ("passkey", "niah"):
+            acc = 0.3 if low else rng.random()
+            results[j.name] = {"passkey": {"synthetic": {"64": 1.0, "512": acc}}}
+        elif j.kind == "dna":
+            results[j.name] = _dna(1.0 if j.encoding in ("alibi", "nope") else 1.9 + 0.1 * rng.random())
+        elif j.kind == "vit":
+            results[j.name] = _vit(0.8 + 0.1 * rng.random(), 0.5)
+    return results
+
+
+def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
+    """feeds_checks of each family names exactly the runs its checks read: the checks are the
+    same with only those runs' results; and queue_order trains them first, family by family in
+    the --families order, seed by seed, then the rest."""
+    from goat_jax.reproduce import runner
+
+    jobs = suites.plan(suites.SUITES["tiny"], "/r", seeds=3)
+    results = _made_up_results(jobs)
+    feeding = {j.name for j in jobs if runner.FEEDS_CHECKS[j.family](j)}
+    only = {k: v for k, v in results.items() if k in feeding}
+    encodings = list(suites.SUITES["tiny"].encodings)
+    # 7 language checks; one DNA length (1x only) and ViT without canvas or prior: 1 + 2 checks.
+    full = lm_family.lm_checks(results, encodings) + dna_family.dna_checks(jobs, results, []) \
+        + vit_family.vision_checks(jobs, results)
+    assert len(full) == 7 + 1 + 2 and lm_family.lm_checks(only, encodings) + dna_family.dna_checks(
+        jobs, only, []) + vit_family.vision_checks(jobs, only) == full
+    assert "lm/jargon/goat+logn" not in feeding and "dna/dna/alibi" not in feeding
+    assert "passkey/passkey/rope" in feeding and "niah/niah/goat" not in feeding
+    order = runner.queue_order(jobs, ["lm", "dna", "vit"])
+    assert sorted(map(id, order)) == sorted(map(id, jobs))  # a permutation
+    head = [(j.family, j.seed_offset) for j in order if runner.FEEDS_CHECKS[j.family](j)]
+    assert [(j.family, j.seed_offset) for j in order[:len(head)]] == head  # the check runs come first
+    assert list(dict.fromkeys(head)) == [(f, k) for f in ("lm", "dna", "vit") for k in range(3)]
+    rest = [j.seed_offset for j in order[len(head):]]
+    assert rest == sorted(rest) and order[len(head)].name == "lm/jargon/goat+linear_sink"

@@ -107,6 +107,12 @@ def _total(row: dict) -> float:
     return row["arguments"] + row["temporaries"]
 
 
+def feeds_checks(job: Job) -> bool:
+    """Whether :func:`dna_checks` reads ``job``'s result: the GOAT and RoPE genome LMs (every
+    DNA check is GOAT against RoPE; ALiBi and NoPE are table rows)."""
+    return job.kind == "dna" and not job.variant and job.encoding in ("goat", "rope")
+
+
 def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[stats.Check]:
     """The paper's genomics claims at this scale as :class:`goat_jax.reproduce.stats.Check` s
     (verdict on the paired GOAT - RoPE difference; the old comparison as PASS/FAIL):

@@ -143,15 +143,15 @@ def reused(job: Job, suite: Suite) -> Optional[dict]:
     starting a trainer or compiling anything (a suite resumed in a later sitting re-reads its
     finished runs in seconds): a training job whose run is finished with a compatible config
     (:func:`goat_jax.train.trainer.is_finished`) and whose evaluation is cached with this
-    suite's settings. None otherwise: the job then runs as usual (and the trainer names any
+    suite's settings; an evaluated-with row likewise when the run it evaluates is finished and
+    its own evaluation is cached (it trains nothing: 0 training seconds, the run's are its
+    row's). None otherwise: the job then runs as usual (and the trainer names any
     incompatibility)."""
-    if not job.trains:
-        return None
     cached = cached_evaluation(job, suite)
     if cached is None or not trainer.is_finished(job_config(job), job.workdir):
         return None
-    return {"train_seconds": run_lib.training_seconds(job.workdir), "result": _with_final_loss(job, cached),
-            "wall_seconds": 0.0}
+    seconds = run_lib.training_seconds(job.workdir) if job.trains else 0.0
+    return {"train_seconds": seconds, "result": _with_final_loss(job, cached), "wall_seconds": 0.0}
 
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:

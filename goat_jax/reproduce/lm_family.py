@@ -74,6 +74,16 @@ def load_for_evaluation(job: Job) -> ev.LMRun:
     return dataclasses.replace(run, config=config, model=model)
 
 
+def feeds_checks(job: Job) -> bool:
+    """Whether :func:`lm_checks` reads ``job``'s result: the plain-encoding LMs on Jargon
+    (extrapolation, in-distribution perplexity against every baseline) and the GOAT and RoPE
+    synthetic passkey models. The harness trains these first (goat_jax/reproduce/runner.py)."""
+    if job.variant:
+        return False
+    return ((job.kind == "lm" and job.dataset == "jargon")
+            or (job.kind == "passkey" and job.dataset == "passkey" and job.encoding in ("goat", "rope")))
+
+
 def lm_checks(results: dict[str, dict], encodings: Sequence[str],
               multiplier: int = 16) -> list[stats.Check]:
     """The language claims as :class:`goat_jax.reproduce.stats.Check` s (claim, the old

@@ -75,10 +75,14 @@ def compute_by_seed(timings: dict[str, float], names: set[str]) -> dict[int, dic
 
 def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                    command: str, timings: dict[str, float], total_seconds: float, seeds: int = 1,
-                   failed: Optional[dict] = None) -> str:
+                   failed: Optional[dict] = None, seeds_of: Optional[dict[str, int]] = None,
+                   unfinished: Sequence[str] = ()) -> str:
     """One family's part of REPORT.md (``## <Family>`` and its subsections): the provenance of
     this invocation (command, date, commit, compute), the setup, the headline checks with their
-    numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's)."""
+    numbers, the notes, every table and figure, and the run times of ``jobs`` (the family's).
+    ``seeds_of``: how many seeds each row's numbers are over (rows with fewer than ``seeds`` are
+    listed); ``unfinished``: the family's planned runs left out because they have not finished
+    (``--report_only``), listed under the provenance."""
     names = {j.name for j in jobs}
     mine = {k: v for k, v in timings.items() if not k.startswith("wall ") and _base(k.split(" ", 1)[1]) in names}
     by_seed = compute_by_seed(timings, names)
@@ -107,6 +111,15 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
           "inconclusive otherwise. The old fixed threshold is kept as a secondary column.", ""]
     if failed:
         md += ["**Failed runs** (left out of the numbers): " + "; ".join(f"`{k}`: {v}" for k, v in failed.items()), ""]
+    if unfinished:
+        md += [f"**Partial report** (`--report_only`: written from the runs finished so far, training "
+               f"nothing): {len(unfinished)} planned run(s) of this family have not finished and are left "
+               "out: " + ", ".join(f"`{k}`" for k in unfinished) + ".", ""]
+    fewer = {k: n for k, n in (seeds_of or {}).items() if n < seeds and k in names}
+    if fewer:
+        md += [f"**Rows with fewer than {seeds} seeds** (their numbers, and every check that pairs them, "
+               "are over the seeds they have; a check's seed count is next to its verdict): "
+               + ", ".join(f"`{k}` {n}" for k, n in fewer.items()) + ".", ""]
     body = ["## Setup (identical across position encodings)", ""]
     for kind, dataset in dict.fromkeys((j.kind, j.dataset) for j in jobs if not j.variant):
         job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
@@ -130,6 +143,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
              "|---|---|---|---|---|"]
     for c in checks:
         word = f"**{c.verdict}**" if c.verdict in (stats.SUPPORTED, stats.CONTRADICTED) else (c.verdict or "-")
+        if c.seeds is not None and 1 < c.seeds < seeds:
+            word += f" ({c.seeds} of {seeds} seeds)"
         body.append(f"| {c.claim} | {word} | {c.difference or '-'} | {c.numbers} | "
                     f"{'PASS' if c.ok else ('not measured' if c.ok is None else '**FAIL**')} |")
     body.append("")
@@ -152,21 +167,30 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,
                  command: str, timings: dict[str, float], total_seconds: float, *,
                  per_seed: Optional[dict[str, dict]] = None, failed: Optional[dict[str, str]] = None,
-                 seeds: int = 1) -> str:
+                 seeds: int = 1, unfinished: Sequence[str] = ()) -> str:
     """Writes the sections of the families in ``jobs`` to ``OUT/sections/<family>.md``, then
     ``OUT/REPORT.md``: every family section found in ``OUT/sections`` (a family not run this
     time keeps the section of the invocation that last ran it, with that invocation's command,
     date and commit), and merges ``results`` into ``OUT/results.json``: per row its mean over
     seeds (``results[name]``) and every seed's own values (``results[name]['seeds']``,
-    ``{run name: values}``, from ``per_seed``). Returns the markdown."""
+    ``{run name: values}``, from ``per_seed``). ``unfinished``: run names left out because
+    they have not finished (``--report_only``), listed in their family's section. Returns the
+    markdown."""
     os.makedirs(os.path.join(out, "sections"), exist_ok=True)
     for family in FAMILY_TITLES:
         fam_jobs = [j for j in jobs if j.family == family and j.name in results]  # failed rows: listed, not shown
         fam_failed = {k: v for k, v in (failed or {}).items()
                       if _base(k) in {j.name for j in jobs if j.family == family}}
+        family_names = {j.name for j in jobs if j.family == family}
+        seeds_of = None if per_seed is None else {name: sum(_base(k) == name for k in per_seed)
+                                                  for name in family_names}
+        fam_unfinished = [k for k in unfinished if _base(k) in family_names]
         if fam_jobs:
             text = family_section(family, suite, fam_jobs, results, out, command, timings, total_seconds,
-                                  seeds=seeds, failed=fam_failed)
+                                  seeds=seeds, failed=fam_failed, seeds_of=seeds_of, unfinished=fam_unfinished)
+        elif fam_unfinished and not fam_failed:  # --report_only before any of its runs finished
+            text = (f"## {FAMILY_TITLES[family]}\n\nCommand: `{command}`  \nPartial report: none of this "
+                    f"family's {len(fam_unfinished)} planned runs has finished yet.\n")
         elif any(j.family == family for j in jobs):  # every run of the family failed: say so, keep no old text
             text = (f"## {FAMILY_TITLES[family]}\n\nCommand: `{command}`  \nEvery run failed: "
                     + "; ".join(f"`{k}`: {v}" for k, v in fam_failed.items()) + "\n")

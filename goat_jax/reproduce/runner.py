@@ -20,7 +20,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 from goat_jax import cli
 from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
-from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
+from goat_jax.reproduce import dna_family, lm_family, paper, paper_table, report, stats, vit_family
 from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 
@@ -56,7 +56,8 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
               families: Sequence[str] = FAMILIES, encodings: Optional[Sequence[str]] = None,
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
               retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False,
-              seeds: Optional[int] = None, jobs: int = 1, status: bool = False) -> int:
+              seeds: Optional[int] = None, jobs: int = 1, status: bool = False,
+              report_only: bool = False) -> int:
     """Runs (or prints) suite ``suite_name``'s ``families``; returns the process exit code.
 
     ``workdir``: the runs root (default ``runs/reproduce_<suite>``); ``out``: the report
@@ -65,7 +66,9 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     ``seeds``; seed = the config's + k); ``jobs``: training jobs run at once in subprocesses
     (1: one after another in this process). Exit code 1 when a job failed (the others are
     reported). ``status``: print where the suite's runs stand (goat_jax/reproduce/status.py) and
-    the compute still to go, training and writing nothing.
+    the compute still to go, training and writing nothing. ``report_only``: write the report
+    from the runs finished and evaluated so far, training and evaluating nothing (the runs left
+    out are listed in it; every number is over the seeds its row has).
     """
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
@@ -114,21 +117,27 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         return 0
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
             + (f", {jobs} at once" if jobs > 1 else ""))
-    raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start)
+    raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
+    unfinished = [j.run_name for j in all_jobs if j.run_name not in raw and j.run_name not in failed]
+    if report_only and not raw:
+        raise ValueError(f"--report_only: none of the {len(all_jobs)} planned runs under {root} has finished "
+                         "and been evaluated; run without --report_only first (--status shows where they stand).")
     # The report: one row per (kind, dataset, label) from seed 0's job, its numbers aggregated
     # over the seeds that finished (a failed seed leaves the others' estimate, and is listed).
     rows = [j for j in all_jobs if j.seed_offset == 0]
     results = {}
     for job in rows:
-        per_seed = [raw[j.run_name] for j in all_jobs if j.name == job.name and j.run_name in raw]
-        if per_seed:
-            results[job.name] = stats.aggregate(per_seed)
+        offsets = sorted(j.seed_offset for j in all_jobs if j.name == job.name and j.run_name in raw)
+        per_seed = [raw[j.run_name] for k in offsets for j in all_jobs
+                    if j.name == job.name and j.seed_offset == k]
+        if per_seed:  # every number an Estimate over these seeds, paired with others by seed
+            results[job.name] = stats.aggregate(per_seed, offsets)
     per_seed_results = {j.run_name: {"seed_offset": j.seed_offset, **raw[j.run_name]}
                         for j in all_jobs if j.run_name in raw}
     os.makedirs(out, exist_ok=True)
     lm_family.copy_toy_figures(rows, out)
     report.write_report(suite, rows, results, out, command, timings, time.time() - t_start,
-                        per_seed=per_seed_results, failed=failed, seeds=seeds)
+                        per_seed=per_seed_results, failed=failed, seeds=seeds, unfinished=unfinished)
     cli.log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
     for family in dict.fromkeys(j.family for j in rows):  # this invocation's verdicts, for the log
         with open(os.path.join(out, "sections", f"{family}.md")) as f:
@@ -139,14 +148,40 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     return 1 if failed else 0
 
 
-def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
+# Per family: whether a job's result enters one of its headline checks (next to the checks).
+FEEDS_CHECKS = {"lm": lm_family.feeds_checks, "vit": vit_family.feeds_checks, "dna": dna_family.feeds_checks}
+
+
+def queue_order(all_jobs: Sequence[Job], families: Sequence[str] = FAMILIES) -> list[Job]:
+    """The order the harness trains ``all_jobs`` in: first every run that a headline check
+    reads (:data:`FEEDS_CHECKS`), family by family in the order of ``families`` (the
+    ``--families`` flag: ``--families lm,dna,vit`` puts the language checks' runs first) and
+    seed by seed within a family, so each family's verdicts get all their seeds as soon as the
+    compute allows; then the other runs (the tables' further rows), seed by seed in plan
+    order. A suite stopped part way thus has its verdicts' runs, not a random half of the
+    tables."""
+    rank = {f: i for i, f in enumerate(families)}
+
+    def key(ij):
+        i, job = ij
+        if FEEDS_CHECKS[job.family](job):
+            return (0, rank.get(job.family, len(rank)), job.seed_offset, i)
+        return (1, 0, job.seed_offset, i)
+
+    return [job for _, job in sorted(enumerate(all_jobs), key=key)]
+
+
+def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
+             families: Sequence[str] = FAMILIES, train: bool = True):
     """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
     run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
     ``<workdir>.log`` (a failure is recorded, the other jobs go on); evaluated-with rows,
     which read another row's run, wait until every training job is done. ``jobs`` = 1: one
     after another in this process, as before (an exception stops the suite). Runs that are
     finished and evaluated (:func:`goat_jax.reproduce.jobs.reused`) are read first, in this
-    process, and take no job slot."""
+    process, and take no job slot. The others train in :func:`queue_order` (``families``: the
+    order of the ``--families`` flag). ``train`` False: only the reused runs are read, nothing
+    trains or evaluates (``--report_only``)."""
     raw, timings, failed = {}, {}, {}
 
     def record(job, res):
@@ -172,7 +207,10 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float):
         absl_logging.set_verbosity(verbosity)
     if len(todo) < len(all_jobs):
         cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s); {len(todo)} to go")
-    all_jobs = todo
+    if not train:
+        cli.log(f"--report_only: {len(todo)} unfinished run(s) left out of the report")
+        return raw, timings, failed
+    all_jobs = queue_order(todo, families)
     if jobs == 1:
         for i, job in enumerate(all_jobs):
             cli.log(f"[{i + 1}/{len(all_jobs)}] {job.run_name}: {job.spec} {job.overrides or ''}")

@@ -8,9 +8,10 @@ the unit of replication (a new seed draws a new init, data order and dropout), e
 windows are the same for every seed, so their noise is inside each seed's value. With one seed
 there is no interval, and the verdict says so instead of inventing one.
 
-Arithmetic on estimates is per seed: ``a - b`` of two estimates over the same seeds is the
-paired difference (seed k minus seed k), ``a / b`` the per-seed ratio; a plain number applies
-to every seed. So the family modules compute a check's quantity exactly as for one run and get
+Arithmetic on estimates is per seed: ``a - b`` of two estimates is the paired difference
+(seed k minus seed k) over the seeds both have (a run whose seed 1 failed or has not finished
+pairs on seeds 0 and 2, never seed 2 with seed 1), ``a / b`` the per-seed ratio; a plain number
+applies to every seed. So the family modules compute a check's quantity exactly as for one run and get
 its paired interval for free. This is the bottom of :mod:`goat_jax.reproduce` next to
 ``suites`` and imports nothing from it.
 """
@@ -38,21 +39,33 @@ def t_quantile(df: int, confidence: float = CONFIDENCE) -> float:
 
 class Estimate(float):
     """A number measured once per seed: its float value is the mean, ``values`` the seeds'
-    values in seed order, ``half_width`` the 95% t half-width (None for one seed). Formats as
-    ``'mean ± half'`` with the given spec (the mean alone for one seed)."""
+    values in seed order, ``seeds`` their seed offsets (default 0, 1, ...), ``half_width`` the
+    95% t half-width (None for one seed). Formats as ``'mean ± half'`` with the given spec (the
+    mean alone for one seed)."""
 
     values: tuple[float, ...]
+    seeds: tuple[int, ...]
 
-    def __new__(cls, values: Sequence[float]):
+    def __new__(cls, values: Sequence[float], seeds: Optional[Sequence[int]] = None):
         vals = tuple(float(v) for v in values)
         if not vals:
             raise ValueError("Estimate: needs at least one seed's value.")
+        ids = tuple(range(len(vals))) if seeds is None else tuple(int(k) for k in seeds)
+        if len(ids) != len(vals) or len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+            raise ValueError(f"Estimate: seeds {list(ids)} must be {len(vals)} distinct offsets in "
+                             f"increasing order, one per value.")
         obj = super().__new__(cls, math.fsum(vals) / len(vals))
         obj.values = vals
+        obj.seeds = ids
         return obj
 
     def __reduce__(self):  # pickles (and copies) with its seeds, not as a bare float
-        return (Estimate, (self.values,))
+        return (Estimate, (self.values, self.seeds))
+
+    def on(self, seeds: Sequence[int]) -> "Estimate":
+        """This estimate restricted to ``seeds`` (each must be one of :attr:`seeds`)."""
+        where = dict(zip(self.seeds, self.values))
+        return Estimate([where[k] for k in seeds], seeds)
 
     @property
     def n(self) -> int:
@@ -84,12 +97,12 @@ class Estimate(float):
 
     def _apply(self, other: Any, op, reverse: bool = False):
         if isinstance(other, Estimate):
-            if other.n != self.n:  # different seed sets: no pairing is possible
-                raise ValueError(f"Estimate: cannot pair {self.n} seeds with {other.n}.")
-            pairs = zip(other.values, self.values) if reverse else zip(self.values, other.values)
-            return Estimate([op(a, b) for a, b in pairs])
+            common = common_seeds([self, other])
+            a, b = self.on(common).values, other.on(common).values
+            pairs = zip(b, a) if reverse else zip(a, b)
+            return Estimate([op(x, y) for x, y in pairs], common)
         if isinstance(other, (int, float)) and not isinstance(other, bool):
-            return Estimate([op(other, a) if reverse else op(a, other) for a in self.values])
+            return Estimate([op(other, a) if reverse else op(a, other) for a in self.values], self.seeds)
         return NotImplemented
 
     def __add__(self, o): return self._apply(o, operator.add)  # noqa: E704
@@ -102,8 +115,18 @@ class Estimate(float):
     def __rtruediv__(self, o): return self._apply(o, operator.truediv, True)  # noqa: E704
     def __pow__(self, o): return self._apply(o, operator.pow)  # noqa: E704
     def __rpow__(self, o): return self._apply(o, operator.pow, True)  # noqa: E704
-    def __neg__(self): return Estimate([-v for v in self.values])  # noqa: E704
-    def __abs__(self): return Estimate([abs(v) for v in self.values])  # noqa: E704
+    def __neg__(self): return Estimate([-v for v in self.values], self.seeds)  # noqa: E704
+    def __abs__(self): return Estimate([abs(v) for v in self.values], self.seeds)  # noqa: E704
+
+
+def common_seeds(estimates: Sequence[Estimate]) -> tuple[int, ...]:
+    """The seed offsets every one of ``estimates`` has, in order: what a paired comparison of
+    them is over. ValueError when they share none (nothing can be paired)."""
+    common = sorted(set.intersection(*(set(e.seeds) for e in estimates)))
+    if not common:
+        raise ValueError("Estimate: no seed in common to pair ("
+                         + " vs ".join(str(list(e.seeds)) for e in estimates) + ").")
+    return tuple(common)
 
 
 Number = Union[float, Estimate]
@@ -115,9 +138,9 @@ def per_seed_max(items: Sequence[Number]) -> Number:
     ests = [x for x in items if isinstance(x, Estimate)]
     if not ests:
         return max(items)
-    n = ests[0].n
-    return Estimate([max(x.values[k] if isinstance(x, Estimate) else float(x) for x in items)
-                     for k in range(n)])
+    common = common_seeds(ests)
+    return Estimate([max(x.on([k]).values[0] if isinstance(x, Estimate) else float(x) for x in items)
+                     for k in common], common)
 
 
 def half_width(x: Any) -> Optional[float]:
@@ -128,37 +151,40 @@ def half_width(x: Any) -> Optional[float]:
     return 0.0
 
 
-def aggregate(per_seed: Sequence[Any]) -> Any:
+def aggregate(per_seed: Sequence[Any], seeds: Optional[Sequence[int]] = None) -> Any:
     """One result structure per seed (the same shape: dicts, lists, numbers) -> one structure
-    whose numbers are :class:`Estimate` s over the seeds. Keys present in every seed are kept;
-    equal ints (steps, lengths, counts) stay ints; strings, booleans and None keep the first
-    seed's value. One seed gives one-seed estimates (no interval)."""
+    whose numbers are :class:`Estimate` s over the seeds (``seeds``: their offsets, default
+    0, 1, ...). Keys present in every seed are kept; equal ints (steps, lengths, counts) stay
+    ints; strings, booleans and None keep the first seed's value. One seed gives one-seed
+    estimates (no interval)."""
     first = per_seed[0]
     if isinstance(first, dict):
         keys = [k for k in first if all(isinstance(s, dict) and k in s for s in per_seed)]
-        return {k: aggregate([s[k] for s in per_seed]) for k in keys}
+        return {k: aggregate([s[k] for s in per_seed], seeds) for k in keys}
     if isinstance(first, (list, tuple)):
         if all(isinstance(s, (list, tuple)) and len(s) == len(first) for s in per_seed):
-            return [aggregate([s[i] for s in per_seed]) for i in range(len(first))]
+            return [aggregate([s[i] for s in per_seed], seeds) for i in range(len(first))]
         return first
     numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in per_seed)
     if numbers:
         if all(isinstance(s, int) for s in per_seed) and len(set(per_seed)) == 1:
             return first
-        return Estimate(per_seed)
+        return Estimate(per_seed, seeds)
     return first
 
 
 class Check(NamedTuple):
     """One headline check: the claim, the old fixed-threshold result (``ok``: True / False /
-    None if not measured), the numbers, the verdict word on ``difference`` and that
-    difference as printed (e.g. ``'GOAT - RoPE = -0.020 ± 0.010 bits'``)."""
+    None if not measured), the numbers, the verdict word on ``difference``, that difference as
+    printed (e.g. ``'GOAT - RoPE = -0.020 ± 0.010 bits'``) and how many seeds it pairs (fewer
+    than the report's when a row has not finished every seed)."""
 
     claim: str
     ok: Optional[bool]
     numbers: str
     verdict: str = ""
     difference: str = ""
+    seeds: Optional[int] = None  # how many seeds the difference pairs (None: a deterministic number)
 
 
 def verdict(difference: Any, claimed_sign: int) -> str:
@@ -186,4 +212,5 @@ def judged(claim: str, ok: Optional[bool], numbers: str, difference: Any, claime
            what: str, fmt: str = ".3f") -> Check:
     """A :class:`Check` whose verdict is :func:`verdict` of ``difference`` and whose printed
     difference is ``'<what> = <difference>'`` (``what`` says what was subtracted)."""
-    return Check(claim, ok, numbers, verdict(difference, claimed_sign), f"{what} = {difference:{fmt}}")
+    return Check(claim, ok, numbers, verdict(difference, claimed_sign), f"{what} = {difference:{fmt}}",
+                 difference.n if isinstance(difference, Estimate) else None)

@@ -245,9 +245,10 @@ def seed_workdir(workdir: str, k: int) -> str:
 
 
 def with_seeds(jobs: Sequence[Job], seeds: int) -> list[Job]:
-    """Every job of ``jobs`` once per seed k = 0 .. ``seeds``-1 (seed-major: every seed-0 run
-    first, so a partial run of the suite gives a complete 1-seed report early), except the toy
-    figure, which is trained once. ValueError for ``seeds`` < 1."""
+    """Every job of ``jobs`` once per seed k = 0 .. ``seeds``-1 (seed-major: every seed-0 run,
+    then every seed-1 run, ...), except the toy figure, which is trained once. The harness
+    trains them in another order (the runs the headline checks read first:
+    :func:`goat_jax.reproduce.runner.queue_order`). ValueError for ``seeds`` < 1."""
     if int(seeds) < 1:
         raise ValueError(f"--seeds {seeds}: give 1 or more (each seed trains every run once more).")
     out = list(jobs)

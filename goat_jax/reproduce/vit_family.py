@@ -120,6 +120,12 @@ def _top1(entry: dict, r: int, key: str = "resolution") -> Optional[float]:
     return None if v is None else v["top1"]
 
 
+def feeds_checks(job: Job) -> bool:
+    """Whether :func:`vision_checks` reads ``job``'s result: every ViT run (GOAT's top-1 is
+    compared with the best encoding's)."""
+    return job.kind == "vit" and not job.variant
+
+
 def vision_checks(jobs: Sequence[Job], results: dict[str, dict]) -> list[stats.Check]:
     """The paper's vision claims at this scale as :class:`goat_jax.reproduce.stats.Check` s
     (the verdict on the paired difference named in each, the fixed threshold as PASS/FAIL):
