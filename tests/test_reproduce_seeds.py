@@ -352,6 +352,14 @@ def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_
     other_settings = dataclasses.replace(suite, multipliers=(1,))
     assert jobs_lib.reused(changed, suite) is None and jobs_lib.reused(longer, suite) is None
     assert jobs_lib.reused(job, other_settings) is None
+    # --status makes the same test: done as reused, 'changed' when the config is not the run's.
+    from goat_jax.reproduce import status
+
+    assert status.run_state(job, suite).state == "done" and status.run_state(changed, suite).state == "changed"
+    assert status.run_state(longer, suite).state == "partial"
+    assert status.run_state(job, other_settings).state == "trained"
+    text = status.render([status.run_state(changed, suite)], "smoke", str(tmp_path), 1)
+    assert "trained by another config than the job's" in text
 
 
 def _made_up_results(jobs):

@@ -19,12 +19,15 @@ from typing import Optional
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce.suites import FAMILIES, Job, Suite
 from goat_jax.train import run as run_lib
+from goat_jax.train import trainer
 
 # A run's state, in order of progress: evaluated with this suite's settings / trained to its last
 # step, evaluation missing or made with other settings / a checkpoint before the last step /
 # a workdir without a checkpoint (killed before its first save, or training now) / nothing yet.
 # An evaluated-with row (it trains nothing) is 'waiting' while the run it reads is unfinished.
-STATES = ("done", "trained", "partial", "started", "missing", "waiting")
+# 'changed': trained to its last step by a config the job's is not compatible with (the suite or
+# a config file changed since); the next invocation's trainer refuses it and says why.
+STATES = ("done", "trained", "partial", "started", "missing", "waiting", "changed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,16 @@ def run_state(job: Job, suite: Suite) -> RunState:
     steps = run_lib.checkpoint_steps(job.workdir) if os.path.exists(run_lib.config_path(job.workdir)) else ()
     step = steps[-1] if steps else 0
     cached = jobs_lib.cached_evaluation(job, suite)
-    if not job.trains:  # an evaluated-with row: its run is another row's
-        state = "done" if cached else ("trained" if step >= total else "waiting")
-    elif cached and step >= total:
+    # The same test the harness makes before reusing a run (jobs.reused): last step reached by a
+    # compatible config, so 'done' here is what the next invocation skips.
+    finished = step >= total and trainer.is_finished(jobs_lib.job_config(job), job.workdir)
+    if step >= total and not finished:
+        state = "changed"
+    elif not job.trains:  # an evaluated-with row: its run is another row's
+        state = "done" if cached else ("trained" if finished else "waiting")
+    elif cached and finished:
         state = "done"
-    elif step >= total:
+    elif finished:
         state = "trained"
     elif step:
         state = "partial"
@@ -101,11 +109,13 @@ def render(states: Sequence[RunState], suite_name: str, root: str, seeds: int, j
     order = {f: i for i, f in enumerate(FAMILIES)}
     for (family, seed), counts in sorted(groups.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
         lines.append(f"| {family} | +{seed} | " + " | ".join(str(counts[k]) for k in STATES) + " |")
-    unfinished = [s for s in states if s.state in ("trained", "partial", "started")]
+    unfinished = [s for s in states if s.state in ("trained", "partial", "started", "changed")]
     if unfinished:
         lines += ["", "In progress:"] + [
             f"  {s.job.run_name}: " + {"trained": "trained, to evaluate", "partial": f"partial (step {s.step}/{s.total})",
-                                       "started": "started, no checkpoint yet"}[s.state]
+                                       "started": "started, no checkpoint yet",
+                                       "changed": f"trained by another config than the job's (in {s.job.workdir}: "
+                                                  "move it away to retrain, or restore the config)"}[s.state]
             for s in unfinished]
     left, unknown = remaining_seconds(states)
     done = sum(s.state == "done" for s in states)
