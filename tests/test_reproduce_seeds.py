@@ -209,9 +209,9 @@ def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
     assert reproduce.main(argv + ["--seeds", "3", "--report_only"]) == 0
     assert not (runs / "jargon" / "goat_seed2").exists()
     report = (tmp_path / "out" / "REPORT.md").read_text()
-    assert "**Partial report** (`--report_only`" in report and "`lm/jargon/goat@seed2`" in report
-    assert "`lm/jargon/goat@linear_sink@seed2`" in report and "Seeds: 3" in report
-    assert "**Rows with fewer than 3 seeds**" in report and "`lm/jargon/goat` 2" in report
+    assert "**Partial report** (`--report_only`" in report and "Seeds: 3" in report
+    assert "left out: seed +2: `lm/jargon`: goat, goat@linear_sink." in report
+    assert "**Rows with fewer than 3 seeds**" in report and "2 seeds: `lm/jargon`: goat, goat@linear_sink." in report
     assert re.search(r"\| GOAT perplexity above 1 \| \*\*supported\*\* \(2 of 3 seeds\) \|", report), report
     with pytest.raises(ValueError, match="--report_only: none of the 2 planned runs under .*none has finished"):
         reproduce.main(["--suite", "smoke_lm", "--families", "lm", "--workdir", str(tmp_path / "none"),

@@ -53,6 +53,15 @@ def _seed_of(run_name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _grouped(names: Sequence[str]) -> str:
+    """Row names ``kind/dataset/label`` -> ``'`kind/dataset`: a, b; `kind2/...`: c'`` (order kept)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        head, _, label = name.rpartition("/")
+        groups.setdefault(head, []).append(label)
+    return "; ".join(f"`{head}`: {', '.join(labels)}" for head, labels in groups.items())
+
+
 def compute_by_seed(timings: dict[str, float], names: set[str]) -> dict[int, dict[str, float]]:
     """Per seed offset k, the compute of the runs whose row (``Job.name``) is in ``names``:
     ``{'stages': train + evaluate seconds, 'train': training seconds, 'wall': this invocation's
@@ -112,14 +121,22 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     if failed:
         md += ["**Failed runs** (left out of the numbers): " + "; ".join(f"`{k}`: {v}" for k, v in failed.items()), ""]
     if unfinished:
+        by_seed: dict[int, list[str]] = {}
+        for k in unfinished:
+            by_seed.setdefault(_seed_of(k), []).append(_base(k))
         md += [f"**Partial report** (`--report_only`: written from the runs finished so far, training "
                f"nothing): {len(unfinished)} planned run(s) of this family have not finished and are left "
-               "out: " + ", ".join(f"`{k}`" for k in unfinished) + ".", ""]
-    fewer = {k: n for k, n in (seeds_of or {}).items() if n < seeds and k in names}
+               "out: " + "; ".join(f"seed +{k}: {_grouped(v)}" for k, v in sorted(by_seed.items())) + ".", ""]
+    fewer: dict[int, list[str]] = {}
+    for j in jobs:  # plan order
+        n = (seeds_of or {}).get(j.name, seeds)
+        if n < seeds and j.kind != "toy":  # the toy figure is trained once by design
+            fewer.setdefault(n, []).append(j.name)
     if fewer:
         md += [f"**Rows with fewer than {seeds} seeds** (their numbers, and every check that pairs them, "
                "are over the seeds they have; a check's seed count is next to its verdict): "
-               + ", ".join(f"`{k}` {n}" for k, n in fewer.items()) + ".", ""]
+               + "; ".join(f"{n} seed{'s' if n > 1 else ''}: {_grouped(v)}" for n, v in sorted(fewer.items()))
+               + ".", ""]
     body = ["## Setup (identical across position encodings)", ""]
     for kind, dataset in dict.fromkeys((j.kind, j.dataset) for j in jobs if not j.variant):
         job = next(j for j in jobs if (j.kind, j.dataset) == (kind, dataset))
