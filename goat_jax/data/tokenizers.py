@@ -181,8 +181,7 @@ def write_bpe_ranks(encoding, path: str) -> None:
     (``data.bpe_ranks_path``) reads back: how to carry GPT-2's vocabulary to an offline host."""
     ranks = encoding._mergeable_ranks  # pylint: disable=protected-access
     items = sorted(ranks.items(), key=lambda kv: kv[1])
-    with open(path, "w", encoding="ascii") as f:
-        f.writelines(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in items)
+    files.write_whole(path, "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in items))
 
 
 def gpt2_encoding_from_ranks(ranks: dict[bytes, int], name: str = "gpt2"):

@@ -25,7 +25,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from goat_jax import cli
+from goat_jax import cli, files
 from goat_jax.data.fasta import N_ID
 from goat_jax.eval import dna as dna_eval
 from goat_jax.eval import runs as ev
@@ -87,8 +87,7 @@ def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
                                              implementation=MEMORY_KERNEL,
                                              model_overrides=suite.dna_memory_model))
             cli.log(f"  memory {e} L={n}: {rows[-1]['arguments'] + rows[-1]['temporaries']:.1f} MiB")
-    with open(cache, "w") as f:
-        json.dump({"key": key, "rows": rows}, f)
+    files.write_whole(cache, json.dumps({"key": key, "rows": rows}))  # a kill mid-write leaves the old one
     return rows
 
 
