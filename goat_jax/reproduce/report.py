@@ -112,7 +112,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
           + "; this invocation's wall clock per seed (~0 for reused runs): "
           + ", ".join(f"seed +{k} {v['wall'] / 60:.1f} min" for k, v in sorted(by_seed.items())) + "  ",
           f"Seeds: {seeds} (seed = the config's seed + k, k = 0..{seeds - 1}; the toy figure is trained once). "
-          + (f"Every number is the {stats.INTERVAL_NAME}; " if seeds > 1 else
+          + (f"Every number is the {stats.INTERVAL_NAME} (a row with one seed: its single value); "
+             if seeds > 1 else
              "One seed: numbers are single runs, there is no interval, and every verdict is "
              f"'{stats.ONE_SEED}'; ")
           + "a verdict is on the paired (same-seed) difference named next to it: **supported** when its "
