@@ -360,6 +360,8 @@ def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_
     assert status.run_state(job, other_settings).state == "trained"
     text = status.render([status.run_state(changed, suite)], "smoke", str(tmp_path), 1)
     assert "trained by another config than the job's" in text
+    text = status.render([status.run_state(job, suite), status.run_state(changed, suite)], "smoke", str(tmp_path), 1)
+    assert "Runs the headline checks read (trained first): lm 1 of 2 done" in text
 
 
 def _made_up_results(jobs):
@@ -388,11 +390,12 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
     """feeds_checks of each family names exactly the runs its checks read: the checks are the
     same with only those runs' results; and queue_order trains them first, family by family in
     the --families order, seed by seed, then the rest."""
+    from goat_jax.reproduce import jobs as jobs_lib
     from goat_jax.reproduce import runner
 
     jobs = suites.plan(suites.SUITES["tiny"], "/r", seeds=3)
     results = _made_up_results(jobs)
-    feeding = {j.name for j in jobs if runner.FEEDS_CHECKS[j.family](j)}
+    feeding = {j.name for j in jobs if jobs_lib.FEEDS_CHECKS[j.family](j)}
     only = {k: v for k, v in results.items() if k in feeding}
     encodings = list(suites.SUITES["tiny"].encodings)
     # 7 language checks; one DNA length (1x only) and ViT without canvas or prior: 1 + 2 checks.
@@ -404,7 +407,7 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
     assert "passkey/passkey/rope" in feeding and "niah/niah/goat" not in feeding
     order = runner.queue_order(jobs, ["lm", "dna", "vit"])
     assert sorted(map(id, order)) == sorted(map(id, jobs))  # a permutation
-    head = [(j.family, j.seed_offset) for j in order if runner.FEEDS_CHECKS[j.family](j)]
+    head = [(j.family, j.seed_offset) for j in order if jobs_lib.FEEDS_CHECKS[j.family](j)]
     assert [(j.family, j.seed_offset) for j in order[:len(head)]] == head  # the check runs come first
     assert list(dict.fromkeys(head)) == [(f, k) for f in ("lm", "dna", "vit") for k in range(3)]
     rest = [j.seed_offset for j in order[len(head):]]

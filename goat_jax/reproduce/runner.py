@@ -20,7 +20,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 from goat_jax import cli
 from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
-from goat_jax.reproduce import dna_family, lm_family, paper, paper_table, report, stats, vit_family
+from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
 from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 
@@ -148,13 +148,9 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     return 1 if failed else 0
 
 
-# Per family: whether a job's result enters one of its headline checks (next to the checks).
-FEEDS_CHECKS = {"lm": lm_family.feeds_checks, "vit": vit_family.feeds_checks, "dna": dna_family.feeds_checks}
-
-
 def queue_order(all_jobs: Sequence[Job], families: Sequence[str] = FAMILIES) -> list[Job]:
     """The order the harness trains ``all_jobs`` in: first every run that a headline check
-    reads (:data:`FEEDS_CHECKS`), family by family in the order of ``families`` (the
+    reads (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`), family by family in the order of ``families`` (the
     ``--families`` flag: ``--families lm,dna,vit`` puts the language checks' runs first) and
     seed by seed within a family, so each family's verdicts get all their seeds as soon as the
     compute allows; then the other runs (the tables' further rows), seed by seed in plan
@@ -164,7 +160,7 @@ def queue_order(all_jobs: Sequence[Job], families: Sequence[str] = FAMILIES) -> 
 
     def key(ij):
         i, job = ij
-        if FEEDS_CHECKS[job.family](job):
+        if jobs_lib.FEEDS_CHECKS[job.family](job):
             return (0, rank.get(job.family, len(rank)), job.seed_offset, i)
         return (1, 0, job.seed_offset, i)
 

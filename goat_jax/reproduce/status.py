@@ -117,6 +117,15 @@ def render(states: Sequence[RunState], suite_name: str, root: str, seeds: int, j
                                        "changed": f"trained by another config than the job's (in {s.job.workdir}: "
                                                   "move it away to retrain, or restore the config)"}[s.state]
             for s in unfinished]
+    feeding = [s for s in states if jobs_lib.FEEDS_CHECKS[s.job.family](s.job)]
+    if feeding:  # what the verdicts wait for: these train first (goat_jax/reproduce/runner.py)
+        per: dict[str, list[int]] = {}
+        for s in feeding:
+            counts = per.setdefault(s.job.family, [0, 0])
+            counts[0] += s.state == "done"
+            counts[1] += 1
+        lines += ["", "Runs the headline checks read (trained first): "
+                  + ", ".join(f"{f} {d} of {n} done" for f, (d, n) in per.items())]
     left, unknown = remaining_seconds(states)
     done = sum(s.state == "done" for s in states)
     lines += ["", f"{done} of {len(states)} runs done; still to go"
