@@ -380,6 +380,26 @@ def test_plots_write_pngs(tmp_path):
         shutil.copytree(tmp_path, os.environ["GOAT_KEEP_PLOTS"], dirs_exist_ok=True)
 
 
+def test_many_lines_get_distinct_colours_dashed_variants_and_a_legend_beside_the_axes(tmp_path):
+    """The tiny report's perplexity figure has 16 rows: tab10's cycle gave goat and
+    goat+learn_frequencies the same blue, and the legend covered the curves."""
+    labels = ["goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope", "fire", "kerple_log", "fox",
+              "goat+linear_sink", "goat+learn_frequencies", "rope+yarn", "rope+ntk", "rope+logn",
+              "rope+yarn+logn", "goat+logn"]
+    styles = plots.line_styles(labels)
+    assert len({tuple(st["color"]) for st in styles.values()}) == len(labels)
+    assert styles["goat"]["ls"] == "-" and styles["rope+yarn"]["ls"] == "--" and styles["goat+logn"]["ls"] == "--"
+    assert plots.line_styles(["goat@linear_sink"])["goat@linear_sink"]["ls"] == "--"
+    assert len({tuple(st["color"]) for st in plots.line_styles([str(i) for i in range(30)]).values()}) == 30
+    ppl = {label: {64: 6.0 + i, 128: 7.0 + i} for i, label in enumerate(labels)}
+    few = plots.plot_perplexity_vs_length({"goat": ppl["goat"]}, str(tmp_path / "one.png"))
+    many = plots.plot_perplexity_vs_length(ppl, str(tmp_path / "many.png"))
+    from PIL import Image  # pylint: disable=g-import-not-at-top  # matplotlib's own dependency
+
+    with Image.open(few) as a, Image.open(many) as b:  # the legend beside the axes widens the figure
+        assert b.size[0] > a.size[0] + 150 and abs(b.size[1] - a.size[1]) < 60
+
+
 def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
     """``--text FILE``: the file is one document, tokenized like the run's training data
     ([BOS, bytes + 3, EOS] for the byte tokenizer), and scored by length; the perplexities equal

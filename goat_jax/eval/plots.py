@@ -130,6 +130,30 @@ def error_bars(values: Sequence[Any]) -> list[float]:
     return [float(getattr(v, "half_width", None) or 0.0) for v in values]
 
 
+def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Matplotlib keyword arguments per line label: a distinct colour for every line (tab10 up
+    to 10 lines, tab20 up to 20, then a continuous map: no two rows share a colour), and a
+    dashed line for a variant row (a label with '+' or '@', e.g. ``rope+yarn``)."""
+    import matplotlib  # pylint: disable=g-import-not-at-top  # plotting extra, on use only
+
+    n = len(labels)
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else ("tab20" if n <= 20 else "turbo")]
+    colours = [cmap(i) if n <= 20 else cmap(i / max(n - 1, 1)) for i in range(n)]
+    return {label: {"color": colours[i], "ls": "--" if ("+" in label or "@" in label) else "-"}
+            for i, label in enumerate(labels)}
+
+
+def _legend(fig, ax, lines: int) -> None:
+    """The legend inside the axes for a few lines, outside on the right for many (it would
+    cover the data), the figure widened to keep the axes' size."""
+    if lines <= 6:
+        ax.legend()
+        return
+    fig.set_size_inches(fig.get_size_inches()[0] + 2.4, fig.get_size_inches()[1])
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
+    fig.tight_layout()
+
+
 def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(lengths))
@@ -151,16 +175,17 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     all_lengths = sorted({int(n) for r in results.values() for n in r})
+    styles = line_styles(list(results))
     for label, by_len in results.items():
         lengths = sorted(by_len)
         ppl = [getattr(by_len[n], "ppl", by_len[n]) for n in lengths]
-        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=label)
+        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=label, **styles[label])
     ax.set_yscale("log")
     _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylabel("perplexity")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _legend(fig, ax, len(results))
     return _save(fig, path)
 
 
@@ -170,17 +195,18 @@ def plot_passkey_accuracy(results: Mapping[str, Mapping[int, float]], path: str,
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     all_lengths = sorted({int(n) for r in results.values() for n in r})
+    styles = line_styles(list(results))
     for label, by_len in results.items():
         lengths = sorted(by_len)
         acc = [by_len[n] for n in lengths]
         ax.errorbar(lengths, [100.0 * a for a in acc], yerr=[100.0 * e for e in error_bars(acc)],
-                    marker="o", capsize=3, label=label)
+                    marker="o", capsize=3, label=label, **styles[label])
     _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylim(-3, 103)
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    _legend(fig, ax, len(results))
     return _save(fig, path)
 
 
