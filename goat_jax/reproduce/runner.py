@@ -127,11 +127,9 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     rows = [j for j in all_jobs if j.seed_offset == 0]
     results = {}
     for job in rows:
-        offsets = sorted(j.seed_offset for j in all_jobs if j.name == job.name and j.run_name in raw)
-        per_seed = [raw[j.run_name] for k in offsets for j in all_jobs
-                    if j.name == job.name and j.seed_offset == k]
-        if per_seed:  # every number an Estimate over these seeds, paired with others by seed
-            results[job.name] = stats.aggregate(per_seed, offsets)
+        done = sorted((j for j in all_jobs if j.name == job.name and j.run_name in raw), key=lambda j: j.seed_offset)
+        if done:  # every number an Estimate over these seeds, paired with others by seed
+            results[job.name] = stats.aggregate([raw[j.run_name] for j in done], [j.seed_offset for j in done])
     per_seed_results = {j.run_name: {"seed_offset": j.seed_offset, **raw[j.run_name]}
                         for j in all_jobs if j.run_name in raw}
     os.makedirs(out, exist_ok=True)

@@ -139,8 +139,8 @@ def per_seed_max(items: Sequence[Number]) -> Number:
     if not ests:
         return max(items)
     common = common_seeds(ests)
-    return Estimate([max(x.on([k]).values[0] if isinstance(x, Estimate) else float(x) for x in items)
-                     for k in common], common)
+    columns = [x.on(common).values if isinstance(x, Estimate) else [float(x)] * len(common) for x in items]
+    return Estimate([max(per_item) for per_item in zip(*columns)], common)
 
 
 def half_width(x: Any) -> Optional[float]:

@@ -46,13 +46,14 @@ class RunState:
 
 def run_state(job: Job, suite: Suite) -> RunState:
     """The :class:`RunState` of ``job`` read from its workdir (read-only)."""
-    total = int(jobs_lib.job_config(job).num_train_steps)
+    config = jobs_lib.job_config(job)
+    total = int(config.num_train_steps)
     steps = run_lib.checkpoint_steps(job.workdir) if os.path.exists(run_lib.config_path(job.workdir)) else ()
     step = steps[-1] if steps else 0
     cached = jobs_lib.cached_evaluation(job, suite)
     # The same test the harness makes before reusing a run (jobs.reused): last step reached by a
     # compatible config, so 'done' here is what the next invocation skips.
-    finished = step >= total and trainer.is_finished(jobs_lib.job_config(job), job.workdir)
+    finished = step >= total and trainer.is_finished(config, job.workdir)
     if step >= total and not finished:
         state = "changed"
     elif not job.trains:  # an evaluated-with row: its run is another row's
