@@ -69,6 +69,17 @@ def test_verdict_of_a_deterministic_number_and_bad_sign():
         stats.verdict(1.0, 0)
 
 
+def test_a_difference_equal_in_every_seed_says_its_interval_has_zero_width():
+    """RoPE's passkey at 0% in every seed: the t rule calls it by its sign, and the printed
+    difference says the interval is degenerate; a spread or one seed prints no such note."""
+    floor = stats.judged("RoPE passkey <= 50%", True, "0%", stats.Estimate([0.0, 0.0, 0.0]) - 50, -1, "acc - 50")
+    assert floor.verdict == stats.SUPPORTED and floor.seeds == 3
+    assert floor.difference == "acc - 50 = -50.000 ± 0.000 (all 3 seeds equal: the interval has zero width)"
+    spread = stats.judged("x", True, "", stats.Estimate([-1.0, -2.0, -3.0]), -1, "d")
+    one = stats.judged("x", True, "", stats.Estimate([-1.0]), -1, "d")
+    assert "seeds equal" not in spread.difference and "seeds equal" not in one.difference
+
+
 def test_aggregate_carries_the_seed_offsets_it_is_given():
     agg = stats.aggregate([{"x": 1.0}, {"x": 3.0}], seeds=[0, 2])
     assert agg["x"].seeds == (0, 2) and stats.aggregate([{"x": 1.0}])["x"].seeds == (0,)
@@ -250,7 +261,7 @@ def test_issue_command_smoke_two_seeds_language(tmp_path):
     assert measured and all(re.search(r"\| \*{0,2}(supported|contradicted|inconclusive)\*{0,2} \|", l)
                             for l in measured)
     assert "±" in head
-    assert re.search(r"Compute per seed .*seed \+0 [\d.]+ min \(training [\d.]+\), seed \+1 [\d.]+ min", report)
+    assert re.search(r"Compute per seed .*seed \+0 [\d.]+ min over \d+ runs \(training [\d.]+\), seed \+1 [\d.]+ min", report)
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["passkey/passkey/rope"]["seeds"]) == {"passkey/passkey/rope", "passkey/passkey/rope@seed1"}
     assert (out / "perplexity_jargon.png").stat().st_size > 1000
@@ -267,8 +278,8 @@ def test_compute_per_seed_counts_reused_runs_by_their_own_stage_times():
                "eval vit/vit/ape@seed1": 10.0, "wall vit/vit/ape@seed1": 111.0,
                "train dna/dna/goat": 900.0, "eval dna/dna/goat": 90.0, "wall dna/dna/goat": 990.0}
     got = report.compute_by_seed(timings, {"vit/vit/goat", "vit/vit/ape"})
-    assert got == {0: {"stages": 660.0, "train": 600.0, "wall": 0.1},
-                   1: {"stages": 660.0, "train": 600.0, "wall": 671.0}}
+    assert got == {0: {"stages": 660.0, "train": 600.0, "wall": 0.1, "runs": 1},
+                   1: {"stages": 660.0, "train": 600.0, "wall": 671.0, "runs": 2}}
 
 
 def test_status_counts_states_and_estimates_what_is_left(tmp_path, capsys):

@@ -65,18 +65,23 @@ def _grouped(names: Sequence[str]) -> str:
 def compute_by_seed(timings: dict[str, float], names: set[str]) -> dict[int, dict[str, float]]:
     """Per seed offset k, the compute of the runs whose row (``Job.name``) is in ``names``:
     ``{'stages': train + evaluate seconds, 'train': training seconds, 'wall': this invocation's
-    wall clock}``. ``timings`` holds ``'train <run name>'`` / ``'eval <run name>'`` (the seconds
-    the stage took when the run was made: a reused run counts) and ``'wall <run name>'`` (this
-    invocation's: ~0 for a reused run)."""
+    wall clock, 'runs': how many runs the seconds are over}`` (the seeds of a partial report can
+    have different run counts, so their minutes are comparable only next to them). ``timings``
+    holds ``'train <run name>'`` / ``'eval <run name>'`` (the seconds the stage took when the run
+    was made: a reused run counts) and ``'wall <run name>'`` (this invocation's: ~0 for a reused
+    run)."""
     out: dict[int, dict[str, float]] = {}
+    runs: dict[int, set[str]] = {}
     for key, seconds in timings.items():
         stage, run = key.split(" ", 1)
         if _base(run) not in names:
             continue
-        entry = out.setdefault(_seed_of(run), {"stages": 0.0, "train": 0.0, "wall": 0.0})
+        entry = out.setdefault(_seed_of(run), {"stages": 0.0, "train": 0.0, "wall": 0.0, "runs": 0})
         if stage == "wall":
             entry["wall"] += seconds
         else:
+            runs.setdefault(_seed_of(run), set()).add(run)
+            entry["runs"] = len(runs[_seed_of(run)])
             entry["stages"] += seconds
             entry["train"] += seconds if stage == "train" else 0.0
     return out
@@ -107,7 +112,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
           "Compute per seed (train + evaluate seconds summed over the family's runs, as each run "
           "took them when it was made, so reused runs count; runs that shared the cores with other "
           "jobs took longer than on idle cores): "
-          + ", ".join(f"seed +{k} {v['stages'] / 60:.1f} min (training {v['train'] / 60:.1f})"
+          + ", ".join(f"seed +{k} {v['stages'] / 60:.1f} min over {v['runs']} run{'s' if v['runs'] != 1 else ''} "
+                      f"(training {v['train'] / 60:.1f})"
                       for k, v in sorted(by_seed.items()))
           + "; this invocation's wall clock per seed (~0 for reused runs): "
           + ", ".join(f"seed +{k} {v['wall'] / 60:.1f} min" for k, v in sorted(by_seed.items())) + "  ",

@@ -211,6 +211,12 @@ def verdict(difference: Any, claimed_sign: int) -> str:
 def judged(claim: str, ok: Optional[bool], numbers: str, difference: Any, claimed_sign: int,
            what: str, fmt: str = ".3f") -> Check:
     """A :class:`Check` whose verdict is :func:`verdict` of ``difference`` and whose printed
-    difference is ``'<what> = <difference>'`` (``what`` says what was subtracted)."""
-    return Check(claim, ok, numbers, verdict(difference, claimed_sign), f"{what} = {difference:{fmt}}",
+    difference is ``'<what> = <difference>'`` (``what`` says what was subtracted); a difference
+    equal in every seed says so, since its zero-width interval is no measure of spread."""
+    text = f"{what} = {difference:{fmt}}"
+    if isinstance(difference, Estimate) and difference.n > 1 and difference.half_width == 0:
+        # Every seed gave the same difference (e.g. an accuracy at its floor in every seed): the t
+        # interval has zero width, so the verdict rests on the seeds agreeing, not on a spread.
+        text += f" (all {difference.n} seeds equal: the interval has zero width)"
+    return Check(claim, ok, numbers, verdict(difference, claimed_sign), text,
                  difference.n if isinstance(difference, Estimate) else None)
