@@ -306,7 +306,7 @@ def test_status_counts_states_and_estimates_what_is_left(tmp_path, capsys):
     left, unknown = status.remaining_seconds([done, half, fresh, trained, status.RunState(vit, "missing", 0, 2)])
     assert left == pytest.approx((300 + 60) + (600 + 60) + 60)  # half the training left, all, evaluation only
     assert unknown == ["vit/vit"]
-    text = status.render([done, half, fresh, trained], "smoke", str(tmp_path), 3, jobs=2)
+    text = status.render([done, half, fresh, trained], suites.SUITES["smoke"], str(tmp_path), 3, jobs=2)
     assert "| lm | +0 | 1 | 0 | 1 | 0 | 0 | 0 |" in text and "| lm | +2 | 0 | 1 | 0 | 0 | 0 | 0 |" in text
     assert "lm/jargon/rope: partial (step 2/4)" in text and "~0.3 h of one job slot, ~0.1 h with 2 jobs" in text
 
@@ -369,9 +369,9 @@ def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_
     assert status.run_state(job, suite).state == "done" and status.run_state(changed, suite).state == "changed"
     assert status.run_state(longer, suite).state == "partial"
     assert status.run_state(job, other_settings).state == "trained"
-    text = status.render([status.run_state(changed, suite)], "smoke", str(tmp_path), 1)
+    text = status.render([status.run_state(changed, suite)], suite, str(tmp_path), 1)
     assert "trained by another config than the job's" in text
-    text = status.render([status.run_state(job, suite), status.run_state(changed, suite)], "smoke", str(tmp_path), 1)
+    text = status.render([status.run_state(job, suite), status.run_state(changed, suite)], suite, str(tmp_path), 1)
     assert "Runs the headline checks read (trained first): lm 1 of 2 done" in text
 
 
@@ -406,7 +406,7 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
 
     jobs = suites.plan(suites.SUITES["tiny"], "/r", seeds=3)
     results = _made_up_results(jobs)
-    feeding = {j.name for j in jobs if jobs_lib.FEEDS_CHECKS[j.family](j)}
+    feeding = {j.name for j in jobs if jobs_lib.FEEDS_CHECKS[j.family](j, suites.SUITES["tiny"])}
     only = {k: v for k, v in results.items() if k in feeding}
     encodings = list(suites.SUITES["tiny"].encodings)
     # 7 language checks; one DNA length (1x only) and ViT without canvas or prior: 1 + 2 checks.
@@ -416,10 +416,19 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
         jobs, only, []) + vit_family.vision_checks(jobs, only) == full
     assert "lm/jargon/goat+logn" not in feeding and "dna/dna/alibi" not in feeding
     assert "passkey/passkey/rope" in feeding and "niah/niah/goat" not in feeding
-    order = runner.queue_order(jobs, ["lm", "dna", "vit"])
+    order = runner.queue_order(jobs, suites.SUITES["tiny"], ["lm", "dna", "vit"])
     assert sorted(map(id, order)) == sorted(map(id, jobs))  # a permutation
-    head = [(j.family, j.seed_offset) for j in order if jobs_lib.FEEDS_CHECKS[j.family](j)]
+    head = [(j.family, j.seed_offset) for j in order if jobs_lib.FEEDS_CHECKS[j.family](j, suites.SUITES["tiny"])]
     assert [(j.family, j.seed_offset) for j in order[:len(head)]] == head  # the check runs come first
     assert list(dict.fromkeys(head)) == [(f, k) for f in ("lm", "dna", "vit") for k in range(3)]
     rest = [j.seed_offset for j in order[len(head):]]
     assert rest == sorted(rest) and order[len(head)].name == "lm/jargon/goat+linear_sink"
+    # The paper suite's language checks judge its first LM dataset (C4 125M), not 'jargon', which
+    # it does not have: its checks are measured, and its C4 runs are the ones trained first.
+    paper = suites.SUITES["paper"]
+    paper_jobs = suites.plan(paper, "/r", seeds=1)
+    assert lm_family.headline_dataset(paper) == "c4_125m"
+    lm_feeding = {j.name for j in paper_jobs if j.family == "lm" and jobs_lib.FEEDS_CHECKS["lm"](j, paper)}
+    assert "lm/c4_125m/goat" in lm_feeding and not any("fineweb" in n for n in lm_feeding)
+    paper_results = {k.replace("lm/jargon/", "lm/c4_125m/"): v for k, v in results.items()}
+    assert lm_family.lm_checks(paper_results, encodings, dataset="c4_125m") == lm_family.lm_checks(results, encodings)

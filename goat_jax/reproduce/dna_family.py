@@ -106,9 +106,10 @@ def _total(row: dict) -> float:
     return row["arguments"] + row["temporaries"]
 
 
-def feeds_checks(job: Job) -> bool:
+def feeds_checks(job: Job, suite: Suite) -> bool:  # pylint: disable=unused-argument
     """Whether :func:`dna_checks` reads ``job``'s result: the GOAT and RoPE genome LMs (every
-    DNA check is GOAT against RoPE; ALiBi and NoPE are table rows)."""
+    DNA check is GOAT against RoPE; ALiBi and NoPE are table rows). ``suite``: as for every
+    family's ``feeds_checks`` (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`)."""
     return job.kind == "dna" and not job.variant and job.encoding in ("goat", "rope")
 
 

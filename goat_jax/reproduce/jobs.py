@@ -72,8 +72,8 @@ def train(job: Job) -> dict:
 
 _EVALUATORS = {"lm": lm_family.evaluate_lm_job, "vit": vit_family.evaluate_vit_job,
                "dna": dna_family.evaluate_dna_job}
-# Per family: whether a job's result enters one of its headline checks (defined next to the
-# checks); the runner trains these first, --status counts them apart.
+# Per family: whether a job's result enters one of its headline checks, ``f(job, suite)``
+# (defined next to the checks); the runner trains these first, --status counts them apart.
 FEEDS_CHECKS = {"lm": lm_family.feeds_checks, "vit": vit_family.feeds_checks, "dna": dna_family.feeds_checks}
 
 

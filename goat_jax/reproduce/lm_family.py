@@ -74,23 +74,31 @@ def load_for_evaluation(job: Job) -> ev.LMRun:
     return dataclasses.replace(run, config=config, model=model)
 
 
-def feeds_checks(job: Job) -> bool:
-    """Whether :func:`lm_checks` reads ``job``'s result: the plain-encoding LMs on Jargon
-    (extrapolation, in-distribution perplexity against every baseline) and the GOAT and RoPE
-    synthetic passkey models. The harness trains these first (goat_jax/reproduce/runner.py)."""
+def headline_dataset(suite: Suite) -> str:
+    """The LM dataset the language checks judge: the suite's first (``jargon`` in the tiny and
+    smoke suites, ``c4_125m`` in the paper suite); the others are tables."""
+    return suite.lm[0][0]
+
+
+def feeds_checks(job: Job, suite: Suite) -> bool:
+    """Whether :func:`lm_checks` reads ``job``'s result: the plain-encoding LMs on the
+    :func:`headline_dataset` (extrapolation, in-distribution perplexity against every baseline)
+    and the GOAT and RoPE synthetic passkey models. The harness trains these first
+    (goat_jax/reproduce/runner.py)."""
     if job.variant:
         return False
-    return ((job.kind == "lm" and job.dataset == "jargon")
+    return ((job.kind == "lm" and job.dataset == headline_dataset(suite))
             or (job.kind == "passkey" and job.dataset == "passkey" and job.encoding in ("goat", "rope")))
 
 
 def lm_checks(results: dict[str, dict], encodings: Sequence[str],
-              multiplier: int = 16) -> list[stats.Check]:
+              multiplier: int = 16, dataset: str = "jargon") -> list[stats.Check]:
     """The language claims as :class:`goat_jax.reproduce.stats.Check` s (claim, the old
     threshold's PASS/FAIL or None if not measured, numbers, verdict on the paired difference).
     Extrapolation is judged at ``multiplier`` x the training length (the longest measured if
-    shorter). Only the plain encodings take part (variant rows are shown, not judged)."""
-    lm = {e: results.get(f"lm/jargon/{e}", {}).get("extrapolation") for e in encodings}
+    shorter), on the LMs of ``dataset`` (the report passes :func:`headline_dataset`). Only the
+    plain encodings take part (variant rows are shown, not judged)."""
+    lm = {e: results.get(f"lm/{dataset}/{e}", {}).get("extrapolation") for e in encodings}
     lm = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in lm.items() if r}
     pk = {e: results.get(f"passkey/passkey/{e}", {}).get("passkey", {}).get("synthetic") for e in encodings}
     pk = {e: {int(n): a for n, a in r.items()} for e, r in pk.items() if r}

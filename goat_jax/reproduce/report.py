@@ -157,7 +157,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     if family == "lm":
         encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1]
                                        and not j.variant))
-        checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier)
+        checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier,
+                                     lm_family.headline_dataset(suite))
     elif family == "vit":
         checks = vit_family.vision_checks(jobs, results)
     else:

@@ -112,7 +112,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         raise ValueError(f"--families {','.join(families)}: suite {suite.name!r} has no runs there.")
     if status:
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
-        print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite.name, root,
+        print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
                                 seeds, int(jobs)))
         return 0
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
@@ -146,7 +146,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     return 1 if failed else 0
 
 
-def queue_order(all_jobs: Sequence[Job], families: Sequence[str] = FAMILIES) -> list[Job]:
+def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
     """The order the harness trains ``all_jobs`` in: first every run that a headline check
     reads (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`), family by family in the order of ``families`` (the
     ``--families`` flag: ``--families lm,dna,vit`` puts the language checks' runs first) and
@@ -158,7 +158,7 @@ def queue_order(all_jobs: Sequence[Job], families: Sequence[str] = FAMILIES) -> 
 
     def key(ij):
         i, job = ij
-        if jobs_lib.FEEDS_CHECKS[job.family](job):
+        if jobs_lib.FEEDS_CHECKS[job.family](job, suite):
             return (0, rank.get(job.family, len(rank)), job.seed_offset, i)
         return (1, 0, job.seed_offset, i)
 
@@ -204,7 +204,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     if not train:
         cli.log(f"--report_only: {len(todo)} unfinished run(s) left out of the report")
         return raw, timings, failed
-    all_jobs = queue_order(todo, families)
+    all_jobs = queue_order(todo, suite, families)
     if jobs == 1:
         for i, job in enumerate(all_jobs):
             cli.log(f"[{i + 1}/{len(all_jobs)}] {job.run_name}: {job.spec} {job.overrides or ''}")

@@ -98,10 +98,11 @@ def remaining_seconds(states: Sequence[RunState]) -> tuple[float, list[str]]:
     return total, unknown
 
 
-def render(states: Sequence[RunState], suite_name: str, root: str, seeds: int, jobs: int = 1) -> str:
-    """The status text: a table of states per family and seed, the unfinished runs with their
-    progress, and the estimate of :func:`remaining_seconds` (divided by ``jobs`` at once)."""
-    lines = [f"suite {suite_name}: {len(states)} runs ({seeds} seed(s)) under {root}", "",
+def render(states: Sequence[RunState], suite: Suite, root: str, seeds: int, jobs: int = 1) -> str:
+    """The status text for ``suite``'s runs: a table of states per family and seed, the
+    unfinished runs with their progress, how many of the runs the headline checks read are done,
+    and the estimate of :func:`remaining_seconds` (divided by ``jobs`` at once)."""
+    lines = [f"suite {suite.name}: {len(states)} runs ({seeds} seed(s)) under {root}", "",
              "| family | seed | " + " | ".join(STATES) + " |", "|---|---|" + "---|" * len(STATES)]
     groups: dict[tuple[str, int], dict[str, int]] = {}
     for s in states:
@@ -118,7 +119,7 @@ def render(states: Sequence[RunState], suite_name: str, root: str, seeds: int, j
                                        "changed": f"trained by another config than the job's (in {s.job.workdir}: "
                                                   "move it away to retrain, or restore the config)"}[s.state]
             for s in unfinished]
-    feeding = [s for s in states if jobs_lib.FEEDS_CHECKS[s.job.family](s.job)]
+    feeding = [s for s in states if jobs_lib.FEEDS_CHECKS[s.job.family](s.job, suite)]
     if feeding:  # what the verdicts wait for: these train first (goat_jax/reproduce/runner.py)
         per: dict[str, list[int]] = {}
         for s in feeding:

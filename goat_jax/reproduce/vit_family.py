@@ -120,9 +120,10 @@ def _top1(entry: dict, r: int, key: str = "resolution") -> Optional[float]:
     return None if v is None else v["top1"]
 
 
-def feeds_checks(job: Job) -> bool:
+def feeds_checks(job: Job, suite: Suite) -> bool:  # pylint: disable=unused-argument
     """Whether :func:`vision_checks` reads ``job``'s result: every ViT run (GOAT's top-1 is
-    compared with the best encoding's)."""
+    compared with the best encoding's). ``suite``: as for every family's ``feeds_checks``
+    (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`)."""
     return job.kind == "vit" and not job.variant
 
 
