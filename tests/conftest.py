@@ -1,11 +1,37 @@
 """Shared fixtures: fresh random inputs every run, with the seed printed for reproduction."""
 
 import os
+import shutil
 import tempfile
 import time
 
 import numpy as np
 import pytest
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole test session, in a fresh folder: the
+    many tests that start ``experiments.train`` (or build the same small model again in process)
+    compile the same programs, and a cached executable is the same compiled code, loaded instead
+    of compiled. Set before any test module imports jax; the environment reaches the xdist
+    workers and every subprocess a test starts. ``GOAT_TEST_XLA_CACHE=0`` turns it off; an
+    existing ``JAX_COMPILATION_CACHE_DIR`` is left as it is. Removed at the end of the session."""
+    if (os.environ.get("GOAT_TEST_XLA_CACHE", "1") == "0" or "JAX_COMPILATION_CACHE_DIR" in os.environ
+            or hasattr(config, "workerinput")):  # an xdist worker inherits the controller's
+        return
+    folder = tempfile.mkdtemp(prefix="goat-jax-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    # Programs that compile in under ~0.2 s are not worth a file each.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    config.goat_xla_cache = folder
+
+
+def pytest_unconfigure(config):
+    """Removes the session's compilation cache (pytest_configure)."""
+    folder = getattr(config, "goat_xla_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
