@@ -248,7 +248,7 @@ def test_goat_lm_refuses_synthetic_runs_and_bad_arguments(tmp_path):
 
     run = random_lm_run(tmp_path, lm_smoke_config())
     for kwargs, match in (({"batch_size": 0}, "batch_size"), ({"max_length": 1}, "max_length"),
-                          ({"max_gen_toks": True}, "max_gen_toks")):
+                          ({"max_gen_toks": True}, "max_gen_toks"), ({"prefill_multiple": 0}, "prefill_multiple")):
         with pytest.raises(ValueError, match=match):
             harness.GoatLM(run, **kwargs)
     run.config.data.source = "synthetic"
@@ -256,3 +256,24 @@ def test_goat_lm_refuses_synthetic_runs_and_bad_arguments(tmp_path):
         harness.GoatLM(run)
     assert harness.bucket_length(1, 64) == 16 and harness.bucket_length(17, 64) == 32
     assert harness.bucket_length(33, 40) == 40
+
+
+def test_generate_until_shares_one_compile_across_prompt_lengths_of_a_bucket(tmp_path):
+    """Three prompts of three lengths below prefill_multiple=16 tokens and one in the next bucket:
+    two decoder compiles, and every continuation equals the exact-length decode of
+    prefill_multiple=1 (which compiles once per length)."""
+    from goat_jax.eval import harness
+    from goat_jax.models import sampling
+    from tests.config_helpers import random_lm_run
+
+    class Request:  # what generate_until reads of lm-eval's Instance
+        def __init__(self, context):
+            self.args = (context, {"until": ["\n\n"], "max_gen_toks": 6})
+
+    run = random_lm_run(tmp_path, lm_smoke_config())
+    requests = [Request("x" * n) for n in (1, 7, 13, 27)]  # + BOS: 2, 8, 14 and 28 tokens
+    bucketed = harness.GoatLM(run, batch_size=4, prefill_multiple=16)
+    before = sampling._generate_bucketed._cache_size()
+    got = bucketed.generate_until(requests)
+    assert sampling._generate_bucketed._cache_size() - before == 2
+    assert got == harness.GoatLM(run, batch_size=4, prefill_multiple=1).generate_until(requests)

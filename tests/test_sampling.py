@@ -1,5 +1,7 @@
 """Tests for goat_jax.models.sampling: the KV-cache path equals full recomputation."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -61,8 +63,46 @@ def test_sample_logits_top_k_and_greedy():
     ((jnp.zeros((2, 3), jnp.int32), 3), dict(temperature=1.0), "rng"),
     ((jnp.zeros((2, 3), jnp.int32), 3, jax.random.PRNGKey(0)), dict(temperature=1.0, top_k=0), "top_k"),
     ((jnp.zeros((2, 3), jnp.int32), 3, jax.random.PRNGKey(0)), dict(temperature=1.0, top_k=1000), "vocabulary"),
+    ((jnp.zeros((2, 3), jnp.int32), 3), dict(prefill_multiple=0), "prefill_multiple must be"),
+    ((jnp.zeros((2, 3), jnp.int32), 3), dict(prefill_multiple=4, use_cache=False), "KV-cache path"),
+    ((jnp.zeros((2, 3), jnp.int32), 3), dict(cache_length=16), "give prefill_multiple too"),
+    ((jnp.zeros((2, 3), jnp.int32), 3), dict(prefill_multiple=4, cache_length=5), "at least 6"),
 ])
 def test_bad_arguments(lm, args, kwargs, match):
     model, params, _ = lm
     with pytest.raises(ValueError, match=match):
         generate(model, params, *args, **kwargs)
+
+
+def _random_params(model, prompt, seed=0):
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), prompt))["params"]
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0.0, 0.1, x.shape), x.dtype), shapes)
+
+
+@pytest.mark.parametrize("encoding", ["goat", "fox", "learned"])
+def test_prefill_multiple_gives_the_exact_paths_tokens_with_one_compile_per_bucket(encoding):
+    """prefill_multiple=4 on prompts of 3 (no head chunk), 4 (no tail) and 9 tokens (head 8 +
+    one tail token), greedy (and sampled for GOAT): the head chunk + one-token tail + a longer cache
+    reproduce the exact path's tokens for GOAT's prior, FoX (whose cache keeps a running gate
+    sum) and a learned absolute table (the LM's own position index). For GOAT: lengths 5, 6
+    and 7 share one compile, and a cap on the cache is honoured down to prompt + new tokens."""
+    from goat_jax.models import sampling
+
+    model = TransformerLM(dataclasses.replace(CFG, position_encoding=encoding, max_len=32, num_layers=1))
+    prompts = jax.random.randint(jax.random.PRNGKey(3), (2, 9), 0, CFG.vocab_size, jnp.int32)
+    params = _random_params(model, prompts)
+    rng = jax.random.PRNGKey(11)
+    cases = [(3, {}), (4, {}), (9, {})] + ([(9, dict(temperature=1.0, top_k=20))] if encoding == "goat" else [])
+    for p, kwargs in cases:
+        exact = generate(model, params, prompts[:, :p], 4, rng, **kwargs)
+        bucketed = generate(model, params, prompts[:, :p], 4, rng, prefill_multiple=4, **kwargs)
+        np.testing.assert_array_equal(bucketed, exact, err_msg=f"{encoding} P={p} {kwargs}")
+    if encoding != "goat":
+        return
+    capped = generate(model, params, prompts[:, :7], 4, prefill_multiple=4, cache_length=11)
+    np.testing.assert_array_equal(capped, generate(model, params, prompts[:, :7], 4))
+    before = sampling._generate_bucketed._cache_size()
+    for p in (5, 6, 7):
+        generate(model, params, prompts[:, :p], 3, prefill_multiple=4)
+    assert sampling._generate_bucketed._cache_size() == before + 1

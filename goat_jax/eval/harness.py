@@ -28,8 +28,12 @@ bytes, SentencePiece or GPT-2 BPE; never retrained). How requests become model i
   greedy unless the task asks for ``do_sample`` with a positive ``temperature``; it generates
   ``max_gen_toks`` tokens (default 256), then cuts at the first EOS and the first ``until``
   string. The context is left-truncated to ``max_length - max_gen_toks`` tokens. Requests
-  with equal prompt length and arguments share a batch (prompts are never padded), and each
-  distinct prompt length compiles the decoder once.
+  with equal prompt length and arguments share a batch (prompts are never padded). Prompt
+  lengths in the same ``prefill_multiple`` bucket (default 64 tokens) share one compile: the
+  whole multiples are prefilled in one chunk and the rest fed one token at a time, with the
+  tokens of an exact-length decode (``sampling.generate``'s ``prefill_multiple``); a real
+  task's hundreds of prompt lengths thus compile ``max_length / 64`` decoders at most, not one
+  each.
 """
 
 from __future__ import annotations
@@ -79,10 +83,12 @@ class GoatLM(LM):
       batch_size: requests per forward pass.
       max_length: the window in tokens (default: the run's training length ``seq_len``).
       max_gen_toks: tokens ``generate_until`` generates when the task does not say.
+      prefill_multiple: ``generate_until``'s compile bucket in prompt tokens (see the module
+        docstring); 1 prefills every prompt in one chunk and compiles per length.
     """
 
     def __init__(self, run: Any, *, batch_size: int = 8, max_length: Optional[int] = None,
-                 max_gen_toks: int = 256):
+                 max_gen_toks: int = 256, prefill_multiple: int = 64):
         super().__init__()
         if run.config.data.get("source") == "synthetic":
             raise ValueError(f"{run.workdir}: a synthetic-task run has no text tokenizer; "
@@ -93,6 +99,7 @@ class GoatLM(LM):
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2 (a context and a prediction), got {self.max_length}.")
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        self.prefill_multiple = _positive_int("prefill_multiple", prefill_multiple)
         self.run = run
         self.model, self.params = run.model, run.params
         self.tokenizer = tokenizers_lib.make_tokenizer(run.config.data, allow_training=False)
@@ -240,7 +247,8 @@ class GoatLM(LM):
                 rng = jax.random.PRNGKey(start) if temperature > 0 else None
                 tokens = jax.device_get(sampling.generate(
                     self.model, self.params, jnp.asarray(prompts), max_new, rng,
-                    temperature=temperature, top_k=top_k))
+                    temperature=temperature, top_k=top_k, prefill_multiple=self.prefill_multiple,
+                    cache_length=self.max_length))
                 for r, i in enumerate(chunk):
                     out[i] = self._finish(tokens[r, prompts.shape[1]:], jobs[i][1])
         for req, text in zip(requests, out):

@@ -53,7 +53,8 @@ def _check_args(prompt, max_new_tokens, rng, temperature, top_k):
 
 def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new_tokens: int,
              rng: Optional[Array] = None, *, temperature: float = 0.0, top_k: Optional[int] = None,
-             use_cache: bool = True) -> Array:
+             use_cache: bool = True, prefill_multiple: Optional[int] = None,
+             cache_length: Optional[int] = None) -> Array:
     """Continues ``prompt`` by ``max_new_tokens`` tokens.
 
     Args:
@@ -67,19 +68,47 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
       top_k: sample among the k most likely tokens only (ignored when greedy).
       use_cache: KV-cache decoding (prefill once, then one token per step); False recomputes
         the full sequence every step (slow; a reference for tests).
+      prefill_multiple: None compiles the decoder once per prompt length P. An integer m >= 1
+        (cached path only) prefills the first ``m * (P // m)`` tokens in one chunk and feeds the
+        rest one token at a time inside the same compiled program, in a cache of
+        ``m * (P // m) + m - 1 + max_new_tokens`` slots: every P in ``[k m, (k + 1) m)`` shares
+        one compile (what lm-eval's ``generate_until`` needs: its prompts have many lengths).
+        The tokens are those of the exact path: the extra slots are masked until written.
+      cache_length: with ``prefill_multiple``, the most cache slots to make (e.g. the model's
+        window); at least ``P + max_new_tokens``.
     Returns:
       [B, P + max_new_tokens] int32, the prompt followed by the generated tokens.
     """
     _check_args(prompt, max_new_tokens, rng, temperature, top_k)
     prompt = jnp.asarray(prompt, jnp.int32)
+    if prefill_multiple is not None:
+        if isinstance(prefill_multiple, bool) or not isinstance(prefill_multiple, int) or prefill_multiple < 1:
+            raise ValueError(f"prefill_multiple must be None or an integer >= 1, got {prefill_multiple!r}.")
+        if not use_cache:
+            raise ValueError("prefill_multiple applies to the KV-cache path; drop it or use use_cache=True.")
+    if cache_length is not None and prefill_multiple is None:
+        raise ValueError("cache_length is the cap of prefill_multiple's cache; give prefill_multiple too.")
+    if cache_length is not None and cache_length < prompt.shape[1] + max_new_tokens:
+        raise ValueError(f"cache_length={cache_length} cannot hold the prompt ({prompt.shape[1]} tokens) and "
+                         f"max_new_tokens={max_new_tokens}; give at least {prompt.shape[1] + max_new_tokens}.")
     if max_new_tokens == 0:
         return prompt
     variables = {"params": params["params"]} if "params" in params else {"params": params}
     greedy = temperature == 0
     if greedy:
         rng, temperature = jax.random.PRNGKey(0), 1.0  # unused; keeps the jitted signature fixed
-    return _generate(model, variables, prompt, rng, jnp.float32(temperature),
-                     max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, use_cache=use_cache)
+    if prefill_multiple is None:
+        return _generate(model, variables, prompt, rng, jnp.float32(temperature),
+                         max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, use_cache=use_cache)
+    m, (b, p) = prefill_multiple, prompt.shape
+    head = m * (p // m)
+    tail = jnp.zeros((b, max(m - 1, 1)), jnp.int32).at[:, :p - head].set(prompt[:, head:])
+    slots = head + m - 1 + max_new_tokens
+    slots = max(p + max_new_tokens, min(slots, cache_length)) if cache_length is not None else slots
+    new = _generate_bucketed(model, variables, prompt[:, :head], tail, jnp.int32(p - head), rng,
+                             jnp.float32(temperature), max_new_tokens=max_new_tokens, cache_length=slots,
+                             greedy=greedy, top_k=top_k)
+    return jnp.concatenate([prompt, new], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "top_k", "use_cache"))
@@ -122,3 +151,43 @@ def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, gre
         return jax.lax.dynamic_update_slice(tokens, nxt[:, None], (0, p + i))
 
     return jax.lax.fori_loop(0, max_new_tokens, body, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_length", "greedy", "top_k"))
+def _generate_bucketed(model, variables, head, tail, n_tail, rng, temperature, *, max_new_tokens,
+                       cache_length, greedy, top_k):
+    """The cached path of :func:`generate` with ``prefill_multiple``: ``head`` [B, H] (H a
+    multiple of m, possibly 0) is prefilled in one chunk, the first ``n_tail`` (traced) tokens
+    of ``tail`` [B, m - 1] one at a time; returns the [B, max_new_tokens] new tokens. Only H,
+    m, the cache length and the sampling options are static."""
+    b = tail.shape[0]
+    decoder = model.clone(decode=True)
+    cache = decoder.init(jax.random.PRNGKey(0), jnp.zeros((b, cache_length), jnp.int32))["cache"]
+
+    def sample(logits, step):
+        if top_k is not None and top_k > logits.shape[-1]:
+            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {logits.shape[-1]}.")
+        return sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+
+    def feed(cache, tokens):  # -> (cache, logits of the last token [B, V])
+        logits, state = decoder.apply({**variables, "cache": cache}, tokens, mutable=["cache"])
+        return state["cache"], logits[:, -1]
+
+    # The first call: the head chunk, or (a prompt shorter than m) the first tail token.
+    cache, last = feed(cache, head if head.shape[1] else tail[:, :1])
+
+    def tail_step(i, carry):
+        return feed(carry[0], jax.lax.dynamic_slice_in_dim(tail, i, 1, axis=1))
+
+    cache, last = jax.lax.fori_loop(0 if head.shape[1] else 1, n_tail, tail_step, (cache, last))
+    first = sample(last, 0)
+
+    def step(carry, i):
+        cache, token = carry
+        cache, logits = feed(cache, token[:, None])
+        nxt = sample(logits, i)
+        return (cache, nxt), nxt
+
+    _, rest = jax.lax.scan(step, (cache, first), jnp.arange(1, max_new_tokens))  # [new-1, B]
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
