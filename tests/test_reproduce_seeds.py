@@ -212,7 +212,7 @@ def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
 
     # --report_only with a third seed planned: the report of what finished, training nothing;
     # seed 2 is listed as left out, every row is over its 2 seeds and a check says so.
-    def one_check(results, encodings, multiplier=16):
+    def one_check(results, encodings, multiplier=16, dataset="jargon"):
         ppl = results["lm/jargon/goat"]["extrapolation"]["32"]["ppl"]
         return [stats.judged("GOAT perplexity above 1", True, f"{ppl:.2f}", ppl - 1, +1, "ppl - 1")]
 
@@ -265,6 +265,22 @@ def test_issue_command_smoke_two_seeds_language(tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["passkey/passkey/rope"]["seeds"]) == {"passkey/passkey/rope", "passkey/passkey/rope@seed1"}
     assert (out / "perplexity_jargon.png").stat().st_size > 1000
+
+
+def test_results_json_drops_rows_of_a_rewritten_family_that_have_no_result_now():
+    """A DNA row of an older protocol (no run of the current plan finished for it) leaves
+    results.json when the DNA section is written again; the other families' rows stay; a row
+    with seeds keeps each seed's values."""
+    from goat_jax.reproduce import report
+
+    old = {"dna/dna/alibi": {"bits": 1.9}, "dna/dna/goat": {"bits": 2.0}, "vit/vit/goat": {"top1": 0.8},
+           "passkey/passkey/goat": {"acc": 1.0}}
+    results = {"dna/dna/goat": {"bits": 1.94}}
+    per_seed = {"dna/dna/goat": {"bits": 1.942}, "dna/dna/goat@seed1": {"bits": 1.944}}
+    merged = report.merge_results(old, results, per_seed, {"dna"})
+    assert set(merged) == {"dna/dna/goat", "vit/vit/goat", "passkey/passkey/goat"}
+    assert merged["dna/dna/goat"] == {"bits": 1.94, "seeds": per_seed}
+    assert report.merge_results(old, {}, None, {"lm"}) == {k: v for k, v in old.items() if k != "passkey/passkey/goat"}
 
 
 def test_compute_per_seed_counts_reused_runs_by_their_own_stage_times():

@@ -202,6 +202,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     they have not finished (``--report_only``), listed in their family's section. Returns the
     markdown."""
     os.makedirs(os.path.join(out, "sections"), exist_ok=True)
+    written = set()
     for family in FAMILY_TITLES:
         fam_jobs = [j for j in jobs if j.family == family and j.name in results]  # failed rows: listed, not shown
         fam_failed = {k: v for k, v in (failed or {}).items()
@@ -222,6 +223,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
         else:
             continue
         files.write_whole(os.path.join(out, "sections", f"{family}.md"), text)
+        written.add(family)
     sections = []
     for family in FAMILY_TITLES:
         path = os.path.join(out, "sections", f"{family}.md")
@@ -236,13 +238,31 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
     md += [f"* [{FAMILY_TITLES[f]}](#{FAMILY_TITLES[f].lower()})" for f, _ in sections] + [""]
     text = "\n".join(md) + "\n" + "\n".join(body for _, body in sections)
     files.write_whole(os.path.join(out, "REPORT.md"), text)
-    merged = {}
+    old = {}
     if os.path.exists(os.path.join(out, "results.json")):
         with open(os.path.join(out, "results.json")) as f:
-            merged = json.load(f)
+            old = json.load(f)
+    merged = merge_results(old, results, per_seed, written)
+    files.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
+
+
+def merge_results(old: dict[str, dict], results: dict[str, dict], per_seed: Optional[dict[str, dict]],
+                  families: set[str]) -> dict[str, dict]:
+    """``results.json`` after an invocation: ``old`` (the file as it was) with every row of the
+    ``families`` written this time replaced by ``results`` (each with its seeds' own values
+    from ``per_seed`` under ``'seeds'``). A row of those families that this invocation has no
+    result for (not finished, failed, or no longer planned) is dropped, never left over from an
+    older protocol; rows of the other families stay as their sections do."""
+    merged = {name: value for name, value in old.items() if _family_of(name) not in families}
     for name, value in results.items():
         own = {k: v for k, v in (per_seed or {}).items() if _base(k) == name}
         merged[name] = {**value, "seeds": own} if own else value
-    files.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
+    return merged
+
+
+def _family_of(name: str) -> str:
+    """The family of a row name ``kind/dataset/label`` (``lm`` for LMs, retrieval and the toy)."""
+    kind = name.split("/", 1)[0]
+    return "lm" if kind in LM_KINDS else kind
     return text
 
