@@ -244,6 +244,7 @@ def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], ou
             old = json.load(f)
     merged = merge_results(old, results, per_seed, written)
     files.write_whole(os.path.join(out, "results.json"), json.dumps(merged, indent=1, default=float))
+    return text
 
 
 def merge_results(old: dict[str, dict], results: dict[str, dict], per_seed: Optional[dict[str, dict]],
@@ -264,5 +265,4 @@ def _family_of(name: str) -> str:
     """The family of a row name ``kind/dataset/label`` (``lm`` for LMs, retrieval and the toy)."""
     kind = name.split("/", 1)[0]
     return "lm" if kind in LM_KINDS else kind
-    return text
 
