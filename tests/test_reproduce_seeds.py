@@ -80,6 +80,15 @@ def test_a_difference_equal_in_every_seed_says_its_interval_has_zero_width():
     assert "seeds equal" not in spread.difference and "seeds equal" not in one.difference
 
 
+def test_a_number_equal_in_every_seed_prints_without_an_interval():
+    """A no-model reference computed on the same windows in every seed is printed as the plain
+    number; one that varies keeps its interval; plain numbers pass through."""
+    same, varies = stats.Estimate([0.585, 0.585, 0.585]), stats.Estimate([0.3, 0.4, 0.5])
+    assert format(stats.seed_invariant(same), ".3f") == "0.585"
+    assert stats.seed_invariant(varies) is varies and "±" in format(stats.seed_invariant(varies), ".3f")
+    assert stats.seed_invariant(1.5) == 1.5
+
+
 def test_aggregate_carries_the_seed_offsets_it_is_given():
     agg = stats.aggregate([{"x": 1.0}, {"x": 3.0}], seeds=[0, 2])
     assert agg["x"].seeds == (0, 2) and stats.aggregate([{"x": 1.0}])["x"].seeds == (0,)

@@ -143,6 +143,15 @@ def per_seed_max(items: Sequence[Number]) -> Number:
     return Estimate([max(per_item) for per_item in zip(*columns)], common)
 
 
+def seed_invariant(x: Any) -> Any:
+    """``x`` as a plain number when it is an :class:`Estimate` with the same value in every
+    seed (e.g. a no-model reference computed on the same windows for every seed): printed
+    without a '± 0' that would read as a measured spread. Anything else is returned as is."""
+    if isinstance(x, Estimate) and len(set(x.values)) == 1:
+        return x.values[0]
+    return x
+
+
 def half_width(x: Any) -> Optional[float]:
     """The 95% half-width of ``x`` (0 for a plain number, None for a one-seed estimate):
     what the plots draw as error bars."""
