@@ -95,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--report_only", action="store_true",
                    help="write the report from the runs finished and evaluated so far (listing the others), "
                    "training and evaluating nothing: the verdicts of a suite still running")
+    p.add_argument("--compilation_cache", default=None,
+                   help="persistent XLA compilation cache shared by every job (default <workdir>/xla_cache; "
+                   "'none': off; a set JAX_COMPILATION_CACHE_DIR wins): seeds k > 0 load the programs seed 0 compiled")
     args = p.parse_args(argv)
     command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return runner.reproduce(
@@ -103,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vit_encodings=_split(args.vit_encodings), dna_encodings=_split(args.dna_encodings),
         retrieval_variants=None if args.retrieval_variants is None else args.retrieval_variants.split(","),
         dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs, status=args.status,
-        report_only=args.report_only)
+        report_only=args.report_only, compilation_cache=args.compilation_cache)
 
 
 if __name__ == "__main__":

@@ -457,3 +457,44 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
     assert "lm/c4_125m/goat" in lm_feeding and not any("fineweb" in n for n in lm_feeding)
     paper_results = {k.replace("lm/jargon/", "lm/c4_125m/"): v for k, v in results.items()}
     assert lm_family.lm_checks(paper_results, encodings, dataset="c4_125m") == lm_family.lm_checks(results, encodings)
+
+
+_CACHE_SCRIPT = """
+import multiprocessing, os, sys
+import jax.numpy as jnp
+
+def compile_in_a_job():
+    import jax
+    jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(jnp.ones((8, 8))).compile()
+
+if __name__ == "__main__":
+    from goat_jax.reproduce import runner
+    print(runner.use_compilation_cache(None, sys.argv[1]))
+    job = multiprocessing.get_context("spawn").Process(target=compile_in_a_job)
+    job.start(); job.join()
+    assert job.exitcode == 0
+"""
+
+
+def test_jobs_share_a_compilation_cache_under_the_workdir(tmp_path, monkeypatch):
+    """The harness points JAX's persistent cache at <workdir>/xla_cache and a job process it
+    starts (spawn, as --jobs does) writes its compiled program there; 'none' turns it off and a
+    JAX_COMPILATION_CACHE_DIR the user set is kept."""
+    from goat_jax.reproduce import runner
+
+    script = tmp_path / "cache_job.py"
+    script.write_text(_CACHE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(PYTHONPATH=suites.ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=env, cwd=suites.ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folder = tmp_path / "runs" / "xla_cache"
+    assert proc.stdout.strip() == str(folder) and any(folder.iterdir())
+
+    monkeypatch.setattr(runner.jax.config, "update", lambda *a: None)  # leave this process's cache alone
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/users/own/cache")
+    assert runner.use_compilation_cache(None, str(tmp_path)) == "/users/own/cache"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert runner.use_compilation_cache("none", str(tmp_path)) is None and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+

@@ -14,6 +14,8 @@ from concurrent import futures
 from collections.abc import Sequence
 from typing import Optional
 
+import jax
+
 from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     from absl import logging as absl_logging
@@ -57,7 +59,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
               retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False,
               seeds: Optional[int] = None, jobs: int = 1, status: bool = False,
-              report_only: bool = False) -> int:
+              report_only: bool = False, compilation_cache: Optional[str] = None) -> int:
     """Runs (or prints) suite ``suite_name``'s ``families``; returns the process exit code.
 
     ``workdir``: the runs root (default ``runs/reproduce_<suite>``); ``out``: the report
@@ -68,7 +70,8 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     reported). ``status``: print where the suite's runs stand (goat_jax/reproduce/status.py) and
     the compute still to go, training and writing nothing. ``report_only``: write the report
     from the runs finished and evaluated so far, training and evaluating nothing (the runs left
-    out are listed in it; every number is over the seeds its row has).
+    out are listed in it; every number is over the seeds its row has). ``compilation_cache``:
+    see :func:`use_compilation_cache` (default ``<workdir>/xla_cache``, 'none' for off).
     """
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
@@ -115,8 +118,9 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
                                 seeds, int(jobs)))
         return 0
+    cache = None if report_only else use_compilation_cache(compilation_cache, root)  # report_only compiles nothing
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
-            + (f", {jobs} at once" if jobs > 1 else ""))
+            + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
     raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
     unfinished = [j.run_name for j in all_jobs if j.run_name not in raw and j.run_name not in failed]
     if report_only and not raw:
@@ -144,6 +148,24 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     for name, error in failed.items():
         cli.log(f"FAILED {name}: {error}")
     return 1 if failed else 0
+
+
+def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
+    """Points JAX's persistent compilation cache at ``folder`` (None: ``<root>/xla_cache``;
+    'none': off) for this process and every job process it starts (they inherit the
+    environment), unless ``JAX_COMPILATION_CACHE_DIR`` is already set, which is kept. A run's
+    programs do not depend on its seed (the seed is data), so seeds k > 0 and re-evaluations load
+    the executables seed 0 compiled: the same compiled code, not a recompile. Returns the folder
+    in use (None when off)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if folder == "none":
+        return None
+    folder = os.path.abspath(folder or os.path.join(root, "xla_cache"))
+    os.makedirs(folder, exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    jax.config.update("jax_compilation_cache_dir", folder)  # this process (--jobs 1), if nothing compiled yet
+    return folder
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
