@@ -111,15 +111,21 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
     return jnp.concatenate([prompt, new], axis=1)
 
 
+def _step_sampler(rng, temperature, greedy, top_k):
+    """``sample(logits [B, V], step) -> [B] int32``: step ``i`` draws with ``fold_in(rng, i)``,
+    so every decoding path draws the same samples."""
+    def sample(logits, step):
+        if top_k is not None and top_k > logits.shape[-1]:
+            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {logits.shape[-1]}.")
+        return sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+    return sample
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "top_k", "use_cache"))
 def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, greedy, top_k, use_cache):
     b, p = prompt.shape
     total = p + max_new_tokens
-
-    def sample(logits, step):  # logits [B, V] float32 -> [B] int32
-        if top_k is not None and top_k > logits.shape[-1]:
-            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {logits.shape[-1]}.")
-        return sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+    sample = _step_sampler(rng, temperature, greedy, top_k)
 
     if use_cache:
         decoder = model.clone(decode=True)
@@ -163,11 +169,7 @@ def _generate_bucketed(model, variables, head, tail, n_tail, rng, temperature, *
     b = tail.shape[0]
     decoder = model.clone(decode=True)
     cache = decoder.init(jax.random.PRNGKey(0), jnp.zeros((b, cache_length), jnp.int32))["cache"]
-
-    def sample(logits, step):
-        if top_k is not None and top_k > logits.shape[-1]:
-            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {logits.shape[-1]}.")
-        return sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+    sample = _step_sampler(rng, temperature, greedy, top_k)
 
     def feed(cache, tokens):  # -> (cache, logits of the last token [B, V])
         logits, state = decoder.apply({**variables, "cache": cache}, tokens, mutable=["cache"])
