@@ -81,9 +81,10 @@ def compute_by_seed(timings: dict[str, float], names: set[str]) -> dict[int, dic
             entry["wall"] += seconds
         else:
             runs.setdefault(_seed_of(run), set()).add(run)
-            entry["runs"] = len(runs[_seed_of(run)])
             entry["stages"] += seconds
             entry["train"] += seconds if stage == "train" else 0.0
+    for k, names in runs.items():
+        out[k]["runs"] = len(names)
     return out
 
 
