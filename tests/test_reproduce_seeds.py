@@ -80,6 +80,16 @@ def test_a_difference_equal_in_every_seed_says_its_interval_has_zero_width():
     assert "seeds equal" not in spread.difference and "seeds equal" not in one.difference
 
 
+def test_equal_seeds_are_constant_even_where_the_mean_rounds_away_from_them():
+    """fsum([0.1] * 3) / 3 is 0.10000000000000002, not 0.1: the spread of equal seeds is still
+    exactly zero, and the zero-width note and the plain printing both follow from it."""
+    tenth = stats.Estimate([0.1, 0.1, 0.1])
+    assert float(tenth) != 0.1 and tenth.constant and tenth.half_width == 0.0
+    assert "seeds equal" in stats.judged("x", True, "", tenth, +1, "d").difference
+    assert stats.seed_invariant(tenth) == 0.1
+    assert stats.Estimate([0.5]).constant and not stats.Estimate([0.1, 0.2]).constant
+
+
 def test_a_number_equal_in_every_seed_prints_without_an_interval():
     """A no-model reference computed on the same windows in every seed is printed as the plain
     number; one that varies keeps its interval; plain numbers pass through."""

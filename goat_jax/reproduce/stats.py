@@ -73,10 +73,19 @@ class Estimate(float):
         return len(self.values)
 
     @property
+    def constant(self) -> bool:
+        """True when every seed gave exactly the same value (always, for one seed): a zero
+        spread that says the seeds agree, not that anything was measured precisely."""
+        return len(set(self.values)) == 1
+
+    @property
     def half_width(self) -> Optional[float]:
-        """The 95% t half-width over seeds; None with one seed (no interval exists)."""
+        """The 95% t half-width over seeds; None with one seed (no interval exists), exactly 0
+        when :attr:`constant`."""
         if self.n < 2:
             return None
+        if self.constant:
+            return 0.0
         mean = float(self)
         sd = math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / (self.n - 1))
         return t_quantile(self.n - 1) * sd / math.sqrt(self.n)
@@ -147,7 +156,7 @@ def seed_invariant(x: Any) -> Any:
     """``x`` as a plain number when it is an :class:`Estimate` with the same value in every
     seed (e.g. a no-model reference computed on the same windows for every seed): printed
     without a '± 0' that would read as a measured spread. Anything else is returned as is."""
-    if isinstance(x, Estimate) and len(set(x.values)) == 1:
+    if isinstance(x, Estimate) and x.constant:
         return x.values[0]
     return x
 
@@ -223,7 +232,7 @@ def judged(claim: str, ok: Optional[bool], numbers: str, difference: Any, claime
     difference is ``'<what> = <difference>'`` (``what`` says what was subtracted); a difference
     equal in every seed says so, since its zero-width interval is no measure of spread."""
     text = f"{what} = {difference:{fmt}}"
-    if isinstance(difference, Estimate) and difference.n > 1 and difference.half_width == 0:
+    if isinstance(difference, Estimate) and difference.n > 1 and difference.constant:
         # Every seed gave the same difference (e.g. an accuracy at its floor in every seed): the t
         # interval has zero width, so the verdict rests on the seeds agreeing, not on a spread.
         text += f" (all {difference.n} seeds equal: the interval has zero width)"
