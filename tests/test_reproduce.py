@@ -31,6 +31,8 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
                     "### human chr17 (40 kb)", "### GC agreement", "### Memory and throughput",
                     "## Run times"):
         assert heading in report, heading
+    # The figures draw one run's arrays while the tables are over seeds: the captions name the run.
+    assert "The seed +0 run's prior" in report and "the seed +0 runs)" in report
     # Tables have a row per encoding and one column per evaluated length (1x and 16x).
     assert re.search(r"\| goat \| [\d.]+ \| [\d.]+ \|", report)
     assert "| encoding | 32 (1x) | 512 (16x) |" in report

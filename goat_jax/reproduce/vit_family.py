@@ -222,9 +222,12 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
                             os.path.join(out, "vit_resolution.png"), r1)
     md += _canvas_section(runs, r1, out)
 
+    # The figures draw one run's arrays (the row's own job: seed +0), while every number in the
+    # tables is over the seeds; the captions say so.
     arrays = {j.label: dict(np.load(os.path.join(j.workdir, "reproduce_vision.npz")))
               for j in jobs if j.kind == "vit" and j.label in runs
               and os.path.exists(os.path.join(j.workdir, "reproduce_vision.npz"))}
+    seed_of = {j.label: j.seed_offset for j in jobs if j.kind == "vit" and j.label in arrays}
     if "goat" in arrays and "centre_log_prior" in arrays["goat"]:
         g = runs["goat"]
         grid = arrays["goat"]["centre_log_prior"].shape
@@ -234,8 +237,10 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
         md += [f"### GOAT's learned 2D prior (block 0, head mean, centre patch's query over a "
                f"{grid[0]} x {grid[1]} key grid; trained on {r1 // int(_patch(jobs))} x "
                f"{r1 // int(_patch(jobs))})", "", "![GOAT prior](vit_prior_goat.png)", "",
-               f"Trained from `prior_init='uniform'`; its range on this grid (max - min of the head-mean "
-               f"log-prior: how strongly it prefers some keys over others) is {spread:.3f} nats.", "",
+               f"The seed +{seed_of['goat']} run's prior, trained from `prior_init='uniform'`; its range "
+               f"on this grid (max - min of the head-mean log-prior: how strongly it prefers some keys "
+               f"over others) is {spread:.3f} nats in that run (the prior-split table above gives "
+               f"the ranges over seeds).", "",
                "Shift-invariance error per block (largest change of the head-mean log-prior when query "
                "and key move by the same patches, relative to its range over the grid; 0 = exactly "
                "shift-invariant): on a 16 x 16 grid, shift (3, 5): "
@@ -249,7 +254,8 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
                                   {k: {r: arrays[k][f"cls_{r}"] for r in shown} for k in pair},
                                   os.path.join(out, "vit_cls_attention.png"))
         md += [f"### CLS attention ({' vs '.join(pair)}, last block, head mean; the same "
-               f"{CLS_IMAGES} test images at {shown[0]} and {shown[-1]} px)", "",
+               f"{CLS_IMAGES} test images at {shown[0]} and {shown[-1]} px; the seed +{seed_of[pair[0]]} "
+               f"runs)", "",
                "![CLS attention](vit_cls_attention.png)", ""]
     return md
 
