@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from goat_jax.eval import vision
+from goat_jax.reproduce import stats
 from goat_jax.models.vit import ViT, ViTConfig
 
 CFG = ViTConfig(image_size=16, patch_size=4, channels=1, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32,
@@ -99,5 +100,19 @@ def test_evaluate_resolutions_counts_weights(rng, tmp_path):
     with pytest.raises(ValueError, match=r"\[18\] are not divisible by the model's patch_size=4"):
         vision.evaluate_resolutions(model, p, make_eval_at, [16, 18])
     vision.plot_resolutions({"goat": res, "ape": res}, str(tmp_path / "res.png"), train_resolution=16)
+    over_seeds = {r: {"top1": stats.Estimate([0.4, 0.6, 0.5])} for r in (16, 32)}
+    vision.plot_resolutions({"goat": over_seeds, "ape": over_seeds}, str(tmp_path / "seeds.png"),
+                            train_resolution=16, xlabel="canvas size (px)")
+    assert (tmp_path / "seeds.png").stat().st_size > 1000
     vision.plot_log_prior(vision.centre_log_prior(p, CFG, (5, 5)), str(tmp_path / "prior.png"))
     assert (tmp_path / "res.png").stat().st_size > 1000 and (tmp_path / "prior.png").stat().st_size > 1000
+
+
+def test_dodge_spreads_lines_with_error_bars_around_the_true_x():
+    """Six lines over sizes 28..84 px: offsets centred on 0, at most a quarter of the smallest
+    gap (14 px) either way, distinct; none without error bars or with a single line."""
+    dx = vision.dodge(6, [28, 42, 56, 84], with_bars=True)
+    assert len(dx) == 6 and sum(dx) == pytest.approx(0.0) and len(set(dx)) == 6
+    assert max(abs(d) for d in dx) == pytest.approx(14 / 4)
+    assert vision.dodge(6, [28, 42], with_bars=False) == [0.0] * 6
+    assert vision.dodge(1, [28, 42], with_bars=True) == [0.0]

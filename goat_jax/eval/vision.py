@@ -8,7 +8,7 @@
   from a uniform start.
 * :func:`cls_attention_maps` -- the last layer's CLS attention over the patches (paper panel:
   GOAT vs 'ape' at high resolution).
-* :func:`plot_resolutions`, :func:`plot_log_prior`, :func:`plot_cls_attention` -- the figures
+* :func:`plot_resolutions` (with :func:`dodge`), :func:`plot_log_prior`, :func:`plot_cls_attention` -- the figures
   (matplotlib, Agg).
 
 Shape legend: B batch, r resolution, h x w patch grid, N heads.
@@ -28,6 +28,7 @@ import numpy as np
 from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.attention import GoatPrior
+from goat_jax.eval.plots import error_bars
 from goat_jax.models.vit import ViTConfig
 
 
@@ -157,11 +158,24 @@ def plot_cls_attention(images: Mapping[int, np.ndarray], maps: Mapping[str, Mapp
     plt.close(fig)
 
 
+def dodge(n_lines: int, xs: Sequence[float], with_bars: bool) -> list[float]:
+    """x offsets that draw ``n_lines`` lines with error bars a little apart, centred on the
+    true x (each line at most 1/4 of the smallest gap between ``xs`` away); all 0 without
+    bars, where nothing overlaps that a reader must tell apart."""
+    xs = sorted(set(xs))
+    if not with_bars or n_lines < 2 or len(xs) < 2:
+        return [0.0] * n_lines
+    step = min(b - a for a, b in zip(xs, xs[1:])) / 2 / (n_lines - 1)
+    return [(i - (n_lines - 1) / 2) * step for i in range(n_lines)]
+
+
 def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], path: str,
-                     train_resolution: Optional[int] = None) -> None:
-    """Top-1 (%) against evaluation resolution, one line per run, with 95% error bars where a
-    value carries a ``half_width`` (a mean over seeds); a dotted line marks the training
-    resolution."""
+                     train_resolution: Optional[int] = None,
+                     xlabel: str = "evaluation resolution (px)") -> None:
+    """Top-1 (%) against evaluation resolution (or canvas size: ``xlabel``), one line per run,
+    with 95% error bars where a value carries a ``half_width`` (a mean over seeds); a dotted
+    line marks the training resolution. With error bars the runs are drawn a little apart
+    along x, so that overlapping bars stay readable (the points are at the ticks' sizes)."""
     with _extras.imports(__name__):
         import matplotlib
 
@@ -169,16 +183,19 @@ def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], p
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for label, by_res in results.items():
+    all_rs = sorted({int(r) for by_res in results.values() for r in by_res})
+    with_bars = any(any(error_bars([v["top1"] for v in by_res.values()])) for by_res in results.values())
+    for (label, by_res), dx in zip(results.items(), dodge(len(results), all_rs, with_bars)):
         rs = sorted(int(r) for r in by_res)
         top1 = [by_res[r]["top1"] for r in rs]
-        ax.errorbar(rs, [100 * t for t in top1], yerr=[100 * float(getattr(t, "half_width", None) or 0) for t in top1],
+        ax.errorbar([r + dx for r in rs], [100 * t for t in top1], yerr=[100 * e for e in error_bars(top1)],
                     marker="o", capsize=3, label=label)
     if train_resolution:
         ax.axvline(train_resolution, color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("evaluation resolution (px)")
+    ax.set_xticks(all_rs)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("top-1 (%)")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=150)

@@ -281,7 +281,7 @@ def _canvas_section(runs: dict[str, dict], r1: int, out: str) -> list[str]:
         md.append(f"| {label} | " + " | ".join(cells) + f" | {drop} |")
     md += ["", "![top-1 vs canvas](vit_canvas.png)", ""]
     vision.plot_resolutions({k: {int(c): v for c, v in e["canvas"].items()} for k, e in with_canvas.items()},
-                            os.path.join(out, "vit_canvas.png"), r1)
+                            os.path.join(out, "vit_canvas.png"), r1, xlabel="canvas size (px)")
     g = runs.get("goat", {})
     parts = g.get("prior_parts")
     if parts:
