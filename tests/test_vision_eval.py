@@ -109,10 +109,10 @@ def test_evaluate_resolutions_counts_weights(rng, tmp_path):
 
 
 def test_dodge_spreads_lines_with_error_bars_around_the_true_x():
-    """Six lines over sizes 28..84 px: offsets centred on 0, at most a quarter of the smallest
+    """Six lines over sizes 28..84 px: offsets centred on 0, at most a tenth of the smallest
     gap (14 px) either way, distinct; none without error bars or with a single line."""
     dx = vision.dodge(6, [28, 42, 56, 84], with_bars=True)
     assert len(dx) == 6 and sum(dx) == pytest.approx(0.0) and len(set(dx)) == 6
-    assert max(abs(d) for d in dx) == pytest.approx(14 / 4)
+    assert max(abs(d) for d in dx) == pytest.approx(14 / 10)
     assert vision.dodge(6, [28, 42], with_bars=False) == [0.0] * 6
     assert vision.dodge(1, [28, 42], with_bars=True) == [0.0]

@@ -160,12 +160,12 @@ def plot_cls_attention(images: Mapping[int, np.ndarray], maps: Mapping[str, Mapp
 
 def dodge(n_lines: int, xs: Sequence[float], with_bars: bool) -> list[float]:
     """x offsets that draw ``n_lines`` lines with error bars a little apart, centred on the
-    true x (each line at most 1/4 of the smallest gap between ``xs`` away); all 0 without
+    true x (each line at most 1/10 of the smallest gap between ``xs`` away); all 0 without
     bars, where nothing overlaps that a reader must tell apart."""
     xs = sorted(set(xs))
     if not with_bars or n_lines < 2 or len(xs) < 2:
         return [0.0] * n_lines
-    step = min(b - a for a, b in zip(xs, xs[1:])) / 2 / (n_lines - 1)
+    step = min(b - a for a, b in zip(xs, xs[1:])) / 5 / (n_lines - 1)
     return [(i - (n_lines - 1) / 2) * step for i in range(n_lines)]
 
 
