@@ -102,6 +102,14 @@ def test_a_missing_extra_fails_with_one_line_naming_it():
                 out[module] = None
             except ModuleNotFoundError as e:
                 out[module] = str(e)
+        # The ViT evaluations import without the plotting extra; only drawing a figure needs it.
+        blocker.names = {{"matplotlib"}}
+        vision = importlib.import_module("goat_jax.eval.vision")
+        try:
+            vision.plot_resolutions({{}}, "unused.png")
+            out["plot_resolutions"] = None
+        except ModuleNotFoundError as e:
+            out["plot_resolutions"] = str(e)
         print("RESULT:" + json.dumps(out))
         """, [])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,6 +120,7 @@ def test_a_missing_extra_fails_with_one_line_naming_it():
         assert "\n" not in message
         assert message.startswith(module) and repr(package) in message, message
         assert f"pip install 'goat-jax[{extra}]'" in message, message
+    assert messages["plot_resolutions"].startswith("goat_jax.eval.vision needs 'matplotlib'"), messages
 
 
 def test_other_import_errors_are_not_disguised_as_a_missing_extra():

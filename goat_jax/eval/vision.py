@@ -28,7 +28,6 @@ import numpy as np
 from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.attention import GoatPrior
-from goat_jax.eval.plots import error_bars
 from goat_jax.models.vit import ViTConfig
 
 
@@ -181,6 +180,10 @@ def plot_resolutions(results: Mapping[str, Mapping[int, Mapping[str, float]]], p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    # goat_jax.eval.plots needs matplotlib when imported: imported here, so this module (the
+    # ViT evaluations) stays importable without the plotting extra, as its other figures.
+    from goat_jax.eval.plots import error_bars  # pylint: disable=g-import-not-at-top
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     all_rs = sorted({int(r) for by_res in results.values() for r in by_res})
