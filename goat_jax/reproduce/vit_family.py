@@ -224,10 +224,9 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
 
     # The figures draw one run's arrays (the row's own job: seed +0), while every number in the
     # tables is over the seeds; the captions say so.
-    arrays = {j.label: dict(np.load(os.path.join(j.workdir, "reproduce_vision.npz")))
-              for j in jobs if j.kind == "vit" and j.label in runs
-              and os.path.exists(os.path.join(j.workdir, "reproduce_vision.npz"))}
-    seed_of = {j.label: j.seed_offset for j in jobs if j.kind == "vit" and j.label in arrays}
+    drawn = {j.label: j for j in jobs if j.kind == "vit" and j.label in runs
+             and os.path.exists(os.path.join(j.workdir, "reproduce_vision.npz"))}
+    arrays = {label: dict(np.load(os.path.join(j.workdir, "reproduce_vision.npz"))) for label, j in drawn.items()}
     if "goat" in arrays and "centre_log_prior" in arrays["goat"]:
         g = runs["goat"]
         grid = arrays["goat"]["centre_log_prior"].shape
@@ -237,7 +236,7 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
         md += [f"### GOAT's learned 2D prior (block 0, head mean, centre patch's query over a "
                f"{grid[0]} x {grid[1]} key grid; trained on {r1 // int(_patch(jobs))} x "
                f"{r1 // int(_patch(jobs))})", "", "![GOAT prior](vit_prior_goat.png)", "",
-               f"The seed +{seed_of['goat']} run's prior, trained from `prior_init='uniform'`; its range "
+               f"The seed +{drawn['goat'].seed_offset} run's prior, trained from `prior_init='uniform'`; its range "
                f"on this grid (max - min of the head-mean log-prior: how strongly it prefers some keys "
                f"over others) is {spread:.3f} nats in that run (the prior-split table above gives "
                f"the ranges over seeds).", "",
@@ -254,7 +253,7 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
                                   {k: {r: arrays[k][f"cls_{r}"] for r in shown} for k in pair},
                                   os.path.join(out, "vit_cls_attention.png"))
         md += [f"### CLS attention ({' vs '.join(pair)}, last block, head mean; the same "
-               f"{CLS_IMAGES} test images at {shown[0]} and {shown[-1]} px; the seed +{seed_of[pair[0]]} "
+               f"{CLS_IMAGES} test images at {shown[0]} and {shown[-1]} px; the seed +{drawn[pair[0]].seed_offset} "
                f"runs)", "",
                "![CLS attention](vit_cls_attention.png)", ""]
     return md
