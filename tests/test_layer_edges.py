@@ -244,3 +244,24 @@ def test_flat_prior_keywords_get_an_error_naming_prior_settings():
     from goat_jax import GoatAttention
     with pytest.raises(TypeError, match=r"prior=PriorSettings\(abs_rank=2, pos_rank=4\)"):
         GoatAttention(num_heads=4, pos_rank=4, abs_rank=2)
+
+
+@pytest.mark.parametrize("encoding", ["rope_pi", "yarn", "ntk"])
+@pytest.mark.parametrize("length", [0, -5])
+def test_non_positive_training_seq_len_is_refused(encoding, length):
+    """training_seq_len <= 0 is one error naming it, before any division by it."""
+    layer = PositionalAttention(num_heads=2, position_encoding=encoding, training_seq_len=length)
+    x = jnp.ones((1, 8, 16))
+    with pytest.raises(ValueError, match="training_seq_len must be an integer >= 1"):
+        layer.init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("encoding", ["yarn", "ntk"])
+@pytest.mark.parametrize("factor", [float("inf"), float("nan"), 0.0, -2.0])
+def test_invalid_rope_scaling_factor_is_refused(encoding, factor):
+    """A non-finite or < 1 rope_scaling_factor is one error naming it, not NaN outputs."""
+    layer = PositionalAttention(num_heads=2, position_encoding=encoding, training_seq_len=8,
+                                rope_scaling_factor=factor)
+    x = jnp.ones((1, 8, 16))
+    with pytest.raises(ValueError, match="rope_scaling_factor must be a finite number >= 1"):
+        layer.init(jax.random.PRNGKey(0), x)

@@ -108,6 +108,8 @@ class RopePI(PositionEncoding):
         if layer.training_seq_len is None:
             raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
                              "positions are interpolated back to).")
+        from goat_jax.positional.rope_scaling import check_training_seq_len
+        check_training_seq_len(self.name, layer.training_seq_len)
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         call = ctx.call

@@ -49,6 +49,21 @@ def _check_dim(dim: int, what: str) -> None:
                          f"H / (H - 2)), got {dim}.")
 
 
+def check_training_seq_len(name: str, value) -> None:
+    """ValueError unless ``training_seq_len`` is None or a positive integer (``name``: the encoding
+    that divides by it)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"position_encoding={name!r}: training_seq_len must be an integer >= 1 (the "
+                         f"length the model was trained at), got {value!r}.")
+
+
+def check_scaling_factor(value) -> None:
+    """ValueError unless ``rope_scaling_factor`` is None or a finite number >= 1."""
+    if value is not None and not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"rope_scaling_factor must be a finite number >= 1 (or None: dynamic, max(1, key "
+                         f"length / training_seq_len)), got {value}.")
+
+
 def ntk_frequencies(dim: int, base: float, factor: float) -> np.ndarray:
     """Dynamic NTK-aware inverse frequencies: RoPE's ladder with base ``base * factor **
     (dim / (dim - 2))`` (Hugging Face's dynamic form with alpha = 1); [dim/2] float64."""
@@ -103,9 +118,8 @@ class _ScaledRope(PositionEncoding):
 
     def check_layer(self, layer: nn.Module) -> None:
         f = layer.rope_scaling_factor
-        if f is not None and not f >= 1.0:
-            raise ValueError(f"rope_scaling_factor must be >= 1 (or None: dynamic, max(1, key length / "
-                             f"training_seq_len)), got {f}.")
+        check_scaling_factor(f)
+        check_training_seq_len(self.name, layer.training_seq_len)
         if layer.training_seq_len is None and (f is None or self.name == "yarn"):
             need = "the dynamic factor and YaRN's rotation counts" if self.name == "yarn" else "the dynamic factor"
             raise ValueError(f"position_encoding={self.name!r} needs training_seq_len (the length the "
@@ -155,5 +169,5 @@ class Yarn(_ScaledRope):
 
 NTK, YARN = Ntk(), Yarn()
 
-__all__ = ["NTK", "YARN", "ntk_frequencies", "scale_factor", "yarn_correction_range",
+__all__ = ["NTK", "YARN", "check_scaling_factor", "check_training_seq_len", "ntk_frequencies", "scale_factor", "yarn_correction_range",
            "yarn_frequencies"]
