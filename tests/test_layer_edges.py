@@ -263,5 +263,5 @@ def test_invalid_rope_scaling_factor_is_refused(encoding, factor):
     layer = PositionalAttention(num_heads=2, position_encoding=encoding, training_seq_len=8,
                                 rope_scaling_factor=factor)
     x = jnp.ones((1, 8, 16))
-    with pytest.raises(ValueError, match="rope_scaling_factor must be a finite number >= 1"):
+    with pytest.raises(ValueError, match="rope_scaling_factor must be >= 1 and finite"):
         layer.init(jax.random.PRNGKey(0), x)

@@ -60,7 +60,7 @@ def check_training_seq_len(name: str, value) -> None:
 def check_scaling_factor(value) -> None:
     """ValueError unless ``rope_scaling_factor`` is None or a finite number >= 1."""
     if value is not None and not (math.isfinite(value) and value >= 1.0):
-        raise ValueError(f"rope_scaling_factor must be a finite number >= 1 (or None: dynamic, max(1, key "
+        raise ValueError(f"rope_scaling_factor must be >= 1 and finite (or None: dynamic, max(1, key "
                          f"length / training_seq_len)), got {value}.")
 
 
