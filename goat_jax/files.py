@@ -24,3 +24,31 @@ def write_whole(path: str, data: Union[str, bytes]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuses, before any work, a directory ``path`` that cannot be written: an existing path
+    that is not a directory, or a nearest existing folder (``path`` itself or the parent it
+    would be created in) where a file cannot be created. Tested by creating and removing a
+    temporary file there (permission bits say nothing for root or a read-only mount); leaves
+    nothing behind. ``flag``: the command-line flag named in the error (e.g. ``'--out'``).
+
+    Raises:
+      ValueError: naming ``flag``, ``path`` and why.
+    """
+    import tempfile  # pylint: disable=g-import-not-at-top  # on use only
+
+    full = os.path.abspath(path)
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path}: {existing} exists and is not a directory; give a directory "
+                         "(it is created if missing).")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".goat-write-check-")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {existing} ({e.strerror or e}); give a writable "
+                         "directory.") from None
+    os.close(fd)
+    os.remove(probe)

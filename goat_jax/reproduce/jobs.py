@@ -18,6 +18,12 @@ from goat_jax.train import run as run_lib
 from goat_jax.train import trainer
 
 EVAL_CACHE = "reproduce_eval.json"  # the harness's own file in a run's workdir (not the trainer's)
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a scheduler expects of a process it stopped
+
+
+class RunStopped(RuntimeError):
+    """A job's training stopped before its step count (SIGTERM: the trainer saved a checkpoint
+    and returned): the harness evaluates nothing of it and stops; the same command resumes it."""
 
 
 class _Watcher(threading.Thread):
@@ -64,6 +70,10 @@ def train(job: Job) -> dict:
         summary = trainer.train_and_evaluate(config, job.workdir)
     finally:
         watcher.stop.set()
+    if summary.get("preempted") or int(summary.get("step", 0)) < int(config.num_train_steps):
+        raise RunStopped(f"{job.run_name}: training stopped at step {summary.get('step')} of "
+                         f"{int(config.num_train_steps)} (SIGTERM: a checkpoint was saved); it is not "
+                         "evaluated. The same command resumes it from that checkpoint.")
     loss = summary.get("train_loss")  # absent when the run had already finished
     cli.log(f"  {job.run_name}: at step {summary['step']} after {time.time() - t0:.0f}s "
             f"({'train loss %.3f' % loss if loss is not None else 'already trained'})")
@@ -97,10 +107,21 @@ def cache_path(job: Job) -> str:
     return os.path.join(job.workdir, name)
 
 
+def evaluated_weights(job: Job) -> dict:
+    """What identifies the weights an evaluation of ``job`` reads: the step of the run's newest
+    complete checkpoint (the one the evaluators restore) and the seed it trained with. Stored
+    with every cached evaluation; a cache made of other weights (an earlier checkpoint of a run
+    stopped part way, a retrained run) is never reused."""
+    steps = run_lib.checkpoint_steps(job.workdir)
+    return {"checkpoint_step": int(steps[-1]) if steps else None, "seed": int(job_config(job).seed)}
+
+
 def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dict]:
     """``job``'s cached evaluation (:func:`cache_path`) if it was made with this suite's settings
-    (:func:`eval_settings`), else None: no cache, one made with other settings, or one torn by a
-    kill mid-write (before writes were whole). ``log``: say which, when there is a cache."""
+    (:func:`eval_settings`) of the weights the run holds now (:func:`evaluated_weights`), else
+    None: no cache, one made with other settings or of other weights (e.g. of a checkpoint
+    saved before the run finished), or one torn by a kill mid-write (before writes were whole).
+    ``log``: say which, when there is a cache."""
     cache = cache_path(job)
     if not os.path.exists(cache):
         return None
@@ -111,27 +132,46 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dic
         if log:
             cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
         return None
-    if cached.get("eval_settings") == eval_settings(job, suite):
-        return cached
-    if log:
-        cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
-    return None
+    if cached.get("eval_settings") != eval_settings(job, suite):
+        if log:
+            cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
+        return None
+    weights = evaluated_weights(job)
+    if cached.get("weights") != weights:
+        if log:
+            cli.log(f"  {job.run_name}: cached evaluation is of other weights ({cached.get('weights')}, "
+                    f"the run holds {weights}); evaluating again")
+        return None
+    return cached
 
 
 def evaluate(job: Job, suite: Suite) -> dict:
     """The evaluations of ``job`` by its family, cached in :func:`cache_path` together with the
-    settings they were made with; a cache made with other settings (or torn) is redone. The
-    cache is written whole (:func:`goat_jax.files.write_whole`)."""
+    settings they were made with and the weights they read (:func:`evaluated_weights`); a cache
+    made with other settings, of other weights (or torn) is redone. Only a finished run is
+    evaluated (:class:`RunStopped` otherwise, nothing written). The cache is written whole
+    (:func:`goat_jax.files.write_whole`), and a fresh evaluation is returned exactly as a later
+    read of its cache returns it (JSON's string keys, lists): a report over seeds evaluated in
+    different sittings is the report of one sitting."""
+    config = job_config(job)
+    if not trainer.is_finished(config, job.workdir):
+        steps = run_lib.checkpoint_steps(job.workdir) if os.path.isdir(job.workdir) else ()
+        raise RunStopped(f"{job.run_name}: the run in {job.workdir} is not finished (newest checkpoint "
+                         f"{steps[-1] if steps else 'none'} of {int(config.num_train_steps)} steps); "
+                         "it is not evaluated. Run the same command without --report_only to train it.")
     cached = cached_evaluation(job, suite, log=True)
     if cached is not None:
         return cached
+    weights = evaluated_weights(job)
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
     out["eval_settings"] = eval_settings(job, suite)
-    files.write_whole(cache_path(job), json.dumps(out, default=float))
-    cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s")
-    return out
+    out["weights"] = weights
+    text = json.dumps(out, default=float)
+    files.write_whole(cache_path(job), text)
+    cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s (checkpoint step {weights['checkpoint_step']})")
+    return json.loads(text)
 
 
 def _with_final_loss(job: Job, evaluation: dict) -> dict:

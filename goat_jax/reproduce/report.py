@@ -16,6 +16,7 @@ from typing import Optional
 
 from goat_jax import files
 from goat_jax.reproduce import dna_family, lm_family, stats, vit_family
+from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce.suites import FAMILY_TITLES, LM_KINDS, ROOT, Job, Suite
 from goat_jax.train import run as run_lib
 
@@ -155,16 +156,8 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
                 + ", ".join(f"{k}={v}" for k, v in j.eval_overrides.items()))
              for j in jobs if j.variant]
     body.append("")
-    if family == "lm":
-        encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1]
-                                       and not j.variant))
-        checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier,
-                                     lm_family.headline_dataset(suite))
-    elif family == "vit":
-        checks = vit_family.vision_checks(jobs, results)
-    else:
-        memory = dna_family.dna_memory(suite, jobs)
-        checks = dna_family.dna_checks(jobs, results, memory)
+    memory = dna_family.dna_memory(suite, jobs) if family == "dna" else []
+    checks = headline_checks(family, suite, jobs, results, memory)
     body += ["## Headline checks", "", "| claim | verdict | paired difference | numbers | threshold |",
              "|---|---|---|---|---|"]
     for c in checks:
@@ -188,6 +181,25 @@ def family_section(family: str, suite: Suite, jobs: Sequence[Job], results: dict
     # One level deeper than a standalone report: the family is the ## heading.
     md += [("#" + line) if line.startswith("##") else line for line in body]
     return "\n".join(md) + "\n"
+
+
+def headline_checks(family: str, suite: Suite, jobs: Sequence[Job], results: dict[str, dict],
+                    memory: Sequence[dict] = ()) -> list[stats.Check]:
+    """``family``'s headline checks of ``results`` (aggregated rows by name; ``jobs``: the
+    family's rows; ``memory``: the DNA family's compiled-memory rows). The rows the checks read
+    (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`) are first restricted to the seeds all of them
+    have (:func:`goat_jax.reproduce.stats.on_common_seeds`): in a partial report, where rows can
+    have different seeds, every column of a check (difference, numbers, threshold) pairs the same
+    seeds. The tables keep every seed a row has."""
+    fed, _ = stats.on_common_seeds({j.name: results[j.name] for j in jobs
+                                    if j.name in results and jobs_lib.FEEDS_CHECKS[family](j, suite)})
+    results = {**results, **fed}
+    if family == "lm":
+        encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1] and not j.variant))
+        return lm_family.lm_checks(results, encodings, suite.lm_check_multiplier, lm_family.headline_dataset(suite))
+    if family == "vit":
+        return vit_family.vision_checks(jobs, results)
+    return dna_family.dna_checks(jobs, results, list(memory))
 
 
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,

@@ -5,13 +5,16 @@ for the paper suite and ``dry_run``, print or run the shell commands instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
 import subprocess
+import threading
 import time
 from concurrent import futures
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import jax
@@ -19,7 +22,7 @@ import jax
 from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     from absl import logging as absl_logging
-from goat_jax import cli
+from goat_jax import cli, files
 from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
@@ -113,6 +116,10 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     all_jobs = plan(suite, root, encodings, seeds=seeds, **plan_kwargs)
     if not all_jobs:
         raise ValueError(f"--families {','.join(families)}: suite {suite.name!r} has no runs there.")
+    if not status:  # before any run trains: a report that cannot be written is known now
+        files.check_writable(out, "--out")
+        if not report_only:
+            files.check_writable(root, "--workdir")
     if status:
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
         print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
@@ -121,7 +128,12 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     cache = None if report_only else use_compilation_cache(compilation_cache, root)  # report_only compiles nothing
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
             + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
-    raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
+    try:
+        raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
+    except jobs_lib.RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, nothing evaluated
+        cli.log(f"stopped: {e}")
+        cli.log("no report written; the same command resumes every stopped run from its checkpoint")
+        return jobs_lib.STOPPED_EXIT_CODE
     unfinished = [j.run_name for j in all_jobs if j.run_name not in raw and j.run_name not in failed]
     if report_only and not raw:
         raise ValueError(f"--report_only: none of the {len(all_jobs)} planned runs under {root} has finished "
@@ -166,6 +178,32 @@ def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
     jax.config.update("jax_compilation_cache_dir", folder)  # this process (--jobs 1), if nothing compiled yet
     return folder
+
+
+@contextlib.contextmanager
+def _forward_sigterm(pool: futures.ProcessPoolExecutor) -> Iterator[threading.Event]:
+    """While the block runs, a SIGTERM to the harness (``kill PID``, a scheduler's preemption)
+    is passed to every worker of ``pool`` (each trainer then saves a checkpoint at the end of its
+    step and returns; :class:`goat_jax.reproduce.jobs.RunStopped`) and sets the event yielded,
+    so the caller starts no further job. The previous handler is restored after the block; a
+    harness not on the main thread cannot install one and keeps the default behaviour."""
+    event = threading.Event()
+
+    def handle(signum, frame):  # pylint: disable=unused-argument
+        event.set()
+        cli.log("SIGTERM: stopping the running jobs after their trainers save; starting no other")
+        for proc in list(getattr(pool, "_processes", {}).values()):  # the executor's live workers
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
@@ -235,7 +273,9 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
         return raw, timings, failed
     trained = [j for j in all_jobs if j.trains]
     context = multiprocessing.get_context("spawn")  # a fresh JAX per job; fork would copy its threads
-    with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool:
+    stopped: list[str] = []
+    with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool, \
+            _forward_sigterm(pool) as sigterm:
         pending = {}
         for job in trained:
             log_path = job.workdir + ".log"
@@ -243,13 +283,25 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
             cli.log(f"queued {job.run_name} (log {log_path})")
         for i, fut in enumerate(futures.as_completed(pending)):
             job = pending[fut]
+            if fut.cancelled():
+                continue
             try:
                 record(job, fut.result())
                 cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} done; elapsed "
                         f"{(time.time() - t_start) / 60:.1f} min")
+            except jobs_lib.RunStopped as e:
+                stopped.append(str(e))
             except Exception as e:  # pylint: disable=broad-except  # one job's failure loses no other
+                if sigterm.is_set():  # a worker killed by the SIGTERM outside its trainer: evaluated nothing
+                    stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(e).__name__})")
+                    continue
                 failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
                 cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} FAILED: {failed[job.run_name]}")
+            if sigterm.is_set():
+                for other in pending:
+                    other.cancel()  # not started yet: never starts
+    if stopped or sigterm.is_set():
+        raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
     for job in (j for j in all_jobs if not j.trains):
         if any(f.startswith(f"{job.kind}/{job.dataset}/") for f in failed):
             failed[job.run_name] = "not evaluated: a training job of its dataset failed"

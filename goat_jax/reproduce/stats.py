@@ -169,6 +169,49 @@ def half_width(x: Any) -> Optional[float]:
     return 0.0
 
 
+def seeds_in(tree: Any) -> set[int]:
+    """The seed offsets of every :class:`Estimate` in ``tree`` (nested dicts, lists and
+    numbers: an aggregated row), united; empty when it holds none (plain numbers only)."""
+    if isinstance(tree, Estimate):
+        return set(tree.seeds)
+    if isinstance(tree, dict):
+        return set().union(*(seeds_in(v) for v in tree.values()))
+    if isinstance(tree, (list, tuple)):
+        return set().union(*(seeds_in(v) for v in tree))
+    return set()
+
+
+def restrict(tree: Any, seeds: Sequence[int]) -> Any:
+    """``tree`` with every :class:`Estimate` restricted to ``seeds`` (:meth:`Estimate.on`);
+    other values are kept as they are."""
+    if isinstance(tree, Estimate):
+        return tree.on(seeds)
+    if isinstance(tree, dict):
+        return {k: restrict(v, seeds) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [restrict(v, seeds) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(restrict(v, seeds) for v in tree)
+    return tree
+
+
+def on_common_seeds(rows: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """``rows`` (aggregated results by row name) restricted to the seeds every row that has
+    estimates shares, and those seeds: what a family's headline checks read, so that every
+    column of every check (the paired difference, the numbers, the fixed threshold's PASS/FAIL)
+    is over the same seeds, never one row's mean over two seeds against another's over one.
+    Rows with no seed in common are returned unchanged (with ``()``): each check then pairs what
+    it can and says how many seeds."""
+    seed_sets = [seeds_in(r) for r in rows.values()]
+    seed_sets = [s for s in seed_sets if s]
+    if not seed_sets:
+        return dict(rows), ()
+    common = tuple(sorted(set.intersection(*seed_sets)))
+    if not common:
+        return dict(rows), ()
+    return {k: restrict(v, common) for k, v in rows.items()}, common
+
+
 def aggregate(per_seed: Sequence[Any], seeds: Optional[Sequence[int]] = None) -> Any:
     """One result structure per seed (the same shape: dicts, lists, numbers) -> one structure
     whose numbers are :class:`Estimate` s over the seeds (``seeds``: their offsets, default

@@ -1,0 +1,176 @@
+"""The report harness's reliability (issue: reliability round 4), through the real CLI entry
+point ``experiments.reproduce.main`` on smoke-sized suites:
+
+* SIGTERM mid-training stops the harness (exit 143) after the trainer saved; the unfinished run
+  is never evaluated, cached or reported, and an evaluation cache is reused only for the
+  checkpoint it evaluated;
+* seeds run in parts (``--seeds 1`` then ``--seeds 2``) give exactly the report of one sitting
+  (a fresh evaluation equals its cache read back);
+* a partial report's headline checks pair the same seeds in every column;
+* an ``--out`` / ``--workdir`` that cannot be written is refused before any run trains.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from experiments import reproduce
+from goat_jax.reproduce import jobs as jobs_lib
+from goat_jax.reproduce import report, stats, suites
+from goat_jax.train import run as run_lib
+
+
+def _suite(name, encodings):
+    """The smoke suite's language models alone (no retrieval, toy or variants), short
+    evaluations: the cheapest suite whose headline checks compare encodings."""
+    return dataclasses.replace(suites.SUITES["smoke"], name=name, tasks=(), toy="", encodings=encodings,
+                               lm_variants=(), retrieval_variants=(), multipliers=(1, 2),
+                               standard_trials=1, sink_examples=1)
+
+
+def _argv(name, tmp_path, out="out"):
+    return ["--suite", name, "--families", "lm", "--workdir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / out)]
+
+
+def _sigterm_once_training(workdir, deadline=300.0):
+    """Sends this process SIGTERM once the run in ``workdir`` has logged a training step and the
+    trainer's own SIGTERM handler is installed (never the default one, which would end pytest)."""
+    t0 = time.time()
+    while time.time() - t0 < deadline:
+        try:
+            steps = [r["step"] for r in run_lib.read_metrics(workdir) if "train_loss" in r]
+        except OSError:
+            steps = []
+        handler = signal.getsignal(signal.SIGTERM)
+        if steps and callable(handler) and handler is not signal.default_int_handler:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
+def test_sigterm_mid_training_evaluates_nothing_and_stops_the_harness(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(suites.SUITES, "smoke_sigterm", _suite("smoke_sigterm", ("goat",)))
+    real_config = jobs_lib.job_config
+
+    def long_config(job):  # long enough that SIGTERM lands mid-training; no checkpoint but SIGTERM's
+        config = real_config(job)
+        config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 5000, 5000, 0
+        return config
+
+    monkeypatch.setattr(jobs_lib, "job_config", long_config)
+    workdir = tmp_path / "runs" / "jargon" / "goat"
+    killer = threading.Thread(target=_sigterm_once_training, args=(str(workdir),), daemon=True)
+    killer.start()
+    rc = reproduce.main(_argv("smoke_sigterm", tmp_path))
+    killer.join(timeout=5)
+    log = capsys.readouterr().out
+    assert rc == jobs_lib.STOPPED_EXIT_CODE, log
+    assert "training stopped at step" in log and "not evaluated" in log
+    steps = run_lib.checkpoint_steps(str(workdir))
+    assert steps and 0 < steps[-1] < 5000  # the trainer saved where it stopped
+    assert not (workdir / jobs_lib.EVAL_CACHE).exists()  # nothing evaluated, nothing cached
+    assert not (tmp_path / "out" / "REPORT.md").exists()
+
+    # The unfinished run is never reported: --status says partial, --report_only has nothing.
+    assert reproduce.main(_argv("smoke_sigterm", tmp_path) + ["--status"]) == 0
+    assert "partial" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="none of the 1 planned runs"):
+        reproduce.main(_argv("smoke_sigterm", tmp_path) + ["--report_only"])
+
+    # An evaluation of the unfinished run is refused, and a cache is reused only for the
+    # weights it read (the checkpoint step), even where the suite's settings match.
+    suite = suites.SUITES["smoke_sigterm"]
+    job = suites.plan(suite, str(tmp_path / "runs"), families=["lm"])[0]
+    with pytest.raises(jobs_lib.RunStopped, match="not finished"):
+        jobs_lib.evaluate(job, suite)
+    weights = jobs_lib.evaluated_weights(job)
+    assert weights == {"checkpoint_step": steps[-1], "seed": 0}
+    cache = {"eval_settings": jobs_lib.eval_settings(job, suite), "weights": weights}
+    (workdir / jobs_lib.EVAL_CACHE).write_text(json.dumps(cache))
+    assert jobs_lib.cached_evaluation(job, suite) == cache
+    for other in ({**weights, "checkpoint_step": steps[-1] + 1}, None):
+        (workdir / jobs_lib.EVAL_CACHE).write_text(json.dumps({**cache, "weights": other}))
+        assert jobs_lib.cached_evaluation(job, suite) is None
+    assert jobs_lib.reused(job, suite) is None  # and never for an unfinished run
+
+
+def _without_timing(results):
+    """results.json's rows without what differs between sittings by design (stage seconds)."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("eval_seconds",)}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return strip(results)
+
+
+def _checks(report_md):
+    section = report_md.split("### Headline checks", 1)[1].split("\n### ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| GOAT") or line.startswith("| RoPE")]
+
+
+def test_seeds_run_in_parts_give_the_report_of_one_sitting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(suites.SUITES, "smoke_parts", _suite("smoke_parts", ("goat", "rope")))
+    argv = _argv("smoke_parts", tmp_path)
+    assert reproduce.main(argv + ["--seeds", "1"]) == 0
+    assert reproduce.main(argv + ["--seeds", "2"]) == 0  # seed 0 read from its cache, seed 1 fresh
+    log = capsys.readouterr().out
+    assert "reused 2 finished and evaluated run(s); 2 to go" in log
+    parts = json.loads((tmp_path / "out" / "results.json").read_text())
+    parts_md = (tmp_path / "out" / "REPORT.md").read_text()
+    # Every number of both encodings over both seeds, the perplexity row and checks included.
+    for enc in ("goat", "rope"):
+        ext = parts[f"lm/jargon/{enc}"]["extrapolation"]
+        assert set(ext) == {"32", "64"}, ext
+        assert len(parts[f"lm/jargon/{enc}"]["seeds"]) == 2
+    checks = _checks(parts_md)
+    assert len(checks) == 5 and all("not measured" not in c for c in checks), checks
+    # The same report from the caches alone (every seed read back): identical numbers.
+    assert reproduce.main(argv[:-1] + [str(tmp_path / "again"), "--seeds", "2", "--report_only"]) == 0
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert _without_timing(again) == _without_timing(parts)
+    assert _checks((tmp_path / "again" / "REPORT.md").read_text()) == checks
+
+
+def test_a_partial_reports_checks_pair_the_same_seeds_in_every_column(tmp_path):
+    """GOAT finished seeds 0 and 1, RoPE only seed 0. GOAT's 2-seed mean is below RoPE's, but on
+    seed 0 (the only pair) GOAT is worse: the threshold column must say FAIL, as the difference."""
+    suite = _suite("smoke_pairs", ("goat", "rope"))
+    jobs = [j for j in suites.plan(suite, str(tmp_path), families=["lm"]) if j.seed_offset == 0]
+
+    def lm(ppl1, ppl2):
+        return {"train_len": 32, "step": 20, "extrapolation": {"32": {"ppl": ppl1}, "64": {"ppl": ppl2}}}
+
+    results = {"lm/jargon/goat": stats.aggregate([lm(5.2, 6.0), lm(4.0, 5.0)], [0, 1]),
+               "lm/jargon/rope": stats.aggregate([lm(5.0, 20.0)], [0])}
+    checks = {c.claim: c for c in report.headline_checks("lm", suite, jobs, results)}
+    check = checks["GOAT in-distribution perplexity < RoPE's"]
+    assert check.numbers == "GOAT 5.200, RoPE 5.000" and check.ok is False, check
+    assert check.difference == "GOAT - RoPE = 0.200" and check.verdict == stats.ONE_SEED
+    ratio = checks["GOAT's 2x / 1x perplexity ratio < RoPE's"]
+    assert ratio.numbers == "GOAT 1.15, RoPE 4.00", ratio  # seed 0's GOAT ratio, not the 2-seed mean
+    # The checks' restriction leaves the rows (the tables) with every seed they have.
+    assert results["lm/jargon/goat"]["extrapolation"]["32"]["ppl"].seeds == (0, 1)
+
+
+@pytest.mark.parametrize("flag", ["--out", "--workdir"])
+def test_an_unwritable_out_or_workdir_is_refused_before_any_run(tmp_path, monkeypatch, flag):
+    monkeypatch.setitem(suites.SUITES, "smoke_ro", _suite("smoke_ro", ("goat",)))
+    monkeypatch.setattr(jobs_lib, "train_and_evaluate", lambda *a, **k: pytest.fail("a job ran"))
+    argv = _argv("smoke_ro", tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    argv[argv.index(flag) + 1] = str(blocker / "sub")
+    with pytest.raises(ValueError, match=f"{flag} .*a_file exists and is not a directory"):
+        reproduce.main(argv)
+    argv[argv.index(flag) + 1] = "/proc/goat-jax-no-such/sub"  # a folder nobody can create files in
+    with pytest.raises(ValueError, match=f"{flag} /proc/goat-jax-no-such/sub: cannot write in /proc"):
+        reproduce.main(argv)
+    assert not (tmp_path / "runs").exists()  # nothing created, nothing trained
