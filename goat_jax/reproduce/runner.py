@@ -181,29 +181,47 @@ def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _forward_sigterm(pool: futures.ProcessPoolExecutor) -> Iterator[threading.Event]:
+def _forward_sigterm(pool: futures.ProcessPoolExecutor, submitted: dict) -> Iterator[threading.Event]:
     """While the block runs, a SIGTERM to the harness (``kill PID``, a scheduler's preemption)
-    is passed to every worker of ``pool`` (each trainer then saves a checkpoint at the end of its
-    step and returns; :class:`goat_jax.reproduce.jobs.RunStopped`) and sets the event yielded,
-    so the caller starts no further job. The previous handler is restored after the block; a
-    harness not on the main thread cannot install one and keeps the default behaviour."""
-    event = threading.Event()
+    sets the event yielded and stops ``pool``'s work: the futures in ``submitted`` that have not
+    started are cancelled, and every live worker is sent SIGTERM, again each second until the
+    block ends (a worker the executor starts for a call it had already queued gets it too). A
+    trainer then saves a checkpoint at the end of its step and returns
+    (:class:`goat_jax.reproduce.jobs.RunStopped`); a worker outside its trainer ends, having
+    evaluated nothing. The previous handler is restored after the block; a harness not on the
+    main thread cannot install one and keeps the default behaviour."""
+    event, done = threading.Event(), threading.Event()
+
+    def stop_workers():
+        event.wait()
+        while not done.is_set():
+            for fut in list(submitted):
+                fut.cancel()  # not started yet: never starts
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # the executor's live workers
+                if proc.is_alive():
+                    try:
+                        os.kill(proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            done.wait(1.0)
 
     def handle(signum, frame):  # pylint: disable=unused-argument
+        if not event.is_set():
+            cli.log("SIGTERM: stopping the running jobs after their trainers save; starting no other")
         event.set()
-        cli.log("SIGTERM: stopping the running jobs after their trainers save; starting no other")
-        for proc in list(getattr(pool, "_processes", {}).values()):  # the executor's live workers
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
 
     if threading.current_thread() is not threading.main_thread():
         yield event
         return
+    stopper = threading.Thread(target=stop_workers, daemon=True)
+    stopper.start()
     previous = signal.signal(signal.SIGTERM, handle)
     try:
         yield event
     finally:
         signal.signal(signal.SIGTERM, previous)
+        done.set()
+        event.set()  # lets the stopper thread end
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
@@ -274,9 +292,9 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     trained = [j for j in all_jobs if j.trains]
     context = multiprocessing.get_context("spawn")  # a fresh JAX per job; fork would copy its threads
     stopped: list[str] = []
+    pending: dict = {}
     with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool, \
-            _forward_sigterm(pool) as sigterm:
-        pending = {}
+            _forward_sigterm(pool, pending) as sigterm:
         for job in trained:
             log_path = job.workdir + ".log"
             pending[pool.submit(jobs_lib.train_and_evaluate, job, suite, log_path)] = job
@@ -297,9 +315,6 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                     continue
                 failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
                 cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} FAILED: {failed[job.run_name]}")
-            if sigterm.is_set():
-                for other in pending:
-                    other.cancel()  # not started yet: never starts
     if stopped or sigterm.is_set():
         raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
     for job in (j for j in all_jobs if not j.trains):
