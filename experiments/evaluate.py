@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -129,6 +130,51 @@ def _lm_eval_options(args, evals: Sequence[str], out: str) -> Optional[dict[str,
             "bootstrap_iters": 100000 if args.lm_eval_bootstrap_iters is None else args.lm_eval_bootstrap_iters}
 
 
+def parse_multipliers(value: str) -> list[int]:
+    """The ``--multipliers`` comma list as positive integers (lengths are ``m x`` the training
+    length, whole multiples only); refuses an empty list, non-integers and values below 1."""
+    mults = []
+    for item in (m.strip() for m in value.split(",")):
+        if not item:
+            continue
+        try:
+            m = int(item)
+        except ValueError:
+            m = None
+        if m is None or m < 1:
+            raise ValueError(f"--multipliers {value}: {item!r} is not a positive integer; give whole "
+                             "multiples of the training length, e.g. --multipliers 1,2,4,8.")
+        mults.append(m)
+    if not mults:
+        raise ValueError(f"--multipliers {value!r} names no length; give e.g. --multipliers 1,2,4,8.")
+    return mults
+
+
+# What an evaluation writes into --out (write_outputs, vision and lm_eval): a second evaluation
+# into the same --out refuses these unless --overwrite, which removes them first.
+_RESULT_FILES = ("results.json", "results.md")
+
+
+def check_previous_results(out: str, overwrite: bool) -> None:
+    """Refuses an ``--out`` that holds a previous evaluation's results (``results.json`` or
+    ``results.md``) unless ``overwrite``; with it, removes that evaluation's results, figures
+    (``*.png``) and ``lm_eval_samples/`` so the files of two evaluations are never mixed."""
+    if not os.path.isdir(out):
+        return
+    names = os.listdir(out)
+    if not any(n in _RESULT_FILES for n in names):
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out} already holds an evaluation's results; give another --out, "
+                         "or add --overwrite to replace them (its results and figures are removed).")
+    for n in names:
+        path = os.path.join(out, n)
+        if n in _RESULT_FILES or (n.endswith(".png") and os.path.isfile(path)):
+            os.remove(path)
+        elif n == "lm_eval_samples" and os.path.isdir(path):
+            shutil.rmtree(path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """CLI entry point (argparse); returns ``{label: {eval: result}}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -158,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="output dir (default: WORKDIR_eval next to the first "
                    "--workdir; checked before any evaluation: never inside a run, which may still "
                    "be training, nor an existing file)")
+    p.add_argument("--overwrite", action="store_true", help="replace the results and figures of "
+                   "a previous evaluation in --out (without it such an --out is refused)")
     p.add_argument("--resolutions", default="", help="ViT runs: evaluation resolutions in px, e.g. 28,42,56,84")
     p.add_argument("--lm_eval_tasks", default=None, help="lm_eval: comma list of lm-eval tasks")
     p.add_argument("--lm_eval_include_path", default=None, help="lm_eval: a directory of task YAMLs")
@@ -186,6 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     runs.check_evals_fit(args.workdir, evals)
     runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
+    mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
     if any(swap.values()):
         if "resolution" in evals:
             raise ValueError("--position_encoding / --logn_scaling apply to language runs, not --evals resolution.")
@@ -200,15 +249,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                              "--evals resolution --resolutions 28,42,56,84.")
         labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
         out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
+        check_previous_results(out, args.overwrite)
         results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=cli.log)
         print(open(os.path.join(out, "results.md")).read())
         return results
-    mults = [int(m) for m in args.multipliers.split(",") if m]
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
     if any(swap.values()) and not args.label:
         suffix = (f" as {args.position_encoding}" if args.position_encoding else "") + (
             f"+logn_{args.logn_scaling}" if args.logn_scaling else "")
         labels = [label + suffix for label in labels]
+    check_previous_results(args.out or os.path.normpath(args.workdir[0]) + "_eval", args.overwrite)
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = lm_run.swap_encoding(runs.load_lm_run(workdir), **swap)

@@ -69,3 +69,29 @@ def test_out_is_checked_before_any_evaluation(tmp_path):
 def test_a_stray_config_json_is_not_a_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"editor": "vim"}))
     runs.check_output_dir(str(tmp_path / "eval"))
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "1,x", ","])
+def test_bad_multipliers_are_refused_naming_the_flag_before_any_work(tmp_path, value):
+    workdir = _run_dir(tmp_path / "run", "lm")
+    with pytest.raises(ValueError, match=r"^--multipliers .*(is not a positive integer|names no length); give"):
+        evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--multipliers", value,
+                       "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+    assert evaluate.parse_multipliers("1, 2,4") == [1, 2, 4]
+
+
+def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_path):
+    workdir = _run_dir(tmp_path / "run", "lm")
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("results.json", "results.md", "perplexity.png"):
+        (out / name).write_text("first evaluation")
+    (out / "notes.txt").write_text("the user's")
+    argv = ["--workdir", workdir, "--evals", "sinks", "--out", str(out)]
+    with pytest.raises(ValueError, match=r"--out .* already holds an evaluation's results; .*--overwrite"):
+        evaluate.main(argv)
+    assert (out / "results.json").read_text() == "first evaluation"  # untouched
+    with pytest.raises(Exception):  # the bare run has no checkpoint: the evaluation itself fails
+        evaluate.main(argv + ["--overwrite"])
+    assert sorted(os.listdir(out)) == ["notes.txt"]  # the first evaluation's files, and only those, are gone
