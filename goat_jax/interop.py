@@ -154,8 +154,9 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
       params: its variables (``{'params': ...}``, boxed or unboxed).
       embed_dim: model width; inferred from ``q_proj`` when omitted.
     Raises:
-      ValueError: for settings the official package lacks (``learn_frequencies=True``,
-        ``sink_extrapolation='linear'``) or shapes it cannot hold.
+      ValueError: for settings the official package lacks (``learn_frequencies=True``, or
+        ``params`` holding ``prior.pos_freqs`` under any module; ``sink_extrapolation='linear'``)
+        or shapes it cannot hold.
     """
     if module.prior.learn_frequencies:  # before importing torch: nothing to convert
         raise ValueError(
@@ -163,11 +164,17 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
             "prior.pos_freqs) has no counterpart in the official package, whose frequencies are "
             "the fixed ladder of pos_base; its outputs would differ. Export a module trained with "
             "learn_frequencies=False (model.learn_frequencies=False), or keep this run in goat_jax.")
+    p = flax.core.meta.unbox(params)
+    p = p.get("params", p)
+    if "pos_freqs" in p.get("prior", {}):  # learned frequencies in the weights, whatever the module says
+        raise ValueError(
+            "to_official: params hold prior.pos_freqs (weights trained with learn_frequencies=True), "
+            "which the official layout cannot carry: its frequencies are the fixed ladder of pos_base, "
+            "so the exported module would give other outputs. Export weights trained with "
+            "learn_frequencies=False, or keep this run in goat_jax.")
     import torch
     import goat
 
-    p = flax.core.meta.unbox(params)
-    p = p.get("params", p)
     q_kernel = np.asarray(p["q_proj"]["kernel"], np.float32)  # [E, N, H]
     e = embed_dim or q_kernel.shape[0]
     n, h = q_kernel.shape[1], q_kernel.shape[2]

@@ -114,3 +114,23 @@ def test_attention_dropout_warns_and_matches_eval_mode(rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from_official(goat.GoatAttention(embed_dim=E, num_heads=4, pos_rank=2, batch_first=True))
+
+
+def test_weights_with_learned_frequencies_are_refused_by_a_fixed_ladder_module(rng):
+    """Params that hold ``prior.pos_freqs`` (trained with learned frequencies) exported through a
+    module that says ``learn_frequencies=False``: refused, not silently dropped (the official
+    module's fixed ladder would give other outputs)."""
+    import jax
+
+    from goat_jax import GoatAttention
+    from goat_jax.prior import PriorSettings
+
+    x = jnp.asarray(rng.standard_normal((1, 8, E)), jnp.float32)
+    learned = GoatAttention(num_heads=4, prior=PriorSettings(pos_rank=4, abs_rank=2, learn_frequencies=True))
+    params = learned.init(jax.random.PRNGKey(0), x, is_causal=True)
+    fixed = GoatAttention(num_heads=4, prior=PriorSettings(pos_rank=4, abs_rank=2))
+    with pytest.raises(ValueError, match=r"params hold prior.pos_freqs .*fixed ladder"):
+        to_official(fixed, params)
+    with pytest.raises(ValueError, match="learn_frequencies=True"):
+        to_official(learned, params)
+    to_official(fixed, fixed.init(jax.random.PRNGKey(0), x, is_causal=True))  # the fixed ladder exports
