@@ -277,3 +277,16 @@ def test_generate_until_shares_one_compile_across_prompt_lengths_of_a_bucket(tmp
     got = bucketed.generate_until(requests)
     assert sampling._generate_bucketed._cache_size() - before == 2
     assert got == harness.GoatLM(run, batch_size=4, prefill_multiple=1).generate_until(requests)
+
+
+def test_a_task_yaml_that_does_not_parse_is_named_when_its_task_is_asked_for(tmp_path):
+    """lm-eval's index skips a task YAML with a syntax error silently; asking for its task names
+    the file and the parser's error instead of only 'unknown task'."""
+    from goat_jax.eval import harness
+
+    (tmp_path / "good.yaml").write_text("task: fine_task\ndataset_path: json\noutput_type: loglikelihood\n"
+                                        "doc_to_text: !function utils.x\n")
+    (tmp_path / "broken.yaml").write_text("task: broken_task\ndataset_path: [json\n")
+    assert [b.split(":")[0] for b in harness.unreadable_task_yamls(str(tmp_path))] == [str(tmp_path / "broken.yaml")]
+    with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['broken_task'\].*broken\.yaml: .*Fix them"):
+        harness.evaluate(None, ["broken_task"], include_path=str(tmp_path))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -271,6 +272,29 @@ class GoatLM(LM):
 # ----------------------------------------------------------------------------------------------
 
 
+def unreadable_task_yamls(include_path: str) -> list[str]:
+    """The ``*.yaml`` / ``*.yml`` files under ``include_path`` that are not valid YAML, each as
+    ``'<path>: <the parser's error, one line>'`` (empty when all parse). lm-eval's task index
+    skips such a file silently; this says why a task named in it is unknown. lm-eval's own tags
+    (``!function``) are accepted as any tag."""
+    import yaml  # pylint: disable=g-import-not-at-top  # a dependency of lm-eval
+
+    class _AnyTag(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+        pass
+
+    _AnyTag.add_multi_constructor("", lambda loader, suffix, node: None)
+    broken = []
+    for folder, _, names in sorted(os.walk(include_path)):
+        for name in sorted(n for n in names if n.endswith((".yaml", ".yml"))):
+            path = os.path.join(folder, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    yaml.load(f, Loader=_AnyTag)  # noqa: S506  # safe loader with tags ignored
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
+                broken.append(f"{path}: {' '.join(str(e).split())}")
+    return broken
+
+
 def evaluate(lm: GoatLM, tasks: Sequence[str], *, include_path: Optional[str] = None,
              num_fewshot: Optional[int] = None, limit: Optional[float] = None,
              log_samples: bool = False, seed: int = 0,
@@ -294,6 +318,10 @@ def evaluate(lm: GoatLM, tasks: Sequence[str], *, include_path: Optional[str] = 
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" under --lm_eval_include_path {include_path}" if include_path else ""
+        broken = unreadable_task_yamls(include_path) if include_path else []
+        if broken:  # lm-eval's index skips a YAML it cannot parse without a word: name it
+            raise ValueError(f"unknown lm-eval task(s) {unknown}{where}: these task YAMLs could not be "
+                             "read, so their tasks were skipped: " + "; ".join(broken) + ". Fix them.")
         raise ValueError(f"unknown lm-eval task(s) {unknown}: not in lm-eval's registry{where}. "
                          "Check the names (`lm-eval ls tasks`) or the task YAML's `task:` field.")
     results = evaluator.simple_evaluate(
