@@ -211,3 +211,21 @@ def test_a_restored_state_that_fails_at_once_is_named(tmp_path):
     with pytest.raises(FloatingPointError, match=r"step 8.*restored from step 7 fails at once.*"
                                                  r"Move .*checkpoints/7 aside"):
         trainer.train_and_evaluate(config, str(tmp_path))
+
+
+def test_evaluation_reads_the_newest_checkpoint_that_restores(tmp_path, caplog):
+    """``experiments.evaluate`` on a run whose newest checkpoint is damaged: the run is loaded
+    from the newest one that restores (named in a warning), read-only (the damaged one stays);
+    with every checkpoint damaged, one error listing each."""
+    from goat_jax.train import run as run_lib
+
+    trainer.train_and_evaluate(_smoke(num_train_steps=10), str(tmp_path))
+    _truncate_state(str(tmp_path / "checkpoints" / "10"))
+    with caplog.at_level(logging.WARNING):
+        loaded = run_lib.load_run(str(tmp_path))
+    assert loaded.step == 5
+    assert "checkpoint step 10" in caplog.text and "evaluating step 5" in caplog.text
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "5"]  # nothing moved or removed
+    _truncate_state(str(tmp_path / "checkpoints" / "5"))
+    with pytest.raises(ValueError, match=r"no checkpoint in .* restores: step 10: .*; step 5: "):
+        run_lib.load_run(str(tmp_path))

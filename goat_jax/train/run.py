@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Callable, Optional, Tuple
 
@@ -193,9 +194,39 @@ def checkpoint_steps(workdir: str) -> tuple[int, ...]:
         ckpt.close()
 
 
+def _restore_newest(ckpt: Any, abstract: Any, directory: str) -> Tuple[int, Any]:
+    """``(step, state)`` of the newest checkpoint in ``ckpt`` that restores, as the trainer
+    resumes (:meth:`goat_jax.train.checkpoint.Checkpointer.restore_latest`) but read-only: a
+    damaged newer one (missing or truncated files) is skipped with a warning naming its step
+    and the reason, and left where it is. FileNotFoundError when there is no checkpoint,
+    ValueError listing each one's reason when none restores."""
+    steps = ckpt.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"{directory} holds no complete checkpoint yet.")
+    failures = []
+    for step in reversed(steps):
+        try:
+            state, _ = ckpt.restore(step, abstract)
+        except checkpoint_lib.IncompatibleCheckpointError:
+            raise
+        except Exception as e:  # pylint: disable=broad-except  # damage: try an older one
+            failures.append((step, " ".join(f"{type(e).__name__}: {e}".split())[:300]))
+            logging.warning("checkpoint step %d in %s does not restore (%s); trying an older one.",
+                            step, directory, failures[-1][1])
+            continue
+        if failures:
+            logging.warning("evaluating step %d, the newest checkpoint in %s that restores (skipped: %s).",
+                            step, directory, ", ".join(str(s) for s, _ in failures))
+        return int(step), state
+    raise ValueError(f"no checkpoint in {directory} restores: "
+                     + "; ".join(f"step {s}: {r}" for s, r in failures)
+                     + ". Nothing can be evaluated; retrain, or restore the checkpoints from a copy.")
+
+
 def load_run(workdir: str, step: Optional[int] = None) -> Run:
-    """Restores the params of ``workdir``'s checkpoint at ``step`` (default: the latest
-    complete one), read-only.
+    """Restores the params of ``workdir``'s checkpoint at ``step`` (default: the newest one
+    that restores: a damaged newer one is skipped with a warning, as the trainer does on
+    resume, and left in place), read-only.
 
     The abstract train state is built exactly as the trainer builds it (task model, optimizer,
     :class:`TrainState`) so the checkpoint restores onto the default device; the optimizer state
@@ -219,10 +250,10 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
                                        async_save=False, resume_safe_fields=task.resume_safe_fields,
                                        field_defaults=task.field_defaults(), read_only=True)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"{directory} holds no complete checkpoint yet.")
-        state, _ = ckpt.restore(step, abstract)
+        if step is not None:
+            state, _ = ckpt.restore(step, abstract)
+        else:
+            step, state = _restore_newest(ckpt, abstract, directory)
     finally:
         ckpt.close()
     return Run(workdir=workdir, config=config, task=task, model=model, params=state.params, step=int(step))
