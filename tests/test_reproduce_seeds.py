@@ -363,6 +363,9 @@ def test_a_torn_evaluation_cache_is_evaluated_again_and_rewritten_whole(tmp_path
         f.write('{"extrapolation": {"32": {"ppl"')
     calls = []
     monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s: calls.append(j.name) or {"value": 1.5})
+    # A finished run (only finished runs are evaluated), its newest checkpoint at step 20.
+    monkeypatch.setattr(jobs_lib.trainer, "is_finished", lambda config, workdir: True)
+    monkeypatch.setattr(jobs_lib.run_lib, "checkpoint_steps", lambda workdir: (20,))
     out = jobs_lib.evaluate(job, suite)
     assert calls == ["lm/jargon/goat"] and out["value"] == 1.5
     with open(jobs_lib.cache_path(job)) as f:

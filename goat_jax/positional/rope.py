@@ -95,6 +95,14 @@ class Rope(PositionEncoding):
         return apply_rope(q, ctx.q_pos, layer.rope_base), apply_rope(k, ctx.k_pos, layer.rope_base), ctx.scale
 
 
+def check_training_seq_len(name: str, value) -> None:
+    """ValueError unless ``training_seq_len`` is None or a positive integer (``name``: the encoding
+    that divides by it: rope_pi here, yarn and ntk in rope_scaling.py)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"position_encoding={name!r}: training_seq_len must be an integer >= 1 (the "
+                         f"length the model was trained at), got {value!r}.")
+
+
 class RopePI(PositionEncoding):
     """'rope_pi': RoPE with positions times ``training_seq_len / key_length`` once the keys outgrow
     the training length. While decoding the key length is the cache's, i.e. that of the full
@@ -108,7 +116,6 @@ class RopePI(PositionEncoding):
         if layer.training_seq_len is None:
             raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
                              "positions are interpolated back to).")
-        from goat_jax.positional.rope_scaling import check_training_seq_len
         check_training_seq_len(self.name, layer.training_seq_len)
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):

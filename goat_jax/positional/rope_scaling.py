@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from goat_jax.positional.base import EncodingContext, PositionEncoding
-from goat_jax.positional.rope import apply_rope
+from goat_jax.positional.rope import apply_rope, check_training_seq_len
 
 Array = jax.Array
 
@@ -47,14 +47,6 @@ def _check_dim(dim: int, what: str) -> None:
     if dim < 4 or dim % 2:
         raise ValueError(f"position_encoding={what!r} needs an even head dim >= 4 (the NTK exponent is "
                          f"H / (H - 2)), got {dim}.")
-
-
-def check_training_seq_len(name: str, value) -> None:
-    """ValueError unless ``training_seq_len`` is None or a positive integer (``name``: the encoding
-    that divides by it)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-        raise ValueError(f"position_encoding={name!r}: training_seq_len must be an integer >= 1 (the "
-                         f"length the model was trained at), got {value!r}.")
 
 
 def check_scaling_factor(value) -> None:
@@ -169,5 +161,5 @@ class Yarn(_ScaledRope):
 
 NTK, YARN = Ntk(), Yarn()
 
-__all__ = ["NTK", "YARN", "check_scaling_factor", "check_training_seq_len", "ntk_frequencies", "scale_factor", "yarn_correction_range",
+__all__ = ["NTK", "YARN", "check_scaling_factor", "ntk_frequencies", "scale_factor", "yarn_correction_range",
            "yarn_frequencies"]
