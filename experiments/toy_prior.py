@@ -25,9 +25,18 @@ from __future__ import annotations
 from goat_jax.eval.toy import run_toy
 
 
+def check_flags(seq_len: int) -> None:
+    """Refuses a ``--seq_len`` the figures cannot show (one-line ValueError), before training."""
+    from goat_jax.prior import MAX_POSITION  # pylint: disable=g-import-not-at-top
+    if not 1 <= seq_len <= MAX_POSITION:
+        raise ValueError(f"--seq_len={seq_len} is out of range: the figures need 1 <= seq_len <= "
+                         f"{MAX_POSITION} positions (default 32).")
+
+
 def main(argv) -> None:
     """Entry point: train (or resume) the toy, then figures and summary."""
     del argv
+    check_flags(_SEQ_LEN.value)  # before any training: a bad flag is refused in a second
     # orbax logs dozens of INFO lines per checkpoint; the progress bar and the summary suffice.
     logging.set_verbosity(logging.WARNING)
     with cli.workdir_cleanup(_WORKDIR.value):  # a rejected config leaves no workdir behind

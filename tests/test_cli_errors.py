@@ -97,3 +97,23 @@ def test_truncated_fasta_gz_is_one_line_and_leaves_no_workdir(tmp_path):
     line = _one_line_error(_train(workdir, f"--config.data.paths={path}", config="configs/dna_tiny.py:goat,smoke"))
     assert f"{path}: the compressed FASTA is truncated or corrupt (EOFError" in line, line
     assert not workdir.exists()
+
+
+def test_data_paths_naming_a_directory_is_one_line(tmp_path):
+    """A directory in data.paths is named with the fix, not a raw IsADirectoryError."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some words\n")
+    workdir = tmp_path / "run"
+    line = _one_line_error(_train(workdir, f"--config.data.paths={corpus}"))
+    assert f"data.paths names the directory ['{corpus}'], not files" in line, line
+    assert "IsADirectoryError" not in line
+    assert not workdir.exists()
+
+
+def test_toy_prior_refuses_a_bad_seq_len_before_training(tmp_path):
+    """``--seq_len 0`` is refused before the toy trains: no workdir, no checkpoint."""
+    workdir = tmp_path / "toy"
+    line = _one_line_error(_run("experiments.toy_prior", "--seq_len", "0", "--workdir", str(workdir)))
+    assert "--seq_len=0 is out of range" in line, line
+    assert not workdir.exists()

@@ -129,6 +129,12 @@ def expand_paths(patterns: str | Sequence[str], field: str) -> list[str]:
     if not files:
         raise ValueError(
             f"data.{field}={list(patterns)!r} matches no files: fix the path or glob pattern.")
+    directories = [f for f in files if os.path.isdir(f)]
+    if directories:
+        raise ValueError(
+            f"data.{field} names the director{'ies' if len(directories) > 1 else 'y'} "
+            f"{directories!r}, not files: name the files in it or a glob such as "
+            f"'{os.path.join(directories[0], '*.txt')}'.")
     return files
 
 
