@@ -287,7 +287,8 @@ class Checkpointer:
         A checkpoint that fails to restore (a missing or truncated file) is skipped with a
         warning naming it and the reason, and moved to ``corrupt_checkpoints/<step>`` next to the
         checkpoints directory (never deleted; moved so that the resumed run can save that step
-        again). A process-count mismatch is not damage and raises. If no checkpoint restores,
+        again; a ``read_only`` checkpointer leaves it where it is). A process-count mismatch is
+        not damage and raises. If no checkpoint restores,
         :class:`CorruptCheckpointError` lists each one's reason and nothing is moved.
         """
         failures = []
@@ -302,9 +303,9 @@ class Checkpointer:
                 logging.warning("checkpoint step %d in %s does not restore (%s); trying an older one.",
                                 step, self.directory, reason)
                 continue
-            for bad, reason in failures:
-                self._set_aside(bad, reason)
-            if failures:
+            if failures and not self.read_only:  # a reader (evaluation) moves nothing
+                for bad, reason in failures:
+                    self._set_aside(bad, reason)
                 logging.warning("resuming from step %d, the newest checkpoint that restores.", step)
                 self._manager.reload()
             return step, state, data_state

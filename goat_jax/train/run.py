@@ -194,35 +194,6 @@ def checkpoint_steps(workdir: str) -> tuple[int, ...]:
         ckpt.close()
 
 
-def _restore_newest(ckpt: Any, abstract: Any, directory: str) -> Tuple[int, Any]:
-    """``(step, state)`` of the newest checkpoint in ``ckpt`` that restores, as the trainer
-    resumes (:meth:`goat_jax.train.checkpoint.Checkpointer.restore_latest`) but read-only: a
-    damaged newer one (missing or truncated files) is skipped with a warning naming its step
-    and the reason, and left where it is. FileNotFoundError when there is no checkpoint,
-    ValueError listing each one's reason when none restores."""
-    steps = ckpt.all_steps()
-    if not steps:
-        raise FileNotFoundError(f"{directory} holds no complete checkpoint yet.")
-    failures = []
-    for step in reversed(steps):
-        try:
-            state, _ = ckpt.restore(step, abstract)
-        except checkpoint_lib.IncompatibleCheckpointError:
-            raise
-        except Exception as e:  # pylint: disable=broad-except  # damage: try an older one
-            failures.append((step, " ".join(f"{type(e).__name__}: {e}".split())[:300]))
-            logging.warning("checkpoint step %d in %s does not restore (%s); trying an older one.",
-                            step, directory, failures[-1][1])
-            continue
-        if failures:
-            logging.warning("evaluating step %d, the newest checkpoint in %s that restores (skipped: %s).",
-                            step, directory, ", ".join(str(s) for s, _ in failures))
-        return int(step), state
-    raise ValueError(f"no checkpoint in {directory} restores: "
-                     + "; ".join(f"step {s}: {r}" for s, r in failures)
-                     + ". Nothing can be evaluated; retrain, or restore the checkpoints from a copy.")
-
-
 def load_run(workdir: str, step: Optional[int] = None) -> Run:
     """Restores the params of ``workdir``'s checkpoint at ``step`` (default: the newest one
     that restores: a damaged newer one is skipped with a warning, as the trainer does on
@@ -252,8 +223,14 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
     try:
         if step is not None:
             state, _ = ckpt.restore(step, abstract)
-        else:
-            step, state = _restore_newest(ckpt, abstract, directory)
+        else:  # the newest that restores, damaged newer ones skipped with a warning and left in place
+            newest = ckpt.latest_step()
+            step, state, _ = ckpt.restore_latest(abstract)
+            if step is None:
+                raise FileNotFoundError(f"{directory} holds no complete checkpoint yet.")
+            if step != newest:
+                logging.warning("evaluating step %d, the newest checkpoint in %s that restores (skipped: "
+                                "newer ones up to step %s).", step, directory, newest)
     finally:
         ckpt.close()
     return Run(workdir=workdir, config=config, task=task, model=model, params=state.params, step=int(step))
