@@ -230,10 +230,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     evals = [e for e in args.evals.split(",") if e]
     swap = {"position_encoding": args.position_encoding, "logn_scaling": args.logn_scaling}
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
-    lm_eval_options = _lm_eval_options(args, evals, args.out or os.path.normpath(args.workdir[0]) + "_eval")
+    out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
+    lm_eval_options = _lm_eval_options(args, evals, out)
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     runs.check_evals_fit(args.workdir, evals)
-    runs.check_output_dir(args.out or os.path.normpath(args.workdir[0]) + "_eval")
+    runs.check_output_dir(out)
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
     if any(swap.values()):
         if "resolution" in evals:
@@ -248,7 +249,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             raise ValueError("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. "
                              "--evals resolution --resolutions 28,42,56,84.")
         labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
-        out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
         check_previous_results(out, args.overwrite)
         results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=cli.log)
         print(open(os.path.join(out, "results.md")).read())
@@ -258,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         suffix = (f" as {args.position_encoding}" if args.position_encoding else "") + (
             f"+logn_{args.logn_scaling}" if args.logn_scaling else "")
         labels = [label + suffix for label in labels]
-    check_previous_results(args.out or os.path.normpath(args.workdir[0]) + "_eval", args.overwrite)
+    check_previous_results(out, args.overwrite)
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
         run = lm_run.swap_encoding(runs.load_lm_run(workdir), **swap)
@@ -272,7 +272,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                            diagnostics_options=diagnostics_options,
                                            lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label})
         train_lens[label] = run.train_len
-    out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     print(runs.write_outputs(results, out, train_lens))
     cli.log(f"wrote {out}/results.md, results.json and figures")
     return results

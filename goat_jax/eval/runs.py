@@ -185,10 +185,10 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
         return out
     stream = heldout_stream(run, max_tokens, text_file=text_file)
     if text_file is not None:  # a file the user chose: no length scored is an error, not an empty table
-        bos = stream.bos_id is not None
-        short = [int(m * run.train_len) for m in multipliers
-                 if not len(extrapolation.window_starts(len(stream.tokens), int(m * run.train_len), bos=bos))]
-        if len(short) == len(multipliers):
+        lengths = [int(m * run.train_len) for m in multipliers]
+        short = [n for n in lengths
+                 if not len(extrapolation.window_starts(len(stream.tokens), n, bos=stream.bos_id is not None))]
+        if len(short) == len(lengths):
             raise ValueError(f"--text {text_file}: {len(stream.tokens)} tokens with run {run.label!r}'s tokenizer, "
                              f"shorter than one window of {min(short)} tokens (the shortest of --multipliers "
                              f"x the training length {run.train_len}); give a longer file or smaller --multipliers.")

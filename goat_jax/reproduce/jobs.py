@@ -116,12 +116,14 @@ def evaluated_weights(job: Job) -> dict:
     return {"checkpoint_step": int(steps[-1]) if steps else None, "seed": int(job_config(job).seed)}
 
 
-def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dict]:
+def cached_evaluation(job: Job, suite: Suite, log: bool = False,
+                      weights: Optional[dict] = None) -> Optional[dict]:
     """``job``'s cached evaluation (:func:`cache_path`) if it was made with this suite's settings
     (:func:`eval_settings`) of the weights the run holds now (:func:`evaluated_weights`), else
     None: no cache, one made with other settings or of other weights (e.g. of a checkpoint
     saved before the run finished), or one torn by a kill mid-write (before writes were whole).
-    ``log``: say which, when there is a cache."""
+    ``log``: say which, when there is a cache. ``weights``: :func:`evaluated_weights` of
+    ``job`` when the caller has them already."""
     cache = cache_path(job)
     if not os.path.exists(cache):
         return None
@@ -136,7 +138,7 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False) -> Optional[dic
         if log:
             cli.log(f"  {job.run_name}: cached evaluation made with other settings; evaluating again")
         return None
-    weights = evaluated_weights(job)
+    weights = weights or evaluated_weights(job)
     if cached.get("weights") != weights:
         if log:
             cli.log(f"  {job.run_name}: cached evaluation is of other weights ({cached.get('weights')}, "
@@ -159,10 +161,10 @@ def evaluate(job: Job, suite: Suite) -> dict:
         raise RunStopped(f"{job.run_name}: the run in {job.workdir} is not finished (newest checkpoint "
                          f"{steps[-1] if steps else 'none'} of {int(config.num_train_steps)} steps); "
                          "it is not evaluated. Run the same command without --report_only to train it.")
-    cached = cached_evaluation(job, suite, log=True)
+    weights = evaluated_weights(job)
+    cached = cached_evaluation(job, suite, log=True, weights=weights)
     if cached is not None:
         return cached
-    weights = evaluated_weights(job)
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
     out["eval_seconds"] = time.time() - t0
