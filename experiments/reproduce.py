@@ -49,6 +49,7 @@ for a cluster scheduler.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -56,12 +57,43 @@ from typing import Optional
 
 from goat_jax import cli
 from goat_jax.reproduce import runner
-from goat_jax.reproduce.suites import DNA_ENCODINGS, ENCODINGS, FAMILIES, SUITES, VIT_ENCODINGS
+from goat_jax.reproduce.suites import DNA_ENCODINGS, ENCODINGS, FAMILIES, ROOT, SUITES, VIT_ENCODINGS
 
 
 def _split(value: Optional[str]) -> Optional[list[str]]:
     """A comma list flag -> its non-empty items; None when the flag was not given."""
     return [x for x in value.split(",") if x] if value else None
+
+
+PATH_FLAGS = ("--workdir", "--out", "--compilation_cache")  # where files go: not what is computed
+
+
+def report_command(argv: Sequence[str]) -> str:
+    """The command line written into the report, runnable by a user from the repository root:
+    ``argv`` with each path flag (:data:`PATH_FLAGS`) made relative to the repository root when
+    it lies inside it, and dropped when it lies outside (another machine's folder, e.g. a
+    workdir on a scratch disk: the default under the repository computes the same report).
+    ``none`` (no compilation cache) is kept as written."""
+    root = os.path.realpath(ROOT)
+    out: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        flag, value, step = items[i], None, 1
+        name = flag.split("=", 1)[0]
+        if name in PATH_FLAGS:
+            if "=" in flag:
+                value = flag.split("=", 1)[1]
+            elif i + 1 < len(items):
+                value, step = items[i + 1], 2
+        if value is None or value == "none":
+            out += items[i:i + step]
+        else:
+            path = os.path.realpath(value)
+            if path == root or path.startswith(root + os.sep):
+                out += [name, os.path.relpath(path, root)]
+        i += step
+    return "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -99,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="persistent XLA compilation cache shared by every job (default <workdir>/xla_cache; "
                    "'none': off; a set JAX_COMPILATION_CACHE_DIR wins): seeds k > 0 load the programs seed 0 compiled")
     args = p.parse_args(argv)
-    command = "python -m experiments.reproduce " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = report_command(sys.argv[1:] if argv is None else argv)
     return runner.reproduce(
         args.suite, command=command, workdir=args.workdir, out=args.out,
         families=_split(args.families) or [], encodings=_split(args.encodings),

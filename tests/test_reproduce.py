@@ -151,8 +151,10 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     tiny = suites.SUITES["tiny"]
     # The LM variants' rows of the default retrieval tables: each variant made of model
     # overrides (trained) or evaluated on a trained row, per task; one with its own LM config has none.
-    variant_retrieval = len(tiny.tasks) * sum(1 for v in tiny.lm_variants if v.trained_as or not v.spec)
-    assert variant_retrieval == 2 * 6
+    # Then the retrieval-only rows (FoX with gate bias 5, GOAT evaluated with the linear sink).
+    variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.trained_as or not v.spec)
+                                           + len(tiny.retrieval_rows))
+    assert variant_retrieval == 2 * 8
     one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
                 + len(tiny.vit_encodings) + len(tiny.dna_encodings))
     assert len(lines) == 3 * one_seed - 2
@@ -317,3 +319,102 @@ def test_readme_reproduce_commands_parse(capsys):
         args = shlex.split(line)[3:]
         assert reproduce.main(args + ["--dry_run"]) == 0, line
     assert "in-process" in capsys.readouterr().out
+
+
+def test_rival_rows_are_planned_as_decided_in_the_protocol():
+    """The tiny suite's retrieval-only rows (docs/protocols.md, "The strongest rival and the
+    linear sink"): FoX's retrieval models retrained with gate bias 5 in their own folders, and
+    GOAT's retrieval models evaluated with the linear sink (same weights, nothing trained); the
+    rows the rival checks read are trained first and paired over common seeds."""
+    import jax
+    import numpy as np
+
+    from goat_jax.train import tasks
+
+    tiny = suites.SUITES["tiny"]
+    jobs = {j.name: j for j in suites.plan(tiny, "/runs")}
+    for task in tiny.tasks:
+        fox = jobs[f"{task}/{task}/fox+gate_bias5"]
+        assert fox.trains and fox.workdir == f"/runs/{task}/fox+gate_bias5"
+        config = load_config(fox.spec, fox.overrides)
+        assert config.model.position_encoding == "fox" and config.model.fox_gate_bias_init == 5.0
+        assert load_config(jobs[f"{task}/{task}/fox"].spec).model.fox_gate_bias_init == 0.0  # the official row stays
+        sink = jobs[f"{task}/{task}/goat+linear_sink"]
+        assert not sink.trains and sink.workdir == f"/runs/{task}/goat"
+        assert sink.eval_overrides == {"model.sink_extrapolation": "linear"}
+    assert "lm/jargon/fox+gate_bias5" not in jobs  # a retrieval-only row has no LM row
+    assert jobs["lm/jargon/goat+linear_sink"].trains  # the LM row is still trained with the option
+    feeding = {n for n, j in jobs.items() if lm_family.feeds_checks(j, tiny)}
+    assert {"lm/jargon/goat+linear_sink", "lm/jargon/fox", "passkey/passkey/fox+gate_bias5",
+            "niah/niah/goat+linear_sink", "niah/niah/fox+gate_bias5"} <= feeding
+    assert "passkey/passkey/goat+learn_frequencies" not in feeding
+    assert "niah/niah_official/fox" not in feeding
+    # Evaluating with the linear sink keeps the retrieval model's parameters (an evaluated-with
+    # row may only change evaluation-time fields; load_for_evaluation refuses anything else).
+    config = load_config("configs/retrieval_tiny.py:passkey,goat,smoke")
+    task = tasks.get_task(config.task)
+    ids = np.zeros((1, config.seq_len), np.int32)
+    shapes = []
+    for mode in (config.model.sink_extrapolation, "linear"):
+        with config.unlocked():
+            config.model.sink_extrapolation = mode
+        shapes.append(jax.eval_shape(task.build_model(config).init, jax.random.PRNGKey(0), ids))
+    assert jax.tree.structure(shapes[0]) == jax.tree.structure(shapes[1])
+    # A typo in an evaluated-with retrieval row is refused by name.
+    import dataclasses
+    bad = dataclasses.replace(tiny, retrieval_rows=(suites.LMVariant("x", "goat", trained_as="gaot"),))
+    with pytest.raises(ValueError, match="retrieval_rows 'x': trained_as='gaot'"):
+        suites.plan(bad, "/runs")
+
+
+def test_rival_checks_pair_seeds_and_name_what_is_missing():
+    """The checks against the rival: perplexity at 16x and 64x, passkey and NIAH at 8x and 16x,
+    each a verdict on the paired difference over seeds; an unmeasured length says so."""
+    from goat_jax.reproduce import stats
+
+    E = stats.Estimate
+    rival = suites.SUITES["tiny"].rival_checks
+
+    def ppl(values_at_16, values_at_64):
+        return {"extrapolation": {64: {"ppl": E([6.0, 6.1, 6.2])}, 1024: {"ppl": E(values_at_16)},
+                                  4096: {"ppl": E(values_at_64)}}}
+
+    results = {"lm/jargon/goat+linear_sink": ppl([6.0, 6.1, 6.05], [6.0, 6.1, 6.0]),
+               "lm/jargon/fox": ppl([6.5, 6.7, 6.6], [5.0, 5.1, 5.05]),
+               "passkey/passkey/goat+linear_sink": {"passkey": {"synthetic": {64: E([1, 1, 1]), 512: E([.9, .8, .85]),
+                                                                              1024: E([.5, .6, .4])}}},
+               "passkey/passkey/fox+gate_bias5": {"passkey": {"synthetic": {64: E([1, 1, 1]), 512: E([.5, .45, .4]),
+                                                                            1024: E([.5, .7, .3])}}},
+               "niah/niah/goat+linear_sink": {"niah": {"lengths": [64, 512, 1024], "depths": [0.1, 0.9],
+                                                       "token_accuracy": [[E([1, 1, 1])] * 2, [E([.2, .3, .25])] * 2,
+                                                                          [E([.1, .1, .1])] * 2]}}}
+    checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
+    assert list(checks) == [
+        "goat+linear_sink perplexity at 16x < fox's", "goat+linear_sink perplexity at 64x < fox's",
+        "goat+linear_sink synthetic passkey accuracy at 8x > fox+gate_bias5's",
+        "goat+linear_sink synthetic passkey accuracy at 16x > fox+gate_bias5's",
+        "goat+linear_sink NIAH accuracy at 8x > fox+gate_bias5's",
+        "goat+linear_sink NIAH accuracy at 16x > fox+gate_bias5's"]
+    verdicts = [c.verdict for c in checks.values()]
+    assert verdicts[:4] == [stats.SUPPORTED, stats.CONTRADICTED, stats.SUPPORTED, stats.INCONCLUSIVE]
+    assert "goat+linear_sink - fox = " in checks["goat+linear_sink perplexity at 16x < fox's"].difference
+    assert "(points) = 40 ± " in checks["goat+linear_sink synthetic passkey accuracy at 8x > fox+gate_bias5's"].difference
+    # The rival's NIAH rows have not finished: not measured, never dropped.
+    assert all(c.verdict == "" and c.numbers == "not measured" for c in list(checks.values())[4:])
+    # A length the suite did not evaluate is named.
+    del results["lm/jargon/fox"]["extrapolation"][4096]
+    assert "4096 tokens not evaluated" in lm_family.rival_checks(results, rival, "jargon")[1].numbers
+
+
+def test_report_command_is_runnable_from_the_repository_root(tmp_path):
+    """The command written into a report names no folder of one machine: path flags inside the
+    repository become relative, paths outside it are dropped (the defaults compute the same)."""
+    inside = os.path.join(suites.ROOT, "runs", "reproduce_tiny")
+    cmd = reproduce.report_command(["--suite", "tiny", "--seeds", "3", "--workdir", str(tmp_path / "regen"),
+                                    f"--out={os.path.join(suites.ROOT, 'reports', 'tiny')}",
+                                    "--compilation_cache", "none", "--families", "lm,vit"])
+    assert cmd == ("python -m experiments.reproduce --suite tiny --seeds 3 --out reports/tiny "
+                   "--compilation_cache none --families lm,vit")
+    assert reproduce.report_command(["--workdir", inside]) == (
+        "python -m experiments.reproduce --workdir runs/reproduce_tiny")
+    assert str(tmp_path) not in reproduce.report_command(["--out", str(tmp_path)])

@@ -23,7 +23,7 @@ from goat_jax.config_files import load_config
 from goat_jax.eval import plots, toy
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import stats
-from goat_jax.reproduce.suites import Job, Suite
+from goat_jax.reproduce.suites import Job, RivalChecks, Suite
 
 
 CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)
@@ -83,8 +83,17 @@ def headline_dataset(suite: Suite) -> str:
 def feeds_checks(job: Job, suite: Suite) -> bool:
     """Whether :func:`lm_checks` reads ``job``'s result: the plain-encoding LMs on the
     :func:`headline_dataset` (extrapolation, in-distribution perplexity against every baseline)
-    and the GOAT and RoPE synthetic passkey models. The harness trains these first
-    (goat_jax/reproduce/runner.py)."""
+    and the GOAT and RoPE synthetic passkey models; with ``suite.rival_checks``, also the
+    candidate's and the rival's LM on that dataset and their default passkey and NIAH rows
+    (:func:`rival_checks`). The harness trains these first (goat_jax/reproduce/runner.py)."""
+    rival = suite.rival_checks
+    if rival is not None:  # the rows of the checks against the rival (variants among them)
+        if job.kind == "lm" and job.dataset == headline_dataset(suite) and job.label in (rival.candidate,
+                                                                                          rival.lm_rival):
+            return True
+        if job.kind in ("passkey", "niah") and job.dataset == job.kind and job.label in (rival.candidate,
+                                                                                          rival.retrieval_rival):
+            return True
     if job.variant:
         return False
     return ((job.kind == "lm" and job.dataset == headline_dataset(suite))
@@ -146,6 +155,54 @@ def lm_checks(results: dict[str, dict], encodings: Sequence[str],
             ok = acc >= thr if cmp_ == ">=" else acc <= thr
             checks.append(stats.judged(claim, ok, f"{100 * acc:.0f}% at {n8}", 100 * (acc - thr),
                                        1 if cmp_ == ">=" else -1, f"accuracy - {100 * thr:.0f}% (points)", ".0f"))
+    return checks
+
+
+def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> list[stats.Check]:
+    """The checks of ``rival.candidate`` against the rival (docs/protocols.md, "The strongest
+    rival and the linear sink"): perplexity at each of ``rival.ppl_multipliers`` x the training
+    length on the LMs of ``dataset`` (claim: the candidate's is lower than ``rival.lm_rival``'s),
+    then synthetic passkey accuracy and NIAH accuracy (mean over depths) at each of
+    ``rival.retrieval_multipliers`` (claim: the candidate's is higher than
+    ``rival.retrieval_rival``'s). Paired over seeds as every headline check; a length that is
+    not measured (or a row without results) is a "not measured" check, never left out."""
+    checks = []
+    cand, lm_rival = (results.get(f"lm/{dataset}/{e}", {}).get("extrapolation")
+                      for e in (rival.candidate, rival.lm_rival))
+    for m in rival.ppl_multipliers:
+        claim = f"{rival.candidate} perplexity at {m}x < {rival.lm_rival}'s"
+        if not cand or not lm_rival:
+            checks.append(stats.Check(claim, None, "not measured"))
+            continue
+        c, r = ({int(n): v["ppl"] for n, v in x.items()} for x in (cand, lm_rival))
+        n = m * min(c)
+        if n not in c or n not in r:
+            checks.append(stats.Check(claim, None, f"not measured ({n} tokens not evaluated)"))
+            continue
+        checks.append(stats.judged(claim, c[n] < r[n], f"{rival.candidate} {c[n]:.3f}, {rival.lm_rival} "
+                                   f"{r[n]:.3f} at {n}", c[n] - r[n], -1, f"{rival.candidate} - {rival.lm_rival}"))
+
+    def accuracy(kind: str, label: str) -> dict[int, Any]:
+        r = results.get(f"{kind}/{kind}/{label}", {})
+        if kind == "passkey":
+            return {int(n): a for n, a in (r.get("passkey") or {}).get("synthetic", {}).items()}
+        g = r.get("niah")
+        if not g:
+            return {}
+        return {int(n): sum(row) / len(row) for n, row in zip(g["lengths"], g["token_accuracy"])}
+
+    for kind, title in (("passkey", "synthetic passkey"), ("niah", "NIAH")):
+        c, r = accuracy(kind, rival.candidate), accuracy(kind, rival.retrieval_rival)
+        for m in rival.retrieval_multipliers:
+            claim = f"{rival.candidate} {title} accuracy at {m}x > {rival.retrieval_rival}'s"
+            n = m * min(c) if c else None
+            if n is None or n not in c or n not in r:
+                checks.append(stats.Check(claim, None, "not measured"))
+                continue
+            checks.append(stats.judged(claim, c[n] > r[n], f"{rival.candidate} {100 * c[n]:.0f}%, "
+                                       f"{rival.retrieval_rival} {100 * r[n]:.0f}% at {n}",
+                                       100 * (c[n] - r[n]), +1,
+                                       f"{rival.candidate} - {rival.retrieval_rival} (points)", ".0f"))
     return checks
 
 

@@ -196,7 +196,10 @@ def headline_checks(family: str, suite: Suite, jobs: Sequence[Job], results: dic
     results = {**results, **fed}
     if family == "lm":
         encodings = list(dict.fromkeys(j.encoding for j in jobs if j.kind in LM_KINDS[:-1] and not j.variant))
-        return lm_family.lm_checks(results, encodings, suite.lm_check_multiplier, lm_family.headline_dataset(suite))
+        checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier, lm_family.headline_dataset(suite))
+        if suite.rival_checks is not None:
+            checks += lm_family.rival_checks(results, suite.rival_checks, lm_family.headline_dataset(suite))
+        return checks
     if family == "vit":
         return vit_family.vision_checks(jobs, results)
     return dna_family.dna_checks(jobs, results, list(memory))

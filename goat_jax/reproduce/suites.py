@@ -64,6 +64,21 @@ class RetrievalVariant:
 
 
 @dataclasses.dataclass(frozen=True)
+class RivalChecks:
+    """Headline checks of one extra row against the strongest rival, decided before their runs
+    (docs/protocols.md, "The strongest rival and the linear sink"): ``candidate`` against
+    ``lm_rival`` on perplexity at each of ``ppl_multipliers`` x the training length, and
+    against ``retrieval_rival`` on synthetic passkey and NIAH accuracy at each of
+    ``retrieval_multipliers``. Labels are row labels (an encoding or a variant's label)."""
+
+    candidate: str  # e.g. 'goat+linear_sink' (its LM row and its retrieval rows)
+    lm_rival: str  # the rival's LM row, e.g. 'fox'
+    retrieval_rival: str  # the rival's retrieval rows, e.g. 'fox+gate_bias5'
+    ppl_multipliers: tuple[int, ...] = (16, 64)
+    retrieval_multipliers: tuple[int, ...] = (8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
 class Suite:
     """One scale of the reproduction. Config specs are ``'file.py:arg'`` with ``{enc}``
     (position encoding) and ``{task}`` (retrieval task) filled in; overrides are dotted
@@ -93,6 +108,11 @@ class Suite:
     #   retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)
     lm_variants: tuple[LMVariant, ...] = ()
     retrieval_variants: tuple[RetrievalVariant, ...] = ()
+    # Rows of the default passkey and NIAH tables only (no LM row): a row of model overrides
+    # trains its own retrieval models in ROOT/<task>/<label>; an evaluated-with row
+    # (trained_as) evaluates that row's retrieval models with its eval_overrides. No spec.
+    retrieval_rows: tuple[LMVariant, ...] = ()
+    rival_checks: Optional[RivalChecks] = None  # the language family's checks against the rival
     # Vision: one ViT per encoding (spec with {enc}), evaluated at these multiples of its
     # training resolution on the first vit_eval_batches test batches (0: the whole split).
     vit: str = ""  # '' = no vision family in this suite
@@ -190,7 +210,17 @@ SUITES = {
             LMVariant("goat+logn", "goat", trained_as="goat", eval_overrides={"model.logn_scaling": "content"})),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
-        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),)),
+        retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),),
+        # Decided 2026-12-02 before these rows were run (docs/protocols.md, "The strongest rival
+        # and the linear sink"): FoX's retrieval models also with the forget-gate bias at 5,
+        # where it learns both tasks at 1x (the official b = 0 rows stay, labelled fox); GOAT's
+        # retrieval models evaluated with the linear sink (the same weights: the option changes
+        # nothing up to the training length).
+        retrieval_rows=(
+            LMVariant("fox+gate_bias5", "fox", {"model.fox_gate_bias_init": 5.0}),
+            LMVariant("goat+linear_sink", "goat", trained_as="goat",
+                      eval_overrides={"model.sink_extrapolation": "linear"})),
+        rival_checks=RivalChecks("goat+linear_sink", lm_rival="fox", retrieval_rival="fox+gate_bias5")),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
@@ -288,10 +318,19 @@ def _retrieval_variant_rows(suite: Suite, root: str, task: str, encodings: list[
     own retrieval model in ``ROOT/<task>/<label>``; an evaluated-with row evaluates the retrieval
     model of its ``trained_as`` row with its ``eval_overrides`` (RoPE's passkey model with YaRN),
     when that model is planned. A variant with its own LM config (``spec``) has no retrieval
-    counterpart and no row there."""
-    trained = set(encodings) | {v.label for v in suite.lm_variants if not v.trained_as and not v.spec}
+    counterpart and no row there. ``suite.retrieval_rows`` follow, the same way (rows of these
+    tables with no LM row)."""
+    rows = tuple(suite.lm_variants) + tuple(suite.retrieval_rows)
+    trained = set(encodings) | {v.label for v in rows if not v.trained_as and not v.spec}
     jobs = []
-    for v in suite.lm_variants:
+    for v in rows:
+        if v.spec and v in suite.retrieval_rows:
+            raise ValueError(f"retrieval_rows {v.label!r}: spec={v.spec!r}; a retrieval row is the suite's "
+                             "retrieval config with overrides (or an evaluated-with row), not a config of its own.")
+        known = set(suite.encodings) | {r.label for r in rows if not r.trained_as and not r.spec}
+        if v in suite.retrieval_rows and v.trained_as and v.trained_as not in known:  # a typo: refuse
+            raise ValueError(f"retrieval_rows {v.label!r}: trained_as={v.trained_as!r} is not a trained retrieval "
+                             f"row of suite {suite.name!r}; choose from {', '.join(sorted(known))}.")
         spec = suite.retrieval.format(task=task, enc=v.encoding)
         if v.trained_as:
             if v.trained_as in trained:
