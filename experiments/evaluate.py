@@ -53,7 +53,11 @@ A RoPE run can be evaluated with 'yarn', 'ntk' or 'rope_pi' (``--position_encodi
 run with log-n scaling (``--logn_scaling content|all``), on its own parameters
 (goat_jax.eval.lm_run.swap_encoding; other swaps do not share parameters and are refused), e.g.
 ``--workdir runs/tiny_rope --position_encoding yarn --logn_scaling content``; the default labels
-then read e.g. 'rope as yarn+logn_content'.
+then read e.g. 'rope as yarn+logn_content'. ``--rope_scaling_factor F`` fixes YaRN's / NTK's
+factor (default: dynamic, max(1, length / training length)); ``--evals documents`` past 1x needs
+it, since the dynamic factor would follow the packed window's length, not each document's.
+Every check of the request runs on every run before any evaluation; if an evaluation fails
+anyway, the ones that finished before it are written to OUT before the error is raised.
 
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
@@ -175,6 +179,18 @@ def check_previous_results(out: str, overwrite: bool) -> None:
             shutil.rmtree(path)
 
 
+def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> None:
+    """After an evaluation failed: writes the evaluations that finished before it (``results``,
+    ``{label: {eval: result}}``, the failed one absent) to ``out`` as a full run would, and logs
+    what was kept, so an hour of finished work is not lost to the last evaluation's error."""
+    finished = {label: r for label, r in results.items() if r}
+    if not finished:
+        return
+    runs.write_outputs(finished, out, {k: train_lens[k] for k in finished})
+    cli.log(f"kept the evaluations that finished before the error in {out}/results.json: "
+            + "; ".join(f"{label}: {', '.join(r)}" for label, r in finished.items()))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """CLI entry point (argparse); returns ``{label: {eval: result}}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -226,9 +242,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                    "'rope' run (other swaps are refused)")
     p.add_argument("--logn_scaling", default=None, choices=LOGN_MODES, help="evaluate with log-n "
                    "scaling of the content logits ('content') or of the whole logit ('all')")
+    p.add_argument("--rope_scaling_factor", type=float, default=None, help="'yarn' / 'ntk': a fixed "
+                   "frequency-scaling factor instead of the dynamic max(1, length / training length); "
+                   "needed for --evals documents past 1x")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
-    swap = {"position_encoding": args.position_encoding, "logn_scaling": args.logn_scaling}
+    swap = {"position_encoding": args.position_encoding, "logn_scaling": args.logn_scaling,
+            "rope_scaling_factor": args.rope_scaling_factor}
     diagnostics_options = _check_chunk_and_diagnostics_flags(args, evals)
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     lm_eval_options = _lm_eval_options(args, evals, out)
@@ -236,11 +256,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     runs.check_evals_fit(args.workdir, evals)
     runs.check_output_dir(out)
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
-    if any(swap.values()):
-        if "resolution" in evals:
-            raise ValueError("--position_encoding / --logn_scaling apply to language runs, not --evals resolution.")
-        for workdir in args.workdir:
-            lm_run.check_swap(run_lib.read_config(workdir), workdir, **swap)
+    if any(v is not None for v in swap.values()) and "resolution" in evals:
+        raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor apply to language "
+                         "runs, not --evals resolution.")
+    if "resolution" not in evals:
+        for workdir in args.workdir:  # the whole request, on every run, before any work
+            lm_run.check_request(run_lib.read_config(workdir), workdir, evals, mults, **swap)
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -254,9 +275,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print(open(os.path.join(out, "results.md")).read())
         return results
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
-    if any(swap.values()) and not args.label:
+    if any(v is not None for v in swap.values()) and not args.label:
         suffix = (f" as {args.position_encoding}" if args.position_encoding else "") + (
-            f"+logn_{args.logn_scaling}" if args.logn_scaling else "")
+            f"+logn_{args.logn_scaling}" if args.logn_scaling else "") + (
+            f" (factor {args.rope_scaling_factor:g})" if args.rope_scaling_factor is not None else "")
         labels = [label + suffix for label in labels]
     check_previous_results(out, args.overwrite)
     results, train_lens = {}, {}
@@ -265,13 +287,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
-        results[label] = runs.evaluate_run(run, evals, mults, stride=args.stride,
-                                           num_examples=args.num_examples, num_trials=args.num_trials,
-                                           dna_options=dna_options, text_file=args.text,
-                                           chunk_size=args.chunk_size,
-                                           diagnostics_options=diagnostics_options,
-                                           lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label})
         train_lens[label] = run.train_len
+        results[label] = {}  # filled as each evaluation finishes
+        try:
+            runs.evaluate_run(run, evals, mults, stride=args.stride, num_examples=args.num_examples,
+                              num_trials=args.num_trials, dna_options=dna_options, text_file=args.text,
+                              chunk_size=args.chunk_size, diagnostics_options=diagnostics_options,
+                              lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label},
+                              into=results[label])
+        except Exception:
+            keep_finished(results, out, train_lens)
+            raise
     print(runs.write_outputs(results, out, train_lens))
     cli.log(f"wrote {out}/results.md, results.json and figures")
     return results

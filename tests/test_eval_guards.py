@@ -95,3 +95,45 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
     with pytest.raises(Exception):  # the bare run has no checkpoint: the evaluation itself fails
         evaluate.main(argv + ["--overwrite"])
     assert sorted(os.listdir(out)) == ["notes.txt"]  # the first evaluation's files, and only those, are gone
+
+
+def _rope_run(path, **model):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"task": "lm", "seq_len": 32, "model": {
+        "name": "lm", "position_encoding": "rope", "rope_scaling_factor": None, **model}}))
+    return str(path)
+
+
+def test_documents_past_1x_with_a_dynamic_factor_is_refused_before_any_evaluation(tmp_path):
+    """YaRN / NTK's dynamic factor follows the packed window, not each document: the whole
+    request is checked on config.json before extrapolation runs, naming --rope_scaling_factor."""
+    workdir = _rope_run(tmp_path / "run")
+    out = tmp_path / "o"
+    for encoding in ("yarn", "ntk"):
+        with pytest.raises(ValueError, match=r"--evals documents on .* as '%s' with the dynamic factor.*"
+                                             r"--rope_scaling_factor 4 \(the longest multiplier\)" % encoding):
+            evaluate.main(["--workdir", workdir, "--position_encoding", encoding, "--evals",
+                           "extrapolation,documents", "--multipliers", "1,4", "--out", str(out)])
+    assert not out.exists()
+    # The same for a run trained as YaRN (no swap flag), and a factor in its config is enough.
+    yarn = _rope_run(tmp_path / "yarn", position_encoding="yarn")
+    with pytest.raises(ValueError, match="--rope_scaling_factor 2"):
+        evaluate.main(["--workdir", yarn, "--evals", "documents", "--multipliers", "1,2", "--out", str(out)])
+    fixed = _rope_run(tmp_path / "fixed", position_encoding="yarn", rope_scaling_factor=2.0)
+    from goat_jax.eval import lm_run
+    from goat_jax.train import run as run_lib
+    lm_run.check_request(run_lib.read_config(fixed), fixed, ["documents"], [1, 2])  # no error
+    lm_run.check_request(run_lib.read_config(yarn), yarn, ["documents"], [1])  # 1x only: one window per document
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--rope_scaling_factor", "2"], r"--rope_scaling_factor fixes the factor of 'ntk' / 'yarn'; .* would be "
+                                     r"evaluated as 'rope': add --position_encoding yarn"),
+    (["--position_encoding", "yarn", "--rope_scaling_factor", "0.5"], r"--rope_scaling_factor 0.5: "
+                                                                      r"rope_scaling_factor must be >= 1"),
+    (["--position_encoding", "yarn", "--rope_scaling_factor", "inf"], r"--rope_scaling_factor inf: ")])
+def test_rope_scaling_factor_flag_is_checked_before_any_work(tmp_path, flags, match):
+    workdir = _rope_run(tmp_path / "run")
+    with pytest.raises(ValueError, match=match):
+        evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--out", str(tmp_path / "o"), *flags])
+    assert not (tmp_path / "o").exists()

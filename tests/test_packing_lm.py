@@ -113,3 +113,36 @@ def test_documents_packing_trains_resumes_exactly_and_evaluates(tmp_path):
     assert np.isfinite(result["ppl"]["64"]["ppl"]) and result["ppl"]["64"]["tokens"] > 0
     assert len(result["first_mass"]) == 1 and 0 < result["first_mass"][0] < 1
     assert "Packed held-out documents" in open(out / "results.md").read()
+
+
+def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_finished(tmp_path, monkeypatch):
+    """A RoPE run trained on packed documents, evaluated as YaRN: with --rope_scaling_factor the
+    documents evaluation past 1x runs (each document scaled by the fixed factor); when an
+    evaluation fails after another finished, the finished one is in OUT/results.json."""
+    from experiments import evaluate
+    from goat_jax.config_files import load_config
+    from goat_jax.eval import documents as doc_eval
+    from goat_jax.train import trainer
+
+    workdir = str(tmp_path / "rope")
+    config = load_config("configs/lm_tiny.py:rope,smoke", {
+        "data.packing": "documents", "num_train_steps": 2, "checkpoint_every_steps": 2, "progress_bar": False})
+    trainer.train_and_evaluate(config, workdir)
+    out = tmp_path / "eval"
+    flags = ["--workdir", workdir, "--position_encoding", "yarn", "--rope_scaling_factor", "2",
+             "--multipliers", "1,2", "--num_examples", "2"]
+    results = evaluate.main([*flags, "--evals", "documents", "--out", str(out)])
+    label = "rope as yarn (factor 2)"
+    ppl = results[label]["documents"]["ppl"]
+    assert sorted(ppl) == [config.seq_len, 2 * config.seq_len] and all(np.isfinite(v["ppl"]) for v in ppl.values())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("documents evaluation failed")
+
+    monkeypatch.setattr(doc_eval, "eval_documents", broken)
+    kept = tmp_path / "kept"
+    with pytest.raises(RuntimeError, match="documents evaluation failed"):
+        evaluate.main([*flags, "--evals", "extrapolation,documents", "--out", str(kept)])
+    saved = json.load(open(kept / "results.json"))
+    assert list(saved) == [label] and list(saved[label]) == ["extrapolation"]
+    assert "Perplexity by evaluation length" in open(kept / "results.md").read()

@@ -7,11 +7,13 @@ lm-evaluation-harness adapter), so that each reads runs without importing the ot
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Optional
 
 import ml_collections
 
 from goat_jax.models.lm import TransformerLM
+from goat_jax.positional import rope_scaling
 from goat_jax.train import run as run_lib
 
 
@@ -50,12 +52,29 @@ def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
 SWAPS = {"rope": ("yarn", "ntk", "rope_pi")}
 
 
+# Encodings whose factor, when not fixed (rope_scaling_factor None), follows the key length of
+# the whole call: in a window of packed documents that is the window's, not each document's, so
+# they refuse packed windows longer than the training length without a fixed factor.
+WINDOW_FACTOR = (rope_scaling.Ntk.name, rope_scaling.Yarn.name)
+
+
 def check_swap(config: ml_collections.ConfigDict, workdir: str, position_encoding: Optional[str] = None,
-               logn_scaling: Optional[str] = None) -> None:
+               logn_scaling: Optional[str] = None, rope_scaling_factor: Optional[float] = None) -> None:
     """Raises ValueError naming the flag unless a run with ``config`` (its config.json) can be
-    evaluated with ``position_encoding`` / ``logn_scaling`` on its own parameters
-    (:func:`swap_encoding`); reads nothing else, so it runs before any work."""
+    evaluated with ``position_encoding`` / ``logn_scaling`` / a fixed ``rope_scaling_factor``
+    ('yarn' and 'ntk' only) on its own parameters (:func:`swap_encoding`); reads nothing else,
+    so it runs before any work."""
     trained = str(config.model.get("position_encoding", "goat"))
+    if rope_scaling_factor is not None:
+        encoding = position_encoding or trained
+        if encoding not in WINDOW_FACTOR:
+            raise ValueError(f"--rope_scaling_factor fixes the factor of {' / '.join(map(repr, WINDOW_FACTOR))}; "
+                             f"{workdir} would be evaluated as {encoding!r}: add --position_encoding yarn "
+                             "(or ntk), or drop --rope_scaling_factor.")
+        try:
+            rope_scaling.check_scaling_factor(rope_scaling_factor)
+        except ValueError as e:
+            raise ValueError(f"--rope_scaling_factor {rope_scaling_factor}: {e}") from None
     if position_encoding is not None and position_encoding != trained:
         allowed = SWAPS.get(trained, ())
         if position_encoding not in allowed:
@@ -71,21 +90,44 @@ def check_swap(config: ml_collections.ConfigDict, workdir: str, position_encodin
                          "run cannot take log-n scaling at evaluation.")
 
 
+def check_request(config: ml_collections.ConfigDict, workdir: str, evals: Sequence[str],
+                  multipliers: Sequence[int], position_encoding: Optional[str] = None,
+                  logn_scaling: Optional[str] = None, rope_scaling_factor: Optional[float] = None) -> None:
+    """Every check of one run's evaluation request that its config.json can answer, before any
+    work: the swap (:func:`check_swap`), and packed documents (``'documents'`` in ``evals``)
+    longer than the training length with a factor that follows the window ('yarn' / 'ntk'
+    without a fixed factor), refused naming ``--rope_scaling_factor``: the layer would refuse
+    it only after every evaluation before it had run."""
+    check_swap(config, workdir, position_encoding, logn_scaling, rope_scaling_factor)
+    encoding = position_encoding or str(config.model.get("position_encoding", "goat"))
+    factor = rope_scaling_factor if rope_scaling_factor is not None else config.model.get("rope_scaling_factor")
+    longest = max(multipliers, default=1)
+    if "documents" in evals and encoding in WINDOW_FACTOR and factor is None and longest > 1:
+        raise ValueError(
+            f"--evals documents on {workdir} as {encoding!r} with the dynamic factor: a window of {longest}x "
+            "packs several documents, and the factor would follow the window's length, not each "
+            f"document's. Give a fixed factor, e.g. --rope_scaling_factor {longest} (the longest "
+            "multiplier), or evaluate the documents at --multipliers 1.")
+
+
 def swap_encoding(run: LMRun, position_encoding: Optional[str] = None,
-                  logn_scaling: Optional[str] = None) -> LMRun:
+                  logn_scaling: Optional[str] = None, rope_scaling_factor: Optional[float] = None) -> LMRun:
     """``run`` evaluated with another, parameter-compatible attention: ``position_encoding``
     ('yarn', 'ntk' or 'rope_pi' for a 'rope' run: the usual way to run RoPE past its training
     length without retraining) and/or ``logn_scaling`` ('content' / 'all', any encoding of the
     LM, GOAT included). The parameters are the run's own; the config and model are rebuilt, with
     ``model.training_seq_len`` set to the run's ``seq_len`` when a non-GOAT run left it unset
     (it changes nothing else there). Raises ValueError naming the flag for a combination that
-    does not share the parameters (:func:`check_swap`)."""
-    if position_encoding is None and logn_scaling is None:
+    does not share the parameters (:func:`check_swap`). ``rope_scaling_factor``: a fixed factor
+    for 'yarn' / 'ntk' instead of the dynamic one."""
+    if position_encoding is None and logn_scaling is None and rope_scaling_factor is None:
         return run
-    check_swap(run.config, run.workdir, position_encoding, logn_scaling)
+    check_swap(run.config, run.workdir, position_encoding, logn_scaling, rope_scaling_factor)
     config = ml_collections.ConfigDict(run.config.to_dict())
     if position_encoding is not None:
         config.model.position_encoding = position_encoding
+    if rope_scaling_factor is not None:
+        config.model.rope_scaling_factor = float(rope_scaling_factor)
     if logn_scaling is not None:
         config.model.logn_scaling = logn_scaling
     if config.model.get("training_seq_len") is None and config.model.position_encoding != "goat":

@@ -478,8 +478,11 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                  num_trials: int = 8, dna_options: Optional[dict[str, Any]] = None,
                  text_file: Optional[str] = None, chunk_size: Optional[int] = None,
                  diagnostics_options: Optional[dict[str, Any]] = None,
-                 lm_eval_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``.
+                 lm_eval_options: Optional[dict[str, Any]] = None,
+                 into: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Runs ``evals`` (a subset of :data:`EVALS`) on one run; returns ``{eval: result}``
+    (``into``, when given, is that dict, filled as each evaluation finishes: after an error it
+    holds the ones that finished).
     ``dna_options``: keyword arguments of :func:`eval_dna` (``fasta``, ``lengths``, ...).
     ``text_file``: extrapolation scores this UTF-8 file instead of the held-out split.
     ``chunk_size``: extrapolation runs each window through the KV cache in query chunks (and
@@ -500,7 +503,7 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
     if "lm_eval" in evals:
         from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
         harness.require()  # before any evaluation runs
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {} if into is None else into
     for name in evals:
         t0 = time.time()
         if name == "extrapolation":
