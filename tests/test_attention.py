@@ -172,6 +172,7 @@ def test_shift_leaves_relative_logits_unchanged(rng):
     assert np.abs(lp(0) - lp(shift)).max() <= 2e-6 * (shift + 40) * np.abs(lp(0)).max()
 
 
+@pytest.mark.slow(reason="decodes step by step; decoding stays in the default suite through the LM (test_lm.py [goat]), the sink's window end and every comparator's layer")
 @pytest.mark.parametrize("implementation", ["xla", "flash", "dense"])
 def test_kv_cache_decoding_equals_full_forward(implementation, rng):
     length = 20
@@ -194,9 +195,10 @@ def test_kv_cache_decoding_equals_full_forward(implementation, rng):
     assert np.isnan(np.asarray(over)).all()
 
 
+@pytest.mark.slow(reason="finite differences of every prior parameter")
 @pytest.mark.parametrize("fields", [
     dict(prior_gate="query_norm"),
-    pytest.param(dict(training_seq_len=6, sink_extrapolation="linear"), marks=pytest.mark.slow)])
+    dict(training_seq_len=6, sink_extrapolation="linear")])
 def test_prior_gradients_match_finite_differences(fields, rng):
     """float64 autodiff vs central differences on every prior parameter ('dense' path, which
     computes in float64; the XLA kernel runs its softmax in float32), then the packed 'xla'

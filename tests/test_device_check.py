@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow(reason="runs every section of the device check on CPU")
 def test_device_check_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -74,6 +74,7 @@ def test_loss_counts_correct_predictions_and_eval_metrics():
                                  "accuracy": 0.4})
 
 
+@pytest.mark.slow(reason="trains and evaluates through both command lines")
 def test_smoke_training_and_evaluate_command_lines(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     workdir = tmp_path / "run"

@@ -191,6 +191,7 @@ def test_classifier_trains_and_eval_aux_sums_match_numpy(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in tb)
 
 
+@pytest.mark.slow(reason="an uninterrupted and a resumed training run")
 def test_step_key_dropout_differs_across_steps_and_resume_is_exact(tmp_path):
     """Dropout masks come from fold_in(key(seed), step): the same state and batch give
     different losses at different step counts and equal ones at the same count; a run resumed

@@ -400,6 +400,7 @@ def test_many_lines_get_distinct_colours_dashed_variants_and_a_legend_beside_the
         assert b.size[0] > a.size[0] + 150 and abs(b.size[1] - a.size[1]) < 60
 
 
+@pytest.mark.slow(reason="trains a run, then scores a text file at several lengths")
 def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
     """``--text FILE``: the file is one document, tokenized like the run's training data
     ([BOS, bytes + 3, EOS] for the byte tokenizer), and scored by length; the perplexities equal

@@ -65,6 +65,7 @@ def test_from_official_matches_official_outputs(name, rng):
     np.testing.assert_allclose(back, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow(reason="the official PyTorch layer in bfloat16")
 def test_bf16_clone_runs_and_stays_close(rng):
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     m = _official(dict(num_heads=4, pos_rank=4, abs_rank=4), gen)

@@ -94,6 +94,7 @@ def _losses(workdir):
     return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
+@pytest.mark.slow(reason="two-process runs, each stopped and resumed")
 def test_two_processes_equal_one_and_resume_both_after_sigterm(tmp_path):
     """The full multi-host story (~1.5 min on 2 idle cores): SIGTERM to both processes right
     after they join, both stop at the same step with a checkpoint (each process's data state

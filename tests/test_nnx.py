@@ -19,7 +19,8 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("layer", [pytest.param(name, marks=[pytest.mark.slow] if name in ("alibi", "naive_prior") else [])
+# Slow: alibi and naive_prior (long compiles) and goat (tests/test_attention.py compares it in depth).
+@pytest.mark.parametrize("layer", [pytest.param(name, marks=[pytest.mark.slow] if name in ("alibi", "naive_prior", "goat") else [])
                                    for name in LAYERS])
 def test_nnx_forward_and_grad_equal_linen(layer, rng):
     x = jnp.asarray(rng.normal(size=(2, 12, 32)), jnp.float32)

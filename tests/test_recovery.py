@@ -121,6 +121,7 @@ def _losses(workdir):
     return [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
 
 
+@pytest.mark.slow(reason="an uninterrupted and a resumed training run")
 def test_trainer_resumes_from_the_newest_restorable_checkpoint(tmp_path, caplog):
     """A run whose step-10 checkpoint lost a state file resumes from step 5 and logs steps 6-10
     with exactly the losses of the uninterrupted run."""
@@ -159,6 +160,7 @@ def test_resume_with_changes_admits_only_optimizer_fields(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow(reason="trains, fails, and resumes")
 def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_path, monkeypatch):
     """Step 3's update makes every parameter NaN while its loss and gradient are finite (what an
     overflowing step does). Nothing after step 2 is saved; the error's advice, run as written
@@ -201,6 +203,7 @@ def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_pat
     assert json.loads((tmp_path / "config.json").read_text())["optimizer"]["learning_rate"] == 1e-3
 
 
+@pytest.mark.slow(reason="trains twice; the first run's advice is tested in the default suite")
 def test_a_restored_state_that_fails_at_once_is_named(tmp_path):
     """The 8th batch is NaN (tests/test_trainer.py POISONED) and the checkpoint is at step 7: the
     first run advises resuming from step 7; resuming, the very first step fails, and the error

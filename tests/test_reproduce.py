@@ -15,6 +15,7 @@ from goat_jax.reproduce import dna_family, lm_family, paper, suites, vit_family
 from goat_jax.train import trainer
 
 
+@pytest.mark.slow(reason="trains and evaluates every family of the smoke suite end to end")
 def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     """Every family end to end, GOAT only (comparisons between encodings: the test below)."""
     runs, out = tmp_path / "runs", tmp_path / "report"

@@ -221,6 +221,7 @@ def _two_seeds(tmp_path, monkeypatch, capsys):
     return argv, runs, out
 
 
+@pytest.mark.slow(reason="the seeds harness end to end; its statistics are unit-tested in the default suite")
 def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
     argv, runs, _ = _two_seeds(tmp_path, monkeypatch, capsys)
     assert not (runs / "jargon" / "goat.log").exists()  # --jobs 1: in this process, no worker logs

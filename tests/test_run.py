@@ -28,6 +28,7 @@ def _snapshot(directory):
     return out
 
 
+@pytest.mark.slow(reason="trains a run while evaluating it")
 def test_evaluating_a_live_run_never_harms_it(tmp_path):
     """A real trainer saves a checkpoint every 2 steps while this test restores its latest
     checkpoint in a loop and runs the evaluation CLI once: the trainer finishes with exit 0 and
@@ -66,6 +67,7 @@ def test_evaluating_a_live_run_never_harms_it(tmp_path):
     assert not [d for d in os.listdir(workdir / "checkpoints") if not d.isdigit() and "tmp" in d]
 
 
+@pytest.mark.slow(reason="trains a run to read")
 def test_reading_writes_nothing(tmp_path):
     """load_run leaves a finished run byte- and mtime-identical, and creates no checkpoints/
     in a folder that has none."""

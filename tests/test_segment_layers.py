@@ -206,6 +206,7 @@ def test_segment_positions_and_lengths():
     np.testing.assert_array_equal(segments.segment_lengths(ids), [[3, 3, 3, 2, 2, 1], [1, 4, 4, 4, 4, 1]])
 
 
+@pytest.mark.slow(reason="compiles every layer with traced ids; the eager checks stay in the default suite")
 def test_traced_ids_and_explicit_positions_under_jit(rng):
     """Under jit the contiguity and agreement checks cannot run (documented): the layer masks by
     id equality and restarts positions at every run, so traced ids give the eager result, and

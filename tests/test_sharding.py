@@ -209,6 +209,7 @@ print('RESULT ' + json.dumps(out))
 """
 
 
+@pytest.mark.slow(reason="a subprocess compiling the step on 8 fake devices")
 def test_compiled_step_partitions_activations_and_params_tensor_and_fsdp():
     """The model's nn.with_logical_constraint names become sharding constraints in the
     compiled train step (they were no-ops without the mesh and rules context), the partitioned

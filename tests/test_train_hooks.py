@@ -10,6 +10,7 @@ from goat_jax.train import profiling, trainer, wandb_logger
 from tests.config_helpers import lm_smoke_config
 
 
+@pytest.mark.slow(reason="two profiled training runs with W&B")
 def test_profiled_offline_wandb_run_resumes_the_same_wandb_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     wandb_dir = tmp_path / "wandb_files"

@@ -81,6 +81,7 @@ def test_decay_mask_excludes_biases_norms_and_goat_prior():
     assert prior and not any(flat[k] for k in prior)  # incl. the 2-D sink-MLP kernels
 
 
+@pytest.mark.slow(reason="compiles the step for the full batch and for 4 microbatches")
 def test_gradient_accumulation_matches_full_batch():
     """Summed (unnormalized) loss and gradients over 4 strided microbatches equal the full
     batch's, with padding weights that differ between microbatches."""
@@ -159,6 +160,7 @@ def _poisoned_datasets(config, *args):
 POISONED = dataclasses.replace(tasks.get_task("lm"), name="lm_poisoned", make_datasets=_poisoned_datasets)
 
 
+@pytest.mark.slow(reason="trains until the poisoned batch")
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     """The 8th batch carries a NaN weight: the run stops at step 8 with a clear error, saves
     nothing after step 5, and leaves the step-5 checkpoint as the latest."""
@@ -168,6 +170,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
 
 
+@pytest.mark.slow(reason="200 training steps of the tiny model")
 def test_loss_falls_well_below_unigram_entropy_fast(tmp_path):
     """200 steps of the tiny model (~1 min on 2 cores): held-out loss 0.6 nats under the
     unigram entropy (~3.4 nats), i.e. the model uses context."""

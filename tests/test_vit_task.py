@@ -95,6 +95,7 @@ def test_flops_per_image_counts_matmuls():
     assert 27.0e9 < want < 28.2e9
 
 
+@pytest.mark.slow(reason="trains through the command line")
 def test_tiny_smoke_training_through_the_cli(tmp_path):
     """``configs/vit_tiny.py:goat,smoke`` on the real Fashion-MNIST files, via the CLI."""
     if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
