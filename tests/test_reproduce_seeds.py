@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import reproduce
+from goat_jax.eval import plots
 from goat_jax.reproduce import dna_family, lm_family, stats, suites, vit_family
 
 T_975_DF2 = 4.30265273  # Student t, two-sided 95%, 2 degrees of freedom (printed tables, 9 digits)
@@ -54,6 +55,9 @@ def test_estimate_is_mean_with_a_t_interval_and_pairs_by_seed():
     one = stats.Estimate([0.7])
     assert one.half_width is None and one.interval is None and format(one, ".3f") == "0.700"
     assert json.loads(json.dumps({"x": e})) == {"x": pytest.approx(2.5)}  # json keeps the mean
+    # The plots' error bars (goat_jax.eval.plots, below this package) read the same half-width;
+    # one seed and a plain number draw none.
+    assert plots.error_bars([e, one, 0.5]) == [pytest.approx(e.half_width), 0.0, 0.0]
 
 
 @pytest.mark.parametrize("values,sign,word", [

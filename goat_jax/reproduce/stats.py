@@ -161,14 +161,6 @@ def seed_invariant(x: Any) -> Any:
     return x
 
 
-def half_width(x: Any) -> Optional[float]:
-    """The 95% half-width of ``x`` (0 for a plain number, None for a one-seed estimate):
-    what the plots draw as error bars."""
-    if isinstance(x, Estimate):
-        return x.half_width
-    return 0.0
-
-
 def seeds_in(tree: Any) -> set[int]:
     """The seed offsets of every :class:`Estimate` in ``tree`` (nested dicts, lists and
     numbers: an aggregated row), united; empty when it holds none (plain numbers only)."""
