@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,8 +15,8 @@ from goat_jax.data import text
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(module, *args, debug=False):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(module, *args, debug=False, env=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
     env.pop("GOAT_DEBUG", None)
     if debug:
         env["GOAT_DEBUG"] = "1"
@@ -23,9 +24,9 @@ def _run(module, *args, debug=False):
                           text=True, timeout=300, env=env)
 
 
-def _train(workdir, *overrides, config="configs/lm_tiny.py:goat,smoke", debug=False):
+def _train(workdir, *overrides, config="configs/lm_tiny.py:goat,smoke", debug=False, env=None):
     return _run("experiments.train", "--config", config, "--workdir", str(workdir),
-                "--config.progress_bar=False", *overrides, debug=debug)
+                "--config.progress_bar=False", *overrides, debug=debug, env=env)
 
 
 def _one_line_error(proc):
@@ -116,4 +117,36 @@ def test_toy_prior_refuses_a_bad_seq_len_before_training(tmp_path):
     workdir = tmp_path / "toy"
     line = _one_line_error(_run("experiments.toy_prior", "--seq_len", "0", "--workdir", str(workdir)))
     assert "--seq_len=0 is out of range" in line, line
+    assert not workdir.exists()
+
+
+def _no_wandb_login(tmp_path, **extra):
+    """An environment where wandb finds no credentials of this machine's user."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {"HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"),
+           "NETRC": str(home / ".netrc"), "WANDB_SILENT": "true", **extra}
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DIR"):
+        env.setdefault(name, "")  # empty: unset for wandb (the caller's own key is not used)
+    return env
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "error: config.wandb.mode='online' needs W&B credentials for http://127.0.0.1:9 and none "
+         "were found: set WANDB_API_KEY or run `wandb login`"),
+    # A key (a fake one) but no W&B server to answer: refused in seconds, not after wandb's 90 s.
+    ({"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"},
+     "error: config.wandb.mode='online' cannot reach the W&B server http://127.0.0.1:9 within 5 s"),
+], ids=["no_api_key", "unreachable"])
+def test_wandb_online_without_login_or_network_is_one_line_and_leaves_no_workdir(
+        tmp_path, env, expected):
+    """Was wandb's UsageError / CommError traceback (after ~9 s / ~109 s) with config.json,
+    checkpoints/, wandb_run_id and .lock left in the workdir."""
+    workdir = tmp_path / "run"
+    start = time.monotonic()
+    line = _one_line_error(_train(workdir, "--config.wandb.mode=online", env=_no_wandb_login(
+        tmp_path, WANDB_BASE_URL="http://127.0.0.1:9", **env)))  # port 9: nothing listens
+    assert expected in line, line
+    assert "--config.wandb.mode=offline" in line and "wandb sync WORKDIR/wandb/offline-run-*" in line
+    assert time.monotonic() - start < 60
     assert not workdir.exists()

@@ -66,3 +66,37 @@ def test_a_resumed_run_traces_what_is_left_of_the_range(tmp_path):
             profiling.StepProfiler((3, 6), str(tmp_path), 4).last) == (5, 6)
     assert profiling.StepProfiler((3, 6), str(tmp_path), 6).first is None
     assert profiling.StepProfiler((), str(tmp_path), 0).first is None
+
+
+def test_offline_wandb_files_land_in_workdir_wandb(tmp_path, monkeypatch):
+    """Without $WANDB_DIR the offline run is WORKDIR/wandb/offline-run-* (what the docs' `wandb
+    sync` names), not WORKDIR/wandb/wandb/offline-run-* (wandb appends wandb/ to its dir)."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = lm_smoke_config(**{"wandb.mode": "offline", "wandb.project": "goat-jax-test"})
+    workdir = str(tmp_path / "run")
+    run = wandb_logger.WandbLogger(config.wandb, {"seed": 0}, workdir)
+    run.log({"step": 1, "train_loss": 2.5})
+    run.finish()
+    with open(wandb_logger.run_id_path(workdir)) as f:
+        run_id = f.read().strip()
+    assert len(glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{run_id}",
+                                      f"run-{run_id}.wandb"))) == 1
+    assert not os.path.exists(os.path.join(workdir, "wandb", "wandb"))
+
+
+def test_a_failing_wandb_init_is_one_line_and_writes_no_run_id(tmp_path, monkeypatch):
+    """A wandb.init that fails past the preflight (e.g. a key the server rejects) is a one-line
+    ValueError naming the offline fix, and no wandb_run_id names a W&B run that never existed."""
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**kwargs):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.\nPlease try\n")
+    monkeypatch.setattr(wandb, "init", refuse)
+    config = lm_smoke_config(**{"wandb.mode": "online"})
+    with pytest.raises(ValueError) as e:
+        wandb_logger.WandbLogger(config.wandb, {}, str(tmp_path))
+    assert "\n" not in str(e.value) and "wandb.init failed: Run initialization has timed out" in str(e.value)
+    assert "--config.wandb.mode=offline" in str(e.value)
+    assert not os.path.exists(wandb_logger.run_id_path(str(tmp_path)))

@@ -381,6 +381,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
     # A config written before a field existed (e.g. data.packing) gets the field's default.
     config = tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task))
+    if jax.process_index() == 0:  # the process that logs: W&B online needs credentials, network
+        wandb_logger.preflight(config.get("wandb"))
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
