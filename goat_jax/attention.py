@@ -26,7 +26,6 @@ Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import attention_call
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax import prior as prior_lib
@@ -208,8 +208,6 @@ class GoatPrior(nn.Module):
 # GoatAttention
 # ----------------------------------------------------------------------------------------------
 
-Offset = layers.Offset  # re-exported: the type of position_offset_q / position_offset_k
-
 
 def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int]]:
     """Official ``pos_encoding='auto'`` rule: a square grid from the key length, if the query
@@ -273,7 +271,7 @@ class GoatAttention(layers.AttentionBase):
     def _training_len(self) -> Optional[int]:
         return self.prior.training_seq_len if isinstance(self.prior, prior_lib.PriorSettings) else None
 
-    def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _GoatPlan:
+    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape) -> _GoatPlan:
         if not isinstance(self.prior, prior_lib.PriorSettings):
             raise ValueError(
                 f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
@@ -323,7 +321,7 @@ class GoatAttention(layers.AttentionBase):
                 "decoding). Set training_seq_len to the training context length.")
         return _GoatPlan(qk_dim, impl, prior, d_c, sink_channels, use_2d, has_cls, spatial_shape)
 
-    def _positions(self, call: layers.AttentionCall, plan: _GoatPlan, t: int, s: int):
+    def _positions(self, call: attention_call.AttentionCall, plan: _GoatPlan, t: int, s: int):
         if not plan.use_2d:
             return self._positions_1d(call, t, s)
         out = []
@@ -339,9 +337,9 @@ class GoatAttention(layers.AttentionBase):
             out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset)))
         return tuple(out)
 
-    def _encode(self, call: layers.AttentionCall, shape: layers.LayerShape, plan: _GoatPlan,
-                q: Array, k: Array, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions,
-                cache: Optional[layers.DecodeCache]) -> layers.Encoded:
+    def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+                plan: _GoatPlan, q: Array, k: Array, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions,
+                cache: Optional[layers.DecodeCache]) -> attention_call.Encoded:
         # Causal masking is by sequence index, shifted by the 1D offsets (official semantics).
         causal_offset = 0
         if not plan.use_2d:
@@ -352,34 +350,11 @@ class GoatAttention(layers.AttentionBase):
         if plan.implementation == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior.log_prior(q_pos, k_pos, call.is_causal, q_content=q_content)  # [B|1, N, T, S]
-            return layers.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
+            return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
         q_rel, q_sink, _ = prior.query(q_pos, q_content)
         k_rel, u = prior.key(k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
                             rel_per_head=k_rel.ndim > u.ndim)  # [B, S, K, qk_dim]
-        return layers.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
-
-
-def _refuse_flat_prior_fields(init):
-    """Wraps ``GoatAttention.__init__`` so the pre-``PriorSettings`` keyword style
-    (``GoatAttention(pos_rank=8, ...)``) fails with the fix instead of Python's bare
-    "unexpected keyword argument"."""
-    flat = set(prior_lib.PriorSettings.names())
-
-    @functools.wraps(init)
-    def wrapped(self, *args, **kwargs):
-        given = sorted(flat & set(kwargs))
-        if given:
-            settings = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
-            raise TypeError(
-                f"GoatAttention takes the prior's settings as one object: pass "
-                f"prior=PriorSettings({settings}) (from goat_jax import PriorSettings) instead of "
-                f"{', '.join(given)}=... as separate arguments.")
-        init(self, *args, **kwargs)
-
-    return wrapped
-
-
-GoatAttention.__init__ = _refuse_flat_prior_fields(GoatAttention.__init__)
+        return attention_call.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)

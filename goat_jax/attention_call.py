@@ -3,7 +3,7 @@
 :class:`AttentionCall` (the call's arguments), :func:`resolve_call_segments` (packed-document
 ids and the positions they imply), :class:`LayerShape` (head bookkeeping), :class:`Encoded`
 (what position handling hands to the kernel) and log-n scaling of the logits
-(:func:`logn_factors`, :func:`apply_logn`). :mod:`goat_jax.layers` re-exports every name.
+(:func:`logn_factors`, :func:`apply_logn`).
 
 Shape legend: B batch, T new tokens, S keys, N query heads, K kv heads, H head dim.
 """

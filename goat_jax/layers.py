@@ -19,7 +19,7 @@ import numpy as np
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention_call import (  # re-exported: layers.Encoded etc. are the public names
+from goat_jax.attention_call import (
     LOGN_MODES, AttentionCall, Encoded, LayerShape, Offset, apply_logn, logn_factors, resolve_call_segments)
 
 Array = jax.Array

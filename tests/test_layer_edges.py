@@ -239,13 +239,6 @@ def test_prior_settings_are_the_one_source_and_the_param_tree_is_unchanged():
     }
 
 
-def test_flat_prior_keywords_get_an_error_naming_prior_settings():
-    """The pre-PriorSettings style fails with the fix, not Python's bare TypeError."""
-    from goat_jax import GoatAttention
-    with pytest.raises(TypeError, match=r"prior=PriorSettings\(abs_rank=2, pos_rank=4\)"):
-        GoatAttention(num_heads=4, pos_rank=4, abs_rank=2)
-
-
 @pytest.mark.parametrize("encoding", ["rope_pi", "yarn", "ntk"])
 @pytest.mark.parametrize("length", [0, -5])
 def test_non_positive_training_seq_len_is_refused(encoding, length):

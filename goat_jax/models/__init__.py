@@ -2,9 +2,8 @@
 
 A task builds its model from its config (``goat_jax.tasks.lm.build_model``: a
 :class:`TransformerLM` of ``LMConfig.from_config(config.model)``); ``config.task`` is the one
-name that chooses it. (The former registry, ``build_model`` / ``register_model`` with
-``model.name``, is gone; an old ``model.name`` is accepted with a warning, see
-:func:`goat_jax.tasks.model_fields`.) The weight-decay groupings moved to the optimizer's rules
+name that chooses it (an old config's ``model.name`` is accepted with a warning, see
+:func:`goat_jax.tasks.model_fields`). Weight decay is grouped by the optimizer's rules
 (:mod:`goat_jax.train.optim`) and the tasks' declarations (:data:`goat_jax.tasks.NO_DECAY_NAMES`).
 """
 

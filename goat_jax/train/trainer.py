@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import _extras, files
+from goat_jax.config.fields import check_config
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -108,8 +109,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
         _check_fields(section, set(config[section].keys()), allowed, required=False)
 
     # Type and range of every field the engine and the task declare (goat_jax/train/validation.py).
-    validation.check_config(config, validation.ENGINE_FIELDS)
-    validation.check_config(config, task.field_specs(config))
+    check_config(config, validation.ENGINE_FIELDS)
+    check_config(config, task.field_specs(config))
     profiling.check_profile_steps(config.get("profile_steps", ()), config.num_train_steps)
     wandb_logger.check_config(config.get("wandb"))
 

@@ -1,26 +1,22 @@
-"""The engine's own config fields (:data:`ENGINE_FIELDS`) and, for existing imports, the
-field-spec machinery, which lives at the ground floor in :mod:`goat_jax.config.fields`.
+"""The engine's own config fields (:data:`ENGINE_FIELDS`), declared with the field-spec
+machinery of :mod:`goat_jax.config.fields`.
 
 Each config section has a spec: ``{field name: Field(...)}``. The engine declares its own here
 (top-level cadences, ``mesh``, ``optimizer``); a task declares its ``model`` and ``data`` specs
 next to the code that reads them (derived from ``goat_jax.models.lm.LMConfig``'s field metadata,
 ``goat_jax.data.text.FIELD_SPECS``, ...) and hands them to the engine through
-``Task.field_specs``; :func:`check_config` checks a run's config against both before any work.
-
-``from goat_jax.train.validation import Int, check_section, ...`` keeps working; new code
-imports them from :mod:`goat_jax.config.fields` (models and data must: they sit below the engine).
+``Task.field_specs``; :func:`goat_jax.config.fields.check_config` checks a run's config against
+both before any work.
 """
 
 from __future__ import annotations
 
 from typing import Dict
 
-from goat_jax.config.fields import (FLOAT32_MAX, Bool, Dtype, Field, Float, Int, Ints, Str,  # noqa: F401 (re-exported)
-                                    Strs, check_config, check_section)
+from goat_jax.config.fields import Bool, Field, Float, Int, Ints, Str
 from goat_jax.train import wandb_logger
 
-__all__ = ["ENGINE_FIELDS", "FLOAT32_MAX", "Bool", "Dtype", "Field", "Float", "Int", "Ints", "Str", "Strs",
-           "check_config", "check_section"]
+__all__ = ["ENGINE_FIELDS"]
 
 
 # ----------------------------------------------------------------------------------------------
