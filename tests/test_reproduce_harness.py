@@ -174,3 +174,23 @@ def test_an_unwritable_out_or_workdir_is_refused_before_any_run(tmp_path, monkey
     with pytest.raises(ValueError, match=f"{flag} /proc/goat-jax-no-such/sub: cannot write in /proc"):
         reproduce.main(argv)
     assert not (tmp_path / "runs").exists()  # nothing created, nothing trained
+
+
+def test_an_evaluation_that_read_an_older_checkpoint_than_the_newest_is_not_kept(tmp_path):
+    """The newest checkpoint of a finished run does not restore: the evaluators (read-only)
+    fall back to an older step, i.e. the weights of an unfinished run. The harness refuses to
+    cache or report that evaluation, naming both steps and how to resume."""
+    from tests.test_recovery import _truncate_state
+
+    suite = _suite("smoke_damaged", ("goat",))
+    job = suites.plan(suite, str(tmp_path / "runs"), families=("lm",))[0]
+    job = dataclasses.replace(job, overrides={**job.overrides, "checkpoint_every_steps": 2,
+                                              "keep_checkpoints": 2})
+    from goat_jax.train import trainer
+    trainer.train_and_evaluate(jobs_lib.job_config(job), job.workdir)
+    assert list(run_lib.checkpoint_steps(job.workdir)) == [2, 4]
+    _truncate_state(os.path.join(job.workdir, "checkpoints", "4"))
+    with pytest.raises(RuntimeError, match=r"newest checkpoint \(step 4\) .* does not restore, and the "
+                                           r"evaluation read step 2; nothing of it is kept"):
+        jobs_lib.evaluate(job, suite)
+    assert not os.path.exists(jobs_lib.cache_path(job))

@@ -167,6 +167,16 @@ def evaluate(job: Job, suite: Suite) -> dict:
         return cached
     t0 = time.time()
     out = _EVALUATORS[job.family](job, suite)
+    read = out.get("step")
+    if read is not None and weights["checkpoint_step"] is not None and int(read) != weights["checkpoint_step"]:
+        # load_run skipped a newest checkpoint that does not restore and read an older one: those
+        # are the weights of an unfinished run, so nothing is cached or reported.
+        raise RuntimeError(
+            f"{job.run_name}: the newest checkpoint (step {weights['checkpoint_step']}) in {job.workdir} does "
+            f"not restore, and the evaluation read step {int(read)}; nothing of it is kept. Resume the run "
+            f"(`python -m experiments.train --config {job.spec} --workdir {job.workdir}` with the same "
+            "overrides, or the same reproduce command once the damaged step is set aside: the trainer moves "
+            "it to corrupt_checkpoints/ and trains that step again), then evaluate.")
     out["eval_seconds"] = time.time() - t0
     out["eval_settings"] = eval_settings(job, suite)
     out["weights"] = weights
