@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Sequence
 
+from goat_jax import files
 from goat_jax.train import run as run_lib
 
 # Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
@@ -85,8 +86,4 @@ def check_output_dir(out: str) -> None:
         if parent == probe:
             break
         probe = parent
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {existing} is not writable; choose another directory.")
+    files.check_writable(out, "--out")  # a real write probe: permission bits say nothing for root
