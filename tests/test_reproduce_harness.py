@@ -194,3 +194,44 @@ def test_an_evaluation_that_read_an_older_checkpoint_than_the_newest_is_not_kept
                                            r"evaluation read step 2; nothing of it is kept"):
         jobs_lib.evaluate(job, suite)
     assert not os.path.exists(jobs_lib.cache_path(job))
+
+
+def _sigterm_once_all_training(workdirs, deadline=300.0):
+    """SIGTERM to this process once every run in ``workdirs`` has logged a training step (each
+    trains in its own worker process, so the harness's handler is installed by then)."""
+    t0 = time.time()
+    while time.time() - t0 < deadline:
+        logged = 0
+        for workdir in workdirs:
+            try:
+                logged += any("train_loss" in r for r in run_lib.read_metrics(workdir))
+            except OSError:
+                pass
+        if logged == len(workdirs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.1)
+
+
+def test_sigterm_with_parallel_jobs_stops_every_worker_after_it_saves(tmp_path):
+    """``--jobs 2``: the harness forwards SIGTERM to its worker processes; each trainer saves
+    where it stopped, nothing is evaluated or cached, and the harness raises RunStopped (the
+    CLI's exit 143) instead of reporting."""
+    from goat_jax.reproduce import runner
+
+    suite = _suite("smoke_parallel", ("goat", "rope"))
+    long = {"num_train_steps": 5000, "checkpoint_every_steps": 5000, "eval_every_steps": 0,
+            "log_every_steps": 1}
+    suite = dataclasses.replace(suite, lm_overrides={**suite.lm_overrides, **long})
+    jobs = suites.plan(suite, str(tmp_path / "runs"), families=("lm",))
+    workdirs = [j.workdir for j in jobs]
+    killer = threading.Thread(target=_sigterm_once_all_training, args=(workdirs,), daemon=True)
+    killer.start()
+    with pytest.raises(jobs_lib.RunStopped, match="SIGTERM"):
+        runner.run_jobs(jobs, suite, 2, time.time(), families=("lm",))
+    killer.join(timeout=5)
+    for job in jobs:
+        steps = run_lib.checkpoint_steps(job.workdir)
+        assert steps and 0 < steps[-1] < 5000, (job.run_name, steps)  # saved where it stopped
+        assert not os.path.exists(jobs_lib.cache_path(job))  # nothing evaluated, nothing cached
+    assert signal.getsignal(signal.SIGTERM) is not None  # the harness restored the previous handler
