@@ -65,8 +65,12 @@ def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
 def _parse_absl_flags(argv):
     with _extras.imports(__name__):
         from absl import flags  # pylint: disable=g-import-not-at-top
+    from goat_jax import config_files  # pylint: disable=g-import-not-at-top
+    absl_argv, nones = config_files.take_none_overrides(argv)  # --config.<field>=None
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(absl_argv)
+        config_files.finish_overrides(flags.FLAGS, nones)
+        return rest
     except (AttributeError, KeyError) as e:
         # ml_collections looks the field of a --config.<field>=<value> flag up with getattr: a
         # field the config does not have (a typo) surfaces as its KeyError / AttributeError.

@@ -6,7 +6,12 @@ A config is code: ``configs/<name>.py`` defines ``get_config(arg)``, and a *spec
 overrides (``{'model.pos_rank': 8}``); :func:`define_config_flag` is the absl flag
 ``--config FILE[:ARG] [--config.x=y ...]`` of ``experiments.train`` and ``experiments.toy_prior``,
 the same loader with ml_collections' ``--config.<field>=<value>`` overrides (typed, repeatable
-for tuples) on top.
+for tuples) on top. Two additions to ml_collections' overrides, applied by the command lines
+(goat_jax/cli.py) through :func:`take_none_overrides` and :func:`finish_overrides`:
+``--config.<field>=None`` sets a number field to None (ml_collections' int parser refuses
+``None``), and a field of :data:`ALTERNATIVES` given on the command line replaces the file's
+alternative (``--config.per_device_batch_size=4`` sets the file's ``global_batch_size`` to None,
+with a log line saying so).
 
 A relative path is looked up in the working directory first and then in the repository root,
 so ``python -m experiments.reproduce`` and the tests find ``configs/`` from anywhere.
@@ -15,16 +20,26 @@ so ``python -m experiments.reproduce`` and the tests find ``configs/`` from anyw
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
-from typing import Any, Mapping, Optional
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     from absl import flags
     from ml_collections import config_flags
+    from ml_collections.config_flags import config_path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Command-line values that set a field to None (``--config.global_batch_size=None``).
+NONE_VALUES = ("None", "none")
+# Pairs of fields of which a config sets exactly one (the other None): the one given on the
+# command line replaces the config file's.
+ALTERNATIVES = (("global_batch_size", "per_device_batch_size"),)
+# The names of the config flags :func:`define_config_flag` made ('config').
+_CONFIG_FLAGS: set = set()
 
 
 def resolve_path(path: str) -> str:
@@ -100,6 +115,59 @@ class _SpecParser(flags.ArgumentParser):
         return "config object"
 
 
+def take_none_overrides(argv: Sequence[str]) -> Tuple[List[str], Dict[str, List[str]]]:
+    """``argv`` without its ``--<config>.<field>=None`` flags, and ``{config flag: [field]}`` of
+    them for :func:`finish_overrides` (absl would hand ``None`` to the field's int parser)."""
+    rest, nones = [], {}
+    for arg in argv:
+        match = re.fullmatch(r"--?([\w-]+)\.([\w.]+)=(\w+)", arg)
+        if match and match.group(1) in _CONFIG_FLAGS and match.group(3) in NONE_VALUES:
+            nones.setdefault(match.group(1), []).append(match.group(2))
+        else:
+            rest.append(arg)
+    return rest, nones
+
+
+def _given(flag_values: flags.FlagValues, name: str, field: str,
+           nones: Mapping[str, Sequence[str]]) -> bool:
+    flag = f"{name}.{field}"
+    return field in nones.get(name, ()) or (flag in flag_values and bool(flag_values[flag].present))
+
+
+def finish_overrides(flag_values: flags.FlagValues, nones: Mapping[str, Sequence[str]]) -> None:
+    """After absl parsed the rest of the command line: sets the fields of
+    :func:`take_none_overrides` to None (numbers; a string field gets the text, as before), then
+    lets a field of :data:`ALTERNATIVES` given on the command line replace the file's other one.
+    Raises ``flags.Error`` (one line) for ``=None`` on a field that cannot be None or that the
+    config does not have."""
+    for name in sorted(_CONFIG_FLAGS):
+        if name not in flag_values or flag_values[name].value is None:
+            continue
+        config = flag_values[name].value
+        for field in nones.get(name, ()):
+            try:
+                kind = config_path.get_type(field, config)
+            except (AttributeError, KeyError):
+                raise flags.Error(f"--{name}.{field}: the config has no field {field!r}; the fields "
+                                  "are the config file's, plus every model field of its task "
+                                  "(docs/training.md, 'Configs').") from None
+            if kind not in (int, float, str):
+                raise flags.Error(f"--{name}.{field}=None: {field} is a {kind.__name__} field, "
+                                  "which cannot be None; give a value.")
+            config_path.set_value(field, config, "None" if kind is str else None)
+        for first, second in ALTERNATIVES:
+            if first not in config or second not in config:
+                continue
+            for given, other in ((first, second), (second, first)):
+                if (_given(flag_values, name, given, nones)
+                        and not _given(flag_values, name, other, nones)
+                        and config[given] is not None and config[other] is not None):
+                    logging.warning("--%s.%s=%s replaces the config file's %s=%s (set to None: a "
+                                    "config sets one of the two)", name, given, config[given],
+                                    other, config[other])
+                    config[other] = None
+
+
 def define_config_flag(name: str, default: Optional[str], help_string: str,
                        flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
     """An absl flag ``--<name> FILE[:ARG]`` whose value is the loaded, locked config, with
@@ -110,6 +178,7 @@ def define_config_flag(name: str, default: Optional[str], help_string: str,
     # default first: a default is parsed when set, and it must be parsed by the swapped loader.
     holder = config_flags.DEFINE_config_file(name, None, help_string, flag_values=flag_values,
                                              lock_config=True)
+    _CONFIG_FLAGS.add(name)
     flag_values[name].parser = _SpecParser()
     if default is not None:
         flag_values.set_default(name, default)

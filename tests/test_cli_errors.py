@@ -150,3 +150,28 @@ def test_wandb_online_without_login_or_network_is_one_line_and_leaves_no_workdir
     assert "--config.wandb.mode=offline" in line and "wandb sync WORKDIR/wandb/offline-run-*" in line
     assert time.monotonic() - start < 60
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--config.per_device_batch_size=3"],  # replaces the file's global_batch_size (logged)
+    ["--config.global_batch_size=None", "--config.per_device_batch_size=3"],  # None parses
+], ids=["per_device_replaces_global", "global_none"])
+def test_per_device_batch_size_is_reachable_from_the_command_line(tmp_path, overrides):
+    """Was "Set exactly one of ..." (every config sets global_batch_size) and "invalid literal
+    for int()" for None. A grad_accum_steps of 2 that 3 rows do not divide shows which batch
+    size the trainer resolved, before any work."""
+    workdir = tmp_path / "run"
+    proc = _train(workdir, *overrides, "--config.grad_accum_steps=2")
+    line = _one_line_error(proc)
+    assert "error: per_device_batch_size=3 gives a global batch of 3, which must be divisible" in line, line
+    replaced = "--config.per_device_batch_size=3 replaces the config file's global_batch_size=8"
+    assert (replaced in proc.stderr) == (len(overrides) == 1), proc.stderr[-2000:]
+    assert not workdir.exists()
+
+
+def test_none_for_a_field_that_cannot_be_none_is_one_line(tmp_path):
+    line = _one_line_error(_train(tmp_path / "run", "--config.progress_bar=None"))
+    assert "error: --config.progress_bar=None: progress_bar is a bool field, which cannot be None" in line
+    line = _one_line_error(_train(tmp_path / "run", "--config.num_train_steps=None"))
+    assert "error: num_train_steps=None is not set: allowed is an integer >= 1" in line, line
+    assert not (tmp_path / "run").exists()
