@@ -175,3 +175,16 @@ def test_none_for_a_field_that_cannot_be_none_is_one_line(tmp_path):
     line = _one_line_error(_train(tmp_path / "run", "--config.num_train_steps=None"))
     assert "error: num_train_steps=None is not set: allowed is an integer >= 1" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_single_document_held_out_entirely_is_one_line(tmp_path):
+    """Was "the training split has 0 documents for process_count=1 hosts" without why: eval
+    takes at least one document, and there is only one."""
+    corpus = tmp_path / "one.txt"
+    corpus.write_text("A single paragraph of text, the whole corpus.\n")
+    workdir = tmp_path / "run"
+    line = _one_line_error(_train(workdir, f"--config.data.paths={corpus}"))
+    assert ("error: data.paths: the data has only 1 document, and the held-out eval split "
+            "(data.eval_fraction=0.02) takes 1 (at least one), leaving none to train on") in line, line
+    assert "data.eval_paths" in line and "data.doc_split='paragraphs'" in line
+    assert not workdir.exists()

@@ -138,13 +138,27 @@ def expand_paths(patterns: str | Sequence[str], field: str) -> list[str]:
     return files
 
 
-def _hold_out(items: Sequence[Any], keys: Sequence[str], fraction: float) -> tuple[list, list]:
+def _hold_out(items: Sequence[Any], keys: Sequence[str], fraction: float, unit: str = "document",
+              more: str = "more data.paths") -> tuple[list, list]:
     """(train, eval): eval is the round(fraction * n) (at least 1) items of smallest CRC32 key.
 
     By content rather than position or seed: the eval set stays fixed across seeds, and
     duplicates of a held-out document are held out too. Both keep the input order.
+
+    Raises ValueError when nothing is left to train on (e.g. a single document: eval takes at
+    least one), naming ``unit`` and the ways to ``more`` of them, data.eval_fraction and
+    data.eval_paths.
     """
     n_eval = max(1, round(fraction * len(keys)))
+    if n_eval >= len(keys):
+        n = len(keys)
+        have = f"only {n} {unit}{'' if n == 1 else 's'}" if n else f"no {unit}s"
+        lower = ", lower data.eval_fraction" if n > 1 else ""  # one is held out in any case
+        raise ValueError(
+            f"data.paths: the data has {have}, and the held-out eval split "
+            f"(data.eval_fraction={fraction:g}) takes {n_eval} (at least one), leaving none to "
+            f"train on: give {more}{lower}, or set data.eval_paths to separate eval files (then "
+            "all of data.paths trains).")
     order = np.argsort(np.array([zlib.crc32(k.encode("utf-8")) for k in keys]), kind="stable")
     held_out = set(order[:n_eval].tolist())
     return ([x for i, x in enumerate(items) if i not in held_out],
@@ -231,7 +245,11 @@ def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
     if cfg.eval_paths:
         eval_docs = load(expand_paths(cfg.eval_paths, "eval_paths"))
     else:
-        train_docs, eval_docs = _hold_out(train_docs, train_docs, cfg.eval_fraction)
+        finer = "entries" if cfg.doc_split == "paragraphs" else "paragraphs"
+        more = (f"more documents (more data.paths, or data.doc_split={finer!r} to cut the files "
+                f"differently than {cfg.doc_split!r})")
+        train_docs, eval_docs = _hold_out(train_docs, train_docs, cfg.eval_fraction, "document",
+                                          more)
     return (Split(docs=grain.MapDataset.source(train_docs)),
             Split(docs=grain.MapDataset.source(eval_docs)))
 
@@ -253,6 +271,10 @@ def block_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
         eval_blocks = _list_blocks(expand_paths(cfg.eval_paths, "eval_paths"), cfg)
     else:
         keys = [f"{os.path.basename(p)}:{a}:{b}" for p, a, b in train_blocks]
-        train_blocks, eval_blocks = _hold_out(train_blocks, keys, cfg.eval_fraction)
+        more = "more data.paths" + (" (or, for uncompressed jsonl, a lower "
+                                    "data.jsonl_block_bytes: more blocks per file)"
+                                    if cfg.source == "jsonl" else "")
+        train_blocks, eval_blocks = _hold_out(train_blocks, keys, cfg.eval_fraction,
+                                              "row group" if cfg.source == "parquet" else "block", more)
     return (Split(blocks=tuple(train_blocks), read_block=read),
             Split(blocks=tuple(eval_blocks), read_block=read))
