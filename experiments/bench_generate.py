@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from goat_jax.config_files import load_config  # noqa: E402
-from goat_jax.eval import harness, runs  # noqa: E402
+from goat_jax.eval import harness, lm_run  # noqa: E402
 from goat_jax.models import sampling  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
 
@@ -55,7 +55,7 @@ def main(argv=None) -> str:
     task = tasks.get_task(config.task)
     model = task.build_model(config)
     params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
-    run = runs.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0)
+    run = lm_run.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0)
     # Prompt lengths in tokens (BOS + bytes): evenly spread, distinct.
     lengths = np.unique(np.linspace(8, args.max_length - args.max_gen_toks, args.prompts).astype(int))
     requests = [_Request("x" * (int(n) - 1), args.max_gen_toks) for n in lengths]

@@ -72,8 +72,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from goat_jax import cli
-from goat_jax.eval import lm_run, runs
-from goat_jax.layers import LOGN_MODES
+from goat_jax.attention_call import LOGN_MODES
+from goat_jax.eval import checks, lm_run, runs
 from goat_jax.models.lm import POSITION_ENCODINGS
 from goat_jax.train import run as run_lib
 from goat_jax.eval.runs import EVALS
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--workdir", action="append", required=True, help="run dir (repeatable)")
     p.add_argument("--label", action="append", help="label per --workdir (default: encoding)")
     p.add_argument("--evals", default="extrapolation,sinks", help=f"comma list of {EVALS} or "
-                   "resolution; each applies to the runs of certain tasks (goat_jax.eval.runs."
+                   "resolution; each applies to the runs of certain tasks (goat_jax.eval.checks."
                    "EVAL_TASKS), a mismatch is refused listing the ones that fit")
     p.add_argument("--multipliers", default="1,2,4,8,16", help="lengths as multiples of seq_len")
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: none)")
@@ -253,8 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     out = args.out or os.path.normpath(args.workdir[0]) + "_eval"
     lm_eval_options = _lm_eval_options(args, evals, out)
     # Before any work: every evaluation fits every run's task, and --out can take the results.
-    runs.check_evals_fit(args.workdir, evals)
-    runs.check_output_dir(out)
+    checks.check_evals_fit(args.workdir, evals)
+    checks.check_output_dir(out)
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
     if any(v is not None for v in swap.values()) and "resolution" in evals:
         raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor apply to language "
@@ -283,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     check_previous_results(out, args.overwrite)
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
-        run = lm_run.swap_encoding(runs.load_lm_run(workdir), **swap)
+        run = lm_run.swap_encoding(lm_run.load_lm_run(workdir), **swap)
         cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": [int(n) for n in args.lengths.split(",") if n] or None}

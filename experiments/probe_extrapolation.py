@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from goat_jax import cli
-from goat_jax.eval import runs
+from goat_jax.eval import lm_run
 from goat_jax.eval.probe import markdown, probe
 
 
@@ -29,7 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.multiple < 2 or args.multiple & (args.multiple - 1):
         raise ValueError(f"--multiple must be a power of two >= 2, got {args.multiple}.")
-    result = probe(runs.load_lm_run(args.workdir), args.multiple)
+    result = probe(lm_run.load_lm_run(args.workdir), args.multiple)
     out = args.out or os.path.normpath(args.workdir) + "_probe"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "probe.json"), "w") as f:

@@ -41,9 +41,9 @@ def random_params(model, length: int, rng: np.random.Generator, std: float = 0.3
 
 
 def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
-    """An :class:`goat_jax.eval.runs.LMRun` of ``config`` (an LM config) at step 0 whose
+    """An :class:`goat_jax.eval.lm_run.LMRun` of ``config`` (an LM config) at step 0 whose
     parameters are all N(0, std) draws: evaluation code paths without training."""
-    from goat_jax.eval import runs  # pylint: disable=g-import-not-at-top
+    from goat_jax.eval import lm_run  # pylint: disable=g-import-not-at-top
     from goat_jax.train import tasks  # pylint: disable=g-import-not-at-top
 
     task = tasks.get_task(config.task)
@@ -51,4 +51,4 @@ def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
     shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, std, x.shape), x.dtype), shapes["params"])
-    return runs.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0)
+    return lm_run.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0)

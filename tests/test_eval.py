@@ -406,14 +406,14 @@ def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
     ([BOS, bytes + 3, EOS] for the byte tokenizer), and scored by length; the perplexities equal
     those of that stream scored directly."""
     from configs import lm_tiny
-    from goat_jax.eval import runs
+    from goat_jax.eval import lm_run, runs
     from goat_jax.train import tasks
 
     config = lm_tiny.get_config("goat,smoke")
     task = tasks.get_task("lm")
     model = task.build_model(config)
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params,
+    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params,
                      step=0)
     text = "Ünïcödé held-out text.\n\nA second paragraph, still one document.\n" * 12
     path = tmp_path / "held_out.txt"
@@ -435,14 +435,14 @@ def test_a_text_file_shorter_than_one_window_is_refused_naming_it(tmp_path):
     """``--text FILE`` too short for any requested length: an error naming the file, its length
     in tokens and the window (it used to give an empty table and exit 0)."""
     from configs import lm_tiny
-    from goat_jax.eval import runs
+    from goat_jax.eval import lm_run, runs
     from goat_jax.train import tasks
 
     config = lm_tiny.get_config("goat,smoke")
     task = tasks.get_task("lm")
     model = task.build_model(config)
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
     path = tmp_path / "short.txt"
     path.write_text("too short", encoding="utf-8")  # 9 bytes + BOS + EOS = 11 tokens
     with pytest.raises(ValueError, match=rf"--text {path}: 11 tokens .* shorter than one window of "

@@ -167,10 +167,10 @@ def check_local_tasks_through_the_cli(workdir, tmp_path, monkeypatch, caplog):
                        ("TRANSFORMERS_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf"))):
         monkeypatch.setenv(var, value)
     from experiments import evaluate
-    from goat_jax.eval import runs
+    from goat_jax.eval import lm_run
 
     caplog.set_level(logging.WARNING, logger="goat_jax.eval.harness")
-    run = runs.load_lm_run(workdir)
+    run = lm_run.load_lm_run(workdir)
     tasks_dir, out = tmp_path / "tasks", str(tmp_path / "out")
     tasks_dir.mkdir()
     stop = _write_tasks(str(tasks_dir), run)

@@ -76,7 +76,7 @@ def test_documents_packing_trains_and_evaluates_in_process(tmp_path):
     tested at the pipeline level (tests/test_packing.py) and through the CLI (slow, below)."""
     from goat_jax.config_files import load_config
     from goat_jax.eval import documents as doc_eval
-    from goat_jax.eval import runs
+    from goat_jax.eval import lm_run
     from goat_jax.train import trainer
 
     config = load_config("configs/lm_tiny.py:goat,smoke", {
@@ -84,7 +84,7 @@ def test_documents_packing_trains_and_evaluates_in_process(tmp_path):
         "progress_bar": False})
     summary = trainer.train_and_evaluate(config, str(tmp_path))
     assert summary["step"] == 4 and np.isfinite(summary["train_loss"])
-    run = runs.load_lm_run(str(tmp_path))
+    run = lm_run.load_lm_run(str(tmp_path))
     result = doc_eval.eval_documents(run, (1,), max_windows=4)
     assert np.isfinite(result["ppl"][run.train_len]["ppl"]) and result["ppl"][run.train_len]["tokens"] > 0
     assert len(result["first_mass"]) == config.model.num_layers

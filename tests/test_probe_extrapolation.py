@@ -8,7 +8,7 @@ import pytest
 
 from configs import lm_tiny
 from goat_jax.eval import probe as probe_extrapolation
-from goat_jax.eval import runs
+from goat_jax.eval import lm_run
 from goat_jax.train import tasks
 
 
@@ -26,7 +26,7 @@ def test_probe_changes_only_what_each_intervention_names(tmp_path, rng):
         return x * 25.0 if x.ndim >= 2 else x
 
     params = jax.tree_util.tree_map_with_path(randomize, params)
-    run = runs.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
     tokens = rng.integers(3, 259, size=4 * 64 + 1).astype(np.int32)
     result = probe_extrapolation.probe(run, multiple=4, tokens=tokens)
     assert result["edges"] == [0, 16, 32, 64] and result["windows"] == 4

@@ -400,7 +400,7 @@ def test_evaluate_swaps_a_rope_run_to_yarn_with_logn(tmp_path):
                          "--position_encoding", "yarn", "--logn_scaling", "content", "--out", str(tmp_path / "o")])
     assert list(got) == ["rope as yarn+logn_content"]
     swapped = got["rope as yarn+logn_content"]["extrapolation"]
-    run = runs.load_lm_run(workdir)
+    run = lm_run.load_lm_run(workdir)
     plain = runs.eval_extrapolation(run, (1, 2))
     n = run.train_len
     assert swapped[n]["ppl"] == pytest.approx(plain[n]["ppl"], rel=1e-6)

@@ -36,8 +36,8 @@ def test_prior_checks_agree_with_the_eval_module(toy_run):
     """The toy's checks are goat_jax.eval.sinks' checks on the stored checkpoint (no private
     re-implementation): a flat prior fails both."""
     workdir, result = toy_run
-    from goat_jax.eval import runs  # pylint: disable=g-import-not-at-top
-    run = runs.load_lm_run(workdir)
+    from goat_jax.eval import lm_run  # pylint: disable=g-import-not-at-top
+    run = lm_run.load_lm_run(workdir)
     priors = sinks.log_priors(run.model, run.params, 32)
     assert sinks.has_sink_at_zero(priors, toy_prior.MARGIN) == result["checks"]["sink"]
     assert sinks.has_diagonal_at_lag(priors, 1, toy_prior.MARGIN) == result["checks"]["diagonal"]

@@ -1,7 +1,7 @@
 """Checks ``experiments.evaluate`` makes before any evaluation runs: which evaluations apply to
 which runs (:data:`EVAL_TASKS`), and whether ``--out`` can take the results without writing
 into a run. They read only each run's ``config.json`` (and list its ``checkpoints/``), so a
-refused command has done no work. :mod:`goat_jax.eval.runs` re-exports them.
+refused command has done no work.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 :class:`GoatLM` implements lm-eval's ``LM`` interface (``loglikelihood``,
 ``loglikelihood_rolling``, ``generate_until``) over a run read with
-:func:`goat_jax.eval.runs.load_lm_run`, with the run's own tokenizer (``data.tokenizer``:
+:func:`goat_jax.eval.lm_run.load_lm_run`, with the run's own tokenizer (``data.tokenizer``:
 bytes, SentencePiece or GPT-2 BPE; never retrained). How requests become model inputs:
 
 * Every sequence starts with the tokenizer's BOS, as every training document did; an empty
@@ -80,7 +80,7 @@ class GoatLM(LM):
     """lm-eval's ``LM`` over a goat-jax language run.
 
     Args:
-      run: a :class:`goat_jax.eval.runs.LMRun` (``load_lm_run``) of a text run.
+      run: a :class:`goat_jax.eval.lm_run.LMRun` (``load_lm_run``) of a text run.
       batch_size: requests per forward pass.
       max_length: the window in tokens (default: the run's training length ``seq_len``).
       max_gen_toks: tokens ``generate_until`` generates when the task does not say.

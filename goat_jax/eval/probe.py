@@ -39,7 +39,7 @@ from goat_jax import cli
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.prior import fourier, sink_term
-from goat_jax.eval import extrapolation, runs
+from goat_jax.eval import extrapolation, lm_run, runs
 from goat_jax.models import lm
 
 
@@ -97,7 +97,7 @@ def position_nll(model, params, inputs: np.ndarray, targets: np.ndarray, positio
     return np.concatenate(out).mean(0)
 
 
-def probe(run: runs.LMRun, multiple: int = 16, tokens: Optional[np.ndarray] = None) -> dict[str, Any]:
+def probe(run: lm_run.LMRun, multiple: int = 16, tokens: Optional[np.ndarray] = None) -> dict[str, Any]:
     """The measurements of the module docstring on one GOAT run.
 
     Returns ``{'edges': [0, L, 2L, ...], 'buckets': {label: [ppl per span]}, 'shifted':

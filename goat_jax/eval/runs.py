@@ -1,7 +1,7 @@
 """The language evaluations of trained runs, by name: what ``experiments.evaluate`` and
 ``experiments.reproduce`` run on each workdir, and the tables and figures comparing runs.
 
-    run = load_lm_run(workdir)            # read-only; safe while the run still trains
+    run = lm_run.load_lm_run(workdir)     # goat_jax.eval.lm_run; read-only, safe while the run trains
     results = evaluate_run(run, ["extrapolation", "sinks"], multipliers=(1, 2, 4))
     write_outputs({run.label: results}, out_dir, {run.label: run.train_len})
 
@@ -41,8 +41,8 @@ import numpy as np
 from goat_jax.cli import log
 from goat_jax.data import synthetic, text
 from goat_jax.eval import chunked, diagnostics, documents, extrapolation, retrieval, sinks
-from goat_jax.eval.checks import EVAL_TASKS, check_evals_fit, check_output_dir, evals_for_task  # noqa: F401
-from goat_jax.eval.lm_run import LMRun, load_lm_run  # noqa: F401  (runs.LMRun, runs.load_lm_run)
+from goat_jax.eval.checks import EVAL_TASKS, evals_for_task
+from goat_jax.eval.lm_run import LMRun
 from goat_jax.train import run as run_lib
 
 
@@ -52,8 +52,7 @@ NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading a run: LMRun and load_lm_run live in goat_jax/eval/lm_run.py (imported above), below
-# both this module and goat_jax/eval/harness.py, which read runs the same way.
+# Labels and held-out data of a run (an LMRun of goat_jax/eval/lm_run.py)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -112,12 +112,12 @@ def run_toy(config, workdir: str, *, all_heads: bool = False, seq_len: int = 32,
             train: bool = True) -> dict[str, Any]:
     """Trains ``config`` in ``workdir`` (unless ``train`` is False), then writes the figure(s)
     and the summary there. Returns ``{'checks', 'loss', 'summary', 'paths'}``."""
-    from goat_jax.eval import runs  # pylint: disable=g-import-not-at-top
+    from goat_jax.eval import lm_run  # pylint: disable=g-import-not-at-top
     from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
 
     if train:
         trainer.train_and_evaluate(config, workdir)  # creates workdir once the config is valid
-    run = runs.load_lm_run(workdir)
+    run = lm_run.load_lm_run(workdir)
     if run.label != "goat":
         raise ValueError(f"the toy prior figure needs a GOAT model, not {run.label!r}.")
     checks = prior_checks(run, seq_len)

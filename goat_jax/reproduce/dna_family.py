@@ -28,7 +28,7 @@ from typing import Any, Optional
 from goat_jax import cli, files
 from goat_jax.data.fasta import N_ID
 from goat_jax.eval import dna as dna_eval
-from goat_jax.eval import runs as ev
+from goat_jax.eval import lm_run
 from goat_jax.eval.runs import table
 from goat_jax.reproduce import dna_bench
 from goat_jax.reproduce import stats
@@ -43,7 +43,7 @@ def evaluate_dna_job(job: Job, suite: Suite) -> dict[str, Any]:
     """The evaluations of one DNA ``job`` (uncached; :func:`goat_jax.reproduce.jobs.evaluate`
     caches them): ``{'train_len', 'step', 'heldout': {...}, 'genomes': {label: {...}}, 'tokens_per_sec'}``
     (each of the scored sets as goat_jax.eval.dna.evaluate_records returns it, plus ``'data'``)."""
-    run = ev.load_lm_run(job.workdir)
+    run = lm_run.load_lm_run(job.workdir)
     seed = int(run.config.seed)
     whole, info = dna_eval.heldout_records(run.config.data, "valid")
     records, names = dna_eval.first_bases(whole, info["records"], suite.dna_max_bases)

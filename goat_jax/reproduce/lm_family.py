@@ -21,6 +21,7 @@ import numpy as np
 
 from goat_jax.config_files import load_config
 from goat_jax.eval import plots, toy
+from goat_jax.eval import lm_run
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import stats
 from goat_jax.reproduce.suites import Job, RivalChecks, Suite
@@ -54,11 +55,11 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
     return out
 
 
-def load_for_evaluation(job: Job) -> ev.LMRun:
+def load_for_evaluation(job: Job) -> lm_run.LMRun:
     """``job``'s trained run, its model rebuilt with ``job.eval_overrides`` (model fields set at
     evaluation time, the params untouched) for an evaluated-with row; ValueError naming the
     field when the override changes the parameters the run trained."""
-    run = ev.load_lm_run(job.workdir)
+    run = lm_run.load_lm_run(job.workdir)
     if not job.eval_overrides:
         return run
     config = run.config.copy_and_resolve_references()
