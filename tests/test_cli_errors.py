@@ -188,3 +188,36 @@ def test_a_single_document_held_out_entirely_is_one_line(tmp_path):
             "(data.eval_fraction=0.02) takes 1 (at least one), leaving none to train on") in line, line
     assert "data.eval_paths" in line and "data.doc_split='paragraphs'" in line
     assert not workdir.exists()
+
+
+def _checkpointed_run(workdir, step, **overrides):
+    """A workdir holding a checkpoint at ``step`` of ``configs/lm_tiny.py:goat,smoke`` as the
+    command line resolves it (the fingerprint the trainer compares; the state is a stand-in)."""
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from goat_jax import config_files  # pylint: disable=g-import-not-at-top
+    from goat_jax.train import checkpoint, run, tasks, trainer  # pylint: disable=g-import-not-at-top
+
+    config = config_files.load_config("configs/lm_tiny.py:goat,smoke",
+                                      {"progress_bar": False, **overrides})
+    global_batch = trainer.validate_config(config, 1)
+    task = tasks.get_task(config.task)
+    fields = trainer._fingerprinted(tasks.with_field_defaults(config, task), global_batch)  # pylint: disable=protected-access
+    ckpt = checkpoint.Checkpointer(run.checkpoint_dir(str(workdir)), fields,
+                                   resume_safe_fields=task.resume_safe_fields,
+                                   field_defaults=task.field_defaults())
+    ckpt.save(step, {"step": jnp.array(step, jnp.int32)}, {"i": step}, wait=True)
+    ckpt.close()
+
+
+def test_resume_with_changes_below_the_current_step_is_refused(tmp_path):
+    """Was accepted silently: nothing trained, and config.json / config_changes.jsonl recorded
+    the run as num_train_steps=2 although it is at step 4."""
+    workdir = tmp_path / "run"
+    _checkpointed_run(workdir, 4, num_train_steps=6)
+    before = set(os.listdir(workdir))
+    line = _one_line_error(_train(workdir, "--resume_with_changes", "--config.num_train_steps=2"))
+    assert ("error: num_train_steps=2 is below the run's current step 4 (the newest checkpoint in "
+            f"{workdir}/checkpoints); a resumed run cannot go back: give "
+            "--config.num_train_steps=4 or more") in line, line
+    assert set(os.listdir(workdir)) == before | {".lock"}  # nothing written but the lock
+    assert os.listdir(workdir / "checkpoints") == ["4"]

@@ -233,6 +233,14 @@ class Checkpointer:
         if not changed:
             return {}
         adjustable = set(changed) <= RESUME_ADJUSTABLE_FIELDS
+        wanted = changed.get("num_train_steps", (None, None))[1]
+        if adjustable and isinstance(wanted, int) and wanted < step:
+            # It would train nothing and re-record the run as a shorter one than it is.
+            raise IncompatibleCheckpointError(
+                f"num_train_steps={wanted} is below the run's current step {step} (the newest "
+                f"checkpoint in {self.directory}); a resumed run cannot go back: give "
+                f"--config.num_train_steps={step} or more, or a fresh --workdir to train "
+                f"{wanted} steps from scratch.")
         if allow_changes and adjustable:
             return changed
         diffs = [f"  {k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items()]
