@@ -28,7 +28,6 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import ml_collections
     from ml_collections import config_dict
 
-from goat_jax.config.fields import Int
 from goat_jax.data import dna, fasta
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES
@@ -108,7 +107,7 @@ def validate(config) -> None:
 def field_specs(config) -> Dict[str, Dict[str, object]]:
     """Types and ranges of the task's fields (checked by the engine before any work)."""
     del config
-    return {"": {"seq_len": Int(min=1, doc="training context (bases)")}, "model": lm.FIELD_SPECS,
+    return {"": {"seq_len": lm_task.seq_len_spec("training context (bases)")}, "model": lm.FIELD_SPECS,
             "data": dna.FIELD_SPECS}
 
 

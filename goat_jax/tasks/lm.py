@@ -17,7 +17,8 @@ from typing import Any, Dict
 
 import numpy as np
 
-from goat_jax.config.fields import Int
+from goat_jax import prior as prior_lib
+from goat_jax.config.fields import Field, Int
 from goat_jax.data import synthetic, text
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
@@ -115,12 +116,20 @@ def schema() -> Dict[str, set]:
             "data": set(text.default_data_config().keys()) | _synthetic_data_fields()}
 
 
+def seq_len_spec(doc: str = "training context") -> Field:
+    """``seq_len``: at least 1, at most ``MAX_POSITION``, the positions every attention layer
+    accepts (beyond, the float32 prior loses accuracy; goat_jax/prior/positions.py), so that a
+    longer one is refused naming the field instead of deep inside the model's init."""
+    return Int(min=1, max=prior_lib.MAX_POSITION,
+               doc=f"{doc}; positions must stay below MAX_POSITION={prior_lib.MAX_POSITION}, "
+                   "goat_jax/prior/positions.py: train shorter and extrapolate at evaluation")
+
+
 def field_specs(config) -> Dict[str, Dict[str, Any]]:
     """Type and range of the task's fields (checked by the engine before any work): the
     model's, the chosen data source's, and ``seq_len``."""
     data = synthetic.FIELD_SPECS if is_synthetic(config) else text.FIELD_SPECS
-    return {"": {"seq_len": Int(min=1, doc="training context")}, "model": lm.FIELD_SPECS,
-            "data": data}
+    return {"": {"seq_len": seq_len_spec()}, "model": lm.FIELD_SPECS, "data": data}
 
 
 def validate_model(config, task: str) -> None:
