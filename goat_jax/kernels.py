@@ -40,8 +40,9 @@ VJP, memory linear in T and S, fully masked causal blocks skipped; any backend a
 'cudnn' (GPU, bf16/fp16), 'splash' / 'splash_interpret' (Pallas TPU; interpret mode on CPU),
 'dense' (the materialized float32 reference).
 
-Automatic choice (``None``): cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash
-on TPU; otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
+Automatic choice (``None``, for the devices the computation runs on: :func:`target_platform`):
+cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash on TPU for lengths that are
+multiples of 128; otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
 ``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4`` bytes, else 'xla'.
 Why 16 MiB: XLA keeps those logits and the probabilities (and their gradients while training),
 so its memory grows as L^2 (2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash
@@ -52,13 +53,15 @@ matmul has less loop overhead and its memory is small anyway.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from goat_jax import flash as flash_lib
 
@@ -71,6 +74,27 @@ _SPLASH_BLOCK = 128  # splash block sizes must be multiples of the TPU lane coun
 
 _logger = logging.getLogger("goat_jax")
 _logged: set = set()
+_choices: list = []  # the open record_choices() lists
+
+
+@contextlib.contextmanager
+def record_choices() -> Iterator[list]:
+    """Collects every kernel choice made while tracing inside the ``with`` (one dict per
+    :func:`resolve_implementation` call: implementation, packed q/k dim ``qk_dim``, dtype,
+    platform and where it was read); :mod:`goat_jax.aot` reports what a compiled step uses."""
+    found: list = []
+    _choices.append(found)
+    try:
+        yield found
+    finally:
+        _choices.remove(found)
+
+
+def _record(choice: str, dtype: Any, qk_dim: int, target: Tuple[str, str]) -> str:
+    for found in _choices:
+        found.append({"implementation": choice, "qk_dim": int(qk_dim), "dtype": jnp.dtype(dtype).name,
+                      "platform": target[0], "devices_from": target[1]})
+    return choice
 
 
 def log_once(message: str) -> None:
@@ -80,31 +104,122 @@ def log_once(message: str) -> None:
         _logger.info(message)
 
 
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def _normal(platform: str) -> str:
+    return "gpu" if platform in _GPU_PLATFORMS else platform
+
+
+def _array_platform(x: Any) -> Optional[Tuple[str, str]]:
+    """The platform ``x`` lives on, from its own placement, or None when that is unknown (a
+    tracer without a mesh in its type, a NumPy array)."""
+    if x is None or not hasattr(x, "shape"):
+        return None
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            device = next(iter(x.sharding.device_set))
+        except Exception:  # pylint: disable=broad-except  # deleted or unusual arrays
+            return None
+        return _normal(device.platform), f"the inputs' devices ({device.device_kind})"
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except Exception:  # pylint: disable=broad-except  # no sharding in the type
+        return None
+    device = getattr(mesh, "abstract_device", None)
+    if getattr(mesh, "empty", True) or device is None:
+        return None
+    return _normal(device.platform), f"the inputs' mesh ({device.device_kind})"
+
+
+def target_platform(*like: Any) -> Tuple[str, str]:
+    """``(platform, where that was read)`` of the devices the computation being traced runs on:
+    'cpu', 'gpu' or 'tpu'. The one place the kernels ask which hardware they are for.
+
+    In order: the placement of the arrays ``like`` (concrete arrays' devices; a tracer whose type
+    carries a mesh, under explicit sharding); the abstract mesh in context (``jax.set_mesh(mesh)``,
+    ``jax.sharding.use_abstract_mesh``, the trainer's :func:`goat_jax.train.sharding.with_mesh_and_rules`),
+    whose devices may be another machine's (a TPU topology compiled ahead of time on a CPU host,
+    :mod:`goat_jax.aot`); a legacy ``with mesh:``; and only then JAX's default backend (the host's).
+    """
+    for x in like:
+        found = _array_platform(x)
+        if found is not None:
+            return found
+    abstract = jax.sharding.get_abstract_mesh()
+    device = getattr(abstract, "abstract_device", None)
+    if not abstract.empty and device is not None:
+        return _normal(device.platform), f"the mesh in context ({device.device_kind})"
+    try:  # `with mesh:` (deprecated) sets only the physical mesh
+        from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+        physical = mesh_lib.thread_resources.env.physical_mesh
+        if not physical.empty:
+            device = physical.devices.flat[0]
+            return _normal(device.platform), f"the mesh in context ({device.device_kind})"
+    except (ImportError, AttributeError):
+        pass
+    return _normal(jax.default_backend()), "JAX's default backend: no mesh in context"
+
+
 def _platform() -> str:
-    return jax.default_backend()
+    return target_platform()[0]
+
+
+def _refusal(implementation: str, dtype: Any, qk_dim: int, target: Tuple[str, str]) -> Optional[str]:
+    """Why ``implementation`` cannot run for ``dtype``, ``qk_dim`` on ``target`` (see
+    :func:`target_platform`), or None: the one list of reasons an explicit choice is refused."""
+    platform, where = target
+    dtype = jnp.dtype(dtype)
+    half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if implementation == "cudnn":
+        if platform != "gpu":
+            return (f"implementation='cudnn' needs a GPU, but the computation runs on '{platform}' "
+                    f"({where}). Use implementation='xla' (or None for automatic choice).")
+        if not half:
+            return (f"implementation='cudnn' needs bfloat16 or float16 inputs, got {dtype.name}. Set "
+                    "the module's dtype=jnp.bfloat16, or use implementation='xla'.")
+        if -(-qk_dim // 8) * 8 > _CUDNN_MAX_HEAD_DIM:
+            return (f"implementation='cudnn' supports head dims <= {_CUDNN_MAX_HEAD_DIM}; the packed "
+                    f"q/k dim is {qk_dim}. Use fewer heads' dims or implementation='xla'.")
+    if implementation == "splash" and platform != "tpu":
+        hint = (" To compile for TPUs from this host, trace under a mesh of TPU devices "
+                "(jax.set_mesh(mesh); docs/aot.md)." if where.startswith("JAX's default") else "")
+        return (f"implementation='splash' needs a TPU, but the computation runs on '{platform}' "
+                f"({where}). Use 'splash_interpret' to run the same Pallas kernel in interpret mode "
+                f"(slow; for tests).{hint}")
+    return None
 
 
 def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
-                           logits_shape: Optional[Tuple[int, int, int, int]] = None) -> str:
-    """Validates ``implementation`` or picks one automatically (logged once).
+                           logits_shape: Optional[Tuple[int, int, int, int]] = None,
+                           *, like: Tuple[Any, ...] = ()) -> str:
+    """Validates ``implementation`` or picks one automatically (logged once), for the devices
+    the computation runs on (:func:`target_platform` of ``like``, the mesh in context, else the
+    default backend): a TPU program traced on a CPU host gets TPU kernels.
 
     Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
-    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU; otherwise
+    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU when the
+    lengths of ``logits_shape`` are multiples of 128 (splash's blocks); otherwise
     'flash' when ``logits_shape`` = (B, N, T, S) is given and ``B * N * T * S * 4`` exceeds
     ``FLASH_THRESHOLD_BYTES``, else XLA. An explicit choice that cannot run raises ValueError
-    naming the reason.
+    naming the reason (:func:`_refusal`).
     """
     dtype = jnp.dtype(dtype)
     half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    platform = _platform()
+    target = target_platform(*like)
+    platform = target[0]
     if implementation is None or implementation == "auto":
         padded = -(-qk_dim // 8) * 8
+        splash_fits = logits_shape is None or not (logits_shape[2] % _SPLASH_BLOCK or logits_shape[3] % _SPLASH_BLOCK)
         if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
             choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
-        elif platform == "tpu":
+        elif platform == "tpu" and splash_fits:
             choice, why = "splash", "TPU"
         else:
             reasons = []
+            if platform == "tpu":
+                reasons.append(f"TPU, but splash needs lengths that are multiples of {_SPLASH_BLOCK} "
+                               f"(T={logits_shape[2]}, S={logits_shape[3]})")
             if platform == "gpu" and not half:
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
             if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
@@ -117,35 +232,17 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
             else:
                 choice = "xla"
             why = ", ".join(reasons) or f"platform {platform}"
-        log_once(f"goat_jax: attention implementation '{choice}' ({why}).")
-        return choice
+        log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {target[1]}).")
+        return _record(choice, dtype, qk_dim, target)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"Unknown implementation={implementation!r}; choose one of {IMPLEMENTATIONS} or None "
             "(automatic)."
         )
-    if implementation == "cudnn":
-        if platform != "gpu":
-            raise ValueError(
-                f"implementation='cudnn' needs a GPU, but JAX runs on '{platform}'. Use "
-                "implementation='xla' (or None for automatic choice)."
-            )
-        if not half:
-            raise ValueError(
-                f"implementation='cudnn' needs bfloat16 or float16 inputs, got {dtype.name}. Set "
-                "the module's dtype=jnp.bfloat16, or use implementation='xla'."
-            )
-        if -(-qk_dim // 8) * 8 > _CUDNN_MAX_HEAD_DIM:
-            raise ValueError(
-                f"implementation='cudnn' supports head dims <= {_CUDNN_MAX_HEAD_DIM}; the packed "
-                f"q/k dim is {qk_dim}. Use fewer heads' dims or implementation='xla'."
-            )
-    if implementation == "splash" and platform != "tpu":
-        raise ValueError(
-            f"implementation='splash' needs a TPU, but JAX runs on '{platform}'. Use "
-            "'splash_interpret' to run the same Pallas kernel in interpret mode (slow; for tests)."
-        )
-    return implementation
+    refusal = _refusal(implementation, dtype, qk_dim, target)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return _record(implementation, dtype, qk_dim, target)
 
 
 def _explicit_mask(
@@ -335,6 +432,10 @@ def attend(
       With ``return_probs``: ``(out, probs)``, probs [B, N, T, S] float32 (zero rows likewise).
     """
     _check_inputs(q, k, v, key_padding_mask, kv_lengths)
+    if implementation == "splash":  # Mosaic needs a TPU: say so, not a compiler error
+        refusal = _refusal(implementation, q.dtype, q.shape[-1], target_platform(q))
+        if refusal is not None:
+            raise ValueError(refusal)
     segments = resolve_segments(q.shape, k.shape, segment_ids, q_segment_ids, kv_segment_ids)
     if segments is not None and implementation == "cudnn":
         raise ValueError(
@@ -422,9 +523,66 @@ def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:
     return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
 
 
+def _splash_partition(b: int, n: int, kh: int):
+    """How splash runs on the mesh in context: ``(mesh, batch_axes, head_axes, shard_kv)``, or
+    None outside a mesh of more than one device.
+
+    Mosaic kernels cannot be partitioned by XLA, so on a mesh splash runs under
+    ``jax.shard_map``, each device on its own examples (and heads). The batch dim is split over
+    the mesh axes the logical rules in context give ``'batch'`` (Flax's
+    ``nn.logical_axis_rules``, as the trainer sets them; without rules the axes named
+    ``data``/``fsdp``, else every axis but ``tensor``/``model``), the query heads over those of
+    ``'heads'`` (without rules: ``tensor``); an axis is kept only while the product still divides
+    the dimension. The key/value heads are split with the query heads when their number divides
+    too (each device keeps its query heads' KV heads: GQA groups are contiguous), kept whole for
+    one KV head (MQA), and otherwise the heads are not split (every device of those axes repeats
+    the heads' work: correct, only redundant)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size <= 1:
+        return None
+    names = tuple(mesh.axis_names)
+
+    def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
+        try:
+            import flax.linen as nn  # pylint: disable=g-import-not-at-top
+            if not nn.get_logical_axis_rules():
+                return None
+            spec = nn.logical_to_mesh_axes((logical,))
+        except Exception:  # pylint: disable=broad-except  # rules naming axes of another mesh
+            return None
+        if spec is None or not len(spec) or spec[0] is None:
+            return ()
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        return tuple(a for a in axes if a in names)
+
+    def dividing(axes, dim, used=()):
+        kept, size = [], 1
+        for a in axes:
+            if a not in used and dim % (size * mesh.shape[a]) == 0:
+                kept.append(a)
+                size *= mesh.shape[a]
+        return tuple(kept), size
+
+    batch = from_rules("batch")
+    if batch is None:
+        batch = tuple(a for a in ("data", "fsdp") if a in names) or tuple(
+            a for a in names if a not in ("tensor", "model"))
+    batch, _ = dividing(batch, b)
+    heads = from_rules("heads")
+    if heads is None:
+        heads = tuple(a for a in ("tensor", "model") if a in names)
+    heads, m = dividing(heads, n, used=batch)
+    shard_kv = bool(heads) and kh % m == 0
+    if heads and not shard_kv and kh != 1:
+        heads = ()
+    return mesh, batch, heads, shard_kv
+
+
 def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, segments, *,
             interpret):
-    """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA)."""
+    """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA); under
+    ``jax.shard_map`` over the batch (and head) axes inside a mesh of several devices
+    (:func:`_splash_partition`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -441,7 +599,6 @@ def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengt
             "causal_offset (got a traced value, e.g. a KV-cache index). Decode with "
             "implementation='xla'/'cudnn'."
         )
-    g = n // kh
     block = lambda length: max(_SPLASH_BLOCK, min(512, length) // _SPLASH_BLOCK * _SPLASH_BLOCK)
     bq, bkv = block(t), block(s)
     while t % bq:
@@ -451,10 +608,6 @@ def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengt
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     base = sm.CausalMask((t, s), offset=int(causal_offset)) if is_causal else sm.FullMask((t, s))
-    mqa = kh == 1 or g > 1
-    heads = g if mqa else n
-    kernel = (sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device)(
-        sm.MultiHeadMask([base] * heads), block_sizes=sizes, interpret=interpret)
 
     pad = None
     if key_padding_mask is not None:
@@ -483,15 +636,35 @@ def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengt
     ks = jnp.moveaxis(k, 1, 2)  # [B, K, S, H]
     vs = jnp.moveaxis(v, 1, 2)
 
-    def one(qb, kb, vb, sq, skv):
-        seg = None if sq is None else sk.SegmentIds(q=sq, kv=skv)
-        if mqa:  # qb [N, T, H] -> [K, G, T, H]; one MQA call per KV head
-            qg = qb.reshape(kh, g, t, -1)
-            return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=seg))(qg, kb, vb).reshape(n, t, -1)
-        return kernel(qb, kb, vb, segment_ids=seg)
+    def run(qs, ks, vs, *seg):
+        """Splash on (a device's shard of) the batch: [b, n, T, H] queries, [b, kh, S, H] keys."""
+        n_, kh_ = qs.shape[1], ks.shape[1]
+        g = n_ // kh_
+        mqa = kh_ == 1 or g > 1
+        kernel = (sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device)(
+            sm.MultiHeadMask([base] * (g if mqa else n_)), block_sizes=sizes, interpret=interpret)
 
-    if seg_q is None:
-        out = jax.vmap(lambda a, c, d: one(a, c, d, None, None))(qs, ks, vs)
+        def one(qb, kb, vb, sq=None, skv=None):
+            ids = None if sq is None else sk.SegmentIds(q=sq, kv=skv)
+            if mqa:  # qb [n, T, H] -> [kh, g, T, H]; one MQA call per KV head
+                qg = qb.reshape(kh_, g, t, -1)
+                return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=ids))(
+                    qg, kb, vb).reshape(n_, t, -1)
+            return kernel(qb, kb, vb, segment_ids=ids)
+
+        return jax.vmap(one)(qs, ks, vs, *seg)
+
+    seg = () if seg_q is None else (seg_q, seg_kv)
+    partition = _splash_partition(b, n, kh)
+    if partition is None:
+        out = run(qs, ks, vs, *seg)
     else:
-        out = jax.vmap(one)(qs, ks, vs, seg_q, seg_kv)
+        mesh, batch, heads, shard_kv = partition
+        ax = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
+        q_spec = P(ax(batch), ax(heads), None, None)
+        kv_spec = P(ax(batch), ax(heads) if shard_kv else None, None, None)
+        seg_spec = P(ax(batch), None)
+        out = jax.shard_map(run, mesh=mesh, out_specs=q_spec,
+                            in_specs=(q_spec, kv_spec, kv_spec) + (seg_spec,) * len(seg),
+                            check_vma=False)(qs, ks, vs, *seg)
     return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]
