@@ -253,9 +253,9 @@ def test_lm_offers_the_encodings_and_passes_the_gate_bias():
         assert enc in lm.POSITION_ENCODINGS
     cfg = lm.LMConfig(position_encoding="fox", fox_gate_bias_init=2.5)
     attn = lm.make_attention(cfg, decode=False)
-    assert attn.position_encoding == "fox" and attn.fox_gate_bias_init == 2.5
+    assert attn.position_encoding == "fox" and attn.settings.fox_gate_bias_init == 2.5
     attn = lm.make_attention(lm.LMConfig(position_encoding="fire", fire_threshold_init=64.0), decode=False)
-    assert attn.fire_threshold_init == 64.0
+    assert attn.settings.fire_threshold_init == 64.0
     with pytest.raises(ValueError, match="fire_threshold_init"):
         lm.LMConfig(position_encoding="fire", fire_threshold_init=0.0).validate()
 

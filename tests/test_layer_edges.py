@@ -245,7 +245,7 @@ def test_non_positive_training_seq_len_is_refused(encoding, length):
     """training_seq_len <= 0 is one error naming it, before any division by it."""
     layer = PositionalAttention(num_heads=2, position_encoding=encoding, training_seq_len=length)
     x = jnp.ones((1, 8, 16))
-    with pytest.raises(ValueError, match="training_seq_len must be an integer >= 1"):
+    with pytest.raises(ValueError, match=rf"training_seq_len={length} is out of range: allowed is an integer >= 1"):
         layer.init(jax.random.PRNGKey(0), x)
 
 
@@ -256,5 +256,6 @@ def test_invalid_rope_scaling_factor_is_refused(encoding, factor):
     layer = PositionalAttention(num_heads=2, position_encoding=encoding, training_seq_len=8,
                                 rope_scaling_factor=factor)
     x = jnp.ones((1, 8, 16))
-    with pytest.raises(ValueError, match="rope_scaling_factor must be >= 1 and finite"):
+    with pytest.raises(ValueError, match=r"rope_scaling_factor=\S+ is (out of range|not finite): allowed is a "
+                                         r"number finite in float32 >= 1"):
         layer.init(jax.random.PRNGKey(0), x)

@@ -322,7 +322,7 @@ def test_errors():
     with pytest.raises(ValueError, match="'ntk' needs training_seq_len"):
         make("ntk", training_seq_len=None).init(key, x)
     make("ntk", training_seq_len=None, rope_scaling_factor=2.0).init(key, x)  # a fixed factor needs no length
-    with pytest.raises(ValueError, match="rope_scaling_factor must be >= 1"):
+    with pytest.raises(ValueError, match="rope_scaling_factor=0.5 is out of range: allowed is a number finite in float32 >= 1"):
         make("yarn", rope_scaling_factor=0.5).init(key, x)
     with pytest.raises(ValueError, match="yarn_beta_fast must exceed"):
         make("yarn", rope_scaling_factor=2.0, yarn_beta_fast=1.0, yarn_beta_slow=2.0).init(key, x)
@@ -338,7 +338,7 @@ def test_errors():
 
 
 def test_lm_config_fields_and_model(rng):
-    with pytest.raises(ValueError, match="'yarn' needs model.training_seq_len"):
+    with pytest.raises(ValueError, match="'yarn' needs training_seq_len"):  # the layer's check (YarnSettings)
         lm.LMConfig(position_encoding="yarn")
     with pytest.raises(ValueError, match="logn_scaling='all' needs model.training_seq_len"):
         lm.LMConfig(position_encoding="goat", logn_scaling="all")
@@ -350,8 +350,8 @@ def test_lm_config_fields_and_model(rng):
     cfg = lm.LMConfig(position_encoding="yarn", training_seq_len=8, logn_scaling="content", rope_scaling_factor=2.0,
                       yarn_beta_fast=16.0, num_layers=1)
     attn = lm.make_attention(cfg, decode=False)
-    assert (attn.logn_scaling, attn.rope_scaling_factor, attn.yarn_beta_fast, attn.training_seq_len) == (
-        "content", 2.0, 16.0, 8)
+    assert (attn.logn_scaling, attn.settings.rope_scaling_factor, attn.settings.yarn_beta_fast,
+            attn.training_seq_len) == ("content", 2.0, 16.0, 8)
     assert lm.make_attention(lm.LMConfig(logn_scaling="all", training_seq_len=8), False).logn_scaling == "all"
 
 

@@ -35,16 +35,19 @@ from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.layers import LOGN_MODES
+from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
+from goat_jax.positional import layer as positional_layer
 from goat_jax.prior import PriorSettings
 
 Array = jax.Array
 
 # Encodings that add an absolute embedding to the token embeddings and use position-free attention.
 ABSOLUTE_ENCODINGS = ("sinusoidal", "learned")
-# 'goat', every 1D encoding of the positional package (read from its registry, so a new encoding
-# there is offered here without a second list), and the absolute embeddings.
-POSITION_ENCODINGS = (("goat",) + tuple(e.name for e in positional.ENCODINGS if e.positions != "2d")
-                      + ABSOLUTE_ENCODINGS)
+# Every 1D encoding of the positional package (read from its registry, so a new encoding there is
+# offered here, with its settings as config fields, without a second list).
+BASELINES = tuple(e for e in positional.ENCODINGS if e.positions != "2d")
+# 'goat', the baselines and the absolute embeddings.
+POSITION_ENCODINGS = ("goat",) + tuple(e.name for e in BASELINES) + ABSOLUTE_ENCODINGS
 BLOCKS = ("llama", "gpt2")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
 TABLE_ENCODINGS = ("learned", "naive_prior")
@@ -57,11 +60,17 @@ class LMConfig:
     (build from ml_collections with :meth:`from_config`). Dtypes may be given as strings
     ('bfloat16') or dtypes.
 
-    Each field is declared once, here: default, type, range and doc (its
+    Each field is declared once: default, type, range and doc (its
     :func:`goat_jax.config.fields.declare` metadata, from which :data:`FIELD_SPECS` is derived).
     The GOAT fields keep their config names (``pos_rank``, ...) but are declared by
     :class:`goat_jax.prior.PriorSettings` and borrowed; the model passes the one object
-    :attr:`prior`. Cross-field rules are in ``__post_init__``.
+    :attr:`prior`. Likewise the baselines' settings (``rope_base``, ``yarn_beta_fast``, ...) are
+    declared by their encodings (``goat_jax.positional.rope.RopeSettings``, ...) and borrowed
+    under the same names, and the model passes the one object :attr:`encoding_settings`; a
+    registered encoding's setting that is not borrowed here is added as a field of its own name
+    (:func:`goat_jax.positional.layer.add_settings_fields`). Cross-field rules are in
+    ``__post_init__``; the encodings' own rules are their settings' (checked by building
+    :attr:`encoding_settings`).
     """
 
     vocab_size: int = declare(259, Int(min=1, doc="tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)"))
@@ -74,21 +83,19 @@ class LMConfig:
     block: str = declare("llama", Str(choices=BLOCKS, doc="'llama' (RMSNorm, SwiGLU) or 'gpt2' (LayerNorm, GELU(tanh) MLP)"))
     position_encoding: str = declare("goat", Str(choices=POSITION_ENCODINGS))
     tie_embeddings: bool = declare(True, Bool(doc="output projection = token embedding transposed (Llama 3.2 1B)"))
-    max_len: int = declare(2048, Int(min=1, doc="position-table size for 'learned' and 'naive_prior'"))
-    # Shared by GOAT's sink normalization and RoPE-PI's scale.
+    # The table size of 'naive_prior' (declared there), and of the 'learned' embedding.
+    max_len: int = borrow(naive_prior.NaivePriorSettings, "max_len", default=2048)
+    # Shared by GOAT's sink normalization, RoPE-PI's scale, 'ntk' / 'yarn' and log-n scaling.
     training_seq_len: Optional[int] = borrow(PriorSettings, "training_seq_len")
-    rope_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
-                                               doc="RoPE / RoPE-PI base; <= 1 gives no rotation spectrum"))
+    rope_base: float = borrow(rope.RopeSettings, "rope_base")  # 'rope', 'rope_pi', 'ntk', 'yarn'
     # 'ntk' / 'yarn' (goat_jax/positional/rope_scaling.py) and log-n scaling (any 1D encoding).
-    rope_scaling_factor: Optional[float] = declare(None, Float(min=1.0, optional=True,
-                                                               doc="'ntk'/'yarn' fixed factor; None: dynamic, max(1, keys / training_seq_len)"))
-    yarn_beta_fast: float = declare(32.0, Float(min=0.0, min_inclusive=False, doc="'yarn': rotations above which a pair extrapolates"))
-    yarn_beta_slow: float = declare(1.0, Float(min=0.0, min_inclusive=False, doc="'yarn': rotations below which a pair interpolates"))
+    rope_scaling_factor: Optional[float] = borrow(rope_scaling.NtkSettings, "rope_scaling_factor")
+    yarn_beta_fast: float = borrow(rope_scaling.YarnSettings, "yarn_beta_fast")
+    yarn_beta_slow: float = borrow(rope_scaling.YarnSettings, "yarn_beta_slow")
     logn_scaling: Optional[str] = declare(None, Str(choices=LOGN_MODES, optional=True,
                                                     doc="logits x max(1, ln n / ln training_seq_len): 'content' or 'all' (prior too)"))
-    fox_gate_bias_init: float = declare(0.0, Float(doc="'fox': initial bias of the forget gates (0 as the official FoX; larger starts them nearer 1)"))
-    fire_threshold_init: float = declare(512.0, Float(min=0.0, min_inclusive=False,
-                                                      doc="'fire': the threshold L at init (512 as the reference listing)"))
+    fox_gate_bias_init: float = borrow(fox.FoxSettings, "fox_gate_bias_init")
+    fire_threshold_init: float = borrow(fire.FireSettings, "fire_threshold_init")
     pos_rank: int = borrow(PriorSettings, "pos_rank")
     abs_rank: int = borrow(PriorSettings, "abs_rank")
     prior_init: str = borrow(PriorSettings, "prior_init")
@@ -107,8 +114,7 @@ class LMConfig:
     init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
     attention_init_std: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
                                                               doc="q/k/v/out kernels N(0, std); None: Xavier-uniform (C4: 0.02)"))
-    baseline_attention_scale: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
-                                                                    doc="non-GOAT q.k factor; None: 1 / sqrt(head_dim) (official synthetic: 1)"))
+    baseline_attention_scale: Optional[float] = declare(None, positional_layer.ATTENTION_SCALE)
 
     def __post_init__(self):
         check_instance(self, "model")  # each field's own type and range (its declaration)
@@ -120,16 +126,10 @@ class LMConfig:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
         _ = self.prior  # the GOAT settings' cross-field rules (PriorSettings raises naming the field)
-        if self.position_encoding == "rope_pi" and self.training_seq_len is None:
-            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length "
-                             "positions are interpolated back to).")
-        if self.training_seq_len is None and (
-                self.position_encoding == "yarn" or self.logn_scaling is not None
-                or (self.position_encoding == "ntk" and self.rope_scaling_factor is None)):
-            what = (f"logn_scaling={self.logn_scaling!r}" if self.logn_scaling is not None
-                    else f"position_encoding={self.position_encoding!r}")
-            raise ValueError(f"{what} needs model.training_seq_len (the training context length it "
-                             "scales from).")
+        _ = self.encoding_settings  # the baseline's own rules (its settings class raises naming the field)
+        if self.training_seq_len is None and self.logn_scaling is not None:
+            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs model.training_seq_len (the "
+                             "training context length it scales from).")
 
     @property
     def max_positions(self) -> Optional[int]:
@@ -152,6 +152,20 @@ class LMConfig:
         e.g. the frequency bases, keep PriorSettings' defaults). ``training_seq_len`` is shared
         with RoPE-PI."""
         return PriorSettings.from_fields(self)
+
+    @property
+    def attention_encoding(self) -> str:
+        """The encoding of the attention layers: ``position_encoding``, 'nope' for the absolute
+        embeddings (their positions are in the embeddings)."""
+        return "nope" if self.position_encoding in ABSOLUTE_ENCODINGS else self.position_encoding
+
+    @property
+    def encoding_settings(self) -> Optional[positional.EncodingSettings]:
+        """The baseline's settings (its encoding's ``settings_class`` of this config's fields of
+        those names), None for 'goat' (whose settings are :attr:`prior`)."""
+        if self.position_encoding == "goat":
+            return None
+        return positional.get_encoding(self.attention_encoding).settings_class.from_fields(self)
 
     @property
     def kv_heads(self) -> int:
@@ -187,6 +201,9 @@ class LMConfig:
             raise ValueError(f"Unknown LMConfig field(s): {unknown}. Known fields: {sorted(fields)}.")
         return cls(**values)
 
+
+# A registered encoding's setting that LMConfig does not borrow becomes a field of its own name.
+LMConfig = positional_layer.add_settings_fields(LMConfig, BASELINES)
 
 # Type, range and doc of every field of a config's ``model`` section, derived from LMConfig's
 # declarations (the engine checks them before any work, goat_jax/config/fields.py).
@@ -274,16 +291,11 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.
         return GoatAttention(prior=cfg.prior, **common)
-    from goat_jax.positional import PositionalAttention  # baselines live in their own module
-
-    encoding = "nope" if cfg.position_encoding in ABSOLUTE_ENCODINGS else cfg.position_encoding
-    return PositionalAttention(position_encoding=encoding, rope_base=cfg.rope_base,
-                               max_len=cfg.max_len, training_seq_len=cfg.training_seq_len,
-                               rope_scaling_factor=cfg.rope_scaling_factor, yarn_beta_fast=cfg.yarn_beta_fast,
-                               yarn_beta_slow=cfg.yarn_beta_slow,
-                               attention_scale=cfg.baseline_attention_scale,
-                               fox_gate_bias_init=cfg.fox_gate_bias_init,
-                               fire_threshold_init=cfg.fire_threshold_init, **common)
+    # One settings object (the encoding's declarations, read from this config's fields of those
+    # names); training_seq_len also for log-n scaling, which every encoding takes.
+    return positional.PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings,
+                                          training_seq_len=cfg.training_seq_len,
+                                          attention_scale=cfg.baseline_attention_scale, **common)
 
 
 class DecoderBlock(nn.Module):

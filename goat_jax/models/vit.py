@@ -46,15 +46,18 @@ from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
 from goat_jax.prior import PriorSettings
 from goat_jax import positional
-from goat_jax.positional import PositionalAttention, sincos_2d_embedding
+from goat_jax.positional import PositionalAttention, rope, rope_mixed, sincos_2d_embedding
+from goat_jax.positional import layer as positional_layer
 
 Array = jax.Array
 
 # Encodings on the patch embeddings (attention runs 'nope').
 EMBEDDING_ENCODINGS = ("ape", "sincos2d")
 # Encodings inside attention from the positional package: those that read the patch grid ('2d')
-# or ignore positions ('any'), read from its registry so a new 2D encoding is offered here too.
-ATTENTION_ENCODINGS = tuple(e.name for e in positional.ENCODINGS if e.positions != "1d")
+# or ignore positions ('any'), read from its registry so a new 2D encoding is offered here too,
+# with its settings as config fields.
+BASELINES = tuple(e for e in positional.ENCODINGS if e.positions != "1d")
+ATTENTION_ENCODINGS = tuple(e.name for e in BASELINES)
 POSITION_ENCODINGS = ("goat",) + EMBEDDING_ENCODINGS + ATTENTION_ENCODINGS
 
 # The official ViT-S/16 shape (224 px, patch 16, width 384, 12 layers, 6 heads, MLP 4x).
@@ -73,7 +76,11 @@ class ViTConfig:
     Each field is declared once, here (default, type, range, doc: its
     :func:`goat_jax.config.fields.declare` metadata, from which :data:`FIELD_SPECS` is derived);
     the GOAT fields are :class:`goat_jax.prior.PriorSettings`' declarations with the official
-    ViT recipe's defaults. Cross-field rules are in ``__post_init__``.
+    ViT recipe's defaults, and the attention baselines' fields their encodings' declarations
+    (``rope_base``: ``goat_jax.positional.rope.RopeSettings``, ``rope_mixed_base``:
+    ``goat_jax.positional.rope_mixed.RopeMixedSettings``) with Heo et al.'s defaults; the model
+    passes :attr:`prior` or :attr:`encoding_settings`, one object. Cross-field rules are in
+    ``__post_init__``.
     """
 
     num_classes: int = declare(1000, Int(min=1, doc="classifier outputs K"))
@@ -93,10 +100,8 @@ class ViTConfig:
     prior_init: str = borrow(PriorSettings, "prior_init", default="uniform")  # official ViT: a flat prior
     enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
     learn_frequencies: bool = borrow(PriorSettings, "learn_frequencies")  # rows' and columns'
-    rope_base: float = declare(100.0, Float(min=1.0, min_inclusive=False,
-                                            doc="'rope2d' base (Heo et al. 2024: 100); <= 1 gives no rotation spectrum"))
-    rope_mixed_base: float = declare(10.0, Float(min=1.0, min_inclusive=False,
-                                                  doc="'rope_mixed' initial ladder base (Heo et al. 2024: 10)"))
+    rope_base: float = borrow(rope.RopeSettings, "rope_base", default=100.0)  # 'rope2d' (Heo et al. 2024: 100)
+    rope_mixed_base: float = borrow(rope_mixed.RopeMixedSettings, "rope_mixed_base", default=10.0)  # Heo et al.: 10
     sincos_temperature: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
                                                         doc="'sincos2d' temperature (big_vision default)"))
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
@@ -117,11 +122,26 @@ class ViTConfig:
             raise ValueError(f"position_encoding={self.position_encoding!r} needs a head dim divisible by 4, got "
                              f"{self.embed_dim // self.num_heads}.")
         _ = self.prior  # the GOAT settings' own rules
+        _ = self.encoding_settings  # the baseline's own rules
 
     @property
     def prior(self) -> PriorSettings:
         """The GOAT prior's settings (PriorSettings defaults for the fields not named here)."""
         return PriorSettings.from_fields(self)
+
+    @property
+    def attention_encoding(self) -> str:
+        """The encoding of the attention layers: ``position_encoding``, 'nope' for the embedding
+        encodings."""
+        return self.position_encoding if self.position_encoding in ATTENTION_ENCODINGS else "nope"
+
+    @property
+    def encoding_settings(self) -> Optional[positional.EncodingSettings]:
+        """The attention baseline's settings (its ``settings_class`` of this config's fields of
+        those names), None for 'goat'."""
+        if self.position_encoding == "goat":
+            return None
+        return positional.get_encoding(self.attention_encoding).settings_class.from_fields(self)
 
     @property
     def train_grid(self) -> Tuple[int, int]:
@@ -148,6 +168,9 @@ class ViTConfig:
             raise ValueError(f"Unknown ViTConfig field(s): {unknown}. Known fields: {sorted(fields)} and 'preset'.")
         return cls.preset(preset, **values) if preset else cls(**values)
 
+
+# A registered 2D encoding's setting that ViTConfig does not borrow becomes a field of its own name.
+ViTConfig = positional_layer.add_settings_fields(ViTConfig, BASELINES)
 
 # Type, range and doc of every field of a config's ``model`` section: ViTConfig's declarations
 # plus ``preset`` (checked by the engine before any work, goat_jax/config/fields.py).
@@ -249,9 +272,7 @@ def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
                   implementation=cfg.implementation, name=name)
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
-    encoding = cfg.position_encoding if cfg.position_encoding in ATTENTION_ENCODINGS else "nope"
-    base = cfg.rope_mixed_base if encoding == "rope_mixed" else cfg.rope_base
-    return PositionalAttention(position_encoding=encoding, rope_base=base, **common)
+    return PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings, **common)
 
 
 class EncoderBlock(nn.Module):

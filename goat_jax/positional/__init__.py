@@ -49,20 +49,39 @@ A model using them runs its attention with ``position_encoding='nope'``.
 
 Adding an encoding
 ------------------
-Write one module here with a subclass of :class:`PositionEncoding` (``base.py``) and add its
-instance to ``ENCODINGS`` in ``layer.py`` (``POSITION_ENCODINGS`` is read from it). The class
-says, as attributes: its ``name``; ``positions`` ('1d', '2d' or 'any'); ``causal_only`` (the
-reason, if it needs ``is_causal=True``); ``materialized_bias`` (True: it returns a
-[.., N, T, S] bias and runs on the 'xla'/'dense' kernels only; False: it runs on every kernel).
-It overrides only the hooks it needs, each given the layer (its fields, ``layer.param`` for
-its parameters) and an :class:`EncodingContext` (positions, the keys attended while decoding,
-head shapes, dtype, scale):
+An encoding is its module here and one entry in ``ENCODINGS`` (``layer.py``; ``POSITION_ENCODINGS``
+is read from it). The module holds a subclass of :class:`PositionEncoding` (``base.py``) and, if
+the encoding has knobs, their settings: a frozen dataclass subclassing :class:`EncodingSettings`
+with one field per knob, declared once with ``goat_jax.config.fields.declare(default,
+Float(...))`` (or inherited / ``borrow``-ed when another encoding declares it already, as
+``rope_base`` and ``training_seq_len``), and in ``__post_init__`` (after ``super().__post_init__()``,
+which checks each field against its declaration) the rules between knobs, e.g. 'rope_pi' needs
+``training_seq_len``: the one place each requirement is checked. The class names it as
+``settings_class``. The class also says, as attributes: its ``name``; ``positions`` ('1d', '2d' or
+'any'); ``causal_only`` (the reason, if it needs ``is_causal=True``); ``materialized_bias`` (True:
+it returns a [.., N, T, S] bias and runs on the 'xla'/'dense' kernels only; False: it runs on
+every kernel). It overrides only the hooks it needs, each given the layer (``layer.param`` for its
+parameters) and an :class:`EncodingContext` (its checked settings ``ctx.settings``, positions, the
+keys attended while decoding, head shapes, dtype, scale):
 
-* ``check_layer(layer)``: raise for a missing field (e.g. 'rope_pi' without ``training_seq_len``);
+* ``check_layer(layer)``: raise for a layer it cannot run in (its settings' rules are checked
+  when the settings are built);
 * ``extra_qk_dims(shape, channels)``: channels appended to each q/k head when it packs a term
   into q/k (the KV cache is sized with them);
 * ``encode(layer, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);
 * ``bias(layer, ctx)``: an additive bias, or None.
+
+Nothing else is written for it: the models offer the registered encodings
+(``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and 'any'), their
+configs have each setting as a ``model.<name>`` field (borrowed from the declaration, or added
+from the registry by ``layer.add_settings_fields``, so ``--config.model.<name>=...`` sets it and
+old run configs resume under its default), the models pass the one settings object
+(``PositionalAttention(settings=...)``), and a layer built by hand takes each built-in setting as
+a keyword of the same name (``PositionalAttention(position_encoding='yarn',
+training_seq_len=2048)``). An encoding defined outside this package is added with
+``register(encoding)`` before ``goat_jax.models`` is imported. ``tests/test_positional_protocol.py``
+shows a complete encoding written only against the protocol; ``tests/test_encoding_settings.py``
+adds one with a knob and sets it from the command line's config override.
 
 Segments (document-aware packing). When a call has ``segment_ids``, the layer has already made
 the positions per document (``EncodingContext.q_pos`` [B, T], ``k_pos`` / ``attended_k_pos``
@@ -78,10 +97,7 @@ every CPU kernel (the slow suite; a few in the default one): a packed row equals
 alone.
 
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
-:class:`goat_jax.layers.AttentionBase`. The models read their ``POSITION_ENCODINGS`` from
-``ENCODINGS`` (``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and
-'any'), so a registered encoding is offered by them with no second list; an encoding that needs a
-new layer field also needs that field passed by the model's ``make_attention``.
+:class:`goat_jax.layers.AttentionBase`.
 
 Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, in
 :class:`goat_jax.layers.AttentionBase`), so any 1D encoding and GOAT can add it.
@@ -92,18 +108,19 @@ H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
 
 from goat_jax.positional.absolute import LearnedPositionEmbedding, sincos_2d_embedding, sinusoidal_embedding
 from goat_jax.positional.alibi import alibi_bias, pack_alibi_key, pack_alibi_query
-from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 from goat_jax.positional.fire import fire_bias
 from goat_jax.positional.fox import fox_cumulative, fox_log_forget, pack_fox_key
 from goat_jax.positional.kerple import kerple_log_bias
-from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding
+from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding, register
 from goat_jax.positional.naive_prior import naive_prior_bias
 from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
 from goat_jax.positional.rope_mixed import apply_rope_mixed
 
 __all__ = [
-    "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "LearnedPositionEmbedding", "PositionEncoding",
+    "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "EncodingSettings", "LearnedPositionEmbedding",
+    "PositionEncoding",
     "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "apply_rope_mixed", "fire_bias",
     "fox_cumulative", "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key",
-    "pack_alibi_query", "pack_fox_key", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
+    "pack_alibi_query", "pack_fox_key", "register", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
 ]

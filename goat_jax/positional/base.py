@@ -2,9 +2,11 @@
 follows (how to add one: the :mod:`goat_jax.positional` package docstring).
 
 An encoding is a :class:`PositionEncoding` instance: a few class attributes that say where it
-runs, and up to three hooks that the layer calls once per call. The layer owns everything else
-(call signature, projections, positions, KV cache, kernel call, sowing:
-:class:`goat_jax.layers.AttentionBase`), so an encoding is only its own math.
+runs, the class of its settings (an :class:`EncodingSettings` dataclass: each knob declared once,
+with its default, range and doc, and the rules between knobs), and up to four hooks that the
+layer calls once per call. The layer owns everything else (call signature, projections,
+positions, KV cache, kernel call, sowing: :class:`goat_jax.layers.AttentionBase`), so an encoding
+is only its own math and its own settings.
 
 Shape legend: B batch, T queries, S keys (the cache while decoding), N query heads, K kv heads,
 G = N // K, H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
@@ -12,15 +14,73 @@ G = N // K, H head dim, c split channels (``goat_jax.attention.default_sink_chan
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+import dataclasses
+from typing import Any, ClassVar, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from goat_jax import layers
+from goat_jax.config.fields import check_instance
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodingSettings:
+    """An encoding's settings, declared once: the base of every encoding's settings dataclass
+    (this one, with no field, is the settings of the encodings that have none).
+
+    A subclass is a frozen dataclass next to its encoding, one field per knob declared with
+    :func:`goat_jax.config.fields.declare` (default, type, range, doc) or taken with
+    :func:`goat_jax.config.fields.borrow` from another declaration (``training_seq_len`` from
+    :class:`goat_jax.prior.PriorSettings`, ``rope_base`` by inheriting ``RopeSettings``); a
+    knob two encodings share is one declaration. Everything else reads these declarations: the
+    model configs expose each field under its name (``model.yarn_beta_fast``, defaulted and
+    range-checked by it), the models build the object with :meth:`from_fields` and pass it to the
+    layer (``PositionalAttention(settings=...)``), and the layer's hand-built keywords
+    (``PositionalAttention(rope_base=...)``) are its field names.
+
+    ``__post_init__`` checks each field against its declaration, then the subclass's own rules
+    between fields (``'rope_pi'`` needs ``training_seq_len``): the one place each requirement is
+    checked, whether the object is built by a config's validation or by a layer.
+
+    ``ALIASES``: ``{layer keyword: field}``, older keywords of the layer that set a field of
+    another name (``'rope_mixed'``: ``rope_base`` sets ``rope_mixed_base``).
+    """
+
+    ALIASES: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self):
+        check_instance(self)
+
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        """The setting names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_fields(cls, obj: Any) -> "EncodingSettings":
+        """The settings named by ``obj``'s attributes (a flat model config, e.g. ``LMConfig``);
+        settings ``obj`` does not have keep their declared defaults."""
+        return cls(**{n: getattr(obj, n) for n in cls.names() if hasattr(obj, n)})
+
+    @classmethod
+    def keyword_values(cls, keywords: Mapping[str, Any]) -> Dict[str, Any]:
+        """``{field: value}`` of a layer's keywords (``{name: value}``, None = not given): the
+        ones this class has, under their names or :attr:`ALIASES`; the others are not this
+        encoding's and are left out. A field given twice (its name and an alias) must agree."""
+        values: Dict[str, Any] = {}
+        for key, value in keywords.items():
+            name = cls.ALIASES.get(key, key)
+            if value is None or name not in cls.names():
+                continue
+            if name in values and values[name] != value:
+                raise ValueError(f"{cls.__name__}.{name} is given twice with different values: "
+                                 f"{values[name]!r} and {key}={value!r}.")
+            values[name] = value
+        return values
 
 
 class EncodingContext(NamedTuple):
@@ -39,6 +99,7 @@ class EncodingContext(NamedTuple):
       decoding: True when this call appends to a KV cache.
       channels: c, the parts an unbounded packed term is split into (1 in float32, 3 in bf16).
       scale: the layer's factor on ``q . k`` (``attention_scale`` or ``1 / sqrt(H)``).
+      settings: the layer's :attr:`PositionEncoding.settings_class` instance (checked).
     """
 
     call: layers.AttentionCall
@@ -50,6 +111,7 @@ class EncodingContext(NamedTuple):
     decoding: bool
     channels: int
     scale: float
+    settings: Any = None
 
 
 class PositionEncoding:
@@ -67,6 +129,8 @@ class PositionEncoding:
         encoding runs on every kernel (flash, cuDNN, splash).
       flash_alternative: for a bias encoding, the encoding to name in the error a flash kernel
         raises (e.g. "'alibi_packed' (causal)"), or None.
+      settings_class: the :class:`EncodingSettings` subclass of its knobs (declared in its
+        module); the hooks read the layer's instance of it as ``ctx.settings``.
     """
 
     name: str = ""
@@ -74,9 +138,11 @@ class PositionEncoding:
     causal_only: str = ""
     materialized_bias: bool = False
     flash_alternative: Optional[str] = None
+    settings_class: type = EncodingSettings
 
     def check_layer(self, layer: nn.Module) -> None:
-        """Raises ValueError naming the layer field (and the fix) the encoding needs but lacks."""
+        """Raises ValueError for a layer the encoding cannot run in (its settings' own rules are
+        checked when the settings are built, in ``settings_class.__post_init__``)."""
 
     def extra_qk_dims(self, shape: layers.LayerShape, channels: int) -> int:
         """Channels the encoding appends to each q/k head (0 unless it packs a term into q/k)."""

@@ -13,7 +13,7 @@ Parameters (logical axes in brackets): ``fire_c`` [] ((),), ``fire_L_multiplier`
 with ``L = |multiplier| * 512``, ``fire_fc1_kernel``/``fire_fc1_bias`` [32] ((None,)),
 ``fire_fc2_kernel`` [32, N] ((None, 'heads')), ``fire_fc2_bias`` [N] (('heads',)). Initialized
 as the paper's reference listing: ``c = 0.1``, ``L = 512`` (multiplier 1; the layer's
-``fire_threshold_init`` sets another initial ``L``, e.g. the training length), the MLP as PyTorch's
+``fire_threshold_init`` (:class:`FireSettings`) sets another initial ``L``, e.g. the training length), the MLP as PyTorch's
 default Linear (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for weights and biases), and a 1e-6 added
 to the normalizer. Under a causal mask the distance is the paper's ``p_i - p_j >= 0``; the
 ``|c x|`` makes the bias symmetric for bidirectional attention.
@@ -23,6 +23,7 @@ Shape legend: B batch, T queries, S keys, N query heads, W MLP width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping
 
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import layers
-from goat_jax.positional.base import EncodingContext, PositionEncoding, as_batched
+from goat_jax.config.fields import Float, declare
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding, as_batched
 
 Array = jax.Array
 
@@ -64,17 +66,26 @@ def fire_bias(params: Mapping[str, Array], q_positions: Array, k_positions: Arra
     return jnp.moveaxis(out, -1, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class FireSettings(EncodingSettings):
+    """'fire': the threshold ``L`` at init."""
+
+    fire_threshold_init: float = declare(L_INIT, Float(min=0.0, min_inclusive=False,
+                                                       doc="'fire': the threshold L at init (512 as the reference listing)"))
+
+
 class Fire(PositionEncoding):
     """'fire': the materialized bias of a learned MLP of the interpolated log distance."""
 
     name = "fire"
     materialized_bias = True
+    settings_class = FireSettings
 
     def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
         n = ctx.shape.num_heads
         specs = {  # name: (initializer, shape, logical axes)
             "c": (nn.initializers.constant(C_INIT), (), ()),
-            "L_multiplier": (nn.initializers.constant(layer.fire_threshold_init / L_INIT), (), ()),
+            "L_multiplier": (nn.initializers.constant(ctx.settings.fire_threshold_init / L_INIT), (), ()),
             "fc1_kernel": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc1_bias": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc2_kernel": (_torch_linear_init(WIDTH), (WIDTH, n), (None, "heads")),

@@ -14,7 +14,7 @@ flash, dense, splash, cuDNN), with no [T, S] bias. ``-c_j`` grows with position 
 
 Parameters (the official layer's ``fgate_proj``, a Linear with bias): ``fox_gate`` [E, N]
 (logical axes ('embed', 'heads')), initialized N(0, 0.02) as the official code's
-``initializer_range``, and ``fox_gate_bias`` [N] ('heads'), ``fox_gate_bias_init`` (default 0:
+``initializer_range``, and ``fox_gate_bias`` [N] ('heads'), ``fox_gate_bias_init`` (:class:`FoxSettings`; default 0:
 the official data-dependent gate has no special bias init; larger values start the gates nearer
 1, i.e. with a longer memory).
 
@@ -36,6 +36,7 @@ H head dim, c split channels.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -45,8 +46,9 @@ import jax.numpy as jnp
 from goat_jax import layers
 from goat_jax import prior as prior_lib
 from goat_jax.attention import split_exact
+from goat_jax.config.fields import Float, declare
 from goat_jax.positional.alibi import pack_alibi_query
-from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 
 Array = jax.Array
 Dtype = Any
@@ -95,10 +97,19 @@ def pack_fox_key(k: Array, c: Array, channels: int, dtype: Dtype) -> Array:
     return jnp.concatenate([k.astype(dtype), parts], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class FoxSettings(EncodingSettings):
+    """'fox': the forget gates' initial bias."""
+
+    fox_gate_bias_init: float = declare(0.0, Float(doc="'fox': initial bias of the forget gates (0 as the "
+                                                        "official FoX; larger starts them nearer 1)"))
+
+
 class Fox(PositionEncoding):
     """'fox': the forget gate packed into q/k channels; runs on every kernel; causal only."""
 
     name = "fox"
+    settings_class = FoxSettings
     causal_only = ("its packed bias drops the row constant c_i of c_i - c_j, which is exact only "
                    "when every visible key precedes the query (FoX is a causal model).")
 
@@ -111,7 +122,7 @@ class Fox(PositionEncoding):
         w = layer.param("fox_gate", layers.with_logical_partitioning(
             nn.initializers.normal(GATE_INIT_STD), ("embed", "heads")), (x.shape[-1], n), layer.param_dtype)
         bias = layer.param("fox_gate_bias", layers.with_logical_partitioning(
-            nn.initializers.constant(layer.fox_gate_bias_init), ("heads",)), (n,), layer.param_dtype)
+            nn.initializers.constant(ctx.settings.fox_gate_bias_init), ("heads",)), (n,), layer.param_dtype)
         log_f = fox_log_forget(x, jnp.asarray(w), jnp.asarray(bias))  # [B, S, N]
         start = None
         if layer.decode:  # created at init (which sizes the cache), read and advanced while decoding

@@ -7,8 +7,10 @@ Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+import sys
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -16,18 +18,25 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax.attention import default_sink_channels
+from goat_jax.config.fields import Float, check_section, specs_of
 from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_mixed, rope_scaling
-from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 
 Array = jax.Array
 
 # Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
-# and one entry here.
+# (its PositionEncoding and, if it has knobs, their EncodingSettings) and one entry here: the
+# layer's keywords, the models' choices and their config fields are read from this registry.
 ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
              rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D, rope_mixed.ROPE_MIXED, fire.FIRE, kerple.KERPLE_LOG,
              fox.FOX)
 POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
 _BY_NAME = {e.name: e for e in ENCODINGS}
+
+# The baselines' factor on q . k (PositionalAttention.attention_scale; the models'
+# ``baseline_attention_scale``), declared once.
+ATTENTION_SCALE = Float(min=0.0, min_inclusive=False, optional=True,
+                        doc="non-GOAT q.k factor; None: 1 / sqrt(head_dim) (official synthetic: 1)")
 
 
 def get_encoding(name: str) -> PositionEncoding:
@@ -39,6 +48,79 @@ def get_encoding(name: str) -> PositionEncoding:
     return _BY_NAME[name]
 
 
+def settings_fields(encodings: Iterable[PositionEncoding]) -> Dict[str, Tuple[dataclasses.Field, Any]]:
+    """``{name: (dataclass field, spec)}`` of every setting of ``encodings``, each name once, in
+    registry order. A name two encodings share must be one declaration (inherited or borrowed:
+    the same spec object); TypeError naming both otherwise."""
+    out: Dict[str, Tuple[dataclasses.Field, Any, type]] = {}
+    for enc in encodings:
+        specs = specs_of(enc.settings_class)
+        for field in dataclasses.fields(enc.settings_class):
+            if field.name in out and out[field.name][1] is not specs[field.name]:
+                raise TypeError(f"{enc.settings_class.__name__}.{field.name} is declared apart from "
+                                f"{out[field.name][2].__name__}.{field.name}: a setting two encodings share is "
+                                "one declaration (inherit it or goat_jax.config.fields.borrow it).")
+            out.setdefault(field.name, (field, specs[field.name], enc.settings_class))
+    return {name: (field, spec) for name, (field, spec, _) in out.items()}
+
+
+def add_settings_fields(config_cls: type, encodings: Iterable[PositionEncoding]) -> type:
+    """The model config ``config_cls`` (a frozen dataclass) completed with every setting of
+    ``encodings`` it does not declare, each under its name and from the encoding's declaration:
+    ``config_cls`` itself when it has them all, else a subclass of the same name adding them (so
+    a registered encoding's new knob is a ``model.<knob>`` field with no line in the model). A
+    field it declares under a setting's name must be that declaration (``borrow``; its own
+    default allowed); TypeError otherwise."""
+    own = specs_of(config_cls)
+    missing = []
+    for name, (field, spec) in settings_fields(encodings).items():
+        if name not in own:
+            missing.append((name, field.type, dataclasses.field(default=field.default, metadata=field.metadata)))
+        elif own[name] is not spec:
+            raise TypeError(f"{config_cls.__name__}.{name} is declared apart from the encodings' setting "
+                            f"{name!r}: take it with goat_jax.config.fields.borrow.")
+    if not missing:
+        return config_cls
+    cls = dataclasses.make_dataclass(config_cls.__name__, missing, bases=(config_cls,), frozen=True)
+    cls.__module__, cls.__qualname__, cls.__doc__ = config_cls.__module__, config_cls.__qualname__, config_cls.__doc__
+    return cls
+
+
+def register(encoding: PositionEncoding) -> None:
+    """Adds ``encoding`` (defined outside this package: a plugin, a test) to the registry, as an
+    entry of :data:`ENCODINGS` does. Call it before importing :mod:`goat_jax.models`, whose
+    choices and config fields are read from the registry when they are imported; a built layer
+    takes its settings as ``PositionalAttention(settings=...)`` (the keywords are the built-in
+    encodings')."""
+    global ENCODINGS, POSITION_ENCODINGS  # pylint: disable=global-statement
+    if encoding.name in _BY_NAME:
+        raise ValueError(f"position_encoding={encoding.name!r} is registered already.")
+    loaded = sorted(m for m in ("goat_jax.models.lm", "goat_jax.models.vit") if m in sys.modules)
+    if loaded:
+        raise RuntimeError(f"register({encoding.name!r}) after {loaded} read the registry: register "
+                           "encodings before importing goat_jax.models.")
+    settings_fields(ENCODINGS + (encoding,))  # its settings agree with the registered ones
+    ENCODINGS = ENCODINGS + (encoding,)
+    POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
+    _BY_NAME[encoding.name] = encoding
+    package = sys.modules["goat_jax.positional"]
+    package.ENCODINGS, package.POSITION_ENCODINGS = ENCODINGS, POSITION_ENCODINGS
+
+
+# The layer's own fields that are also an encoding's setting (log-n scaling reads it too).
+_LAYER_SETTINGS = ("training_seq_len",)
+# Keywords of PositionalAttention built by hand (docs/layer.md): every registered setting's name
+# and older alias, None = not given (the setting's declared default).
+KEYWORDS = tuple(n for n in dict.fromkeys(
+    [*settings_fields(ENCODINGS), *(a for e in ENCODINGS for a in e.settings_class.ALIASES)])
+    if n not in _LAYER_SETTINGS)
+
+# The keywords as module fields, made from the registry (never listed by hand).
+_SettingKeywords = type("_SettingKeywords", (layers.AttentionBase,), {
+    "__module__": __name__, "__annotations__": {n: "Optional[Any]" for n in KEYWORDS}, **dict.fromkeys(KEYWORDS),
+    "__doc__": "The encodings' settings as keywords of PositionalAttention (None: not given)."})
+
+
 class _Plan(NamedTuple):
     """What PositionalAttention decides before any work (see :class:`goat_jax.layers.AttentionBase`)."""
 
@@ -46,9 +128,10 @@ class _Plan(NamedTuple):
     implementation: str
     encoding: PositionEncoding
     channels: int
+    settings: EncodingSettings
 
 
-class PositionalAttention(layers.AttentionBase):
+class PositionalAttention(_SettingKeywords):
     """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
 
     Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
@@ -72,42 +155,59 @@ class PositionalAttention(layers.AttentionBase):
     before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
     'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
 
-    Variant-specific fields: ``rope_base`` ('rope', 'rope_pi', 'ntk', 'yarn', 'rope2d'; for
-    'rope_mixed' the base of its initial frequency ladder, Heo et al.: 10);
+    The encoding's settings: ``settings``, one instance of its ``settings_class`` (what the
+    models pass: ``rope.RopeSettings(rope_base=...)``, ``rope_scaling.YarnSettings(...)``, ...),
+    or, for a layer built by hand, keywords named like the settings, each declared once by its
+    encoding (:data:`KEYWORDS`, read from the registry): ``rope_base`` ('rope', 'rope_pi',
+    'ntk', 'yarn', 'rope2d'; for 'rope_mixed', its older keyword for ``rope_mixed_base``);
     ``training_seq_len`` ('rope_pi', 'yarn', and 'ntk' unless ``rope_scaling_factor`` is set:
-    required); ``rope_scaling_factor`` ('ntk', 'yarn': None = dynamic, ``max(1, key length /
-    training_seq_len)``, or a fixed factor >= 1); ``yarn_beta_fast`` / ``yarn_beta_slow``
-    ('yarn': the rotation counts bounding its interpolation ramp, 32 and 1 as the paper);
-    ``max_len`` ('naive_prior', required: the table is [N, max_len, max_len]).
-    ``fire_threshold_init`` ('fire': the threshold L at init, 512 as the reference listing).
-    ``fox_gate_bias_init`` ('fox': the forget gates' initial bias). 'fox' also keeps
-    ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
+    required; also log-n scaling's); ``rope_scaling_factor``, ``yarn_beta_fast``,
+    ``yarn_beta_slow`` ('ntk', 'yarn'); ``max_len`` ('naive_prior', required);
+    ``fire_threshold_init`` ('fire'); ``fox_gate_bias_init`` ('fox'). A keyword left None takes
+    the setting's declared default; a keyword the encoding has no setting of is ignored; a
+    keyword given with ``settings`` must agree with it. The settings' own rules (what is
+    required) are checked once, by the settings class, when the layer is called. 'fox' also
+    keeps ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
     """
 
     position_encoding: str = "rope"
-    rope_base: float = 10_000.0
+    settings: Optional[EncodingSettings] = None
     training_seq_len: Optional[int] = None
-    max_len: Optional[int] = None
     attention_scale: Optional[float] = None
-    rope_scaling_factor: Optional[float] = None
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    fox_gate_bias_init: float = 0.0
-    fire_threshold_init: float = 512.0
 
     def _training_len(self) -> Optional[int]:
-        return self.training_seq_len
+        if self.training_seq_len is not None:
+            return self.training_seq_len
+        return getattr(self.settings, "training_seq_len", None)
+
+    def encoding_settings(self, enc: Optional[PositionEncoding] = None) -> EncodingSettings:
+        """The checked settings of the encoding (``enc``, default this layer's): ``settings``, or
+        the ones of the keywords (the other's values must agree)."""
+        enc = enc or get_encoding(self.position_encoding)
+        cls = enc.settings_class
+        given = cls.keyword_values({n: getattr(self, n) for n in KEYWORDS + _LAYER_SETTINGS})
+        if self.settings is None:
+            return cls(**given)
+        if not isinstance(self.settings, cls):
+            raise TypeError(f"position_encoding={enc.name!r} takes settings={cls.__name__}(...), got "
+                            f"{type(self.settings).__name__}.")
+        clash = {n: v for n, v in given.items() if getattr(self.settings, n) != v}
+        if clash:
+            raise ValueError(f"PositionalAttention: the keyword(s) {clash} disagree with settings="
+                             f"{self.settings!r}; pass each setting once.")
+        return self.settings
 
     def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _Plan:
-        if self.attention_scale is not None and not self.attention_scale > 0:
-            raise ValueError(f"attention_scale must be > 0 (or None for 1 / sqrt(head_dim)), got "
-                             f"{self.attention_scale}.")
+        check_section({"attention_scale": self.attention_scale}, {"attention_scale": ATTENTION_SCALE}, None,
+                      owner=type(self).__name__)
         enc = get_encoding(self.position_encoding)
+        settings = self.encoding_settings(enc)
         enc.check_layer(self)
         self._check_call(enc, call)
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
-        return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape), enc, channels)
+        return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape), enc, channels,
+                     settings)
 
     def _check_call(self, enc: PositionEncoding, call: layers.AttentionCall) -> None:
         """What the encoding's attributes rule out for this call, as one clear error."""
@@ -153,7 +253,8 @@ class PositionalAttention(layers.AttentionBase):
         ctx = EncodingContext(
             call=call, shape=shape, q_pos=q_pos.index, k_pos=k_pos.index, attended_k_pos=attended,
             key_len=key_len, decoding=cache is not None, channels=plan.channels,
-            scale=1.0 / math.sqrt(shape.head_dim) if self.attention_scale is None else self.attention_scale)
+            scale=1.0 / math.sqrt(shape.head_dim) if self.attention_scale is None else self.attention_scale,
+            settings=plan.settings)
         q_enc, k_enc, scale = plan.encoding.encode(self, ctx, q, k)
         # k before the encoding: what a key-norm "sink" statistic reads.
         return layers.Encoded(q_enc, k_enc, scale, k, 0, plan.encoding.bias(self, ctx))

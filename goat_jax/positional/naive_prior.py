@@ -7,6 +7,8 @@ added to the logits as a materialized bias, so it runs on the XLA / dense kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,8 @@ import numpy as np
 
 from goat_jax import layers
 from goat_jax import prior as prior_lib
-from goat_jax.positional.base import EncodingContext, PositionEncoding, as_batched, check_max_len
+from goat_jax.config.fields import Int, declare
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding, as_batched, check_max_len
 
 Array = jax.Array
 
@@ -36,20 +39,26 @@ def naive_prior_bias(table: Array, q_positions: Array, k_positions: Array) -> Ar
     return jnp.moveaxis(bias, 0, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class NaivePriorSettings(EncodingSettings):
+    """'naive_prior': the table size ``max_len``, required (no default: the table is
+    [N, max_len, max_len], so its size is a choice; the LM's default is 2048, and its 'learned'
+    embedding table takes the same field)."""
+
+    max_len: int = declare(None, Int(min=1, doc="position-table size ('naive_prior': [heads, max_len, "
+                                                "max_len]; the LM's 'learned' table too)"))
+
+
 class NaivePrior(PositionEncoding):
     """'naive_prior': needs ``max_len``; positions outside [0, max_len) raise when known at trace
     time and give NaN when traced."""
 
     name = "naive_prior"
     materialized_bias = True
-
-    def check_layer(self, layer: nn.Module) -> None:
-        if layer.max_len is None or layer.max_len < 1:
-            raise ValueError("position_encoding='naive_prior' needs max_len >= 1 (the learned "
-                             f"prior table is [num_heads, max_len, max_len]); got {layer.max_len}.")
+    settings_class = NaivePriorSettings
 
     def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
-        call = ctx.call
+        call, max_len = ctx.call, ctx.settings.max_len
         if not ctx.decoding:  # while decoding, the cache length was checked at init
             for what, p, explicit, offset, length in (
                     ("queries", ctx.q_pos, call.q_positions, call.position_offset_q, ctx.q_pos.shape[-1]),
@@ -58,11 +67,11 @@ class NaivePrior(PositionEncoding):
                     span = (int(offset or 0), int(offset or 0) + length - 1)  # static, even under jit
                 else:
                     span = prior_lib.concrete_range(p)
-                check_max_len(layer.max_len, span, f"naive_prior {what}")
+                check_max_len(max_len, span, f"naive_prior {what}")
         n = ctx.shape.num_heads
         table = layer.param(
             "naive_prior", layers.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
-            (n, layer.max_len, layer.max_len), layer.param_dtype)
+            (n, max_len, max_len), layer.param_dtype)
         return naive_prior_bias(jnp.asarray(table), ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 
 

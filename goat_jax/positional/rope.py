@@ -9,6 +9,7 @@ Shape legend: B batch, L/T/S tokens, N heads, H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import flax.linen as nn
@@ -18,7 +19,8 @@ import numpy as np
 
 from goat_jax import prior as prior_lib
 from goat_jax import segments
-from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.config.fields import Float, borrow, declare
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 
 Array = jax.Array
 
@@ -86,21 +88,36 @@ def apply_rope_2d(x: Array, coords: Array, base: float = 100.0) -> Array:
                             apply_rope(x[..., h // 2:], coords[..., 1], base)], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeSettings(EncodingSettings):
+    """'rope' and 'rope2d' (and, inherited, 'rope_pi', 'ntk', 'yarn'): the frequency base."""
+
+    rope_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
+                                               doc="RoPE base; <= 1 gives no rotation spectrum"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopePISettings(RopeSettings):
+    """'rope_pi': the base and the training length positions are interpolated back to (required)."""
+
+    training_seq_len: Optional[int] = borrow(prior_lib.PriorSettings, "training_seq_len")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.training_seq_len is None:
+            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
+                             "positions are interpolated back to).")
+
+
 class Rope(PositionEncoding):
     """'rope': q and k rotated by their 1D positions (``rope_base``)."""
 
     name = "rope"
+    settings_class = RopeSettings
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
-        return apply_rope(q, ctx.q_pos, layer.rope_base), apply_rope(k, ctx.k_pos, layer.rope_base), ctx.scale
-
-
-def check_training_seq_len(name: str, value) -> None:
-    """ValueError unless ``training_seq_len`` is None or a positive integer (``name``: the encoding
-    that divides by it: rope_pi here, yarn and ntk in rope_scaling.py)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-        raise ValueError(f"position_encoding={name!r}: training_seq_len must be an integer >= 1 (the "
-                         f"length the model was trained at), got {value!r}.")
+        base = ctx.settings.rope_base
+        return apply_rope(q, ctx.q_pos, base), apply_rope(k, ctx.k_pos, base), ctx.scale
 
 
 class RopePI(PositionEncoding):
@@ -111,25 +128,17 @@ class RopePI(PositionEncoding):
     alone."""
 
     name = "rope_pi"
-
-    def check_layer(self, layer: nn.Module) -> None:
-        if layer.training_seq_len is None:
-            raise ValueError("position_encoding='rope_pi' needs training_seq_len (the length the "
-                             "positions are interpolated back to).")
-        check_training_seq_len(self.name, layer.training_seq_len)
+    settings_class = RopePISettings
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
-        call = ctx.call
+        call, base, length = ctx.call, ctx.settings.rope_base, ctx.settings.training_seq_len
         if call.q_segment_ids is not None:
             # Per token: the length of the document it belongs to, [B, T] / [B, S].
-            pi_q, pi_k = (jnp.maximum(1.0, segments.segment_lengths(ids).astype(jnp.float32)
-                                      / layer.training_seq_len)
+            pi_q, pi_k = (jnp.maximum(1.0, segments.segment_lengths(ids).astype(jnp.float32) / length)
                           for ids in (call.q_segment_ids, call.kv_segment_ids))
-            return (apply_rope(q, ctx.q_pos, layer.rope_base, pi_q), apply_rope(k, ctx.k_pos, layer.rope_base, pi_k),
-                    ctx.scale)
-        pi = max(1.0, ctx.key_len / layer.training_seq_len)
-        return (apply_rope(q, ctx.q_pos, layer.rope_base, pi), apply_rope(k, ctx.k_pos, layer.rope_base, pi),
-                ctx.scale)
+            return apply_rope(q, ctx.q_pos, base, pi_q), apply_rope(k, ctx.k_pos, base, pi_k), ctx.scale
+        pi = max(1.0, ctx.key_len / length)
+        return apply_rope(q, ctx.q_pos, base, pi), apply_rope(k, ctx.k_pos, base, pi), ctx.scale
 
 
 class Rope2D(PositionEncoding):
@@ -138,12 +147,14 @@ class Rope2D(PositionEncoding):
 
     name = "rope2d"
     positions = "2d"
+    settings_class = RopeSettings
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
         coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]
-        return apply_rope_2d(q, coords, layer.rope_base), apply_rope_2d(k, coords, layer.rope_base), ctx.scale
+        base = ctx.settings.rope_base
+        return apply_rope_2d(q, coords, base), apply_rope_2d(k, coords, base), ctx.scale
 
 
 ROPE, ROPE_PI, ROPE2D = Rope(), RopePI(), Rope2D()

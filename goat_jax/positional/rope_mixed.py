@@ -21,6 +21,7 @@ Shape legend: B batch, L tokens, N query heads, K kv heads, H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -29,7 +30,8 @@ import jax.numpy as jnp
 
 from goat_jax import layers
 from goat_jax import prior as prior_lib
-from goat_jax.positional.base import EncodingContext, PositionEncoding
+from goat_jax.config.fields import Float, declare
+from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 from goat_jax.positional.rope import rope_frequencies
 
 Array = jax.Array
@@ -96,21 +98,34 @@ def apply_rope_mixed(x: Array, coords: Array, freqs: Array) -> Array:
     return out.reshape(b, l, n, h).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeMixedSettings(EncodingSettings):
+    """'rope_mixed': the base of the initial magnitude ladder. Heo et al. use 10 (the ViT's
+    default, ``model.rope_mixed_base``); a layer built by hand defaults to RoPE's 10 000, as it
+    always has, and takes it as ``rope_base=`` too (its older keyword)."""
+
+    rope_mixed_base: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,
+                                                     doc="'rope_mixed' initial ladder base (Heo et al. 2024: 10)"))
+
+    ALIASES = {"rope_base": "rope_mixed_base"}
+
+
 class RopeMixed(PositionEncoding):
     """'rope_mixed': learned mixed 2D frequencies over the (row, col) grid of ``spatial_shape``
     (a CLS token, if ``has_cls_token``, sits at (0, 0) and is not rotated, as in 'rope2d');
-    ``rope_base`` is the base of the initial magnitude ladder (Heo et al.: 10)."""
+    ``rope_mixed_base`` is the base of the initial magnitude ladder (Heo et al.: 10)."""
 
     name = "rope_mixed"
     positions = "2d"
+    settings_class = RopeMixedSettings
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
         _check_head_dim(ctx.shape.head_dim)
+        init = init_mixed_frequencies(ctx.settings.rope_mixed_base)
         freqs = layer.param(
-            PARAM_NAME,
-            layers.with_logical_partitioning(init_mixed_frequencies(layer.rope_base), ("kv_heads", None, None)),
+            PARAM_NAME, layers.with_logical_partitioning(init, ("kv_heads", None, None)),
             (ctx.shape.kv_heads, ctx.shape.head_dim // 2, 2), jnp.float32)  # float32: angles need it
         freqs = jnp.asarray(freqs)
         coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]

@@ -30,15 +30,17 @@ Shape legend: B batch, T queries, S keys, N heads, H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import numpy as np
 
+from goat_jax.config.fields import Float, borrow, check_section, declare, specs_of
 from goat_jax.positional.base import EncodingContext, PositionEncoding
-from goat_jax.positional.rope import apply_rope, check_training_seq_len
+from goat_jax.positional.rope import RopePISettings, RopeSettings, apply_rope
 
 Array = jax.Array
 
@@ -49,11 +51,50 @@ def _check_dim(dim: int, what: str) -> None:
                          f"H / (H - 2)), got {dim}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class NtkSettings(RopeSettings):
+    """'ntk': the base, the training length and a fixed factor (None: dynamic, which needs the
+    training length)."""
+
+    training_seq_len: Optional[int] = borrow(RopePISettings, "training_seq_len")
+    rope_scaling_factor: Optional[float] = declare(None, Float(
+        min=1.0, optional=True, doc="'ntk'/'yarn' fixed factor; None: dynamic, max(1, keys / training_seq_len)"))
+
+    # The encoding these settings are for, and what reads training_seq_len (for the error).
+    _NAME: ClassVar[str] = "ntk"
+    _NEEDS: ClassVar[str] = "the dynamic factor"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.training_seq_len is None and (self.rope_scaling_factor is None or self._NAME == "yarn"):
+            raise ValueError(f"position_encoding={self._NAME!r} needs training_seq_len (the length the "
+                             f"model was trained at: {self._NEEDS} read it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnSettings(NtkSettings):
+    """'yarn': the 'ntk' settings (the training length required even with a fixed factor) and the
+    rotation counts bounding its interpolation ramp (32 and 1 as the paper)."""
+
+    yarn_beta_fast: float = declare(32.0, Float(min=0.0, min_inclusive=False,
+                                                doc="'yarn': rotations above which a pair extrapolates"))
+    yarn_beta_slow: float = declare(1.0, Float(min=0.0, min_inclusive=False,
+                                               doc="'yarn': rotations below which a pair interpolates"))
+
+    _NAME: ClassVar[str] = "yarn"
+    _NEEDS: ClassVar[str] = "the dynamic factor and YaRN's rotation counts"
+
+
 def check_scaling_factor(value) -> None:
-    """ValueError unless ``rope_scaling_factor`` is None or a finite number >= 1."""
-    if value is not None and not (math.isfinite(value) and value >= 1.0):
+    """ValueError unless ``rope_scaling_factor`` is allowed by its declaration
+    (:class:`NtkSettings`: None or a finite number >= 1), for a factor given outside a layer or a
+    config (an evaluation flag)."""
+    try:
+        check_section({"rope_scaling_factor": value}, {"rope_scaling_factor": specs_of(NtkSettings)["rope_scaling_factor"]},
+                      None)
+    except ValueError:
         raise ValueError(f"rope_scaling_factor must be >= 1 and finite (or None: dynamic, max(1, key "
-                         f"length / training_seq_len)), got {value}.")
+                         f"length / training_seq_len)), got {value}.") from None
 
 
 def ntk_frequencies(dim: int, base: float, factor: float) -> np.ndarray:
@@ -98,68 +139,62 @@ def yarn_frequencies(dim: int, base: float, factor: float, original_len: int, be
     return freqs, (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
 
 
-def scale_factor(layer: nn.Module, key_len: int) -> float:
-    """f: ``layer.rope_scaling_factor`` if set, else ``max(1, key_len / training_seq_len)``."""
-    if layer.rope_scaling_factor is not None:
-        return float(layer.rope_scaling_factor)
-    return max(1.0, key_len / layer.training_seq_len)
+def scale_factor(settings: NtkSettings, key_len: int) -> float:
+    """f: ``settings.rope_scaling_factor`` if set, else ``max(1, key_len / training_seq_len)``."""
+    if settings.rope_scaling_factor is not None:
+        return float(settings.rope_scaling_factor)
+    return max(1.0, key_len / settings.training_seq_len)
 
 
 class _ScaledRope(PositionEncoding):
     """RoPE with frequencies (and a logit factor) recomputed per call for the factor f."""
 
-    def check_layer(self, layer: nn.Module) -> None:
-        f = layer.rope_scaling_factor
-        check_scaling_factor(f)
-        check_training_seq_len(self.name, layer.training_seq_len)
-        if layer.training_seq_len is None and (f is None or self.name == "yarn"):
-            need = "the dynamic factor and YaRN's rotation counts" if self.name == "yarn" else "the dynamic factor"
-            raise ValueError(f"position_encoding={self.name!r} needs training_seq_len (the length the "
-                             f"model was trained at: {need} read it).")
-
-    def frequencies(self, layer: nn.Module, dim: int, factor: float) -> Tuple[Optional[np.ndarray], float]:
+    def frequencies(self, settings: NtkSettings, dim: int, factor: float) -> Tuple[Optional[np.ndarray], float]:
         """``(inverse frequencies or None for plain RoPE's, logit factor)`` at factor f."""
         raise NotImplementedError
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
-        if (ctx.call.q_segment_ids is not None and layer.rope_scaling_factor is None
-                and ctx.key_len > layer.training_seq_len):
+        settings = ctx.settings
+        if (ctx.call.q_segment_ids is not None and settings.rope_scaling_factor is None
+                and ctx.key_len > settings.training_seq_len):
             # One frequency ladder per call: a per-document dynamic factor has no exact form here.
             raise ValueError(
                 f"position_encoding={self.name!r} with segment_ids: the dynamic factor follows the key "
                 f"length, here the packed window's ({ctx.key_len} > training_seq_len="
-                f"{layer.training_seq_len}), not each document's. Set rope_scaling_factor (a fixed "
+                f"{settings.training_seq_len}), not each document's. Set rope_scaling_factor (a fixed "
                 "factor), or pack windows no longer than training_seq_len.")
-        f = scale_factor(layer, ctx.key_len)
+        f = scale_factor(settings, ctx.key_len)
         if f == 1.0:  # exactly 'rope'
             freqs, logit_factor = None, 1.0
         else:
-            freqs, logit_factor = self.frequencies(layer, ctx.shape.head_dim, f)
-        return (apply_rope(q, ctx.q_pos, layer.rope_base, frequencies=freqs),
-                apply_rope(k, ctx.k_pos, layer.rope_base, frequencies=freqs), ctx.scale * logit_factor)
+            freqs, logit_factor = self.frequencies(settings, ctx.shape.head_dim, f)
+        return (apply_rope(q, ctx.q_pos, settings.rope_base, frequencies=freqs),
+                apply_rope(k, ctx.k_pos, settings.rope_base, frequencies=freqs), ctx.scale * logit_factor)
 
 
 class Ntk(_ScaledRope):
     """'ntk': dynamic NTK-aware RoPE (module docstring)."""
 
     name = "ntk"
+    settings_class = NtkSettings
 
-    def frequencies(self, layer, dim, factor):
-        return ntk_frequencies(dim, layer.rope_base, factor), 1.0
+    def frequencies(self, settings, dim, factor):
+        return ntk_frequencies(dim, settings.rope_base, factor), 1.0
 
 
 class Yarn(_ScaledRope):
     """'yarn': YaRN's NTK-by-parts frequencies and attention temperature (module docstring)."""
 
     name = "yarn"
+    settings_class = YarnSettings
 
-    def frequencies(self, layer, dim, factor):
-        freqs, mscale = yarn_frequencies(dim, layer.rope_base, factor, layer.training_seq_len,
-                                         layer.yarn_beta_fast, layer.yarn_beta_slow)
+    def frequencies(self, settings, dim, factor):
+        freqs, mscale = yarn_frequencies(dim, settings.rope_base, factor, settings.training_seq_len,
+                                         settings.yarn_beta_fast, settings.yarn_beta_slow)
         return freqs, mscale ** 2  # mscale on q and on k
 
 
 NTK, YARN = Ntk(), Yarn()
 
-__all__ = ["NTK", "YARN", "check_scaling_factor", "ntk_frequencies", "scale_factor", "yarn_correction_range",
-           "yarn_frequencies"]
+__all__ = ["NTK", "NtkSettings", "YARN", "YarnSettings", "check_scaling_factor", "ntk_frequencies",
+           "scale_factor", "yarn_correction_range", "yarn_frequencies"]
