@@ -37,8 +37,9 @@ O(B (S + T)), or O(B (S + T) log S) with segment ids; no T x S mask on flash pat
 Kernels: 'xla' (``jax.nn.dot_product_attention``'s XLA path: materializes the T x S logits),
 'flash' (:mod:`goat_jax.flash`: pure-JAX online-softmax attention with a recomputing custom
 VJP, memory linear in T and S, fully masked causal blocks skipped; any backend and dtype),
-'cudnn' (GPU, bf16/fp16), 'splash' / 'splash_interpret' (Pallas TPU; interpret mode on CPU),
-'dense' (the materialized float32 reference).
+'cudnn' (GPU, bf16/fp16), 'splash' / 'splash_interpret' (Pallas TPU, :mod:`goat_jax.splash`;
+interpret mode on CPU; under ``jax.shard_map`` on a mesh), 'dense' (the materialized float32
+reference).
 
 Automatic choice (``None``, for the devices the computation runs on: :func:`target_platform`):
 cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash on TPU for lengths that are
@@ -61,16 +62,16 @@ from typing import Any, Iterator, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from goat_jax import flash as flash_lib
+from goat_jax import splash as splash_lib
 
 Array = jax.Array
 
 IMPLEMENTATIONS = ("xla", "flash", "cudnn", "splash", "splash_interpret", "dense")
 FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper; 128 on older GPUs.
-_SPLASH_BLOCK = 128  # splash block sizes must be multiples of the TPU lane count.
+_SPLASH_BLOCK = splash_lib.BLOCK  # splash block sizes must be multiples of the TPU lane count.
 
 _logger = logging.getLogger("goat_jax")
 _logged: set = set()
@@ -477,8 +478,8 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
         return flash_lib.flash_attention(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
                                          key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, **seg)
     if implementation in ("splash", "splash_interpret"):
-        return _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths,
-                       segments, interpret=implementation == "splash_interpret")
+        return splash_lib.splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
+                                           kv_lengths, segments, interpret=implementation == "splash_interpret")
     # jax.nn.dot_product_attention needs equal q/k and v head dims: pad v with zero columns.
     hv, hqk = v.shape[-1], q.shape[-1]
     if implementation == "cudnn" and hqk % 8:
@@ -521,150 +522,3 @@ def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(real), precision=jax.lax.Precision.HIGHEST)
     return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
-
-
-def _splash_partition(b: int, n: int, kh: int):
-    """How splash runs on the mesh in context: ``(mesh, batch_axes, head_axes, shard_kv)``, or
-    None outside a mesh of more than one device.
-
-    Mosaic kernels cannot be partitioned by XLA, so on a mesh splash runs under
-    ``jax.shard_map``, each device on its own examples (and heads). The batch dim is split over
-    the mesh axes the logical rules in context give ``'batch'`` (Flax's
-    ``nn.logical_axis_rules``, as the trainer sets them; without rules the axes named
-    ``data``/``fsdp``, else every axis but ``tensor``/``model``), the query heads over those of
-    ``'heads'`` (without rules: ``tensor``); an axis is kept only while the product still divides
-    the dimension. The key/value heads are split with the query heads when their number divides
-    too (each device keeps its query heads' KV heads: GQA groups are contiguous), kept whole for
-    one KV head (MQA), and otherwise the heads are not split (every device of those axes repeats
-    the heads' work: correct, only redundant)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size <= 1:
-        return None
-    names = tuple(mesh.axis_names)
-
-    def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
-        try:
-            import flax.linen as nn  # pylint: disable=g-import-not-at-top
-            if not nn.get_logical_axis_rules():
-                return None
-            spec = nn.logical_to_mesh_axes((logical,))
-        except Exception:  # pylint: disable=broad-except  # rules naming axes of another mesh
-            return None
-        if spec is None or not len(spec) or spec[0] is None:
-            return ()
-        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-        return tuple(a for a in axes if a in names)
-
-    def dividing(axes, dim, used=()):
-        kept, size = [], 1
-        for a in axes:
-            if a not in used and dim % (size * mesh.shape[a]) == 0:
-                kept.append(a)
-                size *= mesh.shape[a]
-        return tuple(kept), size
-
-    batch = from_rules("batch")
-    if batch is None:
-        batch = tuple(a for a in ("data", "fsdp") if a in names) or tuple(
-            a for a in names if a not in ("tensor", "model"))
-    batch, _ = dividing(batch, b)
-    heads = from_rules("heads")
-    if heads is None:
-        heads = tuple(a for a in ("tensor", "model") if a in names)
-    heads, m = dividing(heads, n, used=batch)
-    shard_kv = bool(heads) and kh % m == 0
-    if heads and not shard_kv and kh != 1:
-        heads = ()
-    return mesh, batch, heads, shard_kv
-
-
-def _splash(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, segments, *,
-            interpret):
-    """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA); under
-    ``jax.shard_map`` over the batch (and head) axes inside a mesh of several devices
-    (:func:`_splash_partition`)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    b, t, n, _ = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    if t % _SPLASH_BLOCK or s % _SPLASH_BLOCK:
-        raise ValueError(
-            f"splash attention needs query and key lengths that are multiples of {_SPLASH_BLOCK}; "
-            f"got T={t}, S={s}. Pad the sequence or use implementation='xla'."
-        )
-    if is_causal and not isinstance(causal_offset, (int, np.integer)):
-        raise ValueError(
-            "splash attention builds its causal mask statically and needs an integer "
-            "causal_offset (got a traced value, e.g. a KV-cache index). Decode with "
-            "implementation='xla'/'cudnn'."
-        )
-    block = lambda length: max(_SPLASH_BLOCK, min(512, length) // _SPLASH_BLOCK * _SPLASH_BLOCK)
-    bq, bkv = block(t), block(s)
-    while t % bq:
-        bq -= _SPLASH_BLOCK
-    while s % bkv:
-        bkv -= _SPLASH_BLOCK
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                          block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    base = sm.CausalMask((t, s), offset=int(causal_offset)) if is_causal else sm.FullMask((t, s))
-
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask.astype(bool)
-    if kv_lengths is not None:
-        beyond = jnp.arange(s)[None, :] >= kv_lengths[:, None]
-        pad = beyond if pad is None else pad | beyond
-
-    # Splash masks through SegmentIds only (a key is seen iff its id equals the query's), so
-    # padding is folded into the ids: padded keys get an id no query has.
-    seg_q = seg_kv = None
-    if segments is not None:
-        seg_q, seg_kv = segments
-        if pad is not None:
-            # An id below every query id of the row (above them all if the minimum is int32's).
-            low = jnp.min(seg_q, axis=-1, keepdims=True)
-            high = jnp.max(seg_q, axis=-1, keepdims=True)
-            never = jnp.where(low > jnp.iinfo(jnp.int32).min, low - 1, high + 1)
-            seg_kv = jnp.where(pad, never, seg_kv)
-    elif pad is not None:
-        # Padded keys get segment 1, queries segment 0: they never match.
-        seg_q, seg_kv = jnp.zeros((b, t), jnp.int32), pad.astype(jnp.int32)
-
-    # Splash does not scale q; layouts are (heads, length, dim) per example.
-    qs = jnp.moveaxis(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B, N, T, H]
-    ks = jnp.moveaxis(k, 1, 2)  # [B, K, S, H]
-    vs = jnp.moveaxis(v, 1, 2)
-
-    def run(qs, ks, vs, *seg):
-        """Splash on (a device's shard of) the batch: [b, n, T, H] queries, [b, kh, S, H] keys."""
-        n_, kh_ = qs.shape[1], ks.shape[1]
-        g = n_ // kh_
-        mqa = kh_ == 1 or g > 1
-        kernel = (sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device)(
-            sm.MultiHeadMask([base] * (g if mqa else n_)), block_sizes=sizes, interpret=interpret)
-
-        def one(qb, kb, vb, sq=None, skv=None):
-            ids = None if sq is None else sk.SegmentIds(q=sq, kv=skv)
-            if mqa:  # qb [n, T, H] -> [kh, g, T, H]; one MQA call per KV head
-                qg = qb.reshape(kh_, g, t, -1)
-                return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=ids))(
-                    qg, kb, vb).reshape(n_, t, -1)
-            return kernel(qb, kb, vb, segment_ids=ids)
-
-        return jax.vmap(one)(qs, ks, vs, *seg)
-
-    seg = () if seg_q is None else (seg_q, seg_kv)
-    partition = _splash_partition(b, n, kh)
-    if partition is None:
-        out = run(qs, ks, vs, *seg)
-    else:
-        mesh, batch, heads, shard_kv = partition
-        ax = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
-        q_spec = P(ax(batch), ax(heads), None, None)
-        kv_spec = P(ax(batch), ax(heads) if shard_kv else None, None, None)
-        seg_spec = P(ax(batch), None)
-        out = jax.shard_map(run, mesh=mesh, out_specs=q_spec,
-                            in_specs=(q_spec, kv_spec, kv_spec) + (seg_spec,) * len(seg),
-                            check_vma=False)(qs, ks, vs, *seg)
-    return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]

@@ -1,6 +1,6 @@
 """Splash attention on a mesh: inside a mesh of several devices the splash path runs under
 ``jax.shard_map`` over the batch axes (and the heads, where the tensor axis splits them), since
-XLA cannot partition a Mosaic kernel (goat_jax/kernels.py, ``_splash_partition``). On 8 fake
+XLA cannot partition a Mosaic kernel (goat_jax/splash.py, ``partition``). On 8 fake
 CPU devices, 'splash_interpret' (the same Pallas kernel in interpret mode) under shard_map must
 give the unsharded result, values and gradients, for GOAT and RoPE, with and without segment ids,
 with GQA and MQA, under the trainer's logical rules and under a bare ``jax.set_mesh``.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from goat_jax import kernels
+from goat_jax import splash
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
 
@@ -74,7 +74,7 @@ for name, n, k, with_segments, hows in CASES:
             c.__enter__()
         try:
             jaxpr = str(jax.make_jaxpr(loss)(params, xs, segs))
-            part = kernels._splash_partition(B, n, k)
+            part = splash.partition(B, n, k)
             (_, got), got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xs, segs)
         finally:
             for c in reversed(ctx):

@@ -1,0 +1,76 @@
+"""Compile a run's train step for a TPU slice on this host, before booking the slice.
+
+    python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5p-8 --out DIR \
+        [--config.x=y ...]
+
+``--target`` names a TPU slice as Google Cloud does: ``v5e-N`` / ``v6e-N`` (N chips),
+``v4-N`` / ``v5p-N`` (N TensorCores, two per chip: v5p-8 is 4 chips). The command builds the
+slice's devices (compile-only: no TPU needed, only libtpu, ``pip install 'goat-jax[aot]'``), the
+run's mesh from ``config.mesh``, the train state as abstract arrays with their shardings and the
+batch as ShapeDtypeStructs, lowers and compiles the trainer's real train step with the TPU
+compiler (Mosaic kernels included), and writes ``DIR/compile.json`` and ``DIR/compile.md``:
+per-device bytes (arguments, outputs, temporaries, aliased, total), the chip's HBM and whether the
+step fits, parameters, analytic model FLOPs per step and the step time / tokens per second per
+chip at peak (estimates), the attention kernel and packed head dim, compile seconds. A step
+that does not fit is reported (``fits: false`` with the compiler's numbers), not a traceback.
+See docs/aot.md and goat_jax/aot.py.
+"""
+
+import json
+import os
+import sys
+
+# A TPU compile needs no accelerator on this host: keep JAX's own backend on the CPU (without
+# this, an installed libtpu makes JAX try to open TPU chips first, and print why it could not).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from goat_jax import _extras  # pylint: disable=g-import-not-at-top,wrong-import-position
+with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
+    from absl import app
+    from absl import flags
+from goat_jax import aot  # pylint: disable=wrong-import-position
+from goat_jax import cli  # pylint: disable=wrong-import-position
+from goat_jax import config_files  # pylint: disable=wrong-import-position
+from goat_jax import files  # pylint: disable=wrong-import-position
+
+_CONFIG = config_files.define_config_flag("config", None, "Config file, e.g. configs/lm_tiny.py:rope.")
+_TARGET = flags.DEFINE_string(
+    "target", None, "TPU slice as Cloud names it: v5e-N or v6e-N (N = chips), v4-N or v5p-N "
+    "(N = TensorCores, 2 per chip); e.g. v5e-16, v6e-8, v4-8, v5p-32.")
+_OUT = flags.DEFINE_string("out", None, "Folder for compile.json and compile.md (created).")
+flags.mark_flags_as_required(["config", "target", "out"])
+
+
+def _config_arguments(argv):
+    """The command's ``--config FILE[:ARG]`` and ``--config.*`` overrides, as one string."""
+    kept, take = [], False
+    for a in argv:
+        if take or a.startswith("--config.") or a.startswith("--config="):
+            kept.append(a)
+        take = a == "--config"
+        if take:
+            kept.append(a)
+    return " ".join(kept)
+
+
+def main(argv):
+    """Entry point: compiles ``--config``'s train step for ``--target`` and writes ``--out``."""
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    target = aot.parse_target(_TARGET.value)  # before any work: a bad name is one line
+    report = aot.compile_train_step(_CONFIG.value, target)
+    report["config"] = _config_arguments(sys.argv[1:])
+    os.makedirs(_OUT.value, exist_ok=True)
+    files.write_whole(os.path.join(_OUT.value, "compile.json"), json.dumps(report, indent=2) + "\n")
+    files.write_whole(os.path.join(_OUT.value, "compile.md"), aot.markdown(report))
+    mem = report["per_device_bytes"] or {}
+    total = mem.get("total", report.get("compiler_used_bytes"))
+    cli.log(f"{report['target']}: {report['num_devices']} devices, "
+            f"{'n/a' if total is None else f'{total / aot.GiB:.3f} GiB'} per device of "
+            f"{report['device_memory_bytes'] / aot.GiB:.0f} GiB, fits={report['fits']}, "
+            f"attention {report['attention_implementation']}, compiled in {report['compile_seconds']:.1f} s "
+            f"-> {os.path.join(_OUT.value, 'compile.json')}")
+
+
+if __name__ == "__main__":
+    cli.run_absl(main)

@@ -1,0 +1,155 @@
+"""Ahead-of-time compilation for TPU slices on this host (goat_jax/aot.py, experiments/compile.py).
+
+Without libtpu: target names, the compiler's out-of-memory message, and the one line that names
+the extra. With libtpu (the ``aot`` extra; skipped with the reason otherwise): the real TPU
+compiler on compile-only devices of v5e:2x2, the GOAT layer with splash sharded over the 4 chips
+(the Mosaic kernels in the compiled program, the batch split per device in memory_analysis),
+and the smoke LM's train step through ``python -m experiments.compile``, fitting and not."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from goat_jax import aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_libtpu = pytest.mark.skipif(
+    not aot.libtpu_installed(),
+    reason="libtpu (the TPU compiler) is not installed: pip install 'goat-jax[aot]'")
+
+
+def _run(args, timeout=300, **kw):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.mark.parametrize("name, chips, topology", [
+    ("v5e-1", 1, "v5e:1x1"), ("v5e-4", 4, "v5e:2x2"), ("v5e-16", 16, "v5e:4x4"),
+    ("v5e-256", 256, "v5e:16x16"), ("v6e-8", 8, "v6e:2x4"), ("v4-8", 4, "v4:2x2x1"),
+    ("v5p-8", 4, "v5p:2x2x1"), ("v5p-32", 16, "v5p:2x2x4"), ("v5p-128", 64, "v5p:4x4x4")])
+def test_targets_are_named_as_cloud_names_them(name, chips, topology):
+    # v5e/v6e count chips, v4/v5p TensorCores (2 per chip).
+    target = aot.parse_target(name)
+    assert (target.num_chips, target.topology_name) == (chips, topology)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v5e16", "as Cloud names it"), ("v7-8", "as Cloud names it"), ("v5e-12", "power-of-two"),
+    ("v5p-9", "power-of-two"), ("v5p-2", "smallest v5p slice is v5p-8")])
+def test_bad_target_names_say_what_is_accepted(name, message):
+    with pytest.raises(ValueError, match=message):
+        aot.parse_target(name)
+
+
+def test_out_of_memory_is_read_from_the_compilers_message():
+    new = aot.out_of_memory(RuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (49.27G) exceeds available HBM (15.75G)."))
+    assert new["used_bytes"] == int(49.27 * 2**30) and new["limit_bytes"] == int(15.75 * 2**30)
+    old = aot.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran "
+                                         "out of memory in memory space hbm. Used 20.5G of 15.75G hbm."))
+    assert old["used_bytes"] == int(20.5 * 2**30)
+    assert aot.out_of_memory(ValueError("INVALID_ARGUMENT: something else")) is None
+    assert aot.fit(10 * 2**30, 16 << 30)["fits"] and not aot.fit(int(15.5 * 2**30), 16 << 30)["fits"]
+
+
+def test_missing_libtpu_is_one_line_naming_the_extra(tmp_path):
+    # The command with the TPU compiler hidden: one 'error:' line naming the extra, no traceback.
+    script = ("import runpy, sys\nimport goat_jax.aot as a\na.libtpu_installed = lambda: False\n"
+              f"sys.argv = ['compile', '--config', 'configs/lm_tiny.py:goat,smoke', '--target', 'v5e-4', "
+              f"'--out', {str(tmp_path / 'out')!r}]\n"
+              "runpy.run_module('experiments.compile', run_name='__main__')\n")
+    proc = _run(["-c", script])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "goat-jax[aot]" in errors[0] and "v5e-4" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+_LAYER = r'''
+import json
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from goat_jax import GoatAttention, PriorSettings, aot
+
+devices = aot.target_devices(aot.parse_target("v5e-4"))
+mesh = Mesh(np.array(devices).reshape(4, 1), ("data", "tensor"))
+B, T, E = 8, 1024, 256
+x = jax.ShapeDtypeStruct((B, T, E), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+out = {"device_kind": devices[0].device_kind}
+for impl in ("splash", None):
+    attn = GoatAttention(num_heads=4, kv_num_heads=2, head_dim=64, implementation=impl,
+                         prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T), dtype=jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
+        loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
+        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+    text = compiled.as_text()
+    out[str(impl)] = dict(custom_calls=text.count("tpu_custom_call"), memory=aot.memory(compiled),
+                          param_bytes=sum(int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(params)))
+print("RESULT " + json.dumps(out))
+'''
+
+
+@needs_libtpu
+def test_goat_layer_with_splash_compiles_sharded_for_4_tpu_chips():
+    proc = _run(["-c", _LAYER])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert out["device_kind"] == "TPU v5 lite"
+    batch_per_device = 8 * 1024 * 256 * 4 // 4  # float32 inputs split over 4 chips
+    for impl in ("splash", "None"):  # explicit, and the automatic choice for a TPU mesh
+        r = out[impl]
+        # Splash's forward and its two backward kernels, as Mosaic custom calls on the TPU.
+        assert r["custom_calls"] >= 3, r
+        mem = r["memory"]
+        # Per device: a quarter of the batch plus the (replicated) parameters, not the whole batch.
+        assert batch_per_device + r["param_bytes"] <= mem["arguments"] < 2 * batch_per_device + r["param_bytes"], r
+        assert mem["temporaries"] > 0 and mem["total"] == (mem["arguments"] + mem["outputs"]
+                                                           + mem["temporaries"] - mem["aliased"]), r
+
+
+@needs_libtpu
+def test_smoke_lm_train_step_compiles_for_v5e_4_through_experiments_compile(tmp_path):
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                 "--config.seq_len=128", "--target", "v5e-4", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert (report["target"], report["num_devices"], report["mesh"]) == ("v5e-4", 4, {"data": 4, "fsdp": 1, "tensor": 1})
+    assert report["attention_implementation"] == "splash"  # chosen for the TPU mesh, not the CPU host
+    # head_dim 16 = 11 content dims + 2 * pos_rank 2 + 1 sink channel (float32)
+    assert report["packed_head_dim"] == 16
+    mem = report["per_device_bytes"]
+    assert set(mem) == {"arguments", "outputs", "temporaries", "aliased", "total"}
+    assert mem["aliased"] > 0  # the donated train state is reused for the new one
+    assert report["fits"] is True and report["device_memory_bytes"] == 16 << 30
+    from goat_jax import config_files
+    from goat_jax.train import tasks
+    config = config_files.load_config("configs/lm_tiny.py:goat,smoke", {"seq_len": 128})
+    per_token = tasks.get_task("lm").flops_per_token(config)
+    assert report["model_flops_per_step"] == pytest.approx(per_token * 8 * 128)
+    assert report["estimated_step_seconds"] == pytest.approx(per_token * 8 * 128 / (4 * 197e12))
+    assert report["parameters"] > 0 and report["compile_seconds"] > 0
+    assert "v5e-4" in (tmp_path / "compile.md").read_text()
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_is_reported_not_raised(tmp_path):
+    # 131072 sequences of 128 tokens: ~49 GiB of temporaries per v5e chip (16 GiB).
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                 "--config.seq_len=128", "--config.global_batch_size=131072", "--target", "v5e-4",
+                 "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert report["fits"] is False and report["per_device_bytes"] is None
+    assert "HBM" in report["compiler_error"] and report["compiler_used_bytes"] > report["compiler_limit_bytes"]
