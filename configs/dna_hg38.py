@@ -26,12 +26,9 @@ Choices where the recipe is silent or the engine differs, said here:
 """
 
 import ml_collections
-from ml_collections import config_dict
 
 from goat_jax.data import dna
 from goat_jax.tasks import dna as dna_task
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 # Autosomes and sex chromosomes: what the 6kbp dataset holds (no alts, unplaced or chrM).
 HG38_CHROMOSOMES = [f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY"]
@@ -44,39 +41,21 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     encoding = next((p for p in parts if p != "fasta"), "goat")
     c = ml_collections.ConfigDict()
     c.task = "dna"  # next-base prediction (goat_jax/tasks/dna.py)
-    c.seed = 0  # init and crop order
     c.seq_len = 1024  # training context (bases); crops hold seq_len + 1
 
     c.num_train_steps = 1000  # official: cosine to 0 at 1,000 steps
     c.global_batch_size = 8  # official batch 8 x 1024
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # one microbatch
     c.log_every_steps = 10  # metrics cadence
     c.eval_every_steps = 200  # official eval cadence
     c.checkpoint_every_steps = 200  # checkpoint cadence (also at the end and on SIGTERM)
     c.keep_checkpoints = 2  # newest N kept
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
-    c.distributed = False  # True on multi-host clusters
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas (-1: all devices)
-    c.mesh.fsdp = 1  # parameter shards (25M parameters fit anywhere)
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-4  # official peak
     c.optimizer.warmup_steps = 100  # official linear warmup
     c.optimizer.min_lr_ratio = 0.0  # official: cosine to 0
-    c.optimizer.b1 = 0.9  # PyTorch AdamW default (recipe names none)
     c.optimizer.b2 = 0.999  # PyTorch AdamW default
-    c.optimizer.eps = 1e-8  # PyTorch AdamW default
-    c.optimizer.weight_decay = 0.1  # official
     c.optimizer.decay_grouping = "official_genome"  # official: decay on every parameter
-    c.optimizer.grad_clip = 1.0  # official global-norm clip
 
     c.model = dna_task.official_model_config(encoding)  # 25.2M GPT, d 512, 8 layers, 8 heads
     c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization = L

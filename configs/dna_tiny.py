@@ -14,12 +14,9 @@ for validation. Everything else is identical across encodings.
 """
 
 import ml_collections
-from ml_collections import config_dict
 
 from goat_jax.data import dna
 from goat_jax.tasks import dna as dna_task
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -29,38 +26,20 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     encoding = next((p for p in parts if p not in ("smoke", "long")), "goat")
     c = ml_collections.ConfigDict()
     c.task = "dna"  # next-base prediction (goat_jax/tasks/dna.py)
-    c.seed = 0  # init and crop order
     c.seq_len = 256  # training context (bases)
 
     c.num_train_steps = 800  # 800 x 16 x 256 = 3.3M bases, ~0.8 epochs of the training 90%
     c.global_batch_size = 16  # crops per step
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # one microbatch
     c.log_every_steps = 20  # metrics cadence
     c.eval_every_steps = 200  # held-out cadence (0: never)
     c.checkpoint_every_steps = 200  # checkpoint cadence (also at the end and on SIGTERM)
     c.keep_checkpoints = 2  # newest N kept
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind (unknown on CPU)
-    c.distributed = False  # single host
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas (-1: all devices)
-    c.mesh.fsdp = 1  # parameter shards
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 2e-3  # small models take large steps
     c.optimizer.warmup_steps = 50  # linear warmup
     c.optimizer.min_lr_ratio = 0.0  # cosine to 0, as the official recipe
-    c.optimizer.b1 = 0.9  # Adam first moment
     c.optimizer.b2 = 0.99  # Adam second moment
-    c.optimizer.eps = 1e-8  # Adam epsilon
-    c.optimizer.weight_decay = 0.1  # official value
-    c.optimizer.grad_clip = 1.0  # official global-norm clip
 
     c.model = dna_task.official_model_config(encoding)  # then shrunk:
     c.model.num_layers = 2  # official 8

@@ -40,8 +40,6 @@ from ml_collections import config_dict
 from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 OFFICIAL_SEED = 1337  # train_c4.py's seed; GOAT runs add 33
 GOAT_SEED_OFFSET = 33
@@ -58,27 +56,8 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction
     c.seq_len = 2048  # training context (tokens)
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.log_every_steps = 50  # metrics cadence (ours)
-    c.keep_checkpoints = 3  # newest N kept (ours)
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
-    c.distributed = False  # True on multi-host pods / clusters
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data parallel over all devices (125M fits replicated)
-    c.mesh.fsdp = 1  # parameter shards
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.b1 = 0.9  # Adam first moment (ours: not in the recipe notes)
-    c.optimizer.b2 = 0.95  # Adam second moment (ours: not in the recipe notes)
-    c.optimizer.eps = 1e-8  # Adam epsilon (ours: not in the recipe notes)
-    c.optimizer.weight_decay = 0.1  # decoupled weight decay (official value)
-    c.optimizer.grad_clip = 1.0  # global-norm clip (ours: not in the recipe notes)
 
     c.model = ml_collections.ConfigDict()
     c.model.num_layers = 12  # decoder blocks

@@ -23,8 +23,6 @@ from ml_collections import config_dict
 from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -33,38 +31,18 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
                                 encoding=(lm.POSITION_ENCODINGS, "goat"))["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction
-    c.seed = 0  # init and data order
     c.seq_len = 2048  # training context (tokens)
 
     c.num_train_steps = 24_000  # 24k x 1M = 25B tokens (~20 tokens / parameter, Chinchilla)
     c.global_batch_size = 512  # sequences per step: 512 x 2048 = 1M tokens
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # raise if a microbatch does not fit
-    c.log_every_steps = 50  # metrics cadence
-    c.eval_every_steps = 1000  # held-out loss cadence
-    c.checkpoint_every_steps = 1000  # checkpoint cadence (also at the end and on SIGTERM)
-    c.keep_checkpoints = 3  # newest N kept
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
-    c.distributed = False  # True on multi-host pods / clusters
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # pure data-parallel replicas
     c.mesh.fsdp = -1  # FSDP over all devices: 1.23B params + Adam do not fit replicated
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-4  # Llama-style 1B peak
     c.optimizer.warmup_steps = 2000  # linear warmup
-    c.optimizer.min_lr_ratio = 0.1  # cosine floor
-    c.optimizer.b1 = 0.9  # Adam first moment
-    c.optimizer.b2 = 0.95  # Adam second moment
-    c.optimizer.eps = 1e-8  # Adam epsilon
-    c.optimizer.weight_decay = 0.1  # decoupled; not on biases, norms, 1-D or GOAT prior params
-    c.optimizer.grad_clip = 1.0  # global-norm clip
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 128_256  # Llama 3 vocabulary size (= data.spm_vocab_size)

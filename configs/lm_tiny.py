@@ -17,8 +17,6 @@ from ml_collections import config_dict
 from goat_jax.config_args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -31,38 +29,19 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     smoke, encoding = args["size"] == "smoke", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction (goat_jax.train.tasks)
-    c.seed = 0  # parameter init and data shuffling
     c.seq_len = 128  # training context (bytes)
 
     c.num_train_steps = 600  # ~3 min on 2 CPU cores
     c.global_batch_size = 16  # sequences per step (2k tokens)
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # microbatches per step
     c.log_every_steps = 10  # metrics.jsonl / TensorBoard cadence
     c.eval_every_steps = 200  # held-out loss cadence (0: never)
     c.checkpoint_every_steps = 200  # checkpoint cadence (also at the end and on SIGTERM)
     c.keep_checkpoints = 2  # keep the newest N checkpoints
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind (unknown on CPU)
-    c.distributed = False  # call jax.distributed.initialize() (multi-host)
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas (-1: all remaining devices)
-    c.mesh.fsdp = 1  # parameter/optimizer-state shards
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # peak; small models take large steps
     c.optimizer.warmup_steps = 50  # linear warmup
     c.optimizer.min_lr_ratio = 0.1  # cosine floor as a fraction of the peak
-    c.optimizer.b1 = 0.9  # Adam first moment
-    c.optimizer.b2 = 0.95  # Adam second moment (LLM default)
-    c.optimizer.eps = 1e-8  # Adam epsilon
-    c.optimizer.weight_decay = 0.1  # decoupled; not on biases, norms, 1-D or GOAT prior params
-    c.optimizer.grad_clip = 1.0  # global-norm clip (0: off)
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad/BOS/EOS

@@ -18,8 +18,6 @@ from ml_collections import config_dict
 
 from goat_jax.config_args import parse_config_arg
 from goat_jax.data import synthetic
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
@@ -28,38 +26,19 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     smoke = size == "smoke"
     c = ml_collections.ConfigDict()
     c.task = "lm"  # next-token prediction over the synthetic windows
-    c.seed = 0  # init and data
     c.seq_len = 64  # tokens per window
 
     c.num_train_steps = 600  # ~30 s: the loss is within ~0.05 nats of the Bayes entropy
     c.global_batch_size = 32  # windows per step
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # no accumulation
     c.log_every_steps = 20  # metrics.jsonl cadence
     c.eval_every_steps = 300  # held-out loss cadence
     c.checkpoint_every_steps = 600  # only the final state is needed for the figure
     c.keep_checkpoints = 1  # newest only
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # MFU lookup (unknown on CPU)
-    c.distributed = False  # single process
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # all devices data parallel
-    c.mesh.fsdp = 1  # no parameter sharding
-    c.mesh.tensor = 1  # no tensor parallelism
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-2  # a 1-layer toy tolerates (and needs) a large step
     c.optimizer.warmup_steps = 20  # linear warmup
-    c.optimizer.min_lr_ratio = 0.1  # cosine floor
-    c.optimizer.b1 = 0.9  # Adam first moment
-    c.optimizer.b2 = 0.95  # Adam second moment
-    c.optimizer.eps = 1e-8  # Adam epsilon
     c.optimizer.weight_decay = 0.0  # nothing to regularize in a 16-symbol toy
-    c.optimizer.grad_clip = 1.0  # global-norm clip
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 16  # the copy-mixture symbols (no specials)

@@ -20,8 +20,6 @@ from ml_collections import config_dict
 
 from goat_jax.data import images
 from goat_jax.models import vit
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 _TRAIN_IMAGES = 1_281_167  # ImageNet-1k train split
 _BATCH = 64  # official global batch
@@ -35,35 +33,18 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
         raise ValueError(f"configs/vit_s16_imagenet.py:{encoding}: choose one of {vit.POSITION_ENCODINGS}.")
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
-    c.seed = 0  # parameter init, data order, augmentation and drop-path
 
     c.num_train_steps = 300 * _STEPS_PER_EPOCH  # 300 epochs
     c.global_batch_size = _BATCH  # official: 64 images per step
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # raise if a microbatch does not fit
     c.log_every_steps = 100  # metrics cadence
     c.eval_every_steps = 5 * _STEPS_PER_EPOCH  # top-1 on the 50k val images every 5 epochs
     c.checkpoint_every_steps = _STEPS_PER_EPOCH  # once per epoch (also at the end and on SIGTERM)
-    c.keep_checkpoints = 3  # newest N kept
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind
-    c.distributed = False  # True on multi-host pods / clusters
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data parallel over every device (22M parameters fit anywhere)
-    c.mesh.fsdp = 1  # parameter/optimizer-state shards
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 5e-4  # official peak (not rescaled to the batch)
     c.optimizer.warmup_steps = 5 * _STEPS_PER_EPOCH  # 5 warmup epochs
     c.optimizer.min_lr_ratio = 0.02  # cosine floor 1e-5 = 0.02 x 5e-4 (timm's min_lr)
-    c.optimizer.b1 = 0.9  # AdamW
     c.optimizer.b2 = 0.999  # AdamW (DeiT)
-    c.optimizer.eps = 1e-8  # AdamW
     c.optimizer.weight_decay = 0.05  # not on biases, norms, the GOAT prior, pos_embed, cls
     c.optimizer.grad_clip = 0.0  # official: no clipping
 

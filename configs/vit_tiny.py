@@ -20,8 +20,6 @@ import ml_collections
 from ml_collections import config_dict
 
 from goat_jax.data import images
-from goat_jax.train import sharding
-from goat_jax.train import wandb_logger
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
@@ -31,35 +29,19 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     encoding = next((p for p in parts if p not in ("smoke", "canvas")), "goat")
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
-    c.seed = 0  # parameter init, data order, augmentation and drop-path
 
     c.num_train_steps = 940  # 2 epochs of 60k images at batch 128
     c.global_batch_size = 128  # images per step
-    c.per_device_batch_size = config_dict.placeholder(int)  # alternative to global_batch_size
-    c.grad_accum_steps = 1  # microbatches per step
     c.log_every_steps = 20  # metrics.jsonl / TensorBoard cadence
     c.eval_every_steps = 470  # held-out loss / top-1 cadence, once per epoch (0: never)
     c.checkpoint_every_steps = 470  # checkpoint cadence (also at the end and on SIGTERM)
     c.keep_checkpoints = 2  # keep the newest N checkpoints
-    c.progress_bar = True  # tqdm bar on stderr
-    c.peak_flops_per_device = 0.0  # for MFU; 0: look up by device kind (unknown on CPU)
-    c.distributed = False  # call jax.distributed.initialize() (multi-host)
-    c.profile_steps = ()  # (first, last) step of a jax.profiler trace into WORKDIR/profile/; (): off
-    c.wandb = wandb_logger.default_config()  # Weights & Biases; mode 'disabled': off
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas (-1: all remaining devices)
-    c.mesh.fsdp = 1  # parameter/optimizer-state shards
-    c.mesh.tensor = 1  # tensor-parallel shards
-    c.sharding_rules = sharding.DEFAULT_RULES  # logical axis -> mesh axis (goat_jax/train/sharding.py)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-3  # peak AdamW rate (small ViT, batch 128)
     c.optimizer.warmup_steps = 100  # linear warmup
     c.optimizer.min_lr_ratio = 0.01  # cosine floor as a fraction of the peak
-    c.optimizer.b1 = 0.9  # Adam first moment
     c.optimizer.b2 = 0.999  # Adam second moment (DeiT)
-    c.optimizer.eps = 1e-8  # Adam epsilon
     c.optimizer.weight_decay = 0.05  # official ViT recipe; not on biases, norms, prior, pos_embed, cls
     c.optimizer.grad_clip = 0.0  # the official recipe does not clip
 

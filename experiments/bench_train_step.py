@@ -27,8 +27,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
     from absl import app
     from absl import flags
 
-from configs import lm_c4_125m
-from configs import lm_tiny
+from goat_jax.config_files import load_config
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks
@@ -109,7 +108,7 @@ def _time_engine(config, steps):
 def engine_overhead(repeats: int, steps: int):
     """Per-repeat ``(wall, cpu)`` seconds per step: (engine runs, bare runs), alternating which
     goes first because the machine's load drifts."""
-    config = lm_tiny.get_config()
+    config = load_config("configs/lm_tiny.py")
     config.log_every_steps = 10
     config.checkpoint_every_steps = 50  # async checkpoints inside the measured steps
     config.eval_every_steps = 0
@@ -151,12 +150,12 @@ def main(argv):
     engine_runs, bare_runs = engine_overhead(_REPEATS.value, _STEPS.value)
     med = lambda runs, i: float(np.median([r[i] for r in runs]))  # pylint: disable=unnecessary-lambda-assignment
     rows = []
-    tiny = lm_tiny.get_config()
+    tiny = load_config("configs/lm_tiny.py")
     for enc in ENCODINGS:
-        rows.append(encoding_row(lm_tiny.get_config(enc), f"tiny (seq {tiny.seq_len}, batch {tiny.global_batch_size})", enc, 50))
+        rows.append(encoding_row(load_config(f"configs/lm_tiny.py:{enc}"), f"tiny (seq {tiny.seq_len}, batch {tiny.global_batch_size})", enc, 50))
     if not _SKIP_125M.value:
         for enc in ENCODINGS:
-            config = lm_c4_125m.get_config(f"{enc},llama")  # the 32k Llama-style shape of the table
+            config = load_config(f"configs/lm_c4_125m.py:{enc},llama")  # the 32k Llama-style shape of the table
             config.seq_len = _SEQ_125M.value  # training_seq_len follows (FieldReference)
             config.global_batch_size = _BATCH_125M.value
             config.model.dtype = "float32"  # CPU has no fast bfloat16 matmul

@@ -78,9 +78,10 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Optional[Mappi
 
 def load_config(spec: str, overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
     """``get_config(arg)`` of ``'path/file.py[:arg]'`` (``get_config()`` without an argument),
-    its model section completed with every model field of its task at the field's default
-    (:func:`goat_jax.train.tasks.add_model_defaults`), with dotted ``overrides`` applied
-    (:func:`apply_overrides`)."""
+    completed with every engine field it leaves out at its declared default
+    (:func:`goat_jax.train.validation.add_engine_defaults`) and every model field of its task
+    at the field's default (:func:`goat_jax.train.tasks.add_model_defaults`), so any field can be
+    set with ``--config.<field>=...``, with dotted ``overrides`` applied (:func:`apply_overrides`)."""
     path, _, arg = spec.partition(":")
     path = resolve_path(path)
     module_spec = importlib.util.spec_from_file_location(
@@ -90,9 +91,11 @@ def load_config(spec: str, overrides: Optional[Mapping[str, Any]] = None) -> ml_
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path} defines no get_config(arg); every configs/*.py does.")
     config = module.get_config(arg) if arg else module.get_config()
-    # Every model field of the task is settable, not only those the file lists.
+    # Every engine and model field is settable, not only those the file lists.
     from goat_jax.train import tasks as tasks_lib  # pylint: disable=g-import-not-at-top  # imports the task's model
+    from goat_jax.train import validation  # pylint: disable=g-import-not-at-top
 
+    validation.add_engine_defaults(config)
     tasks_lib.add_model_defaults(config)
     return apply_overrides(config, overrides, spec)
 

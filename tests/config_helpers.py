@@ -6,10 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import lm_tiny
+from goat_jax.train import validation
 
 
 def set_fields(config, **overrides):
-    """Sets dotted fields, ``set_fields(c, **{'optimizer.learning_rate': 1e-3})``; returns c."""
+    """Sets dotted fields, ``set_fields(c, **{'optimizer.learning_rate': 1e-3})``; returns c.
+    A config with a ``task`` first gets the engine fields it leaves out at their declared
+    defaults, as a run has them (goat_jax/train/validation.py), so any of them can be set."""
+    if "task" in config:
+        validation.add_engine_defaults(config)
     for key, value in overrides.items():
         node = config
         *path, leaf = key.split(".")
@@ -47,6 +52,7 @@ def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
     from goat_jax.train import tasks  # pylint: disable=g-import-not-at-top
 
     task = tasks.get_task(config.task)
+    config = tasks.with_field_defaults(config, task)  # as load_run gives a run's config
     model = task.build_model(config)
     shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
     rng = np.random.default_rng(seed)

@@ -111,9 +111,9 @@ def test_field_added_at_its_default_resumes_and_other_values_do_not(tmp_path):
 
 def test_task_defaults_are_the_model_dataclass_defaults():
     from goat_jax.tasks import lm, vit
-    defaults = lm.TASK.field_defaults()
+    defaults = lm.TASK.fields.defaults()
     assert defaults["model.sink_extrapolation"] == "official" and defaults["data.span_loss_weight"] is None
-    assert vit.TASK.field_defaults()["model.position_encoding"] == "goat"
+    assert vit.TASK.fields.defaults()["model.position_encoding"] == "goat"
 
 
 def test_leftover_temporary_directory_is_ignored(tmp_path):

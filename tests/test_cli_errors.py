@@ -208,7 +208,7 @@ def _checkpointed_run(workdir, step, **overrides):
     fields = trainer._fingerprinted(tasks.with_field_defaults(config, task), global_batch)  # pylint: disable=protected-access
     ckpt = checkpoint.Checkpointer(run.checkpoint_dir(str(workdir)), fields,
                                    resume_safe_fields=task.resume_safe_fields,
-                                   field_defaults=task.field_defaults())
+                                   field_defaults=tasks.field_defaults(task))
     ckpt.save(step, {"step": jnp.array(step, jnp.int32)}, {"i": step}, wait=True)
     ckpt.close()
 

@@ -26,7 +26,7 @@ from goat_jax.data import dna, images, synthetic, text
 from goat_jax.models import lm, vit
 from goat_jax.prior import PriorSettings
 from goat_jax.tasks import lm as lm_task
-from goat_jax.train import checkpoint, validation
+from goat_jax.train import checkpoint, tasks, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_CONFIG = os.path.join(ROOT, "tests", "fixtures", "old_lm_smoke_config.json")
@@ -159,10 +159,10 @@ def test_old_model_name_checkpoint_resumes_under_the_new_config(tmp_path):
     ckpt.save(3, {"w": jnp.ones((2,))}, {"i": 3}, wait=True)
     ckpt.close()
     ckpt = checkpoint.Checkpointer(str(tmp_path), new, resume_safe_fields=task.resume_safe_fields,
-                                   field_defaults=task.field_defaults())
+                                   field_defaults=tasks.field_defaults(task))
     assert ckpt.check_compatible() == {}
     ckpt.close()
-    defaults = {k: v for k, v in task.field_defaults().items() if k != "model.name"}
+    defaults = {k: v for k, v in tasks.field_defaults(task).items() if k != "model.name"}
     ckpt = checkpoint.Checkpointer(str(tmp_path), new, resume_safe_fields=task.resume_safe_fields,
                                    field_defaults=defaults)
     with pytest.raises(checkpoint.IncompatibleCheckpointError, match="model.name: checkpoint 'lm'"):

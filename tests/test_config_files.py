@@ -11,6 +11,7 @@ from absl import flags
 from configs import lm_tiny, toy_copy_mixture
 from goat_jax import config_files
 from goat_jax.models import lm
+from goat_jax.train import validation
 
 
 def _write_config(path, body="c.x = 1\n    c.sub = ml_collections.ConfigDict({'y': 2.0})"):
@@ -20,15 +21,17 @@ def _write_config(path, body="c.x = 1\n    c.sub = ml_collections.ConfigDict({'y
 
 
 def test_load_config_equals_the_config_function(tmp_path, monkeypatch):
-    """The same config as calling ``get_config`` directly (plus the model fields the file leaves
-    out, at their defaults), from the repository root or from any other working directory
+    """The same config as calling ``get_config`` directly (plus the engine and model fields the
+    file leaves out, at their defaults), from the repository root or from any other working directory
     (relative specs fall back to the repository root)."""
     for cwd in (config_files.REPO_ROOT, str(tmp_path)):
         monkeypatch.chdir(cwd)
         for spec, raw in (("configs/lm_tiny.py:rope,smoke", lm_tiny.get_config("rope,smoke")),
                           ("configs/toy_copy_mixture.py", toy_copy_mixture.get_config())):
             raw, loaded = raw.to_dict(), config_files.load_config(spec).to_dict()
-            assert {**loaded, "model": None} == {**raw, "model": None}
+            # The engine fields the file leaves out, at their declared defaults.
+            engine = validation.with_engine_defaults(ml_collections.ConfigDict(raw)).to_dict()
+            assert {**loaded, "model": None} == {**engine, "model": None}
             assert {k: v for k, v in loaded["model"].items() if k in raw["model"]} == raw["model"]
             added = {k: v for k, v in loaded["model"].items() if k not in raw["model"]}
             assert added and all(v == getattr(lm.LMConfig, k) for k, v in added.items()), added

@@ -11,7 +11,7 @@ import pytest
 from configs import lm_c4_125m, lm_fineweb_1b, lm_tiny
 from goat_jax.models import count_params
 from goat_jax.train import tasks
-from goat_jax.train import trainer
+from goat_jax.train import trainer, validation
 from tests.config_helpers import set_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def test_125m_official_recipe_fields():
     """Every field the official train_c4.py fixes has its value (docs/protocols.md, C4 125M)."""
     from goat_jax.reproduce import paper_table  # the recipe, written out field by field from the docs
 
-    c = lm_c4_125m.get_config("goat")
+    c = validation.add_engine_defaults(lm_c4_125m.get_config("goat"))  # as a run has it
     assert paper_table.differences(c, paper_table.official_recipe("lm", "c4_125m", "goat")) == {}
     assert c.optimizer.learning_rate * c.optimizer.min_lr_ratio == pytest.approx(3e-5)
     tokens = c.num_train_steps * c.global_batch_size * c.seq_len
@@ -113,14 +113,14 @@ def test_1b_param_count_matches_llama_3_2_1b():
 
 
 def _tiny(**changes):
-    return set_fields(lm_tiny.get_config(), **changes)
+    return set_fields(validation.add_engine_defaults(lm_tiny.get_config()), **changes)
 
 
 @pytest.mark.parametrize("mutate,devices,pattern", [
     (lambda c: c.__setattr__("num_trian_steps", 5), 1, r"Unknown config field num_trian_steps\. Did you mean num_train_steps"),
     (lambda c: c.model.__setattr__("embed_dims", 5), 1, r"Unknown config field model\.embed_dims\. Did you mean model\.embed_dim"),
     (lambda c: c.data.__setattr__("tokeniser", "byte"), 1, r"Unknown config field data\.tokeniser"),
-    (lambda c: c.optimizer.__delattr__("grad_clip"), 1, r"missing field\(s\) \['optimizer\.grad_clip'\]"),
+    (lambda c: c.optimizer.__delattr__("learning_rate"), 1, r"missing field\(s\) \['optimizer\.learning_rate'\]"),
     (lambda c: c.mesh.__setattr__("data", 3), 8, r"mesh\.data \* mesh\.fsdp \* mesh\.tensor = 3 \* 1 \* 1 = 3, but there are 8 devices"),
     (lambda c: (c.mesh.__setattr__("data", 8), c.__setattr__("global_batch_size", 12)), 8,
      r"global_batch_size=12 .* divisible by mesh\.data \* mesh\.fsdp \* grad_accum_steps"),
@@ -132,7 +132,7 @@ def _tiny(**changes):
     (lambda c: c.__setattr__("log_every_steps", 0), 1, r"log_every_steps=0 is out of range: allowed is an integer >= 1"),
 ])
 def test_bad_values_raise_naming_the_field(mutate, devices, pattern):
-    config = lm_tiny.get_config()
+    config = _tiny()
     mutate(config)
     with pytest.raises(ValueError, match=pattern):
         trainer.validate_config(config, num_devices=devices)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import lm_tiny
+from tests.config_helpers import set_fields
 from goat_jax import interop
 from goat_jax.models import lm
 from goat_jax.tasks import lm as lm_task
@@ -81,7 +82,7 @@ def test_official_grouping_on_the_gpt2_lm():
 
 
 def _smoke(grouping=None):
-    config = lm_tiny.get_config("goat,smoke")
+    config = set_fields(lm_tiny.get_config("goat,smoke"))  # with the engine's defaults, as a run has them
     if grouping is not None:
         config.optimizer.decay_grouping = grouping
     return config

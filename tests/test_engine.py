@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from goat_jax.config.fields import Float, Int
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding, tasks, trainer
 from tests.config_helpers import set_fields
@@ -119,8 +120,10 @@ CLASSIFIER = tasks.Task(
     model_inputs=lambda batch: (batch["x"],),
     tokens_per_example=lambda c: 1,
     flops_per_token=lambda c: None,
-    schema=lambda: {"model": {"hidden", "num_classes", "dropout_rate"},
-                    "data": {"dim", "num_eval_examples"}},
+    # The task's fields, declared once: its schema and the types checked before any work.
+    fields=tasks.TaskFields(
+        model={"hidden": Int(min=1), "num_classes": Int(min=2), "dropout_rate": Float(min=0.0, max=1.0)},
+        data={"": {"dim": Int(min=1), "num_eval_examples": Int(min=1)}}),
     eval_metrics=lambda t: {"accuracy": t["correct"] / t["weight"], "examples": t["weight"]},
     no_decay_names=frozenset({"bias"}),
 )

@@ -409,8 +409,8 @@ def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
     from goat_jax.eval import lm_run, runs
     from goat_jax.train import tasks
 
-    config = lm_tiny.get_config("goat,smoke")
     task = tasks.get_task("lm")
+    config = tasks.with_field_defaults(lm_tiny.get_config("goat,smoke"), task)  # as load_run gives it
     model = task.build_model(config)
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params,
@@ -438,8 +438,8 @@ def test_a_text_file_shorter_than_one_window_is_refused_naming_it(tmp_path):
     from goat_jax.eval import lm_run, runs
     from goat_jax.train import tasks
 
-    config = lm_tiny.get_config("goat,smoke")
     task = tasks.get_task("lm")
+    config = tasks.with_field_defaults(lm_tiny.get_config("goat,smoke"), task)  # as load_run gives it
     model = task.build_model(config)
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)

@@ -100,7 +100,7 @@ def random_param_workdir(workdir: str) -> str:
         json.dump(config_dict, f, default=str)
     ckpt = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict, keep=1,
                                        async_save=False, resume_safe_fields=task.resume_safe_fields,
-                                       field_defaults=task.field_defaults())
+                                       field_defaults=tasks.field_defaults(task))
     ckpt.save(1, state, {}, wait=True)
     ckpt.close()
     return workdir

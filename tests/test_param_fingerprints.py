@@ -45,7 +45,10 @@ CASES = DEFAULT_CASES + SLOW_CASES
 def _config(module: str, arg: str):
     import importlib  # pylint: disable=g-import-not-at-top
 
-    return importlib.import_module(f"configs.{module}").get_config(arg)
+    from goat_jax.train import validation  # pylint: disable=g-import-not-at-top
+
+    # As a run has it: the engine fields the file leaves out at their declared defaults.
+    return validation.add_engine_defaults(importlib.import_module(f"configs.{module}").get_config(arg))
 
 
 def _leaf_records(tree) -> dict:

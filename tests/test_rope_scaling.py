@@ -372,9 +372,9 @@ def _rope_workdir(workdir):
     from goat_jax.train import tasks
     from tests.config_helpers import random_params
 
-    config = lm_tiny.get_config("rope,smoke")
+    task = tasks.get_task("lm")
+    config = tasks.with_field_defaults(lm_tiny.get_config("rope,smoke"), task)  # as a run has it
     config.progress_bar = False
-    task = tasks.get_task(config.task)
     model = task.build_model(config)
     tx, _ = run_lib.make_optimizer(task, config)
     params = random_params(model, 8, np.random.default_rng(0))
@@ -383,7 +383,7 @@ def _rope_workdir(workdir):
     with open(run_lib.config_path(workdir), "w") as f:
         json.dump(config.to_dict(), f, default=str)
     ckpt = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config.to_dict(), keep=1, async_save=False,
-                                       resume_safe_fields=task.resume_safe_fields, field_defaults=task.field_defaults())
+                                       resume_safe_fields=task.resume_safe_fields, field_defaults=tasks.field_defaults(task))
     ckpt.save(1, state, {}, wait=True)
     ckpt.close()
     return workdir

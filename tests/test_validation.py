@@ -36,7 +36,8 @@ NEGATIVE_OK = {"data.depth",  # < 0: a uniformly random needle depth
 
 def _config(name, arg):
     module = importlib.import_module(f"configs.{name}")
-    return module.get_config(arg) if arg is not None else module.get_config()
+    config = module.get_config(arg) if arg is not None else module.get_config()
+    return validation.add_engine_defaults(config)  # the engine fields the file leaves out, as a run has them
 
 
 def _numeric_fields(config):
@@ -73,7 +74,7 @@ def _assert_refused(config, dotted, value):
 
 def _specs(config):
     specs = dict(validation.ENGINE_FIELDS)
-    for section, spec in tasks.get_task(config.task).field_specs(config).items():
+    for section, spec in tasks.get_task(config.task).fields.specs(config).items():
         specs[section] = {**specs.get(section, {}), **spec}
     return specs
 

@@ -53,7 +53,8 @@ class Field:
     Attributes:
       kind: 'int', 'float', 'bool', 'str', 'strs' (a tuple of strings, e.g. file globs) or
         'ints' (a tuple of integers, each within ``min``/``max``), 'floats' (a tuple of finite
-        numbers, e.g. per-channel means) or 'dtype' (a dtype name among ``choices``, or a
+        numbers, e.g. per-channel means), 'opaque' (not checked here: its owner checks it) or
+        'dtype' (a dtype name among ``choices``, or a
         numpy/JAX dtype of that name).
       min, max: bounds of a number (None: unbounded); ``min_inclusive`` / ``max_inclusive``
         say whether the bound itself is allowed.
@@ -143,6 +144,12 @@ def Floats(**kw) -> Field:  # pylint: disable=invalid-name
     return Field("floats", **kw)
 
 
+def Opaque(**kw) -> Field:  # pylint: disable=invalid-name
+    """A field whose value this module does not check (its owner does, e.g. the sharding rules,
+    validated by ``goat_jax.train.sharding``): declared for its default and doc only."""
+    return Field("opaque", **kw)
+
+
 def Dtype(choices, **kw) -> Field:  # pylint: disable=invalid-name
     """A dtype: one of the names ``choices`` ('bfloat16'), or a dtype object of such a name."""
     return Field("dtype", choices=tuple(choices), **kw)
@@ -150,6 +157,8 @@ def Dtype(choices, **kw) -> Field:  # pylint: disable=invalid-name
 
 def _problem(spec: Field, value: Any) -> Optional[str]:
     """None if ``value`` satisfies ``spec``, else 'has the wrong type' / 'is out of range'."""
+    if spec.kind == "opaque":
+        return None
     if value is None:
         return None if spec.optional else "is not set"
     if spec.kind == "dtype":
@@ -298,6 +307,16 @@ def check_instance(obj: Any, section: Optional[str] = None) -> None:
 _PLACEHOLDER_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
+class _Required:
+    """The default of a :class:`Section` field that every config must set (no default)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+
+
 class Section:
     """The fields of one ``ml_collections`` config section, each declared once as
     ``name=(default, Field)``::
@@ -307,13 +326,16 @@ class Section:
         def default_data_config(): return DATA.defaults()
 
     A None default of an optional number or string becomes a typed placeholder, so
-    ``--config.data.x=...`` can still set it from the command line.
+    ``--config.data.x=...`` can still set it from the command line. A field declared
+    ``(REQUIRED, Field)`` has no default: every config must set it (:attr:`required`).
     """
 
     def __init__(self, **declared: Tuple[Any, Field]):
         for name, entry in declared.items():
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], Field)):
                 raise TypeError(f"Section field {name!r} must be (default, Field), got {entry!r}.")
+            if entry[0] is REQUIRED:
+                continue
             problem = _problem(entry[1], entry[0])
             if problem:  # a declaration whose own default it refuses is a bug in the declaration
                 raise ValueError(f"Section field {name!r}: the default {entry[0]!r} {problem} "
@@ -325,16 +347,33 @@ class Section:
         """``{name: Field}`` in declaration order (the section's ``FIELD_SPECS``)."""
         return {name: spec for name, (_, spec) in self._declared.items()}
 
+    @property
+    def required(self) -> Tuple[str, ...]:
+        """The fields declared ``REQUIRED``: no default, every config sets them."""
+        return tuple(name for name, (default, _) in self._declared.items() if default is REQUIRED)
+
+    def default_values(self) -> Dict[str, Any]:
+        """``{name: default}`` of every field with a default (None stays None, no placeholder):
+        what a config that leaves the field out computes with."""
+        return {name: default for name, (default, _) in self._declared.items() if default is not REQUIRED}
+
+    def placeholder(self, name: str) -> Any:
+        """The value :meth:`defaults` gives field ``name``: its default, or a typed placeholder
+        for a None default of a plain kind (so the command line can still set it)."""
+        default, spec = self._declared[name]
+        if default is None and spec.kind in _PLACEHOLDER_TYPES:
+            with _extras.imports(__name__):
+                from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+            return config_dict.placeholder(_PLACEHOLDER_TYPES[spec.kind])
+        return default
+
     def defaults(self) -> "ml_collections.ConfigDict":
-        """A fresh ConfigDict holding every field's default."""
+        """A fresh ConfigDict holding every field's default (required fields are left out)."""
         # Imported here, not at the top: the prior's settings import this module, and the core
         # install (the layer alone: jax, flax, numpy) has no ml_collections.
         with _extras.imports(__name__):
             import ml_collections  # pylint: disable=g-import-not-at-top
         c = ml_collections.ConfigDict()
-        for name, (default, spec) in self._declared.items():
-            if default is None and spec.kind in _PLACEHOLDER_TYPES:
-                c[name] = ml_collections.config_dict.placeholder(_PLACEHOLDER_TYPES[spec.kind])
-            else:
-                c[name] = default
+        for name in self.default_values():
+            c[name] = self.placeholder(name)
         return c

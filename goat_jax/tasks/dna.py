@@ -17,7 +17,6 @@ other FASTA files and GC agreement: ``python -m experiments.evaluate --evals dna
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Dict
 
@@ -93,22 +92,14 @@ def loss(apply_fn, params, batch, rng):
     return loss_sum, (weight_sum, {"correct": jnp.sum(correct * batch["weights"].astype(jnp.float32))})
 
 
-def schema() -> Dict[str, set]:
-    """The LM's model fields and the DNA pipeline's data fields."""
-    return {"model": {"name"} | {f.name for f in dataclasses.fields(lm.LMConfig)},
-            "data": set(dna.default_dna_data_config().keys())}
+# The DNA task's config fields: the LM's model dataclass, the genome pipeline's data, seq_len.
+FIELDS = tasks.TaskFields(model=lm.LMConfig, data={"dna": dna.FIELD_SPECS},
+                          top_level={"seq_len": lm_task.seq_len_spec("training context (bases)")}, model_name="lm")
 
 
 def validate(config) -> None:
     """The LM's rules (config builds, ``seq_len`` fits a position table), for task 'dna'."""
     lm_task.validate_model(config, "dna")
-
-
-def field_specs(config) -> Dict[str, Dict[str, object]]:
-    """Types and ranges of the task's fields (checked by the engine before any work)."""
-    del config
-    return {"": {"seq_len": lm_task.seq_len_spec("training context (bases)")}, "model": lm.FIELD_SPECS,
-            "data": dna.FIELD_SPECS}
 
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
@@ -128,16 +119,13 @@ TASK = tasks.Task(
     model_inputs=lambda batch: (batch["inputs"],),
     tokens_per_example=lambda config: int(config.seq_len),
     flops_per_token=lambda config: lm.lm_flops_per_token(lm_task.model_config(config, "dna"), config.seq_len),
-    schema=schema,
+    fields=FIELDS,
     validate=validate,
     eval_metrics=eval_metrics,
-    top_level_fields=("seq_len",),
-    field_specs=field_specs,
     # Reader threads and eval size change nothing the checkpoint depends on; remat and the
     # kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
-    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "model.name": "lm"},
     no_decay_names=NO_DECAY_NAMES,
     # optimizer.decay_grouping='official_genome' (configs/dna_hg38.py): the official genome run
     # applies AdamW's decay to every parameter (biases, norms, GOAT prior parameters included).

@@ -11,7 +11,6 @@ Config sections: ``seq_len`` (top level), ``model.*`` (the fields of
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Dict
 
@@ -109,13 +108,6 @@ def _synthetic_data_fields() -> set:
     return set(synthetic.default_synthetic_config().keys()) | {"source"}
 
 
-def schema() -> Dict[str, set]:
-    """The model and data fields; data is the union of both sources' fields (``validate`` then
-    checks them against ``data.source``). ``model.name`` is accepted, deprecated."""
-    return {"model": {"name"} | {f.name for f in dataclasses.fields(lm.LMConfig)},
-            "data": set(text.default_data_config().keys()) | _synthetic_data_fields()}
-
-
 def seq_len_spec(doc: str = "training context") -> Field:
     """``seq_len``: at least 1, at most ``MAX_POSITION``, the positions every attention layer
     accepts (beyond, the float32 prior loses accuracy; goat_jax/prior/positions.py), so that a
@@ -125,11 +117,16 @@ def seq_len_spec(doc: str = "training context") -> Field:
                    "goat_jax/prior/positions.py: train shorter and extrapolate at evaluation")
 
 
-def field_specs(config) -> Dict[str, Dict[str, Any]]:
-    """Type and range of the task's fields (checked by the engine before any work): the
-    model's, the chosen data source's, and ``seq_len``."""
-    data = synthetic.FIELD_SPECS if is_synthetic(config) else text.FIELD_SPECS
-    return {"": {"seq_len": seq_len_spec()}, "model": lm.FIELD_SPECS, "data": data}
+# The LM task's config fields: the model dataclass, the two data pipelines (text files / TFDS,
+# and the synthetic tasks, chosen by data.source), seq_len.
+FIELDS = tasks.TaskFields(
+    model=lm.LMConfig,
+    data={"text": text.FIELD_SPECS, "synthetic": synthetic.FIELD_SPECS},
+    data_source=lambda config: "synthetic" if is_synthetic(config) else "text",
+    top_level={"seq_len": seq_len_spec()},
+    # model.name='lm' is what checkpoints written before the task alone chose the model hold;
+    # runs from before data.span_loss_weight / data.packing existed resume under these.
+    model_name="lm", data_defaults={"data.span_loss_weight": None, "data.packing": "concat"})
 
 
 def validate_model(config, task: str) -> None:
@@ -140,7 +137,7 @@ def validate_model(config, task: str) -> None:
 
 def validate(config) -> None:
     """The model's rules (:func:`validate_model`); data fields belong to ``data.source``.
-    (Types and ranges, ``seq_len >= 1`` included, are checked before, from :func:`field_specs`.)"""
+    (Types and ranges, ``seq_len >= 1`` included, are checked before, from :data:`FIELDS`.)"""
     allowed = _synthetic_data_fields() if is_synthetic(config) else set(text.default_data_config().keys())
     stray = sorted(set(config.data.keys()) - allowed)
     if stray:
@@ -166,19 +163,13 @@ TASK = tasks.Task(
     model_inputs=lambda batch: (batch["inputs"],),
     tokens_per_example=lambda config: int(config.seq_len),
     flops_per_token=flops_per_token,
-    schema=schema,
+    fields=FIELDS,
     validate=validate,
-    field_specs=field_specs,
     eval_metrics=eval_metrics,
-    top_level_fields=("seq_len",),
     # Reading threads and eval size change nothing the checkpoint depends on; remat and the
     # attention kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
                         "model.implementation"),
     no_decay_names=NO_DECAY_NAMES,
     decay_groupings={"official_c4": official_c4_decay_mask},
-    # Fields a config may leave out (runs from before they existed resume under their defaults;
-    # model.name='lm' is what checkpoints written before the task alone chose the model hold).
-    field_defaults=lambda: {**tasks.dataclass_defaults(lm.LMConfig, "model"), "data.span_loss_weight": None,
-                            "data.packing": "concat", "model.name": "lm"},
 )

@@ -11,7 +11,6 @@ The contract this module fills is in :mod:`goat_jax.train.tasks`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict
 
 import jax
@@ -81,10 +80,11 @@ def vit_flops_per_image(cfg: vit.ViTConfig, resolution: int) -> float:
     return float(6 * (per_token * tokens + patch) + 12 * cfg.num_layers * e * tokens ** 2)
 
 
-def schema() -> Dict[str, set]:
-    """The model fields (ViTConfig + ``preset``; ``name`` accepted, deprecated) and the data fields."""
-    return {"model": {"name", "preset"} | {f.name for f in dataclasses.fields(vit.ViTConfig)},
-            "data": set(images.default_data_config().keys())}
+# The ViT task's config fields: ViTConfig plus its 'preset', the image pipeline's data.
+FIELDS = tasks.TaskFields(model=vit.ViTConfig, data={"images": images.FIELD_SPECS},
+                          model_extra={"preset": vit.FIELD_SPECS["preset"]},
+                          # model.name='vit': what checkpoints written before the task alone chose the model hold.
+                          model_name="vit")
 
 
 def validate(config) -> None:
@@ -99,12 +99,6 @@ def validate(config) -> None:
     if config.data.image_size % cfg.patch_size:
         raise ValueError(f"data.image_size={config.data.image_size} is not divisible by "
                          f"model.patch_size={cfg.patch_size}.")
-
-
-def field_specs(config) -> Dict[str, Dict]:
-    """Types and ranges of the ``model`` and ``data`` fields (checked before any work)."""
-    del config
-    return {"model": vit.FIELD_SPECS, "data": images.FIELD_SPECS}
 
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
@@ -122,14 +116,11 @@ TASK = tasks.Task(
     model_inputs=lambda batch: (batch["image"],),
     tokens_per_example=lambda config: 1,  # throughput is reported in images/s
     flops_per_token=lambda config: vit_flops_per_image(model_config(config), config.data.image_size),
-    schema=schema,
+    fields=FIELDS,
     validate=validate,
     eval_metrics=eval_metrics,
-    field_specs=field_specs,
     # Reading threads and eval size do not change what is computed; the kernel changes speed only.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.implementation"),
     # timm/DeiT exclude the position table and CLS token from weight decay, besides biases and norms.
     no_decay_names=NO_DECAY_NAMES | {"pos_embed", "cls"},
-    # model.name='vit': what checkpoints written before the task alone chose the model hold.
-    field_defaults=lambda: {**tasks.dataclass_defaults(vit.ViTConfig, "model"), "model.name": "vit"},
 )

@@ -187,7 +187,7 @@ def checkpoint_steps(workdir: str) -> tuple[int, ...]:
     task = tasks_lib.get_task(config.task)
     ckpt = checkpoint_lib.Checkpointer(directory, config.to_dict(), keep=int(config.keep_checkpoints),
                                        async_save=False, resume_safe_fields=task.resume_safe_fields,
-                                       field_defaults=task.field_defaults(), read_only=True)
+                                       field_defaults=tasks_lib.field_defaults(task), read_only=True)
     try:
         return ckpt.all_steps()
     finally:
@@ -219,7 +219,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
         raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint yet.")
     ckpt = checkpoint_lib.Checkpointer(directory, config.to_dict(), keep=int(config.keep_checkpoints),
                                        async_save=False, resume_safe_fields=task.resume_safe_fields,
-                                       field_defaults=task.field_defaults(), read_only=True)
+                                       field_defaults=tasks_lib.field_defaults(task), read_only=True)
     try:
         if step is not None:
             state, _ = ckpt.restore(step, abstract)

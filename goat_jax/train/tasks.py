@@ -61,6 +61,8 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
+from goat_jax.config.fields import Section, specs_of
+from goat_jax.train import validation
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import optax
 
@@ -85,6 +87,80 @@ class Datasets:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskFields:
+    """Every config field a task declares, in one object: the engine derives the task's schema
+    (which names each section takes), the types and ranges it checks before any work, and the
+    defaults a config may leave out, all from these declarations (the engine's own fields are
+    declared the same way, in :data:`goat_jax.train.validation.ENGINE`).
+
+    Attributes:
+      model: the ``model`` section's declarations: its config dataclass (``LMConfig``,
+        ``ViTConfig``, each field declared once with ``goat_jax.config.fields.declare`` /
+        ``borrow``: default, type, range, doc), or a :class:`goat_jax.config.fields.Section`
+        (``name=(default, Field)``); a config may leave out any field that has a default.
+      data: ``{name: Section or {field: Field}}``, the fields of each data pipeline the task
+        reads (one entry for a task with one pipeline). The schema is their union; a config is
+        checked against the one ``data_source(config)`` names.
+      data_source: ``config -> key of data`` (default: the first).
+      top_level: the task's own top-level fields, which every config sets (``{'seq_len': Int(min=1)}``).
+      model_extra: model fields outside the dataclass (the ViT's ``preset``).
+      model_name: what ``model.name`` held in checkpoints written before the task alone chose
+        the model ('' for none); the field is accepted (deprecated) and never added.
+      data_defaults: ``{'data.field': default}`` of data fields a config may leave out (runs
+        written before the field existed resume under this value).
+    """
+
+    model: Any
+    data: Dict[str, Any]
+    data_source: Optional[Callable[[Any], str]] = None
+    top_level: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    model_extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    model_name: str = ""
+    data_defaults: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def schema(self) -> Dict[str, set]:
+        """``{section: field names}`` of the task's sections (``model``, ``data``)."""
+        model = set(_specs(self.model)) | set(_defaults(self.model))
+        return {"model": model | set(self.model_extra) | ({"name"} if self.model_name else set()),
+                "data": set().union(*(set(_specs(d)) for d in self.data.values()))}
+
+    def specs(self, config: Any) -> Dict[str, Dict[str, Any]]:
+        """``{section: {field: Field}}`` checked on ``config`` ('' for the top level): the
+        model's declarations, the data pipeline the config chooses, the top-level fields."""
+        source = self.data_source(config) if self.data_source else next(iter(self.data))
+        return {"": dict(self.top_level), "model": {**_specs(self.model), **self.model_extra},
+                "data": _specs(self.data[source])}
+
+    def defaults(self) -> Dict[str, Any]:
+        """``{'section.field': default}``: the model section's defaults, ``data_defaults`` and
+        ``model.name``; what a config that leaves the field out computes with."""
+        out = {f"model.{name}": value for name, value in _defaults(self.model).items()}
+        out.update(self.data_defaults)
+        if self.model_name:
+            out["model.name"] = self.model_name
+        return out
+
+
+def _specs(declared: Any) -> Dict[str, Any]:
+    """``{field: Field}`` of a config dataclass, a :class:`goat_jax.config.fields.Section` or a
+    plain ``{field: Field}`` mapping."""
+    if dataclasses.is_dataclass(declared):
+        return specs_of(declared)
+    if isinstance(declared, Section):
+        return declared.specs
+    return dict(declared)
+
+
+def _defaults(declared: Any) -> Dict[str, Any]:
+    """``{field: default}`` of the fields of ``declared`` (as :func:`_specs`) that have one."""
+    if dataclasses.is_dataclass(declared):
+        return {f.name: f.default for f in dataclasses.fields(declared) if f.default is not dataclasses.MISSING}
+    if isinstance(declared, Section):
+        return declared.default_values()
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
     """The task-specific half of a training run (the contract is in this module's docstring).
 
@@ -101,20 +177,14 @@ class Task:
       tokens_per_example: ``config -> int``, for tokens/s (1 for one-label examples).
       flops_per_token: ``config -> float`` training FLOPs per token (forward + backward) for MFU,
         or None when unknown.
-      schema: ``() -> {section: set of field names}`` for the task's own config sections.
-      validate: ``config -> None``; raises ValueError naming the field (e.g. length limits).
+      fields: the task's config fields (:class:`TaskFields`): its schema, types, ranges and
+        defaults, declared once.
+      validate: ``config -> None``; raises ValueError naming the field (cross-field rules, e.g.
+        length limits; types and ranges are checked before, from ``fields``).
       eval_metrics: ``totals -> {name: value}``, written as ``eval_<name>``.
-      top_level_fields: task-specific top-level config fields (e.g. ``seq_len``).
       resume_safe_fields: dotted task fields that may change on resume.
       no_decay_names: parameter/module names excluded from weight decay.
       decay_groupings: named alternative decay masks (``optimizer.decay_grouping``).
-      field_specs: ``config -> {section: {field: goat_jax.config.fields.Field}}``, the type and
-        range of the task's fields ('' for its top-level ones), checked before any work (e.g.
-        derived from the model dataclass's field declarations, ``fields.specs_of(LMConfig)``).
-      field_defaults: ``() -> {'section.field': default}``, the value a field takes when a
-        config leaves it out (e.g. the model dataclass's defaults). A checkpoint written before
-        a field existed resumes under a config that sets it to this value: absent and default
-        are the same run (:meth:`goat_jax.train.checkpoint.Checkpointer.check_compatible`).
     """
 
     name: str
@@ -126,22 +196,21 @@ class Task:
     model_inputs: Callable[[Batch], Sequence[Any]]
     tokens_per_example: Callable[[Any], int]
     flops_per_token: Callable[[Any], Optional[float]]
-    schema: Callable[[], Dict[str, set]]
+    fields: TaskFields
     validate: Callable[[Any], None] = lambda config: None
     eval_metrics: Callable[[Dict[str, float]], Dict[str, float]] = lambda totals: {}
-    top_level_fields: Tuple[str, ...] = ()
     resume_safe_fields: Tuple[str, ...] = ()
     no_decay_names: FrozenSet[str] = frozenset()
     decay_groupings: Dict[str, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
-    field_specs: Callable[[Any], Dict[str, Dict[str, Any]]] = lambda config: {}
-    field_defaults: Callable[[], Dict[str, Any]] = lambda: {}
 
 
-def dataclass_defaults(cls: Any, section: str) -> Dict[str, Any]:
-    """``{'<section>.<field>': default}`` of a dataclass's fields that have a plain default
-    (a :attr:`Task.field_defaults` helper: the model section is its config dataclass)."""
-    return {f"{section}.{f.name}": f.default for f in dataclasses.fields(cls)
-            if f.default is not dataclasses.MISSING}
+def field_defaults(task: "Task") -> Dict[str, Any]:
+    """``{'section.field': default}`` of every field a config may leave out, the engine's
+    (:func:`goat_jax.train.validation.engine_defaults`) and ``task``'s
+    (:meth:`TaskFields.defaults`): absent and default are the same run, so a checkpoint resumes
+    across a config that adds or drops a field at its default
+    (:meth:`goat_jax.train.checkpoint.Checkpointer.check_compatible`)."""
+    return {**validation.engine_defaults(), **task.fields.defaults()}
 
 
 # Deprecated fields a config may still carry but that a filled-in config must not gain.
@@ -149,9 +218,9 @@ _NOT_FILLED = frozenset({"model.name"})
 
 
 def _missing_fields(config: Any, task: "Task", sections: Optional[set] = None) -> Iterator[Tuple[Any, str, Any]]:
-    """``(parent ConfigDict, field name, default)`` of each :attr:`Task.field_defaults` field
+    """``(parent ConfigDict, field name, default)`` of each field of ``task.fields.defaults()``
     that ``config`` lacks, in the sections the config has (only ``sections`` if given)."""
-    for dotted, default in task.field_defaults().items():
+    for dotted, default in task.fields.defaults().items():
         section, _, name = dotted.rpartition(".")
         if dotted in _NOT_FILLED or not section or section not in config:
             continue
@@ -162,12 +231,13 @@ def _missing_fields(config: Any, task: "Task", sections: Optional[set] = None) -
 
 
 def with_field_defaults(config: Any, task: "Task") -> Any:
-    """A copy of ``config`` (an ml_collections ConfigDict) with every field of
-    :attr:`Task.field_defaults` that it lacks set to its default, for configs written before the
-    field existed (an old run's ``config.json``, an old config file): the same defaults that
-    :class:`goat_jax.train.checkpoint.Checkpointer` treats as "no change" on resume. Only fields
-    of sections the config has are added; ``config`` itself is not modified."""
-    filled = type(config)(config.to_dict())
+    """A copy of ``config`` (an ml_collections ConfigDict) as the run computes with it: every
+    engine field it leaves out at its default (:func:`goat_jax.train.validation.with_engine_defaults`)
+    and every field of ``task.fields.defaults()`` it lacks (for configs written before the
+    field existed: an old run's ``config.json``, an old config file), the same defaults that
+    :class:`goat_jax.train.checkpoint.Checkpointer` treats as "no change" on resume. Only task
+    fields of sections the config has are added; ``config`` itself is not modified."""
+    filled = validation.with_engine_defaults(config)
     for parent, name, default in list(_missing_fields(filled, task)):
         parent[name] = default
     return filled
@@ -192,7 +262,7 @@ def add_model_defaults(config: Any) -> Any:
         return config
     from ml_collections import config_dict  # pylint: disable=g-import-not-at-top  # configs only
 
-    specs = task.field_specs(config).get("model", {})
+    specs = task.fields.specs(config).get("model", {})
     for parent, name, default in list(_missing_fields(config, task, {"model"})):
         if default is None:
             kind = _CLI_TYPES.get(getattr(specs.get(name), "kind", None))

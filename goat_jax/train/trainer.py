@@ -14,16 +14,10 @@ Re-running the same command resumes from the latest checkpoint and reproduces th
 uninterrupted run's per-step losses (data-iterator state is checkpointed, and the step's PRNG
 key is ``fold_in(key(config.seed), step)``, so dropout masks repeat too).
 
-Engine config fields (the task adds ``model.*``, ``data.*`` and its own, e.g. ``seq_len``):
-  seed, task, num_train_steps, global_batch_size | per_device_batch_size (exactly one),
-  grad_accum_steps, log_every_steps, eval_every_steps (0: never), checkpoint_every_steps,
-  keep_checkpoints, mesh.{data,fsdp,tensor} (-1: the rest), sharding_rules, optimizer.{
-  learning_rate, warmup_steps, min_lr_ratio, b1, b2, eps, weight_decay, grad_clip,
-  decay_grouping (optional: 'default' or one of the task's ``decay_groupings``)},
-  distributed, progress_bar, peak_flops_per_device (0: look up by device kind).
-Optional: profile_steps (first, last step of a jax.profiler trace into WORKDIR/profile/;
-goat_jax/train/profiling.py), wandb.{project, name, entity, mode} (Weights & Biases;
-goat_jax/train/wandb_logger.py).
+The engine's config fields, each with its default, type, range and meaning, are declared once
+in :data:`goat_jax.train.validation.ENGINE`; a config leaves out any it does not change (the
+task adds ``model.*``, ``data.*`` and its own, e.g. ``seq_len``: :class:`goat_jax.train.tasks.TaskFields`).
+The resolved config written to ``WORKDIR/config.json`` shows every value.
 """
 
 from __future__ import annotations
@@ -66,31 +60,18 @@ from goat_jax.train import wandb_logger
 # Config validation: every check names the field and the fix, and runs before any work
 # ----------------------------------------------------------------------------------------------
 
-ENGINE_SCHEMA = {
-    "": {"seed", "task", "num_train_steps", "global_batch_size", "per_device_batch_size",
-         "grad_accum_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-         "keep_checkpoints", "mesh", "sharding_rules", "optimizer", "distributed", "progress_bar",
-         "peak_flops_per_device", "model", "data", "profile_steps", "wandb"},
-    "mesh": set(sharding_lib.MESH_AXES),
-    "optimizer": {"learning_rate", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps",
-                  "weight_decay", "grad_clip"},
-    "wandb": {"project", "name", "entity", "mode"},
-}
-# Engine fields a config may leave out (the default applies): a section -> names.
-ENGINE_OPTIONAL = {"": {"profile_steps", "wandb"}, "optimizer": {"decay_grouping"}}
-
-
-def _check_fields(section: str, present: set, allowed: set, required: bool) -> None:
+def _check_fields(section: str, present: set, allowed: set, required: set) -> None:
     prefix = f"{section}." if section else ""
     for name in sorted(present - allowed):
         close = difflib.get_close_matches(name, sorted(allowed), n=1)
         hint = f" Did you mean {prefix}{close[0]}?" if close else ""
         raise ValueError(f"Unknown config field {prefix}{name}.{hint} Known fields of "
                          f"{section or 'the top level'}: {sorted(allowed)}.")
-    if required and allowed - present:
-        missing = sorted(allowed - present)
-        raise ValueError(f"Config is missing field(s) {[prefix + m for m in missing]}; add them "
-                         "to the config file (see goat_jax/train/trainer.py for their meaning).")
+    if required - present:
+        missing = sorted(required - present)
+        raise ValueError(f"Config is missing field(s) {[prefix + m for m in missing]}, which have no "
+                         "default; set them in the config file or with --config.<field>=... "
+                         "(goat_jax/train/validation.py and the task's fields say what each means).")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> int:
@@ -100,17 +81,20 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     fields, mesh vs device count, batch divisibility, sequence length vs model limits).
     """
     task = tasks_lib.get_task(config.get("task"))
-    top = set(config.keys()) - ENGINE_OPTIONAL[""]
-    _check_fields("", top, ENGINE_SCHEMA[""] - ENGINE_OPTIONAL[""] | set(task.top_level_fields), required=True)
-    for section in ("mesh", "optimizer") + (("wandb",) if "wandb" in config else ()):
-        present = set(config[section].keys()) - ENGINE_OPTIONAL.get(section, set())
-        _check_fields(section, present, ENGINE_SCHEMA[section], required=True)
-    for section, allowed in task.schema().items():
-        _check_fields(section, set(config[section].keys()), allowed, required=False)
+    # Engine fields the config leaves out take their declared defaults (goat_jax/train/validation.py).
+    config = validation.with_engine_defaults(config)
+    engine = validation.ENGINE
+    top_allowed = set(engine[""].specs) | set(validation.ENGINE_SECTIONS) | set(task.fields.top_level) | {"model", "data"}
+    top_required = set(engine[""].required) | set(task.fields.top_level) | {"model", "data"}
+    _check_fields("", set(config.keys()), top_allowed, top_required)
+    for section in validation.ENGINE_SECTIONS:
+        _check_fields(section, set(config[section].keys()), set(engine[section].specs), set(engine[section].required))
+    for section, allowed in task.fields.schema().items():
+        _check_fields(section, set(config[section].keys()), allowed, set())
 
-    # Type and range of every field the engine and the task declare (goat_jax/train/validation.py).
-    check_config(config, validation.ENGINE_FIELDS)
-    check_config(config, task.field_specs(config))
+    # Type and range of every field the engine and the task declare.
+    check_config(config, validation.engine_specs())
+    check_config(config, task.fields.specs(config))
     profiling.check_profile_steps(config.get("profile_steps", ()), config.num_train_steps)
     wandb_logger.check_config(config.get("wandb"))
 
@@ -343,7 +327,7 @@ def is_finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
     checkpointer = checkpoint_lib.Checkpointer(directory, _fingerprinted(config, global_batch),
                                                keep=config.keep_checkpoints, async_save=False,
                                                resume_safe_fields=task.resume_safe_fields,
-                                               field_defaults=task.field_defaults(), read_only=True)
+                                               field_defaults=tasks_lib.field_defaults(task), read_only=True)
     try:
         steps = checkpointer.all_steps()
         if not steps or steps[-1] < int(config.num_train_steps):
@@ -377,6 +361,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     or state (only finite states are saved; the last one is kept).
     """
     # --- Setup ----------------------------------------------------------------------------------
+    config = validation.with_engine_defaults(config)  # fields left out: their declared defaults
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
     global_batch = validate_config(config, jax.device_count(), jax.process_count())
@@ -411,7 +396,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     checkpointer = checkpoint_lib.Checkpointer(run_lib.checkpoint_dir(workdir), config_dict,
                                                keep=config.keep_checkpoints,
                                                resume_safe_fields=task.resume_safe_fields,
-                                               field_defaults=task.field_defaults())
+                                               field_defaults=tasks_lib.field_defaults(task))
     changes = checkpointer.check_compatible(allow_changes=resume_with_changes)  # before writing
     if is_primary:
         # Written whole then renamed: a reader of the live run never sees a partial file.

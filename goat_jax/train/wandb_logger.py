@@ -1,10 +1,10 @@
 """``config.wandb``: Weights & Biases logging of a training run (the ``[wandb]`` extra).
 
-    c.wandb = wandb_logger.default_config()   # mode 'disabled': off
     --config.wandb.mode=online --config.wandb.project=goat --config.wandb.name=tiny_goat
 
-Fields: ``project``, ``name`` (default: the workdir's name), ``entity`` (default: the user's
-default), ``mode`` ('disabled' | 'online' | 'offline'). When on, the primary process logs
+Fields (declared with the engine's, goat_jax/train/validation.py; a config leaves the section
+out for W&B off): ``project``, ``name`` (default: the workdir's name), ``entity`` (default: the
+user's default), ``mode`` ('disabled' | 'online' | 'offline'). When on, the primary process logs
 every row that ``metrics.jsonl`` gets (train and eval rows, at their step) and the resolved
 config. The W&B run id is stored in ``WORKDIR/wandb_run_id``, so a resumed training continues
 the same W&B run (``resume='allow'``); rows the resumed run logs again are ones W&B already
@@ -38,18 +38,6 @@ RUN_ID_FILE = "wandb_run_id"
 REACH_TIMEOUT_S = 5.0
 _OFFLINE_FIX = ("or train without network with --config.wandb.mode=offline and upload later with "
                 "`wandb sync WORKDIR/wandb/offline-run-*`")
-
-
-def default_config():
-    """The ``config.wandb`` section with W&B off (``mode='disabled'``)."""
-    import ml_collections  # pylint: disable=g-import-not-at-top  # configs have it already
-    from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
-    c = ml_collections.ConfigDict()
-    c.project = config_dict.placeholder(str)  # W&B project (None: W&B's default)
-    c.name = config_dict.placeholder(str)  # run name (None: the workdir's name)
-    c.entity = config_dict.placeholder(str)  # user or team (None: the login's default)
-    c.mode = "disabled"  # 'disabled' (off) | 'online' | 'offline'
-    return c
 
 
 def require() -> None:

@@ -1,0 +1,87 @@
+"""The engine's config fields are declared once (goat_jax/train/validation.py, ``ENGINE``): a
+config file states only what its experiment decides; every other engine field takes its
+declared default, can still be set from the command line, and is written out in the resolved
+config.json; the few without a default are named when missing."""
+
+import json
+
+import ml_collections
+import pytest
+
+from goat_jax.config.fields import Int, Section
+from goat_jax.config_files import apply_overrides, load_config
+from goat_jax.train import run as run_lib
+from goat_jax.train import tasks, trainer, validation
+
+
+def _minimal_lm_config():
+    """A language-model config with the engine fields that have no default and nothing else."""
+    full = load_config("configs/lm_tiny.py:goat,smoke")
+    c = ml_collections.ConfigDict()
+    c.task = "lm"
+    c.num_train_steps = 2
+    c.global_batch_size = 4
+    c.seq_len = 16
+    c.optimizer = ml_collections.ConfigDict({"learning_rate": 1e-3})
+    c.model = full.model
+    c.data = full.data
+    c.model.training_seq_len = 16
+    return c
+
+
+def test_a_config_with_only_the_required_fields_trains_and_writes_every_default(tmp_path):
+    config = _minimal_lm_config()
+    config.progress_bar = False  # any default may still be stated
+    summary = trainer.train_and_evaluate(config, str(tmp_path))
+    assert summary["step"] == 2
+    written = run_lib.read_config(str(tmp_path)).to_dict()
+    for dotted, default in validation.engine_defaults().items():
+        section, _, name = dotted.rpartition(".")
+        value = (written[section] if section else written)[name]
+        expected = {"progress_bar": False, "global_batch_size": 4}.get(dotted, default)  # stated ones
+        assert json.dumps(value, default=str) == json.dumps(expected, default=str), dotted
+    assert "engine" not in written and written["mesh"] == {"data": -1, "fsdp": 1, "tensor": 1}
+
+
+def test_required_engine_fields_are_named_when_missing_and_typos_refused():
+    assert set(validation.ENGINE_REQUIRED) == {"task", "num_train_steps", "optimizer.learning_rate"}
+    config = _minimal_lm_config()
+    del config.optimizer["learning_rate"]
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['optimizer.learning_rate'\], which have no default"):
+        trainer.validate_config(config, 1)
+    config = _minimal_lm_config()
+    del config["num_train_steps"]
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['num_train_steps'\]"):
+        trainer.validate_config(config, 1)
+    config = _minimal_lm_config()
+    config.optimizer.warmup_step = 10
+    with pytest.raises(ValueError, match=r"Unknown config field optimizer.warmup_step. Did you mean optimizer.warmup_steps\?"):
+        trainer.validate_config(config, 1)
+    config = _minimal_lm_config()
+    config.mesh = ml_collections.ConfigDict({"data": 0})  # a stated default is still checked
+    with pytest.raises(ValueError, match=r"mesh.data=0 is out of range"):
+        trainer.validate_config(config, 1)
+
+
+def test_an_engine_field_the_file_leaves_out_is_settable_from_the_command_line():
+    config = load_config("configs/lm_tiny.py:goat,smoke")  # the file states no b1, mesh or wandb
+    assert config.optimizer.eps == validation.ENGINE["optimizer"].default_values()["eps"]
+    config = apply_overrides(config, {"optimizer.eps": 1e-6, "mesh.fsdp": 2, "wandb.mode": "offline",
+                                      "per_device_batch_size": None}, "configs/lm_tiny.py:goat,smoke")
+    assert (config.optimizer.eps, config.mesh.fsdp, config.wandb.mode) == (1e-6, 2, "offline")
+
+
+def test_the_defaults_are_the_checkpoints_no_change():
+    """A checkpoint of a config that wrote an engine field at its default resumes under one that
+    leaves it out: the engine's defaults are among the task's field defaults."""
+    defaults = tasks.field_defaults(tasks.get_task("lm"))
+    assert defaults["optimizer.decay_grouping"] == "default" and defaults["grad_accum_steps"] == 1
+    assert defaults["model.position_encoding"] == "goat"
+
+
+def test_a_section_declares_required_fields_without_a_default():
+    from goat_jax.config.fields import REQUIRED
+    s = Section(a=(REQUIRED, Int(min=1)), b=(2, Int(min=1)))
+    assert s.required == ("a",) and s.default_values() == {"b": 2} and dict(s.defaults()) == {"b": 2}
+    with pytest.raises(ValueError, match="Section field 'c': the default 0"):
+        Section(c=(0, Int(min=1)))
