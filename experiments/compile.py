@@ -1,7 +1,7 @@
 """Compile a run's train step for a TPU slice on this host, before booking the slice.
 
-    python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5p-8 --out DIR \
-        [--config.x=y ...]
+    python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5p-8 --out DIR
+    python -m experiments.compile --config FILE[:ARG] --target SLICE --out DIR [--config.x=y ...]
 
 ``--target`` names a TPU slice as Google Cloud does: ``v5e-N`` / ``v6e-N`` (N chips),
 ``v4-N`` / ``v5p-N`` (N TensorCores, two per chip: v5p-8 is 4 chips). The command builds the

@@ -317,3 +317,32 @@ def markdown(report: Dict[str, Any]) -> str:
               f"TFLOP/s per chip ({report['peak_source']}). Memory: XLA's plan of one step per device "
               "(arguments + outputs + temporaries - aliased donated state).", ""]
     return "\n".join(lines)
+
+
+def summary_table(reports: Sequence[Dict[str, Any]]) -> str:
+    """One Markdown row per compile report (benchmarks/aot.md): config, target, kernel, packed
+    head dim, per-device GiB (arguments, temporaries, total), HBM, fits, the estimates at peak
+    and the compile time."""
+    g = lambda b: "-" if b is None else f"{b / GiB:.3f}"
+    rows = ["| config | target | attention | packed head dim | parameters | args GiB | temps GiB | "
+            "total GiB/chip | HBM GiB | fits | model TFLOP/step | est. step at peak | "
+            "est. tokens/s/chip at peak | compile s |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in reports:
+        m = r.get("per_device_bytes") or {}
+        total = m.get("total")
+        if total is None and r.get("compiler_used_bytes"):
+            total = r["compiler_used_bytes"]  # the compiler's own count when it refused
+        step = r.get("estimated_step_seconds")
+        flops = r.get("model_flops_per_step")
+        rate = r.get("estimated_tokens_per_second_per_chip")
+        rows.append(
+            f"| `{r.get('config') or '-'}` | {r['target']} | {r['attention_implementation']} | "
+            f"{r['packed_head_dim']} | {r['parameters']:,} | {g(m.get('arguments'))} | "
+            f"{g(m.get('temporaries'))} | {g(total)}{'' if m else ' (compiler)'} | "
+            f"{g(r['device_memory_bytes'])} | {'yes' if r['fits'] else '**no**'} | "
+            f"{'-' if flops is None else f'{flops / 1e12:.1f}'} | "
+            f"{'-' if not step else f'{step * 1e3:.1f} ms'} | "
+            f"{'-' if not rate else f'{rate:,.0f}'} | "
+            f"{r['compile_seconds']:.0f} |")
+    return "\n".join(rows) + "\n"

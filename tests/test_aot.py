@@ -153,3 +153,26 @@ def test_a_step_that_does_not_fit_is_reported_not_raised(tmp_path):
     report = json.loads((tmp_path / "compile.json").read_text())
     assert report["fits"] is False and report["per_device_bytes"] is None
     assert "HBM" in report["compiler_error"] and report["compiler_used_bytes"] > report["compiler_limit_bytes"]
+
+
+def test_reports_render_without_a_compile():
+    # compile.md and the benchmarks table from a report's fields, fitting and refused.
+    fits = {"target": "v5e-4", "topology": "v5e:2x2", "device_kind": "TPU v5 lite", "num_devices": 4,
+            "num_hosts": 1, "mesh": {"data": 4, "fsdp": 1, "tensor": 1}, "global_batch_size": 8,
+            "tokens_per_step": 1024, "parameters": 53687, "attention_implementation": "splash",
+            "packed_head_dim": 16, "per_device_bytes": {"arguments": 2 << 20, "outputs": 1 << 20,
+                                                        "temporaries": 6 << 20, "aliased": 1 << 20,
+                                                        "total": 8 << 20},
+            "device_memory_bytes": 16 << 30, "fit_margin": 0.05, "fits": True, "margin_bytes": 15 << 30,
+            "model_flops_per_step": 4.29e8, "estimated_step_seconds": 5.4e-7,
+            "estimated_tokens_per_second_per_chip": 4.7e8, "peak_bf16_flops_per_chip": 197e12,
+            "peak_source": aot.CHIPS["v5e"].source, "estimate_note": "at peak", "compile_seconds": 5.6,
+            "config": "--config configs/lm_tiny.py:goat,smoke"}
+    refused = dict(fits, per_device_bytes=None, fits=False, margin_bytes=None,
+                   compiler_error="RESOURCE_EXHAUSTED: Ran out of memory on HBM",
+                   compiler_used_bytes=49 << 30, compiler_limit_bytes=int(15.75 * 2**30))
+    page = aot.markdown(fits)
+    assert "| per device: total | 8.00 MiB |" in page and "0.5 us" in page and "| fits (leaving 5% free) | yes" in page
+    assert "**no**" in aot.markdown(refused) and "Ran out of memory on HBM" in aot.markdown(refused)
+    table = aot.summary_table([fits, refused]).splitlines()
+    assert len(table) == 4 and "| yes |" in table[2] and "49.000 (compiler)" in table[3]
