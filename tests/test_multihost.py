@@ -1,11 +1,12 @@
 """Multi-process training for real: two ``python -m experiments.train`` processes on this
-machine (localhost coordinator, gloo CPU collectives, 2 fake devices each, mesh data=2 fsdp=2)
-against one process with 4 devices, then SIGTERM to both and a restart that resumes both from
-the same step.
+machine (localhost coordinator, gloo CPU collectives, 2 fake devices each, mesh data=2 fsdp=2),
+SIGTERM to both and a restart that resumes both from the same step, against one process.
 
 The single-process reference sees the *same global batches* as the two processes: its task
 (``LM_AS_TWO_HOSTS`` below) concatenates what the LM data pipeline hands to process 0 and to
-process 1 of 2. Equal losses therefore also show that each process fed its own shard.
+process 1 of 2. Equal losses therefore also show that each process fed its own shard. The
+default suite's reference is this test process on its one device (no third launch); the slow
+tests run it as a subprocess with 4 devices, the two processes' mesh.
 """
 
 import dataclasses
@@ -20,11 +21,14 @@ import time
 import numpy as np
 import pytest
 
+from tests.config_helpers import lm_smoke_config
 from goat_jax.train import run as run_lib
 from goat_jax.train import tasks
+from goat_jax.train import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 12
+STEPS = 12  # the slow test's run
+QUICK_STEPS = 3  # the default suite's: stopped at step 1 or 2, resumed, finished
 COMMON = ["--config", "configs/lm_tiny.py:goat,smoke", "--config.progress_bar=False",
           "--config.mesh.data=2", "--config.mesh.fsdp=2"]
 
@@ -94,16 +98,13 @@ def _losses(workdir):
     return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
-@pytest.mark.slow(reason="two-process runs, each stopped and resumed")
-def test_two_processes_equal_one_and_resume_both_after_sigterm(tmp_path):
-    """The full multi-host story (~1.5 min on 2 idle cores): SIGTERM to both processes right
-    after they join, both stop at the same step with a checkpoint (each process's data state
-    in it), the same commands resume both from that step, and all 12 losses equal one
-    process's."""
-    workdir = tmp_path / "two"
+def _preempt_and_resume(workdir, steps):
+    """Launches the pair for ``steps`` steps, sends SIGTERM to both right after they join, checks
+    that both stop at the same step with a checkpoint (each process's data state in it), and
+    relaunches the same commands, which resume both from that step and finish."""
     workdir.mkdir()
     t0 = time.time()
-    procs = _launch_pair(workdir, _free_port())
+    procs = _launch_pair(workdir, _free_port(), steps)
     # SIGTERM once both processes have joined the job and built the mesh (logged before the
     # compilation of the first step), so that it lands before the last step however fast the
     # steps are; the coordination service then stops both at the same step.
@@ -117,20 +118,38 @@ def test_two_processes_equal_one_and_resume_both_after_sigterm(tmp_path):
     logs = [open(f"{workdir}.p{i}.log").read() for i in range(2)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     saved = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
-    assert saved and saved[-1] < STEPS, saved  # stopped early, with a checkpoint
+    assert saved and saved[-1] < steps, saved  # stopped early, with a checkpoint
     stop = saved[-1]
     print(f"preempted at step {stop}: {time.time() - t0:.0f}s")
     for i in range(2):  # each process wrote its own data-iterator state into the shared checkpoint
         assert (workdir / "checkpoints" / str(stop) / "data" / f"process_{i}-of-2.json").exists()
 
-    procs = _launch_pair(workdir, _free_port())
+    procs = _launch_pair(workdir, _free_port(), steps)
     codes = _wait(procs)
     logs = [open(f"{workdir}.p{i}.log").read() for i in range(2)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     for log in logs:
         assert f"resumed from step {stop}" in log, log[-2000:]
-
     print(f"resumed and finished: {time.time() - t0:.0f}s")
+
+
+def test_two_processes_equal_one_and_resume_both_after_sigterm(tmp_path):
+    """The multi-host story at its cheapest (3 steps): SIGTERM to both processes right after
+    they join, both stop at the same step with a checkpoint, the same commands resume both
+    from that step, and every loss equals one process's on the same global batches (this
+    process, one device)."""
+    workdir = tmp_path / "two"
+    _preempt_and_resume(workdir, QUICK_STEPS)
+    config = lm_smoke_config(task="tests.test_multihost:LM_AS_TWO_HOSTS", num_train_steps=QUICK_STEPS)
+    trainer.train_and_evaluate(config, str(tmp_path / "one"))
+    _assert_equal_losses(_losses(workdir), _losses(tmp_path / "one"), QUICK_STEPS)
+
+
+@pytest.mark.slow(reason="12 steps and a 4-device reference process: the test above at 3 steps and one device")
+def test_twelve_steps_equal_a_four_device_process_after_sigterm_and_resume(tmp_path):
+    """The test above over 12 steps, against a single process with the pair's 4-device mesh."""
+    workdir = tmp_path / "two"
+    _preempt_and_resume(workdir, STEPS)
     _assert_equal_to_one_process(workdir, tmp_path / "one", STEPS)
 
 
@@ -141,7 +160,10 @@ def _assert_equal_to_one_process(workdir, one, steps):
                            "--workdir", str(one), "--config.task=tests.test_multihost:LM_AS_TWO_HOSTS"],
                           cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two_losses, one_losses = _losses(workdir), _losses(one)
+    _assert_equal_losses(_losses(workdir), _losses(one), steps)
+
+
+def _assert_equal_losses(two_losses, one_losses, steps):
     assert sorted(two_losses) == sorted(one_losses) == list(range(1, steps + 1))
     np.testing.assert_allclose([two_losses[s] for s in range(1, steps + 1)],
                                [one_losses[s] for s in range(1, steps + 1)], rtol=1e-4)

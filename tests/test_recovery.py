@@ -160,11 +160,13 @@ def test_resume_with_changes_admits_only_optimizer_fields(tmp_path):
     ckpt.close()
 
 
-@pytest.mark.slow(reason="trains, fails, and resumes")
-def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_path, monkeypatch):
-    """Step 3's update makes every parameter NaN while its loss and gradient are finite (what an
-    overflowing step does). Nothing after step 2 is saved; the error's advice, run as written
-    with a lower learning rate, resumes from step 2 and finishes."""
+OVERFLOW_RUN = {"num_train_steps": 6, "checkpoint_every_steps": 1}
+
+
+def _overflow_at_step_3(tmp_path, monkeypatch) -> str:
+    """Trains ``OVERFLOW_RUN`` in ``tmp_path`` with a step whose update makes every parameter NaN
+    at step 3 while its loss and gradient stay finite (what an overflowing step does); checks
+    that the run stops there having saved nothing after step 2, and returns the error."""
     original = trainer.make_train_step
 
     def overflowing_step(*args, **kwargs):
@@ -176,21 +178,33 @@ def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_pat
             return new.replace(params=params), metrics
         return train_step
 
-    monkeypatch.setattr(trainer, "make_train_step", overflowing_step)
-    overrides = {"num_train_steps": 6, "checkpoint_every_steps": 1}
-    with pytest.raises(FloatingPointError) as info:
-        trainer.train_and_evaluate(_smoke(**overrides), str(tmp_path))
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "make_train_step", overflowing_step)
+        with pytest.raises(FloatingPointError) as info:
+            trainer.train_and_evaluate(_smoke(**OVERFLOW_RUN), str(tmp_path))
     message = str(info.value)
     assert "non-finite in step 3" in message and "last finite checkpoint (step 2)" in message
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
-    monkeypatch.undo()
+    return message
 
+
+def test_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
+    """Step 3's update makes every parameter NaN while its loss and gradient are finite: the run
+    stops at step 3, names step 2 as the last finite checkpoint, and saved nothing after it."""
+    _overflow_at_step_3(tmp_path, monkeypatch)
+
+
+@pytest.mark.slow(reason="the first half is test_nonfinite_state_is_never_saved; this adds a resume through the CLI")
+def test_nonfinite_state_is_never_saved_and_the_advice_continues_the_run(tmp_path, monkeypatch):
+    """After the overflow of test_nonfinite_state_is_never_saved, the error's advice, run as
+    written with a lower learning rate, resumes from step 2 and finishes."""
+    message = _overflow_at_step_3(tmp_path, monkeypatch)
     advice = re.search(r"rerun the same command adding (--resume_with_changes --config\.optimizer\.learning_rate=)<lower>",
                        message)
     assert advice, message
     command = [sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
                "--workdir", str(tmp_path), "--config.progress_bar=False",
-               *(f"--config.{k}={v}" for k, v in overrides.items()), *advice.group(1).split()[:-1],
+               *(f"--config.{k}={v}" for k, v in OVERFLOW_RUN.items()), *advice.group(1).split()[:-1],
                advice.group(1).split()[-1] + "1e-3"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -160,7 +160,6 @@ def _poisoned_datasets(config, *args):
 POISONED = dataclasses.replace(tasks.get_task("lm"), name="lm_poisoned", make_datasets=_poisoned_datasets)
 
 
-@pytest.mark.slow(reason="trains until the poisoned batch")
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     """The 8th batch carries a NaN weight: the run stops at step 8 with a clear error, saves
     nothing after step 5, and leaves the step-5 checkpoint as the latest."""
