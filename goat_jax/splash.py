@@ -33,11 +33,16 @@ def partition(b: int, n: int, kh: int):
     the dimension. The key/value heads are split with the query heads when their number divides
     too (each device keeps its query heads' KV heads: GQA groups are contiguous), kept whole for
     one KV head (MQA), and otherwise the heads are not split (every device of those axes repeats
-    the heads' work: correct, only redundant)."""
+    the heads' work: correct, only redundant). Axes that are already manual (the layer called
+    inside the caller's own ``shard_map``) are left alone; with none other of size > 1: None."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size <= 1:
+    if mesh.empty:
         return None
-    names = tuple(mesh.axis_names)
+    # Axes already manual (inside the caller's own shard_map) hold this device's shard already.
+    manual = set(getattr(mesh, "manual_axes", ()))
+    names = tuple(a for a in mesh.axis_names if a not in manual)
+    if np.prod([mesh.shape[a] for a in names], dtype=int) <= 1:
+        return None
 
     def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
         try:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from goat_jax import kernels
 from goat_jax import splash
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
@@ -89,6 +90,17 @@ for name, n, k, with_segments, hows in CASES:
             value_err=float(jnp.max(jnp.abs(got - want))) / scale, grad_err=gerr,
             shard_map="shard_map" in jaxpr, batch=list(part[1]), heads=list(part[2]),
             shard_kv=bool(part[3]))
+# Inside the caller's own shard_map over 'data' (manual there): splash maps over the rest.
+q = jnp.asarray(rng.normal(size=(B, T, 4, H)), jnp.float32)
+attend = lambda q: kernels.attend(q, q[:, :, :2], q[:, :, :2], implementation="splash_interpret", is_causal=True)
+want = attend(q)
+with jax.set_mesh(mesh):
+    inner = jax.shard_map(lambda q: (parts.append(splash.partition(q.shape[0], 4, 2)), attend(q))[1],
+                          in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
+    parts = []
+    got = jax.jit(inner)(jax.device_put(q, NamedSharding(mesh, P("data"))))
+results["inside-shard_map"] = dict(value_err=float(jnp.max(jnp.abs(got - want))), batch=list(parts[0][1]),
+                                   heads=list(parts[0][2]))
 print("RESULTS " + json.dumps(results))
 '''
 
@@ -121,3 +133,9 @@ def test_partition_follows_the_rules_and_the_heads(results):
         assert results[case]["batch"] == ["data", "fsdp"] and results[case]["heads"] == ["tensor"], case
     assert results["goat-4x2-noseg-rules"]["shard_kv"]
     assert not results["goat-4x1-seg-set_mesh"]["shard_kv"]
+
+
+def test_inside_a_callers_shard_map_the_manual_axes_are_left_alone(results):
+    # The caller's shard_map made 'data' manual: splash maps over what is left (fsdp, tensor).
+    r = results["inside-shard_map"]
+    assert r["value_err"] < 1e-5 and "data" not in r["batch"] and r["heads"] == ["tensor"], r
