@@ -127,6 +127,17 @@ def test_each_requirement_is_checked_by_the_settings_alone(encoding, match):
         PositionalAttention(num_heads=2, position_encoding="naive_prior").init(jax.random.PRNGKey(0), jnp.ones((1, 4, 8)))
 
 
+@pytest.mark.parametrize("encoding", ["rope2d", "rope_mixed"])
+def test_head_dim_requirement_is_the_encodings(encoding):
+    """A head size the encoding cannot run on: the ViT config's error is the encoding's own."""
+    with pytest.raises(ValueError, match=f"'{encoding}' needs a head dim divisible by 4") as from_config:
+        vit.ViTConfig(embed_dim=12, num_heads=2, position_encoding=encoding)
+    with pytest.raises(ValueError, match="divisible by 4") as from_layer:
+        PositionalAttention(num_heads=2, position_encoding=encoding).init(
+            jax.random.PRNGKey(0), jnp.zeros((1, 4, 12)), spatial_shape=(2, 2))
+    assert str(from_config.value) == str(from_layer.value).split("\n")[0]
+
+
 # A new encoding with one knob, written only against the protocol, and registered (the one entry)
 # before the models are imported, as an entry of ENCODINGS is. It divides the logits by its knob.
 _TOY = textwrap.dedent('''
@@ -171,7 +182,7 @@ _TOY = textwrap.dedent('''
     out["seen"] = sorted(set(SEEN))
     out["config"] = repr(model.config.encoding_settings)
     out["written"] = config.model.to_dict()["toy_temperature"]
-    out["default"] = lm_task.TASK.field_defaults()["model.toy_temperature"]
+    out["default"] = lm_task.TASK.fields.defaults()["model.toy_temperature"]
     cool = lm_task.build_model(command_line()).apply({"params": params}, tokens)
     out["differs"] = bool(jnp.any(cool != model.apply({"params": params}, tokens)))
     try:

@@ -126,7 +126,9 @@ class LMConfig:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
         _ = self.prior  # the GOAT settings' cross-field rules (PriorSettings raises naming the field)
-        _ = self.encoding_settings  # the baseline's own rules (its settings class raises naming the field)
+        if self.position_encoding != "goat":  # the baseline's own rules: its settings' and its head's
+            _ = self.encoding_settings  # (its settings class raises naming the field)
+            positional.get_encoding(self.attention_encoding).check_head_dim(self.head_size)
         if self.training_seq_len is None and self.logn_scaling is not None:
             raise ValueError(f"logn_scaling={self.logn_scaling!r} needs model.training_seq_len (the "
                              "training context length it scales from).")

@@ -118,11 +118,10 @@ class ViTConfig:
                              f"num_heads={self.num_heads}.")
         if self.position_encoding == "sincos2d" and self.embed_dim % 4:
             raise ValueError(f"position_encoding='sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}.")
-        if self.position_encoding in ("rope2d", "rope_mixed") and (self.embed_dim // self.num_heads) % 4:
-            raise ValueError(f"position_encoding={self.position_encoding!r} needs a head dim divisible by 4, got "
-                             f"{self.embed_dim // self.num_heads}.")
         _ = self.prior  # the GOAT settings' own rules
-        _ = self.encoding_settings  # the baseline's own rules
+        if self.position_encoding != "goat":  # the baseline's own rules: its settings' and its head's
+            _ = self.encoding_settings
+            positional.get_encoding(self.attention_encoding).check_head_dim(self.embed_dim // self.num_heads)
 
     @property
     def prior(self) -> PriorSettings:

@@ -66,6 +66,8 @@ keys attended while decoding, head shapes, dtype, scale):
 
 * ``check_layer(layer)``: raise for a layer it cannot run in (its settings' rules are checked
   when the settings are built);
+* ``check_head_dim(head_dim)``: raise for a head size it cannot run on (the layer and the model
+  configs call it);
 * ``extra_qk_dims(shape, channels)``: channels appended to each q/k head when it packs a term
   into q/k (the KV cache is sized with them);
 * ``encode(layer, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);

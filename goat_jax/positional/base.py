@@ -3,7 +3,7 @@ follows (how to add one: the :mod:`goat_jax.positional` package docstring).
 
 An encoding is a :class:`PositionEncoding` instance: a few class attributes that say where it
 runs, the class of its settings (an :class:`EncodingSettings` dataclass: each knob declared once,
-with its default, range and doc, and the rules between knobs), and up to four hooks that the
+with its default, range and doc, and the rules between knobs), and up to five hooks that the
 layer calls once per call. The layer owns everything else (call signature, projections,
 positions, KV cache, kernel call, sowing: :class:`goat_jax.layers.AttentionBase`), so an encoding
 is only its own math and its own settings.
@@ -143,6 +143,10 @@ class PositionEncoding:
     def check_layer(self, layer: nn.Module) -> None:
         """Raises ValueError for a layer the encoding cannot run in (its settings' own rules are
         checked when the settings are built, in ``settings_class.__post_init__``)."""
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises ValueError unless the encoding runs on heads of ``head_dim`` dims (called by the
+        layer before any parameter is made, and by a model config's validation)."""
 
     def extra_qk_dims(self, shape: layers.LayerShape, channels: int) -> int:
         """Channels the encoding appends to each q/k head (0 unless it packs a term into q/k)."""

@@ -204,6 +204,7 @@ class PositionalAttention(_SettingKeywords):
         settings = self.encoding_settings(enc)
         enc.check_layer(self)
         self._check_call(enc, call)
+        enc.check_head_dim(shape.head_dim)
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
         return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape), enc, channels,

@@ -81,9 +81,7 @@ def apply_rope_2d(x: Array, coords: Array, base: float = 100.0) -> Array:
       [B, L, N, H] in ``x``'s dtype (the rotation is computed in float32).
     """
     h = x.shape[-1]
-    if h % 4:
-        raise ValueError(f"position_encoding='rope2d' needs a head dim divisible by 4 (two axes of "
-                         f"rotated pairs), got {h}.")
+    ROPE2D.check_head_dim(h)
     return jnp.concatenate([apply_rope(x[..., : h // 2], coords[..., 0], base),
                             apply_rope(x[..., h // 2:], coords[..., 1], base)], axis=-1)
 
@@ -148,6 +146,11 @@ class Rope2D(PositionEncoding):
     name = "rope2d"
     positions = "2d"
     settings_class = RopeSettings
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 4:
+            raise ValueError(f"position_encoding='rope2d' needs a head dim divisible by 4 (two axes of "
+                             f"rotated pairs), got {head_dim}.")
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)

@@ -119,10 +119,12 @@ class RopeMixed(PositionEncoding):
     positions = "2d"
     settings_class = RopeMixedSettings
 
+    def check_head_dim(self, head_dim: int) -> None:
+        _check_head_dim(head_dim)
+
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
-        _check_head_dim(ctx.shape.head_dim)
         init = init_mixed_frequencies(ctx.settings.rope_mixed_base)
         freqs = layer.param(
             PARAM_NAME, layers.with_logical_partitioning(init, ("kv_heads", None, None)),
