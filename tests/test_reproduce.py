@@ -366,6 +366,11 @@ def test_rival_rows_are_planned_as_decided_in_the_protocol():
     bad = dataclasses.replace(tiny, retrieval_rows=(suites.LMVariant("x", "goat", trained_as="gaot"),))
     with pytest.raises(ValueError, match="retrieval_rows 'x': trained_as='gaot'"):
         suites.plan(bad, "/runs")
+    twice = dataclasses.replace(tiny, lm_variants=tiny.lm_variants + (
+        suites.LMVariant("goat+linear_sink", "goat", trained_as="goat",
+                         eval_overrides={"model.sink_extrapolation": "linear"}),))
+    with pytest.raises(ValueError, match=r"plans \['lm/jargon/goat\+linear_sink', 'niah/niah/goat\+linear_sink'"):
+        suites.plan(twice, "/runs")
 
 
 def test_rival_checks_pair_seeds_and_name_what_is_missing():

@@ -12,6 +12,7 @@ point ``experiments.reproduce.main`` on smoke-sized suites:
 
 import dataclasses
 import json
+import re
 import os
 import signal
 import threading
@@ -235,3 +236,36 @@ def test_sigterm_with_parallel_jobs_stops_every_worker_after_it_saves(tmp_path):
         assert steps and 0 < steps[-1] < 5000, (job.run_name, steps)  # saved where it stopped
         assert not os.path.exists(jobs_lib.cache_path(job))  # nothing evaluated, nothing cached
     assert signal.getsignal(signal.SIGTERM) is not None  # the harness restored the previous handler
+
+
+@pytest.mark.slow(reason="trains 7 smoke runs (~1 min of CPU); the plan, the queue order and the checks "
+                         "are tested in the default suite (test_reproduce.py, test_reproduce_seeds.py)")
+def test_rival_rows_and_checks_run_through_the_harness(tmp_path, monkeypatch, capsys):
+    """The tiny suite's new row kinds on smoke-sized runs, through the real CLI: a retrieval-only
+    row trained with an override, a retrieval row and an LM row evaluated with the linear sink
+    on GOAT's own models (nothing trained for them), and the checks against the rival, rendered
+    with their verdicts in the report."""
+    suite = dataclasses.replace(
+        _suite("smoke_rival", ("goat", "rope")), tasks=("passkey", "niah"), num_examples=2, niah_examples=2,
+        # As in the tiny suite: the LM row trained with the option, the retrieval rows evaluated with it.
+        lm_variants=(suites.LMVariant("goat+linear_sink", "goat", spec="configs/lm_tiny.py:{enc},smoke,linear_sink"),),
+        retrieval_rows=(suites.LMVariant("rope+base500", "rope", {"model.rope_base": 500.0}),
+                        suites.LMVariant("goat+linear_sink", "goat", trained_as="goat",
+                                         eval_overrides={"model.sink_extrapolation": "linear"})),
+        rival_checks=suites.RivalChecks("goat+linear_sink", lm_rival="rope", retrieval_rival="rope+base500",
+                                        ppl_multipliers=(2,), retrieval_multipliers=(2,)))
+    monkeypatch.setitem(suites.SUITES, "smoke_rival", suite)
+    assert reproduce.main(_argv("smoke_rival", tmp_path)) == 0
+    out = tmp_path / "out"
+    results = json.loads((out / "results.json").read_text())
+    for name in ("lm/jargon/goat+linear_sink", "passkey/passkey/goat+linear_sink", "niah/niah/goat+linear_sink",
+                 "passkey/passkey/rope+base500", "niah/niah/rope+base500"):
+        assert name in results, name
+    assert not (tmp_path / "runs" / "passkey" / "goat+linear_sink").exists()  # evaluated GOAT's model
+    assert (tmp_path / "runs" / "passkey" / "rope+base500" / "config.json").exists()  # trained its own
+    report = (out / "REPORT.md").read_text()
+    for claim in ("goat+linear_sink perplexity at 2x < rope's",
+                  "goat+linear_sink synthetic passkey accuracy at 2x > rope+base500's",
+                  "goat+linear_sink NIAH accuracy at 2x > rope+base500's"):
+        assert re.search(re.escape(claim) + r" \| inconclusive \(1 seed\) \| goat\+linear_sink - ", report), claim
+    assert "trains nothing: the goat run evaluated with model.sink_extrapolation=linear" in report

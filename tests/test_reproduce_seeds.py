@@ -461,11 +461,20 @@ def test_the_runs_a_headline_check_reads_are_the_ones_trained_first():
     assert "passkey/passkey/rope" in feeding and "niah/niah/goat" not in feeding
     order = runner.queue_order(jobs, suites.SUITES["tiny"], ["lm", "dna", "vit"])
     assert sorted(map(id, order)) == sorted(map(id, jobs))  # a permutation
-    head = [(j.family, j.seed_offset) for j in order if jobs_lib.FEEDS_CHECKS[j.family](j, suites.SUITES["tiny"])]
-    assert [(j.family, j.seed_offset) for j in order[:len(head)]] == head  # the check runs come first
+    # The check runs come first, with the trained runs their evaluated-with rows read
+    # (niah/niah/goat for the rival check on niah/niah/goat+linear_sink), each before its reader.
+    read = {j.workdir for j in jobs if j.name in feeding and not j.trains}
+    first = {id(j) for j in jobs if j.name in feeding or (j.trains and j.workdir in read)}
+    assert "niah/niah/goat" not in feeding and any(j.name == "niah/niah/goat" and id(j) in first for j in jobs)
+    head = [(j.family, j.seed_offset) for j in order if id(j) in first]
+    assert [(j.family, j.seed_offset) for j in order[:len(head)]] == head
     assert list(dict.fromkeys(head)) == [(f, k) for f in ("lm", "dna", "vit") for k in range(3)]
     rest = [j.seed_offset for j in order[len(head):]]
-    assert rest == sorted(rest) and order[len(head)].name == "lm/jargon/goat+linear_sink"
+    assert rest == sorted(rest) and order[len(head)].name == "lm/jargon/goat+learn_frequencies"
+    position = {id(j): i for i, j in enumerate(order)}
+    for reader in (j for j in jobs if not j.trains):  # every evaluated-with row after the run it reads
+        trained = next(j for j in jobs if j.trains and j.workdir == reader.workdir)
+        assert position[id(trained)] < position[id(reader)], (reader.run_name, trained.run_name)
     # The paper suite's language checks judge its first LM dataset (C4 125M), not 'jargon', which
     # it does not have: its checks are measured, and its C4 runs are the ones trained first.
     paper = suites.SUITES["paper"]

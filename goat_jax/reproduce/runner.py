@@ -231,14 +231,20 @@ def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] =
     seed by seed within a family, so each family's verdicts get all their seeds as soon as the
     compute allows; then the other runs (the tables' further rows), seed by seed in plan
     order. A suite stopped part way thus has its verdicts' runs, not a random half of the
-    tables."""
+    tables. An evaluated-with row reads its trained row's run, so that run is queued with it
+    and before it (a check reading ``niah/niah/goat+linear_sink`` trains ``niah/niah/goat``
+    first, though no check reads that row itself)."""
     rank = {f: i for i, f in enumerate(families)}
+    feeding = {id(j) for j in all_jobs if jobs_lib.FEEDS_CHECKS[j.family](j, suite)}
+    read_by_feeding = {j.workdir for j in all_jobs if id(j) in feeding and not j.trains}
+    feeding |= {id(j) for j in all_jobs if j.trains and j.workdir in read_by_feeding}
 
     def key(ij):
         i, job = ij
-        if jobs_lib.FEEDS_CHECKS[job.family](job, suite):
-            return (0, rank.get(job.family, len(rank)), job.seed_offset, i)
-        return (1, 0, job.seed_offset, i)
+        later = 0 if job.trains else 1  # after every training row of its family and seed
+        if id(job) in feeding:
+            return (0, rank.get(job.family, len(rank)), job.seed_offset, later, i)
+        return (1, 0, job.seed_offset, later, i)
 
     return [job for _, job in sorted(enumerate(all_jobs), key=key)]
 

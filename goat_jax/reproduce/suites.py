@@ -309,6 +309,12 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
         if family in families and spec:
             jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
                          os.path.join(root, folder, enc)) for enc in encs]
+    names = [j.name for j in jobs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # two rows under one name would be averaged as if they were seeds of one
+        raise ValueError(f"suite {suite.name!r} plans {twice} twice (e.g. an LM variant evaluated-with on the "
+                         "retrieval models and a retrieval_rows entry of the same label); give one of them "
+                         "another label.")
     return with_seeds(jobs, seeds)
 
 
