@@ -59,15 +59,3 @@ def rng(request):
     seed = int(os.environ.get("GOAT_TEST_SEED", time.time_ns() % (1 << 32)))
     print(f"[{request.node.name}] GOAT_TEST_SEED={seed}")
     return np.random.default_rng(seed)
-
-
-# test_cli_errors.py is being edited in another change; its one slow test is marked here until
-# the mark can go to its definition like every other slow test's (`@pytest.mark.slow(reason=...)`).
-_SLOW_ELSEWHERE = ("test_cli_errors.py::test_list_fields_are_set_by_repeating_the_flag",)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Marks the _SLOW_ELSEWHERE tests slow (so `-m "not slow"` deselects them)."""
-    for item in items:
-        if f"{os.path.basename(item.nodeid.split('::')[0])}::{item.nodeid.split('::', 1)[1]}" in _SLOW_ELSEWHERE:
-            item.add_marker(pytest.mark.slow(reason="trains through the command line"))

@@ -76,6 +76,7 @@ def test_evaluate_errors_are_one_line(tmp_path):
     assert not (tmp_path / "eval").exists()
 
 
+@pytest.mark.slow(reason="trains through the command line")
 def test_list_fields_are_set_by_repeating_the_flag(tmp_path):
     """``--config.data.paths`` given twice trains on both files; eval_paths from one flag."""
     extra = tmp_path / "extra.txt"
