@@ -176,3 +176,33 @@ def test_reports_render_without_a_compile():
     assert "**no**" in aot.markdown(refused) and "Ran out of memory on HBM" in aot.markdown(refused)
     table = aot.summary_table([fits, refused]).splitlines()
     assert len(table) == 4 and "| yes |" in table[2] and "49.000 (compiler)" in table[3]
+
+
+def test_kernels_are_chosen_for_the_mesh_not_the_host():
+    # A TPU mesh in context on this CPU host (an abstract one: no libtpu needed): the automatic
+    # choice is splash, an explicit 'splash' is accepted, 'cudnn' is refused naming the TPU.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from goat_jax import kernels
+
+    tpu = AbstractMesh((4,), ("data",), axis_types=(AxisType.Auto,),
+                       abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+    shape = (8, 4, 256, 256)
+    host = jax.default_backend()
+    with jax.sharding.use_abstract_mesh(tpu):
+        assert kernels.target_platform() == ("tpu", "the mesh in context (TPU v5 lite)")
+        with kernels.record_choices() as choices:
+            assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape) == "splash"
+            assert kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape) == "splash"
+        assert [c["implementation"] for c in choices] == ["splash", "splash"] and choices[0]["qk_dim"] == 66
+        # Lengths splash cannot block: the automatic choice says why and takes another kernel.
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 66, (8, 4, 64, 64)) == "xla"
+        with pytest.raises(ValueError, match=r"needs a GPU, but the computation runs on 'tpu' \(the mesh in context"):
+            kernels.resolve_implementation("cudnn", jnp.bfloat16, 66, shape)
+    if host == "cpu":  # no mesh: the host's backend, and the refusal says how to target a TPU
+        assert kernels.target_platform() == ("cpu", "JAX's default backend: no mesh in context")
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape) in ("xla", "flash")
+        with pytest.raises(ValueError, match="splash_interpret.*jax.set_mesh"):
+            kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape)
