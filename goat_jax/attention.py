@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import attention_call
+from goat_jax import attention_core
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax import prior as prior_lib
@@ -124,10 +125,64 @@ def _alibi_raw_init(kv_heads: int, prior_init: str):
     return init
 
 
+def prior_declarations(spec: prior_lib.PriorSpec) -> list:
+    """``[(name, init, args)]`` of the prior's parameters, in creation order (the RNG draws
+    follow it): what :class:`GoatPrior` makes with ``self.param(name, init, *args)``, and the NNX
+    shell under ``prior/`` (one declaration of names, shapes, initializers and logical axes)."""
+    k, r, m = spec.kv_num_heads, spec.pos_rank, spec.abs_rank
+    f32 = jnp.float32
+    seeded = spec.prior_init == "seeded"
+    sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
+    decls = [("lambda_sym", sym_init, ((k, r), f32)),
+             ("lambda_asym", nn.initializers.zeros, ((k, r), f32)),
+             ("prior_gate_scale_raw", nn.initializers.constant(-10.0), ((spec.num_heads,), f32)),
+             ("prior_gate_bias", nn.initializers.constant(10.0), ((spec.num_heads,), f32))]
+    if spec.enable_key_bias:
+        in_dim = 2 * m + 2
+        hidden = min(2 * in_dim, 4)  # official: min(in * 2, max(out * 2, 4)) with out = 1
+        scale = spec.init_scale_prior
+
+        def mlp_init(rng):
+            r1, r2 = jax.random.split(rng)
+            fc2 = scale * jax.random.normal(r2, (hidden, 1), f32) if seeded else jnp.zeros((hidden, 1), f32)
+            return {"fc1": {"kernel": scale * jax.random.normal(r1, (in_dim, hidden), f32),
+                            "bias": jnp.zeros((hidden,), f32)},
+                    "fc2": {"kernel": fc2, "bias": jnp.zeros((1,), f32)}}
+
+        decls += [("key_bias", mlp_init, ()),
+                  ("sink_gain", nn.initializers.ones, ((k,), f32)),
+                  ("sink_bump", nn.initializers.zeros, ((k,), f32)),
+                  ("recency_slope_raw", _alibi_raw_init(k, spec.prior_init), ((k,), f32))]
+    if spec.learn_frequencies and r:
+        # Made last, so the other parameters draw the same random numbers as with the fixed
+        # ladder; starts at the ladder, i.e. as the fixed prior. float32 like the rest, since
+        # w * p needs the mantissa.
+        ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
+            prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
+        decls.append(("pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), ((k, r), f32)))
+    return decls
+
+
+def prior_query(spec: prior_lib.PriorSpec, params: dict, q_pos: prior_lib.Positions,
+                q_content: Optional[Array] = None):
+    """``(q_rel [.., T, N, 2R], q_sink [.., T, N], gate or None)``, float32, from the prior's
+    ``params`` (:func:`prior_declarations`' names)."""
+    gate = prior_lib.query_gate(spec, params, q_content)
+    q_rel, q_sink = prior_lib.query_features(spec, params, q_pos, gate)
+    return q_rel, q_sink, gate
+
+
+def prior_log_prior(spec: prior_lib.PriorSpec, params: dict, q_pos: prior_lib.Positions,
+                    k_pos: prior_lib.Positions, is_causal: bool, q_content: Optional[Array] = None) -> Array:
+    """Dense ``[B or 1, N, T, S]`` log-prior (plots and the 'dense' implementation)."""
+    gate = prior_lib.query_gate(spec, params, q_content)
+    return prior_lib.log_prior(spec, params, q_pos, k_pos, is_causal=is_causal, gate=gate)
+
+
 class GoatPrior(nn.Module):
     """Parameters of the GOAT log-prior (official names and shapes; float32 always, since they
     are tiny and their products with positions need the precision), for one
-    :class:`goat_jax.prior.PriorSpec` (its only field).
+    :class:`goat_jax.prior.PriorSpec` (its only field); declared by :func:`prior_declarations`.
 
     Methods return the q/k channels (``query``, ``key``) or the dense ``log_prior``; the math
     lives in :mod:`goat_jax.prior`.
@@ -136,57 +191,19 @@ class GoatPrior(nn.Module):
     spec: prior_lib.PriorSpec
 
     def setup(self):
-        spec = self.spec
-        k, r, m = spec.kv_num_heads, spec.pos_rank, spec.abs_rank
-        f32 = jnp.float32
-        seeded = spec.prior_init == "seeded"
-        sym_init = nn.initializers.normal(1e-2) if seeded else nn.initializers.zeros
-        self.lambda_sym = self.param("lambda_sym", sym_init, (k, r), f32)
-        self.lambda_asym = self.param("lambda_asym", nn.initializers.zeros, (k, r), f32)
-        self.prior_gate_scale_raw = self.param(
-            "prior_gate_scale_raw", nn.initializers.constant(-10.0), (spec.num_heads,), f32)
-        self.prior_gate_bias = self.param(
-            "prior_gate_bias", nn.initializers.constant(10.0), (spec.num_heads,), f32)
-        if spec.enable_key_bias:
-            in_dim = 2 * m + 2
-            hidden = min(2 * in_dim, 4)  # official: min(in * 2, max(out * 2, 4)) with out = 1
-            scale = spec.init_scale_prior
-
-            def mlp_init(rng):
-                r1, r2 = jax.random.split(rng)
-                fc2 = scale * jax.random.normal(r2, (hidden, 1), f32) if seeded else jnp.zeros((hidden, 1), f32)
-                return {"fc1": {"kernel": scale * jax.random.normal(r1, (in_dim, hidden), f32),
-                                "bias": jnp.zeros((hidden,), f32)},
-                        "fc2": {"kernel": fc2, "bias": jnp.zeros((1,), f32)}}
-
-            self.key_bias = self.param("key_bias", mlp_init)
-            self.sink_gain = self.param("sink_gain", nn.initializers.ones, (k,), f32)
-            self.sink_bump = self.param("sink_bump", nn.initializers.zeros, (k,), f32)
-            self.recency_slope_raw = self.param(
-                "recency_slope_raw", _alibi_raw_init(k, spec.prior_init), (k,), f32)
-        if spec.learn_frequencies and r:
-            # Made last, so the other parameters draw the same random numbers as with the fixed
-            # ladder; starts at the ladder, i.e. as the fixed prior. float32 like the rest, since
-            # w * p needs the mantissa.
-            ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
-                prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
-            self.pos_freqs = self.param(
-                "pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), (k, r), f32)
+        for name, init, args in prior_declarations(self.spec):
+            setattr(self, name, self.param(name, init, *args))
 
     def _params(self) -> dict:
-        names = ["lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias"]
-        if self.spec.learn_frequencies and self.spec.pos_rank:
-            names.append("pos_freqs")
-        if self.spec.enable_key_bias:
-            names += ["key_bias", "sink_gain", "sink_bump", "recency_slope_raw"]
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name, _, _ in prior_declarations(self.spec)}
+
+    def params(self) -> dict:
+        """``{name: value}`` of the prior's parameters (what the pure functions take)."""
+        return self._params()
 
     def query(self, q_pos: prior_lib.Positions, q_content: Optional[Array] = None):
         """Returns ``(q_rel [.., T, N, 2R], q_sink [.., T, N], gate or None)``, float32."""
-        params = self._params()
-        gate = prior_lib.query_gate(self.spec, params, q_content)
-        q_rel, q_sink = prior_lib.query_features(self.spec, params, q_pos, gate)
-        return q_rel, q_sink, gate
+        return prior_query(self.spec, self._params(), q_pos, q_content)
 
     def key(self, k_pos: prior_lib.Positions, is_causal: bool):
         """Returns ``(k_rel [.., S, 2R] or [.., S, K, 2R] if learned per head, u [.., S, K])``, float32."""
@@ -195,9 +212,7 @@ class GoatPrior(nn.Module):
     def log_prior(self, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions, is_causal: bool,
                   q_content: Optional[Array] = None) -> Array:
         """Dense ``[B or 1, N, T, S]`` log-prior (for plots and the 'dense' implementation)."""
-        params = self._params()
-        gate = prior_lib.query_gate(self.spec, params, q_content)
-        return prior_lib.log_prior(self.spec, params, q_pos, k_pos, is_causal=is_causal, gate=gate)
+        return prior_log_prior(self.spec, self._params(), q_pos, k_pos, is_causal, q_content)
 
     def __call__(self, q_pos, k_pos, is_causal: bool = False):
         """Same as :meth:`log_prior` without a gate (lets ``init`` create the parameters)."""
@@ -224,7 +239,7 @@ class _GoatPlan(NamedTuple):
 
     qk_dim: int  # d_c + 2R + sink channels: the packed width the kernel and the cache see
     implementation: str
-    prior: "GoatPrior"
+    spec: prior_lib.PriorSpec
     d_c: int  # content dims
     sink_channels: int
     use_2d: bool
@@ -232,53 +247,26 @@ class _GoatPlan(NamedTuple):
     spatial_shape: Optional[Tuple[int, int]]
 
 
-class GoatAttention(layers.AttentionBase):
-    """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
-
-    Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
-    (default ``query``); returns [B, T, out_features or E].
-
-    * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
-      decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]; they move
-      the prior only; causal masking is by sequence index, shifted by the 1D offsets as in the
-      official package).
-    * 2D: ``pos_encoding='2d'`` (or 'auto' with a ``spatial_shape``) uses (row, col) positions
-      of a row-major ``spatial_shape`` grid, CLS first if ``has_cls_token``; offsets are
-      (row, col) pairs.
-    * ``segment_ids`` (packed documents, 1D only): positions restart per document, so the
-      relative prior, the sink (its first-token bump included) and the recency slope see
-      document positions; with the sink this needs ``training_seq_len``, for the same reason
-      as decoding.
-    * ``decode=True`` needs ``training_seq_len`` when the sink is enabled, because otherwise the
-      sink normalizes positions by the key length, which changes while decoding. The cache holds
-      the packed keys.
-    * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
-      (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
-    * ``kernel_init_std``: as the official GPT-2-style C4 script re-initializes every Linear
-      (0.02; docs/protocols.md, C4 125M); the prior's own parameters follow ``prior``.
-    * ``implementation='dense'`` attends over the content dims with the materialized log-prior
-      as a bias (the reference); every other kernel gets the packed q/k.
-
-    Attention dropout is not offered: flash kernels have none.
+class GoatLogic(attention_core.AttentionLogic):
+    """GOAT's variant of the attention call (framework-free; see
+    :class:`goat_jax.attention_core.AttentionLogic`): the plan (prior spec, packed width,
+    sink channels, 1D/2D), the positions and the packing. Both shells inherit it: the Linen
+    :class:`GoatAttention` and :class:`goat_jax.nnx.GoatAttention`; each supplies
+    ``_prior_settings()`` (the :class:`goat_jax.prior.PriorSettings`) and
+    ``_prior_params(spec)`` (the :func:`prior_declarations` parameters under ``prior``).
     """
 
-    prior: prior_lib.PriorSettings = prior_lib.PriorSettings()
-    pos_encoding: str = "1d"
-    has_cls_token_default: bool = False
-    sink_channels: Optional[int] = None
-
     def _training_len(self) -> Optional[int]:
-        return self.prior.training_seq_len if isinstance(self.prior, prior_lib.PriorSettings) else None
+        return self._prior_settings().training_seq_len if isinstance(self._prior_settings(), prior_lib.PriorSettings) else None
 
     def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape) -> _GoatPlan:
-        if not isinstance(self.prior, prior_lib.PriorSettings):
+        settings = self._prior_settings()
+        if not isinstance(settings, prior_lib.PriorSettings):
             raise ValueError(
                 f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
-                f"{type(self.prior).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
-        settings = self.prior
-        prior = GoatPrior(settings.for_heads(self.num_heads, shape.kv_heads), name="prior")
-        d_c = prior.spec.content_dim(shape.head_dim)
+                f"{type(settings).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
+        spec = settings.for_heads(self.num_heads, shape.kv_heads)
+        d_c = spec.content_dim(shape.head_dim)
         sink_channels = int(settings.enable_key_bias) * (
             self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
         if settings.enable_key_bias and sink_channels < 1:
@@ -319,7 +307,7 @@ class GoatAttention(layers.AttentionBase):
                 "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
                 "it; without it the normalization follows the key length, which grows while "
                 "decoding). Set training_seq_len to the training context length.")
-        return _GoatPlan(qk_dim, impl, prior, d_c, sink_channels, use_2d, has_cls, spatial_shape)
+        return _GoatPlan(qk_dim, impl, spec, d_c, sink_channels, use_2d, has_cls, spatial_shape)
 
     def _positions(self, call: attention_call.AttentionCall, plan: _GoatPlan, t: int, s: int):
         if not plan.use_2d:
@@ -345,16 +333,60 @@ class GoatAttention(layers.AttentionBase):
         if not plan.use_2d:
             causal_offset = (0 if call.position_offset_q is None else call.position_offset_q) - (
                 0 if call.position_offset_k is None else call.position_offset_k)
-        d_c, prior = plan.d_c, plan.prior
+        d_c, spec, params = plan.d_c, plan.spec, self._prior_params(plan.spec)
         q_content, k_content = q[..., :d_c], k[..., :d_c]
         if plan.implementation == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
-            bias = prior.log_prior(q_pos, k_pos, call.is_causal, q_content=q_content)  # [B|1, N, T, S]
+            bias = prior_log_prior(spec, params, q_pos, k_pos, call.is_causal, q_content)  # [B|1, N, T, S]
             return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
-        q_rel, q_sink, _ = prior.query(q_pos, q_content)
-        k_rel, u = prior.key(k_pos, call.is_causal)
+        q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content)
+        k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
                             rel_per_head=k_rel.ndim > u.ndim)  # [B, S, K, qk_dim]
         return attention_call.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
+
+
+class GoatAttention(GoatLogic, layers.AttentionBase):
+    """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
+
+    Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
+    (:class:`goat_jax.layers.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
+    (default ``query``); returns [B, T, out_features or E].
+
+    * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
+      decoding) or explicit integer ``q_positions`` / ``k_positions`` ([T] / [B, T]; they move
+      the prior only; causal masking is by sequence index, shifted by the 1D offsets as in the
+      official package).
+    * 2D: ``pos_encoding='2d'`` (or 'auto' with a ``spatial_shape``) uses (row, col) positions
+      of a row-major ``spatial_shape`` grid, CLS first if ``has_cls_token``; offsets are
+      (row, col) pairs.
+    * ``segment_ids`` (packed documents, 1D only): positions restart per document, so the
+      relative prior, the sink (its first-token bump included) and the recency slope see
+      document positions; with the sink this needs ``training_seq_len``, for the same reason
+      as decoding.
+    * ``decode=True`` needs ``training_seq_len`` when the sink is enabled, because otherwise the
+      sink normalizes positions by the key length, which changes while decoding. The cache holds
+      the packed keys.
+    * ``prior``: the prior's hyper-parameters, one :class:`goat_jax.prior.PriorSettings`
+      (``pos_rank``, ``abs_rank``, bases, key bias, ``training_seq_len``, gate, init).
+    * ``kernel_init_std``: as the official GPT-2-style C4 script re-initializes every Linear
+      (0.02; docs/protocols.md, C4 125M); the prior's own parameters follow ``prior``.
+    * ``implementation='dense'`` attends over the content dims with the materialized log-prior
+      as a bias (the reference); every other kernel gets the packed q/k.
+
+    Attention dropout is not offered: flash kernels have none.
+    """
+
+    prior: prior_lib.PriorSettings = prior_lib.PriorSettings()
+    pos_encoding: str = "1d"
+    has_cls_token_default: bool = False
+    sink_channels: Optional[int] = None
+
+    def _prior_settings(self):
+        return self.prior
+
+    def _prior_params(self, spec: prior_lib.PriorSpec) -> dict:
+        """The prior's parameters, made by the :class:`GoatPrior` submodule ``prior``."""
+        return GoatPrior(spec, name="prior").params()

@@ -1,7 +1,7 @@
-"""Pieces every attention layer shares: head bookkeeping, projections, the KV cache, and
-:class:`AttentionBase`, the one layer shell (call signature, projections, positions, cache,
-kernel call, sowing) that :class:`goat_jax.attention.GoatAttention` and
-:class:`goat_jax.positional.PositionalAttention` extend, so that they have the same parameter
+"""The Linen side of every attention layer: logically partitioned parameters, projections, the
+KV cache as Linen variables, sowing, and :class:`AttentionBase`, the Linen shell of
+:func:`goat_jax.attention_core.run` (the call itself, shared with the NNX shell) that
+:class:`goat_jax.attention.GoatAttention` and :class:`goat_jax.positional.PositionalAttention` extend, so that they have the same parameter
 names, logical axes and cache collection and a model can swap one for the other.
 
 Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv heads, H head dim.
@@ -9,7 +9,7 @@ Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv he
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import flax
 import flax.linen as nn
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import kernels
-from goat_jax import prior as prior_lib
-from goat_jax.attention_call import (
-    LOGN_MODES, AttentionCall, Encoded, LayerShape, Offset, apply_logn, logn_factors, resolve_call_segments)
+from goat_jax import attention_core
+from goat_jax.attention_call import LOGN_MODES, AttentionCall, Encoded, LayerShape, Offset  # noqa: F401 (re-exported)
+from goat_jax.attention_core import (  # noqa: F401 (re-exported: the pieces used to live here)
+    DecodeCache, append_to_cache, check_qkv, head_dims, poison_overflow)
 
 Array = jax.Array
 Dtype = Any
@@ -55,26 +55,6 @@ def with_logical_partitioning(fn, names: Tuple[Optional[str], ...]):
 _xavier = nn.initializers.xavier_uniform()
 
 
-def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:
-    """Validated ``(kv_heads, head_dim)``; ``head_dim`` defaults to ``embed_dim / num_heads``."""
-    kv = kv_num_heads or num_heads
-    if num_heads < 1 or kv < 1 or num_heads % kv:
-        raise ValueError(f"num_heads={num_heads} must be a positive multiple of kv_num_heads={kv}.")
-    if head_dim is None:
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; set "
-                             "head_dim explicitly or change num_heads.")
-        head_dim = embed_dim // num_heads
-    return kv, head_dim
-
-
-def check_qkv(query: Array, key: Array, value: Array) -> None:
-    """Raises unless query/key/value are rank-3 ``[batch, length, features]``."""
-    if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
-        raise ValueError(f"query/key/value must be [batch, length, features]; got {query.shape}, "
-                         f"{key.shape}, {value.shape}.")
-
-
 def projection_init(fan_in_dims: int, init_std: Optional[float] = None):
     """A projection kernel's initializer: Xavier-uniform over the ``[fan_in, fan_out]`` matrix
     (``init_std=None``, the official module's own init) or ``N(0, init_std)`` elementwise (the
@@ -97,9 +77,26 @@ def _xavier_over_matrix(fan_in_dims: int):
     return init
 
 
+def projection(param, spec: str, x: Array, kernel_shape: Tuple[int, ...], kernel_axes: Tuple[str, ...],
+               fan_in_dims: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype,
+               init_std: Optional[float] = None) -> Array:
+    """``y = einsum(spec, x, kernel) + bias``, the one projection of every shell: ``param(name,
+    init, shape, dtype)`` makes or reads the ``kernel`` (full rank, logically named
+    ``kernel_axes``, initialized by :func:`projection_init`) and the ``bias`` (zeros; named by the
+    output axes) -- Linen's ``Module.param`` or the NNX shell's."""
+    kernel = param("kernel", with_logical_partitioning(projection_init(fan_in_dims, init_std), kernel_axes),
+                   kernel_shape, param_dtype)
+    bias = None
+    if use_bias:
+        bias = param("bias", with_logical_partitioning(nn.initializers.zeros, kernel_axes[fan_in_dims:]),
+                     kernel_shape[fan_in_dims:], param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=dtype)
+    y = jnp.einsum(spec, x, kernel)
+    return y if bias is None else y + bias
+
+
 class _Projection(nn.Module):
-    """``y = einsum(spec, x, kernel) + bias`` with a full-rank logically named kernel
-    (initialized by :func:`projection_init`; biases start at zero)."""
+    """:func:`projection` as a Linen submodule (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``)."""
 
     spec: str
     kernel_shape: Tuple[int, ...]
@@ -112,35 +109,8 @@ class _Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", with_logical_partitioning(
-            projection_init(self.fan_in_dims, self.init_std), self.kernel_axes), self.kernel_shape,
-            self.param_dtype)
-        bias = None
-        if self.use_bias:
-            out_shape = self.kernel_shape[self.fan_in_dims:]
-            bias = self.param("bias", with_logical_partitioning(
-                nn.initializers.zeros, self.kernel_axes[self.fan_in_dims:]), out_shape, self.param_dtype)
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        y = jnp.einsum(self.spec, x, kernel)
-        return y if bias is None else y + bias
-
-
-def project_heads(x: Array, name: str, heads: int, head_dim: int, axes: Tuple[str, str],
-                  use_bias: bool, dtype: Dtype, param_dtype: Dtype,
-                  init_std: Optional[float] = None) -> Array:
-    """``[B, L, E] -> [B, L, heads, head_dim]`` (``q_proj``/``k_proj``/``v_proj``; kernel
-    ``[E, heads, head_dim]``); ``axes`` are the logical names of the two output dims, e.g.
-    ``('heads', 'kv')``. ``init_std``: see :func:`projection_init`."""
-    return _Projection("ble,enh->blnh", (x.shape[-1], heads, head_dim), ("embed",) + tuple(axes), 1,
-                       use_bias, dtype, param_dtype, init_std, name=name)(x)
-
-
-def project_out(out: Array, features: int, use_bias: bool, dtype: Dtype, param_dtype: Dtype,
-                init_std: Optional[float] = None) -> Array:
-    """``[B, T, N, H] -> [B, T, features]`` (``out_proj``; kernel ``[N, H, features]``).
-    ``init_std``: see :func:`projection_init`."""
-    return _Projection("btnh,nhe->bte", (out.shape[-2], out.shape[-1], features), ("heads", "kv", "embed"), 2,
-                       use_bias, dtype, param_dtype, init_std, name="out_proj")(out.astype(dtype))
+        return projection(self.param, self.spec, x, self.kernel_shape, self.kernel_axes, self.fan_in_dims,
+                          self.use_bias, self.dtype, self.param_dtype, self.init_std)
 
 
 def wants_attention_maps(module: nn.Module, implementation: str) -> bool:
@@ -175,20 +145,6 @@ def attended_length(module: nn.Module, decode: bool, key_len: int) -> int:
     return key_len
 
 
-class DecodeCache(NamedTuple):
-    """The 'cache' collection of a decoding layer (Flax variables) and the index before this
-    call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""
-
-    keys: Any
-    values: Any
-    index: Any
-    start: Array
-
-    @property
-    def length(self) -> int:
-        return self.keys.value.shape[1]
-
-
 def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal: bool,
                       positions_given: bool, key_padding_mask: Optional[Array],
                       key_shape: Tuple[int, ...], value_shape: Tuple[int, ...], dtype: Dtype
@@ -212,35 +168,12 @@ def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal:
     return None if is_init else DecodeCache(keys, values, index, index.value)
 
 
-def append_to_cache(cache: DecodeCache, k: Array, v: Array):
-    """Writes the new keys/values at the cache index and returns what to attend over.
-
-    Returns ``(keys [B, S, K, Hqk], values [B, S, K, Hv], causal_offset, kv_lengths, is_causal)``:
-    keys past the last written slot are masked by the causal offset (= the index); a single new
-    token becomes "keys up to the index", which cuDNN masks natively via ``kv_lengths``.
-    """
-    t = k.shape[1]
-    keys = jax.lax.dynamic_update_slice(cache.keys.value, k.astype(cache.keys.value.dtype), (0, cache.start, 0, 0))
-    values = jax.lax.dynamic_update_slice(cache.values.value, v.astype(cache.values.value.dtype), (0, cache.start, 0, 0))
-    cache.keys.value, cache.values.value = keys, values
-    cache.index.value = cache.start + t
-    if t == 1:
-        return keys, values, cache.start, jnp.full((k.shape[0],), cache.start + 1, jnp.int32), False
-    return keys, values, cache.start, None, True
-
-
-def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
-    """NaN outputs once the cache overflows: ``dynamic_update_slice`` would clamp the write
-    silently, and an overflow must not go unnoticed."""
-    return jnp.where(cache.start + t > cache.length, jnp.nan, out)
-
-
 # ----------------------------------------------------------------------------------------------
 # The shared attention layer: call signature, projections, positions, cache, kernel, sowing
 # ----------------------------------------------------------------------------------------------
 
 
-class AttentionBase(nn.Module):
+class AttentionBase(attention_core.AttentionLogic, nn.Module):
     """Multi-head attention, written once for every layer of this package: GOAT
     (:class:`goat_jax.attention.GoatAttention`) and the position-encoding baselines
     (:class:`goat_jax.positional.PositionalAttention`) differ only in how positions enter.
@@ -275,15 +208,11 @@ class AttentionBase(nn.Module):
       kernel, so every kernel runs it; 'content' scales the content logits ``q . k`` only, 'all'
       the whole logit including a packed or materialized prior (:func:`apply_logn`).
 
-    A subclass adds its fields and three steps, each called once per call in this order:
-
-    * ``_plan(call, shape)``: validates everything (before any parameter or cache is made) and
-      returns an object with ``qk_dim`` (the key width the kernel and cache see) and
-      ``implementation`` (a resolved kernel name), plus whatever the later steps need.
-    * ``_positions(call, plan, t, s)``: ``(q_pos, k_pos)`` :class:`goat_jax.prior.Positions`;
-      the default is 1D (:meth:`_positions_1d`).
-    * ``_encode(call, shape, plan, q, k, q_pos, k_pos, cache)``: :class:`Encoded` from the raw
-      projections q [B, T, N, H], k [B, S, K, H]; ``cache`` is None unless decoding.
+    This class is the Linen *shell* of :func:`goat_jax.attention_core.run`, which does the work
+    of a call: the fields, and the parameters, cache and sowing as Linen variables. A subclass
+    adds its fields and a variant mixin (``_plan``, ``_positions``, ``_encode``:
+    :class:`goat_jax.attention_core.AttentionLogic`), the same mixin the NNX shell
+    (:mod:`goat_jax.nnx`) inherits.
     """
 
     num_heads: int
@@ -298,46 +227,28 @@ class AttentionBase(nn.Module):
     kernel_init_std: Optional[float] = None
     logn_scaling: Optional[str] = None
 
-    def _training_len(self) -> Optional[int]:
-        """The training context length log-n scaling divides by (subclasses say where it is)."""
-        return None
+    # The shell contract of attention_core.run: parameters, cache and sowing as Linen variables.
 
-    def _check_logn(self, call: AttentionCall) -> None:
-        """Raises ValueError naming the field when ``logn_scaling`` cannot run on this call."""
-        if self.logn_scaling is None:
-            return
-        if self.logn_scaling not in LOGN_MODES:
-            raise ValueError(f"logn_scaling must be None or one of {LOGN_MODES}, got {self.logn_scaling!r}.")
-        length = self._training_len()
-        if length is None or length < 2:
-            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs training_seq_len >= 2 (it scales "
-                             f"logits by ln n / ln training_seq_len), got {length}.")
-        if call.spatial_shape is not None:
-            raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D sequences; drop it for 2D "
-                             "inputs (spatial_shape was given).")
+    def _projection(self, name: str, spec: str, x: Array, kernel_shape: Tuple[int, ...],
+                    kernel_axes: Tuple[str, ...], fan_in_dims: int, dtype: Dtype) -> Array:
+        """The projection ``name`` as a :class:`_Projection` submodule (its params: kernel, bias)."""
+        return _Projection(spec, kernel_shape, kernel_axes, fan_in_dims, self.use_bias, dtype, self.param_dtype,
+                           self.kernel_init_std, name=name)(x)
 
-    def _plan(self, call: AttentionCall, shape: LayerShape) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} must define _plan (see AttentionBase).")
+    def _attended_length(self, key_len: int) -> int:
+        return attended_length(self, self.decode, key_len)
 
-    def _encode(self, call: AttentionCall, shape: LayerShape, plan: Any, q: Array, k: Array,
-                q_pos: Any, k_pos: Any, cache: Optional["DecodeCache"]) -> Encoded:
-        raise NotImplementedError(f"{type(self).__name__} must define _encode (see AttentionBase).")
+    def _open_cache(self, **kwargs) -> Optional[DecodeCache]:
+        return open_decode_cache(self, **kwargs)
 
-    def _positions(self, call: AttentionCall, plan: Any, t: int, s: int):
-        """``(q_pos, k_pos)``; subclasses with other position modes (GOAT's 2D) override."""
-        return self._positions_1d(call, t, s)
+    def _wants_attention_maps(self, implementation: str) -> bool:
+        return wants_attention_maps(self, implementation)
 
-    @staticmethod
-    def _positions_1d(call: AttentionCall, t: int, s: int):
-        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys."""
-        out = []
-        for name, length, offset, explicit in (("q", t, call.position_offset_q, call.q_positions),
-                                               ("k", s, call.position_offset_k, call.k_positions)):
-            if isinstance(offset, (tuple, list)):
-                raise ValueError(f"position_offset_{name} must be an integer (1D positions), got {offset}.")
-            out.append(prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
-                                              name=f"{name}_positions"))
-        return tuple(out)
+    def _sow_maps(self, probs: Array, keys: Array, values: Array) -> None:
+        sow_attention_maps(self, probs, keys, values)
+
+    def _sow_probs(self, probs: Array) -> None:
+        sow_attention_probs(self, probs)
 
     @nn.compact
     def __call__(
@@ -357,77 +268,8 @@ class AttentionBase(nn.Module):
         segment_ids: Optional[Array] = None,
         kv_segment_ids: Optional[Array] = None,
     ) -> Array:
-        key = query if key is None else key
-        value = key if value is None else value
-        check_qkv(query, key, value)
-        call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
-                             position_offset_q, position_offset_k, q_positions, k_positions)
-        call = resolve_call_segments(call, segment_ids, kv_segment_ids, self.decode)
-        embed_dim = query.shape[-1]
-        kv_heads, head_dim = head_dims(self.num_heads, self.kv_num_heads, self.head_dim, embed_dim)
-        shape = LayerShape(self.num_heads, kv_heads, head_dim,
-                           self.dtype or jnp.result_type(query.dtype, self.param_dtype), embed_dim,
-                           (query.shape[0], self.num_heads, query.shape[1],
-                            attended_length(self, self.decode, key.shape[1])))
-        plan = self._plan(call, shape)
-        if (call.q_segment_ids is not None and plan.implementation == "cudnn"
-                and self.implementation in (None, "auto")):
-            # The automatic choice must not pick the one kernel that refuses segment ids.
-            kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
-                             "attention in jax cannot take them).")
-            plan = plan._replace(implementation="flash")
-        self._check_logn(call)
-
-        proj = lambda x, name, heads, axes: project_heads(
-            x, name, heads, head_dim, axes, self.use_bias, shape.dtype, self.param_dtype, self.kernel_init_std)
-        q = proj(query, "q_proj", self.num_heads, ("heads", "kv"))  # [B, T, N, H]
-        k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
-        v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
-        b, t, s = q.shape[0], q.shape[1], k.shape[1]
-
-        cache = None
-        if self.decode:
-            cache = open_decode_cache(
-                self, query=query, key=key, is_causal=is_causal,
-                positions_given=q_positions is not None or position_offset_q is not None,
-                key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, plan.qk_dim),
-                value_shape=(b, s, kv_heads, head_dim), dtype=shape.dtype)
-            if cache is not None:
-                call = call._replace(position_offset_q=cache.start, position_offset_k=cache.start)
-        q_pos, k_pos = self._positions(call, plan, t, s)
-        if call.q_segment_ids is not None and (q_pos.is_2d or k_pos.is_2d):
-            raise ValueError("segment_ids are for 1D sequences (packed documents); 2D (patch-grid) "
-                             "positions have no documents to restart at. Drop segment_ids, or use "
-                             "1D positions.")
-        enc = self._encode(call, shape, plan, q, k, q_pos, k_pos, cache)
-        if self.logn_scaling is not None:
-            if q_pos.is_2d:
-                raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D positions; this call "
-                                 "uses 2D (row, col) positions.")
-            keys_seen = s
-            if call.q_segment_ids is not None and not is_causal:
-                # Each query's n is the key count of its own document, as when it runs alone.
-                keys_seen = jnp.sum(call.q_segment_ids[:, :, None] == call.kv_segment_ids[:, None, :],
-                                    axis=-1).astype(jnp.float32)  # [B, T]
-            enc = apply_logn(enc, logn_factors(q_pos.index, is_causal, keys_seen, self._training_len()),
-                             self.logn_scaling)
-
-        keys, causal_offset, kv_lengths = enc.k, enc.causal_offset, None
-        if cache is not None:
-            keys, v, causal_offset, kv_lengths, is_causal = append_to_cache(cache, keys, v)
-        sow = wants_attention_maps(self, plan.implementation)
-        out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
-                             is_causal=is_causal, causal_offset=causal_offset,
-                             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, bias=enc.bias,
-                             q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
-                             return_probs=sow)  # [B, T, N, Hv]
-        if sow:
-            out, probs = out
-            if cache is None:
-                sow_attention_maps(self, probs, enc.content_keys, v)
-            else:
-                sow_attention_probs(self, probs)
-        if cache is not None:
-            out = poison_overflow(cache, t, out)
-        return project_out(out, self.out_features or embed_dim, self.use_bias, shape.dtype, self.param_dtype,
-                           self.kernel_init_std)
+        return attention_core.run(
+            self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
+            spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
+            position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
+            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from goat_jax import attention_core
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax.attention import default_sink_channels
@@ -131,49 +132,13 @@ class _Plan(NamedTuple):
     settings: EncodingSettings
 
 
-class PositionalAttention(_SettingKeywords):
-    """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
-
-    Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.AttentionBase`), so models swap this layer and
-    :class:`goat_jax.attention.GoatAttention` freely. ``query`` [B, T, E], ``key``/``value``
-    [B, S, E'] (default ``query``); returns [B, T, out_features or E]. Positions
-    (``arange + position_offset_*`` or explicit ``q_positions``/``k_positions``, [T] / [B, T])
-    move the encoding only; causal masking is by sequence index. Positions are 1D except for
-    the 2D encodings ('rope2d', 'rope_mixed'), which need ``spatial_shape`` (rows, cols) and
-    ``has_cls_token`` as GoatAttention's 2D mode; 'nope' accepts (and ignores) them, the choice
-    for ViTs with absolute embeddings.
-
-    ``position_encoding``: one of ``POSITION_ENCODINGS`` (the :mod:`goat_jax.positional` table).
-    While decoding the cache holds keys as the kernel sees them (rotated for RoPE, packed for
-    'alibi_packed'); 'rope_pi' scales by the cache length, i.e. by the length of the full
-    forward it reproduces. While sowing (``implementation='dense'``), the sown keys are the
-    pre-encoding projections.
-
-    ``attention_scale``: the factor on ``q . k`` before the softmax; None is ``1 / sqrt(head_dim)``,
-    1.0 is the official synthetic script's baselines (queries multiplied by ``sqrt(head_dim)``
-    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
-    'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
-
-    The encoding's settings: ``settings``, one instance of its ``settings_class`` (what the
-    models pass: ``rope.RopeSettings(rope_base=...)``, ``rope_scaling.YarnSettings(...)``, ...),
-    or, for a layer built by hand, keywords named like the settings, each declared once by its
-    encoding (:data:`KEYWORDS`, read from the registry): ``rope_base`` ('rope', 'rope_pi',
-    'ntk', 'yarn', 'rope2d'; for 'rope_mixed', its older keyword for ``rope_mixed_base``);
-    ``training_seq_len`` ('rope_pi', 'yarn', and 'ntk' unless ``rope_scaling_factor`` is set:
-    required; also log-n scaling's); ``rope_scaling_factor``, ``yarn_beta_fast``,
-    ``yarn_beta_slow`` ('ntk', 'yarn'); ``max_len`` ('naive_prior', required);
-    ``fire_threshold_init`` ('fire'); ``fox_gate_bias_init`` ('fox'). A keyword left None takes
-    the setting's declared default; a keyword the encoding has no setting of is ignored; a
-    keyword given with ``settings`` must agree with it. The settings' own rules (what is
-    required) are checked once, by the settings class, when the layer is called. 'fox' also
-    keeps ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
-    """
-
-    position_encoding: str = "rope"
-    settings: Optional[EncodingSettings] = None
-    training_seq_len: Optional[int] = None
-    attention_scale: Optional[float] = None
+class PositionalLogic(attention_core.AttentionLogic):
+    """The baselines' variant of the attention call (framework-free; see
+    :class:`goat_jax.attention_core.AttentionLogic`): the encoding's settings and checks, the
+    kernel choice and the encoding's hooks, which make their parameters with ``self.param``.
+    Both shells inherit it: the Linen :class:`PositionalAttention` and
+    :class:`goat_jax.nnx.PositionalAttention` (fields ``position_encoding``, ``settings``,
+    ``training_seq_len``, ``attention_scale`` and the :data:`KEYWORDS`)."""
 
     def _training_len(self) -> Optional[int]:
         if self.training_seq_len is not None:
@@ -259,3 +224,48 @@ class PositionalAttention(_SettingKeywords):
         q_enc, k_enc, scale = plan.encoding.encode(self, ctx, q, k)
         # k before the encoding: what a key-norm "sink" statistic reads.
         return layers.Encoded(q_enc, k_enc, scale, k, 0, plan.encoding.bias(self, ctx))
+
+
+class PositionalAttention(PositionalLogic, _SettingKeywords):
+    """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
+
+    Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
+    (:class:`goat_jax.layers.AttentionBase`), so models swap this layer and
+    :class:`goat_jax.attention.GoatAttention` freely. ``query`` [B, T, E], ``key``/``value``
+    [B, S, E'] (default ``query``); returns [B, T, out_features or E]. Positions
+    (``arange + position_offset_*`` or explicit ``q_positions``/``k_positions``, [T] / [B, T])
+    move the encoding only; causal masking is by sequence index. Positions are 1D except for
+    the 2D encodings ('rope2d', 'rope_mixed'), which need ``spatial_shape`` (rows, cols) and
+    ``has_cls_token`` as GoatAttention's 2D mode; 'nope' accepts (and ignores) them, the choice
+    for ViTs with absolute embeddings.
+
+    ``position_encoding``: one of ``POSITION_ENCODINGS`` (the :mod:`goat_jax.positional` table).
+    While decoding the cache holds keys as the kernel sees them (rotated for RoPE, packed for
+    'alibi_packed'); 'rope_pi' scales by the cache length, i.e. by the length of the full
+    forward it reproduces. While sowing (``implementation='dense'``), the sown keys are the
+    pre-encoding projections.
+
+    ``attention_scale``: the factor on ``q . k`` before the softmax; None is ``1 / sqrt(head_dim)``,
+    1.0 is the official synthetic script's baselines (queries multiplied by ``sqrt(head_dim)``
+    before a default-scaled kernel; docs/protocols.md, Passkey). Biases ('alibi', 'naive_prior',
+    'fire', 'kerple_log', and 'fox''s packed channels) are added unscaled either way.
+
+    The encoding's settings: ``settings``, one instance of its ``settings_class`` (what the
+    models pass: ``rope.RopeSettings(rope_base=...)``, ``rope_scaling.YarnSettings(...)``, ...),
+    or, for a layer built by hand, keywords named like the settings, each declared once by its
+    encoding (:data:`KEYWORDS`, read from the registry): ``rope_base`` ('rope', 'rope_pi',
+    'ntk', 'yarn', 'rope2d'; for 'rope_mixed', its older keyword for ``rope_mixed_base``);
+    ``training_seq_len`` ('rope_pi', 'yarn', and 'ntk' unless ``rope_scaling_factor`` is set:
+    required; also log-n scaling's); ``rope_scaling_factor``, ``yarn_beta_fast``,
+    ``yarn_beta_slow`` ('ntk', 'yarn'); ``max_len`` ('naive_prior', required);
+    ``fire_threshold_init`` ('fire'); ``fox_gate_bias_init`` ('fox'). A keyword left None takes
+    the setting's declared default; a keyword the encoding has no setting of is ignored; a
+    keyword given with ``settings`` must agree with it. The settings' own rules (what is
+    required) are checked once, by the settings class, when the layer is called. 'fox' also
+    keeps ``fox_log_forget_sum`` [B, N] in the cache collection while decoding.
+    """
+
+    position_encoding: str = "rope"
+    settings: Optional[EncodingSettings] = None
+    training_seq_len: Optional[int] = None
+    attention_scale: Optional[float] = None

@@ -1,0 +1,248 @@
+"""The attention call, written once for every layer shell (Flax Linen and Flax NNX).
+
+:func:`run` is the projections-free work of one call: resolving the call (defaults, segment
+ids, head bookkeeping), planning (validation and the kernel choice, before any parameter),
+positions, encoding q/k (GOAT's packing, a baseline encoding), log-n scaling, the KV-cache
+arithmetic, the kernel call, masking and the output projection. It never touches a framework:
+it asks the layer it is given (the *shell*) for parameters and projections. Two shells exist,
+:class:`goat_jax.layers.AttentionBase` (Linen) and :mod:`goat_jax.nnx` (NNX); the variant
+logic (how positions enter: GOAT's ``GoatLogic`` in :mod:`goat_jax.attention`, the baselines'
+``PositionalLogic`` in :mod:`goat_jax.positional.layer`) is a plain mixin both shells inherit,
+so neither re-implements packing, encodings or masking.
+
+The shell contract (what :func:`run` reads from ``layer``):
+
+* fields: ``num_heads, kv_num_heads, head_dim, out_features, use_bias, dtype, param_dtype,
+  implementation, decode, kernel_init_std, logn_scaling``;
+* the variant (:class:`AttentionLogic` and a subclass mixin): ``_plan``, ``_positions``,
+  ``_encode``, ``_training_len``;
+* parameters: ``param(name, init, *args)`` (encodings' own parameters, Linen's signature) and
+  ``_projection(name, spec, x, kernel_shape, kernel_axes, fan_in_dims, dtype)`` (q/k/v/out);
+* decoding and sowing: ``_attended_length(key_len)``, ``_open_cache(**kw)`` (a
+  :class:`DecodeCache` or None), ``_wants_attention_maps(implementation)``,
+  ``_sow_maps(probs, keys, values)``, ``_sow_probs(probs)``.
+
+Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from goat_jax import kernels
+from goat_jax import prior as prior_lib
+from goat_jax.attention_call import (
+    LOGN_MODES, AttentionCall, Encoded, LayerShape, apply_logn, logn_factors, resolve_call_segments)
+
+Array = jax.Array
+
+
+def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:
+    """Validated ``(kv_heads, head_dim)``; ``head_dim`` defaults to ``embed_dim / num_heads``."""
+    kv = kv_num_heads or num_heads
+    if num_heads < 1 or kv < 1 or num_heads % kv:
+        raise ValueError(f"num_heads={num_heads} must be a positive multiple of kv_num_heads={kv}.")
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; set "
+                             "head_dim explicitly or change num_heads.")
+        head_dim = embed_dim // num_heads
+    return kv, head_dim
+
+
+def check_qkv(query: Array, key: Array, value: Array) -> None:
+    """Raises unless query/key/value are rank-3 ``[batch, length, features]``."""
+    if query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+        raise ValueError(f"query/key/value must be [batch, length, features]; got {query.shape}, "
+                         f"{key.shape}, {value.shape}.")
+
+
+class DecodeCache(NamedTuple):
+    """The cache variables of a decoding layer (objects with a ``.value``) and the index before
+    this call. Keys are stored as the kernel sees them (packed for GOAT, rotated for RoPE)."""
+
+    keys: Any
+    values: Any
+    index: Any
+    start: Array
+
+    @property
+    def length(self) -> int:
+        return self.keys.value.shape[1]
+
+
+def append_to_cache(cache: DecodeCache, k: Array, v: Array):
+    """Writes the new keys/values at the cache index and returns what to attend over.
+
+    Returns ``(keys [B, S, K, Hqk], values [B, S, K, Hv], causal_offset, kv_lengths, is_causal)``:
+    keys past the last written slot are masked by the causal offset (= the index); a single new
+    token becomes "keys up to the index", which cuDNN masks natively via ``kv_lengths``.
+    """
+    t = k.shape[1]
+    keys = jax.lax.dynamic_update_slice(cache.keys.value, k.astype(cache.keys.value.dtype), (0, cache.start, 0, 0))
+    values = jax.lax.dynamic_update_slice(cache.values.value, v.astype(cache.values.value.dtype), (0, cache.start, 0, 0))
+    cache.keys.value, cache.values.value = keys, values
+    cache.index.value = cache.start + t
+    if t == 1:
+        return keys, values, cache.start, jnp.full((k.shape[0],), cache.start + 1, jnp.int32), False
+    return keys, values, cache.start, None, True
+
+
+def poison_overflow(cache: DecodeCache, t: int, out: Array) -> Array:
+    """NaN outputs once the cache overflows: ``dynamic_update_slice`` would clamp the write
+    silently, and an overflow must not go unnoticed."""
+    return jnp.where(cache.start + t > cache.length, jnp.nan, out)
+
+
+class AttentionLogic:
+    """The framework-free part of every layer, inherited by both shells: log-n checks and 1D
+    positions. A variant mixin (GOAT's, the baselines') adds three steps, each called once per
+    call by :func:`run` in this order:
+
+    * ``_plan(call, shape)``: validates everything (before any parameter or cache is made) and
+      returns an object with ``qk_dim`` (the key width the kernel and cache see) and
+      ``implementation`` (a resolved kernel name), plus whatever the later steps need.
+    * ``_positions(call, plan, t, s)``: ``(q_pos, k_pos)`` :class:`goat_jax.prior.Positions`;
+      the default is 1D (:meth:`_positions_1d`).
+    * ``_encode(call, shape, plan, q, k, q_pos, k_pos, cache)``: :class:`Encoded` from the raw
+      projections q [B, T, N, H], k [B, S, K, H]; ``cache`` is None unless decoding.
+    """
+
+    def _training_len(self) -> Optional[int]:
+        """The training context length log-n scaling divides by (subclasses say where it is)."""
+        return None
+
+    def _check_logn(self, call: AttentionCall) -> None:
+        """Raises ValueError naming the field when ``logn_scaling`` cannot run on this call."""
+        if self.logn_scaling is None:
+            return
+        if self.logn_scaling not in LOGN_MODES:
+            raise ValueError(f"logn_scaling must be None or one of {LOGN_MODES}, got {self.logn_scaling!r}.")
+        length = self._training_len()
+        if length is None or length < 2:
+            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs training_seq_len >= 2 (it scales "
+                             f"logits by ln n / ln training_seq_len), got {length}.")
+        if call.spatial_shape is not None:
+            raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D sequences; drop it for 2D "
+                             "inputs (spatial_shape was given).")
+
+    def _plan(self, call: AttentionCall, shape: LayerShape) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define _plan (see AttentionLogic).")
+
+    def _encode(self, call: AttentionCall, shape: LayerShape, plan: Any, q: Array, k: Array,
+                q_pos: Any, k_pos: Any, cache: Optional[DecodeCache]) -> Encoded:
+        raise NotImplementedError(f"{type(self).__name__} must define _encode (see AttentionLogic).")
+
+    def _positions(self, call: AttentionCall, plan: Any, t: int, s: int):
+        """``(q_pos, k_pos)``; subclasses with other position modes (GOAT's 2D) override."""
+        return self._positions_1d(call, t, s)
+
+    @staticmethod
+    def _positions_1d(call: AttentionCall, t: int, s: int):
+        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys."""
+        out = []
+        for name, length, offset, explicit in (("q", t, call.position_offset_q, call.q_positions),
+                                               ("k", s, call.position_offset_k, call.k_positions)):
+            if isinstance(offset, (tuple, list)):
+                raise ValueError(f"position_offset_{name} must be an integer (1D positions), got {offset}.")
+            out.append(prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
+                                              name=f"{name}_positions"))
+        return tuple(out)
+
+
+def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, *,
+        is_causal: bool = False, key_padding_mask: Optional[Array] = None,
+        spatial_shape: Optional[Tuple[int, ...]] = None, has_cls_token: Optional[bool] = None,
+        position_offset_q=None, position_offset_k=None, q_positions: Optional[Array] = None,
+        k_positions: Optional[Array] = None, segment_ids: Optional[Array] = None,
+        kv_segment_ids: Optional[Array] = None, skip_kernel: bool = False) -> Array:
+    """One attention call of ``layer`` (a shell, see the module docstring); the arguments are
+    the layers' call signature (:class:`goat_jax.layers.AttentionBase`). Returns
+    [B, T, out_features or E].
+
+    ``skip_kernel``: make every parameter the call makes, but attend nothing (the output is the
+    output projection of zeros): how the NNX shell creates its parameters at construction.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    check_qkv(query, key, value)
+    call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
+                         position_offset_q, position_offset_k, q_positions, k_positions)
+    call = resolve_call_segments(call, segment_ids, kv_segment_ids, layer.decode)
+    embed_dim = query.shape[-1]
+    kv_heads, head_dim = head_dims(layer.num_heads, layer.kv_num_heads, layer.head_dim, embed_dim)
+    shape = LayerShape(layer.num_heads, kv_heads, head_dim,
+                       layer.dtype or jnp.result_type(query.dtype, layer.param_dtype), embed_dim,
+                       (query.shape[0], layer.num_heads, query.shape[1], layer._attended_length(key.shape[1])))
+    plan = layer._plan(call, shape)
+    if (call.q_segment_ids is not None and plan.implementation == "cudnn"
+            and layer.implementation in (None, "auto")):
+        # The automatic choice must not pick the one kernel that refuses segment ids.
+        kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
+                         "attention in jax cannot take them).")
+        plan = plan._replace(implementation="flash")
+    layer._check_logn(call)
+
+    def proj(x, name, heads, axes):
+        return layer._projection(name, "ble,enh->blnh", x, (x.shape[-1], heads, head_dim),
+                                 ("embed",) + tuple(axes), 1, shape.dtype)
+
+    q = proj(query, "q_proj", layer.num_heads, ("heads", "kv"))  # [B, T, N, H]
+    k = proj(key, "k_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
+    v = proj(value, "v_proj", kv_heads, ("kv_heads", "kv"))  # [B, S, K, H]
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+
+    cache = None
+    if layer.decode:
+        cache = layer._open_cache(
+            query=query, key=key, is_causal=is_causal,
+            positions_given=q_positions is not None or position_offset_q is not None,
+            key_padding_mask=key_padding_mask, key_shape=(b, s, kv_heads, plan.qk_dim),
+            value_shape=(b, s, kv_heads, head_dim), dtype=shape.dtype)
+        if cache is not None:
+            call = call._replace(position_offset_q=cache.start, position_offset_k=cache.start)
+    q_pos, k_pos = layer._positions(call, plan, t, s)
+    if call.q_segment_ids is not None and (q_pos.is_2d or k_pos.is_2d):
+        raise ValueError("segment_ids are for 1D sequences (packed documents); 2D (patch-grid) "
+                         "positions have no documents to restart at. Drop segment_ids, or use "
+                         "1D positions.")
+    enc = layer._encode(call, shape, plan, q, k, q_pos, k_pos, cache)
+    if layer.logn_scaling is not None:
+        if q_pos.is_2d:
+            raise ValueError(f"logn_scaling={layer.logn_scaling!r} is for 1D positions; this call "
+                             "uses 2D (row, col) positions.")
+        keys_seen = s
+        if call.q_segment_ids is not None and not is_causal:
+            # Each query's n is the key count of its own document, as when it runs alone.
+            keys_seen = jnp.sum(call.q_segment_ids[:, :, None] == call.kv_segment_ids[:, None, :],
+                                axis=-1).astype(jnp.float32)  # [B, T]
+        enc = apply_logn(enc, logn_factors(q_pos.index, is_causal, keys_seen, layer._training_len()),
+                         layer.logn_scaling)
+
+    keys, causal_offset, kv_lengths = enc.k, enc.causal_offset, None
+    if cache is not None:
+        keys, v, causal_offset, kv_lengths, is_causal = append_to_cache(cache, keys, v)
+    sow = layer._wants_attention_maps(plan.implementation)
+    if skip_kernel:
+        out = jnp.zeros((b, t, layer.num_heads, v.shape[-1]), shape.dtype)
+    else:
+        out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
+                             is_causal=is_causal, causal_offset=causal_offset,
+                             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, bias=enc.bias,
+                             q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
+                             return_probs=sow)  # [B, T, N, Hv]
+    if sow:
+        out, probs = out
+        if cache is None:
+            layer._sow_maps(probs, enc.content_keys, v)
+        else:
+            layer._sow_probs(probs)
+    if cache is not None:
+        out = poison_overflow(cache, t, out)
+    features = layer.out_features or embed_dim
+    out = out.astype(shape.dtype)
+    return layer._projection("out_proj", "btnh,nhe->bte", out, (out.shape[-2], out.shape[-1], features),
+                             ("heads", "kv", "embed"), 2, shape.dtype)

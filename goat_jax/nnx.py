@@ -1,0 +1,264 @@
+"""Native Flax NNX attention layers: :class:`GoatAttention` and :class:`PositionalAttention`,
+with the same math, parameters and kernels as the Linen modules of the same names.
+
+Both are thin NNX *shells* of :func:`goat_jax.attention_core.run`, the one attention call
+(resolving the call, positions, encoding q/k, the kernel, masking), and inherit the same variant
+logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
+:class:`goat_jax.positional.layer.PositionalLogic`): nothing here packs, encodes or masks.
+
+* Construction is eager: ``GoatAttention(num_heads=8, in_features=512, prior=PriorSettings(...),
+  rngs=nnx.Rngs(0))``. The keywords are the Linen module's fields, each with the Linen default
+  (read from the Linen dataclass, never listed twice), plus ``in_features`` (E of the query),
+  ``kv_features`` (E' of key/value, default ``in_features``) and ``rngs``. The parameters are
+  made by one dry call of the shared core on a tiny input (no kernel runs), so every argument
+  error the Linen layer raises at its first call is raised here, at construction, as the same
+  one-line ``ValueError`` (a head too small for the prior, an encoding's settings, a kernel an
+  encoding cannot run on, ...).
+* The call is the Linen module's: ``layer(query, key=None, value=None, *, is_causal=False,
+  key_padding_mask=None, spatial_shape=None, has_cls_token=None, position_offset_q=None,
+  position_offset_k=None, q_positions=None, k_positions=None, segment_ids=None,
+  kv_segment_ids=None)`` (:class:`goat_jax.layers.AttentionBase`).
+* Parameters have the Linen names, shapes and dtypes (``q_proj/kernel``, ``prior/lambda_sym``,
+  ``fox_gate``, ...), so ``nnx.state(layer, nnx.Param).to_pure_dict()`` is the Linen
+  ``params`` tree; :func:`from_linen` / :func:`to_linen` move a layer both ways. Parameters the
+  Linen module boxes with logical axis names carry the same names as ``out_sharding`` metadata
+  (what ``nnx.bridge.ToNNX`` gives them; no eager sharding without a mesh).
+* Not yet (issue #35): the KV cache (``decode=True`` is refused at construction) and sowing of
+  attention maps (``implementation='dense'`` runs, but sows nothing).
+
+Initial values are drawn from ``rngs`` with the Linen initializers, but not the Linen module's
+random streams: equal weights come from :func:`from_linen`, not from equal seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta
+from flax.nnx.bridge.variables import to_nnx_var
+
+from goat_jax import attention as attention_lib
+from goat_jax import attention_core
+from goat_jax import layers
+from goat_jax.positional import layer as positional_layer
+
+Array = jax.Array
+
+# The layer being constructed and its key source, while its dry call makes the parameters.
+_BUILD = threading.local()
+
+
+class _Group(nnx.Module):
+    """A node of the parameter tree: a Linen submodule's parameters (``q_proj``, ``prior``) or
+    a dictionary-valued Linen parameter (``prior/key_bias/fc1``)."""
+
+
+def _children(node: nnx.Module):
+    return [(n, v) for n, v in vars(node).items() if isinstance(v, (nnx.Variable, _Group))]
+
+
+def _read(node) -> Any:
+    """The value of a parameter, or the ``{name: value}`` tree of a group."""
+    if isinstance(node, nnx.Variable):
+        return node.get_value()
+    return {n: _read(v) for n, v in _children(node)}
+
+
+def _make(value: Any) -> Any:
+    """An ``nnx.Param`` (with the box's metadata, as ``nnx.bridge`` makes it) or, for a dict
+    value, a :class:`_Group` of them."""
+    if isinstance(value, dict):
+        group = _Group()
+        for n, v in value.items():
+            setattr(group, n, _make(v))
+        return group
+    if isinstance(value, meta.AxisMetadata):
+        return to_nnx_var("params", value)
+    return nnx.Param(value)
+
+
+class _Shell(nnx.Module):
+    """The NNX shell of :func:`goat_jax.attention_core.run` (its contract: that module's
+    docstring); subclasses add a variant mixin and name their Linen twin in ``_LINEN``."""
+
+    _LINEN: type = nn.Module
+    _RENAMED: dict = {}  # Linen field -> attribute, where the Linen name is a parameter group's
+
+    def __init__(self, num_heads: int, *, in_features: int, rngs: nnx.Rngs,
+                 kv_features: Optional[int] = None, **fields):
+        known = _linen_fields(self._LINEN)
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword(s) {unknown}; it takes the "
+                            f"Linen module's fields {sorted(known)} and in_features, kv_features, rngs.")
+        values = {**known, **fields, "num_heads": num_heads}
+        for name, value in values.items():
+            setattr(self, self._RENAMED.get(name, name), value)
+        self.in_features, self.kv_features = in_features, kv_features or in_features
+        if self.decode:
+            raise ValueError(
+                f"goat_jax.nnx.{type(self).__name__} has no KV cache yet (issue #35): decode=True is not "
+                f"supported. Decode with the Linen goat_jax {self._LINEN.__name__}(decode=True), or wrap it "
+                "with flax.nnx.bridge.ToNNX.")
+        length, spatial_shape = self._dummy_call()
+        query = jnp.zeros((1, length, in_features), self.param_dtype)
+        key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
+        _BUILD.current = (self, rngs.params)
+        try:
+            attention_core.run(self, query, key, is_causal=True, spatial_shape=spatial_shape, skip_kernel=True)
+        finally:
+            _BUILD.current = None
+
+    def _dummy_call(self) -> Tuple[int, Optional[Tuple[int, int]]]:
+        """``(length, spatial_shape)`` of the construction's dry call (every parameter is made)."""
+        return 1, None
+
+    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, **call) -> Array:
+        """The Linen module's call (:class:`goat_jax.layers.AttentionBase`); [B, T, out_features or E]."""
+        return attention_core.run(self, query, key, value, **call)
+
+    # The shell contract of attention_core.run.
+
+    def param(self, name, init, *args) -> Any:
+        """Linen's ``Module.param``: makes the parameter at ``name`` (a name or a path) during
+        construction, reads it afterwards."""
+        path = (name,) if isinstance(name, str) else tuple(name)
+        node, building = self, getattr(_BUILD, "current", None)
+        building = building is not None and building[0] is self
+        for i, part in enumerate(path):
+            child = vars(node).get(part)
+            if child is not None and not isinstance(child, (nnx.Variable, _Group)):
+                raise ValueError(f"{type(self).__name__}: parameter {'/'.join(path)} clashes with the "
+                                 f"attribute {part!r}.")
+            if child is None:
+                if not building:
+                    raise ValueError(
+                        f"{type(self).__name__}: this call needs the parameter {'/'.join(path)}, which the "
+                        "construction did not make (its dry call took another path); build the layer with "
+                        "the arguments that make it.")
+                child = _make(init(_BUILD.current[1](), *args)) if i == len(path) - 1 else _Group()
+                setattr(node, part, child)
+            node = child
+        return _read(node)
+
+    def _projection(self, name: str, spec: str, x: Array, kernel_shape: Tuple[int, ...],
+                    kernel_axes: Tuple[str, ...], fan_in_dims: int, dtype: Any) -> Array:
+        return layers.projection(lambda n, *a: self.param((name, n), *a), spec, x, kernel_shape, kernel_axes,
+                                 fan_in_dims, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
+
+    def _attended_length(self, key_len: int) -> int:
+        return key_len
+
+    def _open_cache(self, **kwargs):
+        raise AssertionError("unreachable: decode=True is refused at construction")
+
+    def _wants_attention_maps(self, implementation: str) -> bool:
+        return False
+
+    def _sow_maps(self, probs: Array, keys: Array, values: Array) -> None:
+        raise AssertionError("unreachable: no sowing")
+
+    _sow_probs = _sow_maps
+
+    def linen_fields(self) -> dict:
+        """``{field: value}`` of the equivalent Linen module."""
+        return {n: getattr(self, self._RENAMED.get(n, n)) for n in _linen_fields(self._LINEN)}
+
+
+def _linen_fields(cls: type) -> dict:
+    """``{field: default}`` of a Linen layer's dataclass fields (``num_heads`` has none)."""
+    return {f.name: (None if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
+
+
+class GoatAttention(attention_lib.GoatLogic, _Shell):
+    """GOAT attention as a Flax NNX module: :class:`goat_jax.attention.GoatAttention`'s math,
+    fields, call and parameters (module docstring). ``prior`` is the keyword of the
+    :class:`goat_jax.prior.PriorSettings` (kept as ``prior_settings``), since ``prior`` is the
+    parameter group, as in Linen: ``layer.prior.lambda_sym``."""
+
+    _LINEN = attention_lib.GoatAttention
+    _RENAMED = {"prior": "prior_settings"}
+
+    def _prior_settings(self):
+        return self.prior_settings
+
+    def _prior_params(self, spec) -> dict:
+        return {name: self.param(("prior", name), init, *args)
+                for name, init, args in attention_lib.prior_declarations(spec)}
+
+    def _dummy_call(self):
+        if self.pos_encoding == "2d":
+            return 1 + int(self.has_cls_token_default), (1, 1)
+        return 3, None  # not a square grid, with or without CLS: 'auto' stays 1D
+
+
+class PositionalAttention(positional_layer.PositionalLogic, _Shell):
+    """A baseline position encoding as a Flax NNX module: :class:`goat_jax.positional.PositionalAttention`'s
+    math, fields (``position_encoding``, ``settings`` or the settings' keywords, ...), call and
+    parameters (module docstring)."""
+
+    _LINEN = positional_layer.PositionalAttention
+
+    def _dummy_call(self):
+        if positional_layer.get_encoding(self.position_encoding).positions == "2d":
+            return 1, (1, 1)
+        return 1, None
+
+
+_BY_LINEN = {GoatAttention._LINEN: GoatAttention, PositionalAttention._LINEN: PositionalAttention}
+
+
+def _flat(tree: Any) -> dict:
+    return {tuple(str(getattr(k, "key", k)) for k in path): v
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def load_linen_params(layer: _Shell, params: Any) -> _Shell:
+    """Sets ``layer``'s parameters to the Linen ``params`` tree (``variables['params']``, boxed or
+    not); ValueError naming the paths or shapes that differ. Returns ``layer``."""
+    params = meta.unbox(params.get("params", params) if isinstance(params, dict) else params)
+    state = nnx.state(layer, nnx.Param)
+    ours, theirs = _flat(state.to_pure_dict()), _flat(params)
+    if set(ours) != set(theirs):
+        raise ValueError(f"Linen params do not fit {type(layer).__name__}: missing "
+                         f"{sorted('/'.join(p) for p in set(ours) - set(theirs))}, unexpected "
+                         f"{sorted('/'.join(p) for p in set(theirs) - set(ours))}.")
+    bad = {"/".join(p): (jnp.shape(theirs[p]), jnp.shape(v)) for p, v in ours.items() if jnp.shape(v) != jnp.shape(theirs[p])}
+    if bad:
+        raise ValueError(f"Linen params do not fit {type(layer).__name__}: shapes (given, expected) {bad}.")
+    state.replace_by_pure_dict(jax.tree.map(jnp.asarray, params))
+    nnx.update(layer, state)
+    return layer
+
+
+def like_linen(module: nn.Module, in_features: int, *, kv_features: Optional[int] = None,
+               rngs: Optional[nnx.Rngs] = None) -> _Shell:
+    """A new NNX layer with the Linen ``module``'s fields (fresh weights from ``rngs``)."""
+    cls = _BY_LINEN.get(type(module))
+    if cls is None:
+        raise TypeError(f"goat_jax.nnx takes a goat_jax GoatAttention or PositionalAttention, got "
+                        f"{type(module).__name__} (wrap other Linen modules with flax.nnx.bridge.ToNNX).")
+    fields = {n: getattr(module, n) for n in _linen_fields(type(module))}
+    return cls(fields.pop("num_heads"), in_features=in_features, kv_features=kv_features,
+               rngs=rngs or nnx.Rngs(0), **fields)
+
+
+def from_linen(module: nn.Module, variables: Any, *, rngs: Optional[nnx.Rngs] = None) -> _Shell:
+    """The NNX layer equal to the Linen ``module`` with ``variables`` (``{'params': ...}`` or the
+    params tree): same fields, same parameter values."""
+    params = meta.unbox(variables.get("params", variables))
+    layer = like_linen(module, params["q_proj"]["kernel"].shape[0], kv_features=params["k_proj"]["kernel"].shape[0],
+                       rngs=rngs)
+    return load_linen_params(layer, params)
+
+
+def to_linen(layer: _Shell) -> Tuple[nn.Module, dict]:
+    """``(Linen module, {'params': ...})`` equal to the NNX ``layer``."""
+    return layer._LINEN(**layer.linen_fields()), {"params": nnx.state(layer, nnx.Param).to_pure_dict()}

@@ -1,0 +1,153 @@
+"""The native NNX layers (goat_jax.nnx): with the Linen module's weights, the same outputs and
+gradients (nnx.grad vs jax.grad) on 'xla' and 'flash'; the Linen parameter tree, dtypes and
+logical axis names; nnx.jit; one-line construction errors. Tiny shapes, eager (no compile)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from goat_jax import nnx as gnnx
+from goat_jax.positional import PositionalAttention
+from tests import goat_reference as ref
+
+B, T, E = 2, 8, 32
+
+
+def _goat(**kw):
+    return ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, training_seq_len=16, **kw)
+
+
+# name: (Linen module, call keywords, input length). Each runs on 'xla' and 'flash'.
+CASES = {
+    "goat": (lambda impl: _goat(implementation=impl), {"is_causal": True}, T),
+    "goat_segments_logn": (lambda impl: _goat(implementation=impl, logn_scaling="content"),
+                           {"is_causal": True, "segment_ids": np.array([[0, 0, 0, 1, 1, 1, 1, 1]] * B)}, T),
+    "rope": (lambda impl: PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="rope",
+                                              implementation=impl), {"is_causal": True}, T),
+    "alibi_packed": (lambda impl: PositionalAttention(num_heads=4, position_encoding="alibi_packed",
+                                                      implementation=impl), {"is_causal": True}, T),
+    "fox": (lambda impl: PositionalAttention(num_heads=4, position_encoding="fox", implementation=impl),
+            {"is_causal": True}, T),
+    # A 2x2 patch grid with a CLS token first (5 tokens), non-causal.
+    "rope2d_cls": (lambda impl: PositionalAttention(num_heads=4, position_encoding="rope2d", implementation=impl),
+                   {"spatial_shape": (2, 2), "has_cls_token": True}, 5),
+    "rope_mixed_cls": (lambda impl: PositionalAttention(num_heads=4, position_encoding="rope_mixed",
+                                                        implementation=impl),
+                       {"spatial_shape": (2, 2), "has_cls_token": True}, 5),
+}
+DEFAULT = {("goat", "xla"), ("goat_segments_logn", "flash"), ("rope", "flash"), ("fox", "xla"), ("rope2d_cls", "xla")}
+
+
+def _cases():
+    for name in CASES:
+        for impl in ("xla", "flash"):
+            marks = [] if (name, impl) in DEFAULT else [pytest.mark.slow(reason="the default suite runs one kernel per encoding")]
+            yield pytest.param(name, impl, marks=marks, id=f"{name}-{impl}")
+
+
+def nn_unbox(tree):
+    return nn.meta.unbox(tree)
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("name,impl", list(_cases()))
+def test_outputs_and_gradients_equal_linen(name, impl, rng):
+    make, call, length = CASES[name]
+    module = make(impl)
+    x = jnp.asarray(rng.normal(size=(B, length, E)), jnp.float32)
+    # The Linen params of a native layer (to_linen), moved off their initial values, then back
+    # into a new native layer (from_linen): both directions of the weight transfer.
+    _, variables = gnnx.to_linen(gnnx.like_linen(module, E, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype), variables["params"])
+    layer = gnnx.from_linen(module, {"params": params})
+    target = jnp.asarray(rng.normal(size=(B, length, E)), jnp.float32)
+
+    def loss(y):
+        return jnp.sum((y - target) ** 2), y
+
+    (_, y_nnx), g_nnx = nnx.jit(nnx.value_and_grad(lambda m: loss(m(x, **call)), has_aux=True))(layer)
+    (_, y_linen), g_linen = jax.jit(jax.value_and_grad(
+        lambda p: loss(module.apply({"params": p}, x, **call)), has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(y_nnx), np.asarray(y_linen), rtol=1e-5, atol=1e-6)
+    g_nnx, g_linen = _flat(g_nnx.to_pure_dict()), _flat(g_linen)
+    assert set(g_nnx) == set(g_linen)
+    for path, g in g_linen.items():
+        np.testing.assert_allclose(np.asarray(g_nnx[path]), np.asarray(g), rtol=1e-4, atol=1e-5, err_msg=path)
+    assert np.abs(np.asarray(g_linen["['q_proj']['kernel']"])).max() > 0
+
+
+def test_parameters_are_the_linen_tree_with_its_axis_names_and_dtypes():
+    """Eager construction makes the Linen init's tree: names, shapes, dtypes (bfloat16
+    params where asked, the prior float32) and, for every logically boxed Linen parameter, the
+    same names as the NNX variable's ``out_sharding``; to_linen gives back the module and tree."""
+    x = jnp.zeros((1, 3, E))
+    for linen, layer in (
+            (_goat(param_dtype=jnp.bfloat16),
+             gnnx.GoatAttention(4, in_features=E, kv_num_heads=2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                                prior=_goat().prior)),
+            (PositionalAttention(num_heads=4, position_encoding="fox"),
+             gnnx.PositionalAttention(4, in_features=E, position_encoding="fox", rngs=nnx.Rngs(1)))):
+        boxed = jax.eval_shape(lambda: linen.init(jax.random.key(0), x, is_causal=True))["params"]
+        want = _flat(nn_unbox(boxed))
+        state = nnx.state(layer, nnx.Param)
+        got = _flat(state.to_pure_dict())
+        assert {p: (v.shape, v.dtype) for p, v in got.items()} == {p: (v.shape, v.dtype) for p, v in want.items()}
+        names = {jax.tree_util.keystr(p): b.names for p, b in jax.tree_util.tree_leaves_with_path(
+            boxed, is_leaf=lambda b: hasattr(b, "names")) if hasattr(b, "names")}
+        assert names and any("prior" not in p for p in names)
+        variables = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(
+            state, is_leaf=lambda v: isinstance(v, nnx.Variable))}
+        for path, axes in names.items():
+            assert variables[path].get_metadata()["out_sharding"] == axes, path
+        module, variables = gnnx.to_linen(layer)
+        fields = gnnx._linen_fields(type(linen))
+        assert type(module) is type(linen) and all(getattr(module, f) == getattr(linen, f) for f in fields)
+        assert _flat(variables["params"]).keys() == want.keys()
+
+
+def test_nnx_jit_and_update_from_linen_params(rng):
+    module = _goat(implementation="xla")
+    x = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
+    params = module.init(jax.random.key(3), x, is_causal=True)
+    layer = gnnx.GoatAttention(4, in_features=E, kv_num_heads=2, prior=module.prior, implementation="xla",
+                               rngs=nnx.Rngs(0))
+    gnnx.load_linen_params(layer, params)  # plain nnx.update on the same tree, boxed params accepted
+    y = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(module.apply(params, x, is_causal=True)),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="missing.*out_proj"):
+        gnnx.load_linen_params(layer, {k: v for k, v in params["params"].items() if k != "out_proj"})
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: gnnx.GoatAttention(4, in_features=8, prior=ref.goat_module(num_heads=4, pos_rank=2).prior,
+                                rngs=nnx.Rngs(0)), "head_dim=2 is too small for the prior"),
+    (lambda: gnnx.GoatAttention(4, in_features=E, decode=True, rngs=nnx.Rngs(0)), "no KV cache yet"),
+    (lambda: gnnx.GoatAttention(3, in_features=E, kv_num_heads=2, rngs=nnx.Rngs(0)), "multiple of kv_num_heads"),
+    (lambda: gnnx.GoatAttention(4, in_features=E, logn_scaling="content", rngs=nnx.Rngs(0),
+                                prior=ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2).prior),
+     "needs training_seq_len"),
+    (lambda: gnnx.PositionalAttention(4, in_features=E, position_encoding="rotary", rngs=nnx.Rngs(0)),
+     "Unknown position_encoding='rotary'"),
+    (lambda: gnnx.PositionalAttention(4, in_features=24, position_encoding="rope2d", rngs=nnx.Rngs(0)),
+     "rope2d"),
+    (lambda: gnnx.PositionalAttention(4, in_features=E, position_encoding="alibi", implementation="flash",
+                                      rngs=nnx.Rngs(0)), "does not take"),
+    (lambda: gnnx.PositionalAttention(4, in_features=E, position_encoding="naive_prior", rngs=nnx.Rngs(0)),
+     "max_len"),
+])
+def test_construction_errors_are_one_line(build, match):
+    with pytest.raises(ValueError, match=match) as err:
+        build()
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_keyword_names_the_fields():
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['heads'\]"):
+        gnnx.GoatAttention(4, in_features=E, heads=2, rngs=nnx.Rngs(0))
