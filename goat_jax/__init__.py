@@ -2,7 +2,8 @@
 
 Modules: :mod:`goat_jax.prior` (the math as pure functions), :mod:`goat_jax.kernels` (the
 ``implementation=`` switch), :mod:`goat_jax.attention` (packing, ``GoatAttention``),
-:mod:`goat_jax.positional` (baselines), :mod:`goat_jax.interop` (official PyTorch package).
+:mod:`goat_jax.positional` (baselines), :mod:`goat_jax.nnx` (the layers as native Flax NNX modules),
+:mod:`goat_jax.interop` (official PyTorch package).
 """
 
 from goat_jax.attention import GoatAttention, GoatPrior

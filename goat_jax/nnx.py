@@ -10,7 +10,7 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
   rngs=nnx.Rngs(0))``. The keywords are the Linen module's fields, each with the Linen default
   (read from the Linen dataclass, never listed twice), plus ``in_features`` (E of the query),
   ``kv_features`` (E' of key/value, default ``in_features``) and ``rngs``. The parameters are
-  made by one dry call of the shared core on a tiny input (no kernel runs), so every argument
+  made by one dry call of the shared core on a tiny input (traced, no kernel runs), so every argument
   error the Linen layer raises at its first call is raised here, at construction, as the same
   one-line ``ValueError`` (a head too small for the prior, an encoding's settings, a kernel an
   encoding cannot run on, ...).
@@ -109,11 +109,24 @@ class _Shell(nnx.Module):
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
-        _BUILD.current = (self, rngs.params)
+        # The dry call is traced only (it records what each param() makes); then every
+        # initializer runs in one compiled program, and the variables are set outside any trace.
+        _BUILD.current, _BUILD.records = self, {}
         try:
-            attention_core.run(self, query, key, is_causal=True, spatial_shape=spatial_shape, skip_kernel=True)
+            jax.eval_shape(lambda: attention_core.run(self, query, key, is_causal=True, spatial_shape=spatial_shape,
+                                                      skip_kernel=True))
         finally:
-            _BUILD.current = None
+            records, _BUILD.current, _BUILD.records = _BUILD.records, None, {}
+        paths = list(records)
+        keys = [rngs.params() for _ in paths]
+        values = jax.jit(lambda ks: [records[p][0](k, *records[p][1]) for p, k in zip(paths, ks)])(keys)
+        for path, value in zip(paths, values):
+            node = self
+            for part in path[:-1]:
+                if part not in vars(node):
+                    setattr(node, part, _Group())
+                node = getattr(node, part)
+            setattr(node, path[-1], _make(value))
 
     def _dummy_call(self) -> Tuple[int, Optional[Tuple[int, int]]]:
         """``(length, spatial_shape)`` of the construction's dry call (every parameter is made)."""
@@ -126,25 +139,23 @@ class _Shell(nnx.Module):
     # The shell contract of attention_core.run.
 
     def param(self, name, init, *args) -> Any:
-        """Linen's ``Module.param``: makes the parameter at ``name`` (a name or a path) during
-        construction, reads it afterwards."""
+        """Linen's ``Module.param``: records the parameter at ``name`` (a name or a path) during
+        the construction's dry call, reads it afterwards."""
         path = (name,) if isinstance(name, str) else tuple(name)
-        node, building = self, getattr(_BUILD, "current", None)
-        building = building is not None and building[0] is self
-        for i, part in enumerate(path):
-            child = vars(node).get(part)
-            if child is not None and not isinstance(child, (nnx.Variable, _Group)):
-                raise ValueError(f"{type(self).__name__}: parameter {'/'.join(path)} clashes with the "
-                                 f"attribute {part!r}.")
-            if child is None:
-                if not building:
-                    raise ValueError(
-                        f"{type(self).__name__}: this call needs the parameter {'/'.join(path)}, which the "
-                        "construction did not make (its dry call took another path); build the layer with "
-                        "the arguments that make it.")
-                child = _make(init(_BUILD.current[1](), *args)) if i == len(path) - 1 else _Group()
-                setattr(node, part, child)
-            node = child
+        if getattr(_BUILD, "current", None) is self:
+            records = _BUILD.records
+            if path in records:
+                raise ValueError(f"{type(self).__name__}: parameter {'/'.join(path)} is made twice.")
+            records[path] = (init, args)
+            return meta.unbox(init(jax.random.key(0), *args))  # traced: shapes for the dry call
+        node = self
+        for part in path:
+            node = vars(node).get(part)
+            if not isinstance(node, (nnx.Variable, _Group)):
+                raise ValueError(
+                    f"{type(self).__name__}: this call needs the parameter {'/'.join(path)}, which the "
+                    "construction did not make (its dry call took another path); build the layer with "
+                    "the arguments that make it.")
         return _read(node)
 
     def _projection(self, name: str, spec: str, x: Array, kernel_shape: Tuple[int, ...],

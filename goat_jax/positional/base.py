@@ -5,8 +5,9 @@ An encoding is a :class:`PositionEncoding` instance: a few class attributes that
 runs, the class of its settings (an :class:`EncodingSettings` dataclass: each knob declared once,
 with its default, range and doc, and the rules between knobs), and up to five hooks that the
 layer calls once per call. The layer owns everything else (call signature, projections,
-positions, KV cache, kernel call, sowing: :class:`goat_jax.layers.AttentionBase`), so an encoding
-is only its own math and its own settings.
+positions, KV cache, kernel call, sowing: :func:`goat_jax.attention_core.run`, called by the Linen
+:class:`goat_jax.layers.AttentionBase` and the NNX :mod:`goat_jax.nnx` shells alike; ``layer.param``
+is either shell's), so an encoding is only its own math and its own settings.
 
 Shape legend: B batch, T queries, S keys (the cache while decoding), N query heads, K kv heads,
 G = N // K, H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
