@@ -74,6 +74,17 @@ class DecodeCache(NamedTuple):
         return self.keys.value.shape[1]
 
 
+def check_decode_call(*, query: Array, key: Array, is_causal: bool, positions_given: bool,
+                      key_padding_mask: Optional[Array]) -> None:
+    """Raises ValueError for a ``decode=True`` call the KV cache cannot take (either shell)."""
+    if query is not key or not is_causal:
+        raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
+    if positions_given:
+        raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask is not supported while decoding.")
+
+
 def append_to_cache(cache: DecodeCache, k: Array, v: Array):
     """Writes the new keys/values at the cache index and returns what to attend over.
 

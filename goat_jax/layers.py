@@ -155,12 +155,8 @@ def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal:
     ``value_shape`` [B, S, K, Hv]) and returns None: that call is an ordinary forward pass.
     Later calls return the cache to append to (:func:`append_to_cache`).
     """
-    if query is not key or not is_causal:
-        raise ValueError("decode=True supports causal self-attention only (call with is_causal=True).")
-    if positions_given:
-        raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
-    if key_padding_mask is not None:
-        raise ValueError("key_padding_mask is not supported while decoding.")
+    attention_core.check_decode_call(query=query, key=key, is_causal=is_causal, positions_given=positions_given,
+                                     key_padding_mask=key_padding_mask)
     is_init = not module.has_variable("cache", "cached_key")
     keys = module.variable("cache", "cached_key", jnp.zeros, key_shape, dtype)
     values = module.variable("cache", "cached_value", jnp.zeros, value_shape, dtype)

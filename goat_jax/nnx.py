@@ -23,8 +23,12 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
   ``params`` tree; :func:`from_linen` / :func:`to_linen` move a layer both ways. Parameters the
   Linen module boxes with logical axis names carry the same names as ``out_sharding`` metadata
   (what ``nnx.bridge.ToNNX`` gives them; no eager sharding without a mesh).
-* Not yet (issue #35): the KV cache (``decode=True`` is refused at construction) and sowing of
-  attention maps (``implementation='dense'`` runs, but sows nothing).
+* KV cache: build with ``decode=True``, call :meth:`_Shell.init_cache` ``(batch_size,
+  max_length)`` (the Linen ``init`` with a full-length input), then call the layer chunk by
+  chunk or token by token (inside ``nnx.jit`` the cache updates propagate); equal to the full
+  forward, with the Linen layer's checks and its NaN on overflow.
+* Not yet (issue #35): sowing of attention maps (``implementation='dense'`` runs, but sows
+  nothing).
 
 Initial values are drawn from ``rngs`` with the Linen initializers, but not the Linen module's
 random streams: equal weights come from :func:`from_linen`, not from equal seeds.
@@ -83,6 +87,25 @@ def _make(value: Any) -> Any:
     return nnx.Param(value)
 
 
+class _Slot:
+    """A cache variable as the core reads and writes it (``.value``), over an ``nnx.Cache``
+    (``get_value`` / ``set_value``), or a stand-in value while the cache is being sized."""
+
+    def __init__(self, var: Optional[nnx.Variable], value: Any = None):
+        self.var, self._value = var, value
+
+    @property
+    def value(self) -> Any:
+        return self._value if self.var is None else self.var.get_value()
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        if self.var is None:
+            self._value = value
+        else:
+            self.var.set_value(value)
+
+
 class _Shell(nnx.Module):
     """The NNX shell of :func:`goat_jax.attention_core.run` (its contract: that module's
     docstring); subclasses add a variant mixin and name their Linen twin in ``_LINEN``."""
@@ -101,11 +124,6 @@ class _Shell(nnx.Module):
         for name, value in values.items():
             setattr(self, self._RENAMED.get(name, name), value)
         self.in_features, self.kv_features = in_features, kv_features or in_features
-        if self.decode:
-            raise ValueError(
-                f"goat_jax.nnx.{type(self).__name__} has no KV cache yet (issue #35): decode=True is not "
-                f"supported. Decode with the Linen goat_jax {self._LINEN.__name__}(decode=True), or wrap it "
-                "with flax.nnx.bridge.ToNNX.")
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
@@ -132,9 +150,18 @@ class _Shell(nnx.Module):
         """``(length, spatial_shape)`` of the construction's dry call (every parameter is made)."""
         return 1, None
 
-    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, **call) -> Array:
+    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, *,
+                 is_causal: bool = False, key_padding_mask: Optional[Array] = None,
+                 spatial_shape: Optional[Tuple[int, ...]] = None, has_cls_token: Optional[bool] = None,
+                 position_offset_q: Any = None, position_offset_k: Any = None,
+                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None) -> Array:
         """The Linen module's call (:class:`goat_jax.layers.AttentionBase`); [B, T, out_features or E]."""
-        return attention_core.run(self, query, key, value, **call)
+        return attention_core.run(
+            self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
+            spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
+            position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
+            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
 
     # The shell contract of attention_core.run.
 
@@ -163,11 +190,49 @@ class _Shell(nnx.Module):
         return layers.projection(lambda n, *a: self.param((name, n), *a), spec, x, kernel_shape, kernel_axes,
                                  fan_in_dims, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
 
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
+        """Sizes (or empties) the KV cache of a ``decode=True`` layer for ``batch_size`` rows of
+        up to ``max_length`` tokens of inputs of ``dtype`` (the Linen ``init`` with a full-length
+        input): ``cached_key`` [B, S, K, Hqk], ``cached_value`` [B, S, K, H], ``cache_index``
+        (and 'fox''s ``fox_log_forget_sum``), as ``nnx.Cache`` variables. Then each call appends
+        its tokens at the cache index and attends causally over the cache, as the Linen layer."""
+        if not self.decode:
+            raise ValueError(f"{type(self).__name__}.init_cache needs a layer built with decode=True.")
+        query = jnp.zeros((batch_size, max_length, self.in_features), dtype)
+        _BUILD.sizing, _BUILD.records = self, {}
+        try:
+            jax.eval_shape(lambda: attention_core.run(self, query, is_causal=True, skip_kernel=True))
+        finally:
+            records, _BUILD.sizing, _BUILD.records = _BUILD.records, None, {}
+        for name, (init, args) in records.items():
+            setattr(self, name, nnx.Cache(init(*args)))
+
+    def variable(self, collection: str, name: str, init, *args) -> "_Slot":
+        """Linen's ``Module.variable`` for the 'cache' collection: recorded while
+        :meth:`init_cache` sizes the cache, an ``nnx.Cache`` afterwards."""
+        if getattr(_BUILD, "current", None) is self:  # constructing: no cache yet
+            return _Slot(None, init(*args))
+        if getattr(_BUILD, "sizing", None) is self:
+            _BUILD.records.setdefault(name, (init, args))
+            return _Slot(None, init(*args))
+        if collection != "cache" or not isinstance(vars(self).get(name), nnx.Cache):
+            raise ValueError(f"{type(self).__name__} is decoding without a KV cache: call "
+                             "layer.init_cache(batch_size, max_length) first.")
+        return _Slot(vars(self)[name])
+
     def _attended_length(self, key_len: int) -> int:
-        return key_len
+        cache = vars(self).get("cached_key")
+        return cache.get_value().shape[1] if self.decode and isinstance(cache, nnx.Cache) else key_len
 
     def _open_cache(self, **kwargs):
-        raise AssertionError("unreachable: decode=True is refused at construction")
+        attention_core.check_decode_call(**{n: kwargs[n] for n in (
+            "query", "key", "is_causal", "positions_given", "key_padding_mask")})
+        slots = [self.variable("cache", "cached_key", jnp.zeros, kwargs["key_shape"], kwargs["dtype"]),
+                 self.variable("cache", "cached_value", jnp.zeros, kwargs["value_shape"], kwargs["dtype"]),
+                 self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))]
+        if slots[0].var is None:  # constructing or sizing: an ordinary forward
+            return None
+        return attention_core.DecodeCache(*slots, slots[2].value)
 
     def _wants_attention_maps(self, implementation: str) -> bool:
         return False

@@ -1,6 +1,6 @@
 """The native NNX layers (goat_jax.nnx): with the Linen module's weights, the same outputs and
 gradients (nnx.grad vs jax.grad) on 'xla' and 'flash'; the Linen parameter tree, dtypes and
-logical axis names; nnx.jit; one-line construction errors. Tiny shapes, eager (no compile)."""
+logical axis names; nnx.jit; KV-cache decoding; one-line construction errors. Tiny shapes."""
 
 import flax.linen as nn
 import jax
@@ -128,7 +128,11 @@ def test_nnx_jit_and_update_from_linen_params(rng):
 @pytest.mark.parametrize("build,match", [
     (lambda: gnnx.GoatAttention(4, in_features=8, prior=ref.goat_module(num_heads=4, pos_rank=2).prior,
                                 rngs=nnx.Rngs(0)), "head_dim=2 is too small for the prior"),
-    (lambda: gnnx.GoatAttention(4, in_features=E, decode=True, rngs=nnx.Rngs(0)), "no KV cache yet"),
+    (lambda: gnnx.GoatAttention(4, in_features=E, rngs=nnx.Rngs(0), prior=_goat().prior).init_cache(1, 4),
+     "needs a layer built with decode=True"),
+    (lambda: gnnx.GoatAttention(4, in_features=E, decode=True, rngs=nnx.Rngs(0),
+                                prior=ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2).prior),
+     "KV-cache decoding needs training_seq_len"),
     (lambda: gnnx.GoatAttention(3, in_features=E, kv_num_heads=2, rngs=nnx.Rngs(0)), "multiple of kv_num_heads"),
     (lambda: gnnx.GoatAttention(4, in_features=E, logn_scaling="content", rngs=nnx.Rngs(0),
                                 prior=ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2).prior),
@@ -146,6 +150,27 @@ def test_construction_errors_are_one_line(build, match):
     with pytest.raises(ValueError, match=match) as err:
         build()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["goat", pytest.param("fox", marks=pytest.mark.slow(
+    reason="goat covers the NNX cache; fox adds its own cache variable"))])
+def test_decoding_with_the_kv_cache_equals_the_full_forward(name, rng):
+    """A prompt chunk then token by token under nnx.jit, the cache in nnx.Cache variables, equals
+    the Linen full forward with the same weights; an overflowing cache gives NaN, and decoding
+    before init_cache names it."""
+    module = CASES[name][0]("xla")
+    x = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
+    _, variables = gnnx.to_linen(gnnx.like_linen(module, E, rngs=nnx.Rngs(0)))
+    layer = gnnx.from_linen(module.clone(decode=True), variables)
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x[:, :1], is_causal=True)
+    layer.init_cache(B, T)
+    step = nnx.jit(lambda m, x: m(x, is_causal=True))
+    y = jnp.concatenate([step(layer, x[:, :4])] + [step(layer, x[:, i:i + 1]) for i in range(4, T)], axis=1)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(module.apply(variables, x, is_causal=True)),
+                               rtol=1e-5, atol=1e-5)
+    assert int(nnx.state(layer, nnx.Cache)["cache_index"].get_value()) == T
+    assert np.isnan(np.asarray(step(layer, x[:, :1]))).all()
 
 
 def test_unknown_keyword_names_the_fields():
