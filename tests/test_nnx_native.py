@@ -176,3 +176,16 @@ def test_decoding_with_the_kv_cache_equals_the_full_forward(name, rng):
 def test_unknown_keyword_names_the_fields():
     with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['heads'\]"):
         gnnx.GoatAttention(4, in_features=E, heads=2, rngs=nnx.Rngs(0))
+
+
+def test_construction_under_a_mesh_shards_by_the_logical_rules():
+    """Under a mesh (Auto axes) and Linen logical-axis rules, parameters are made sharded to the
+    rules' mesh axes, as nnx.bridge makes the Linen module's (one device: the spec is checked).
+    An Explicit-axes mesh fails for both alike (with_sharding_constraint as an assert)."""
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    rules = (("heads", "model"), ("kv_heads", "model"), ("embed", None), ("kv", None))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        layer = gnnx.PositionalAttention(4, in_features=E, position_encoding="fox", rngs=nnx.Rngs(0))
+    params = nnx.state(layer, nnx.Param)
+    assert params["q_proj"]["kernel"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert params["fox_gate"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model")
