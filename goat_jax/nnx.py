@@ -23,7 +23,7 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
   ``params`` tree; :func:`from_linen` / :func:`to_linen` move a layer both ways. Parameters the
   Linen module boxes with logical axis names carry the same names as ``out_sharding`` metadata
   (what ``nnx.bridge.ToNNX`` gives them; no eager sharding without a mesh).
-* KV cache: build with ``decode=True``, call :meth:`_Shell.init_cache` ``(batch_size,
+* KV cache: build with ``decode=True``, call :meth:`AttentionShell.init_cache` ``(batch_size,
   max_length)`` (the Linen ``init`` with a full-length input), then call the layer chunk by
   chunk or token by token (inside ``nnx.jit`` the cache updates propagate); equal to the full
   forward, with the Linen layer's checks and its NaN on overflow.
@@ -106,9 +106,11 @@ class _Slot:
             self.var.set_value(value)
 
 
-class _Shell(nnx.Module):
+class AttentionShell(nnx.Module):
     """The NNX shell of :func:`goat_jax.attention_core.run` (its contract: that module's
-    docstring); subclasses add a variant mixin and name their Linen twin in ``_LINEN``."""
+    docstring), the base of :class:`GoatAttention` and :class:`PositionalAttention`: eager
+    construction, parameters and cache as NNX variables, the Linen call. Subclasses add a
+    variant mixin and name their Linen twin in ``_LINEN``."""
 
     _LINEN: type = nn.Module
     _RENAMED: dict = {}  # Linen field -> attribute, where the Linen name is a parameter group's
@@ -253,7 +255,7 @@ def _linen_fields(cls: type) -> dict:
             for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
 
 
-class GoatAttention(attention_lib.GoatLogic, _Shell):
+class GoatAttention(attention_lib.GoatLogic, AttentionShell):
     """GOAT attention as a Flax NNX module: :class:`goat_jax.attention.GoatAttention`'s math,
     fields, call and parameters (module docstring). ``prior`` is the keyword of the
     :class:`goat_jax.prior.PriorSettings` (kept as ``prior_settings``), since ``prior`` is the
@@ -275,7 +277,7 @@ class GoatAttention(attention_lib.GoatLogic, _Shell):
         return 3, None  # not a square grid, with or without CLS: 'auto' stays 1D
 
 
-class PositionalAttention(positional_layer.PositionalLogic, _Shell):
+class PositionalAttention(positional_layer.PositionalLogic, AttentionShell):
     """A baseline position encoding as a Flax NNX module: :class:`goat_jax.positional.PositionalAttention`'s
     math, fields (``position_encoding``, ``settings`` or the settings' keywords, ...), call and
     parameters (module docstring)."""
@@ -296,7 +298,7 @@ def _flat(tree: Any) -> dict:
             for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def load_linen_params(layer: _Shell, params: Any) -> _Shell:
+def load_linen_params(layer: AttentionShell, params: Any) -> AttentionShell:
     """Sets ``layer``'s parameters to the Linen ``params`` tree (``variables['params']``, boxed or
     not); ValueError naming the paths or shapes that differ. Returns ``layer``."""
     params = meta.unbox(params.get("params", params) if isinstance(params, dict) else params)
@@ -315,7 +317,7 @@ def load_linen_params(layer: _Shell, params: Any) -> _Shell:
 
 
 def like_linen(module: nn.Module, in_features: int, *, kv_features: Optional[int] = None,
-               rngs: Optional[nnx.Rngs] = None) -> _Shell:
+               rngs: Optional[nnx.Rngs] = None) -> AttentionShell:
     """A new NNX layer with the Linen ``module``'s fields (fresh weights from ``rngs``)."""
     cls = _BY_LINEN.get(type(module))
     if cls is None:
@@ -326,7 +328,7 @@ def like_linen(module: nn.Module, in_features: int, *, kv_features: Optional[int
                rngs=rngs or nnx.Rngs(0), **fields)
 
 
-def from_linen(module: nn.Module, variables: Any, *, rngs: Optional[nnx.Rngs] = None) -> _Shell:
+def from_linen(module: nn.Module, variables: Any, *, rngs: Optional[nnx.Rngs] = None) -> AttentionShell:
     """The NNX layer equal to the Linen ``module`` with ``variables`` (``{'params': ...}`` or the
     params tree): same fields, same parameter values."""
     params = meta.unbox(variables.get("params", variables))
@@ -335,6 +337,6 @@ def from_linen(module: nn.Module, variables: Any, *, rngs: Optional[nnx.Rngs] = 
     return load_linen_params(layer, params)
 
 
-def to_linen(layer: _Shell) -> Tuple[nn.Module, dict]:
+def to_linen(layer: AttentionShell) -> Tuple[nn.Module, dict]:
     """``(Linen module, {'params': ...})`` equal to the NNX ``layer``."""
     return layer._LINEN(**layer.linen_fields()), {"params": nnx.state(layer, nnx.Param).to_pure_dict()}
