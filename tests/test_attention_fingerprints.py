@@ -24,6 +24,7 @@ from goat_jax import PriorSettings
 from goat_jax.attention import GoatAttention
 from goat_jax.positional import (LearnedPositionEmbedding, PositionalAttention, sincos_2d_embedding,
                                  sinusoidal_embedding)
+from tests.marks import SLOW_CASE
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "attention_fingerprints.npz")
 E, T, S = 16, 8, 6  # model dim, query length, cross-attention key length
@@ -142,7 +143,7 @@ def recorded():
         return {key: f[key] for key in f.files}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW_CASE) if n in SLOW else n
                                   for n in sorted(CASES)])
 def test_parameters_and_outputs_match_the_recording(name, recorded):
     got = CASES[name]()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import goat_reference
+from tests.marks import SLOW_CASE
 
 LENGTH, CHUNK, E = 16384, 2048, 128
 
@@ -40,7 +41,7 @@ def _window_errors(out, ref):
                            for e in err.reshape(-1, CHUNK)])
 
 
-@pytest.mark.parametrize("chunks", [SAMPLED_CHUNKS, pytest.param(ALL_CHUNKS, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("chunks", [SAMPLED_CHUNKS, pytest.param(ALL_CHUNKS, marks=SLOW_CASE)],
                          ids=["sampled", "all"])
 def test_bf16_mean_relative_error_below_one_percent_up_to_16k(rng, chunks):
     module = goat_reference.goat_module(num_heads=2, pos_rank=4, abs_rank=4, training_seq_len=1024,

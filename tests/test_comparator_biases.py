@@ -10,6 +10,7 @@ import pytest
 
 from goat_jax.positional import PositionalAttention
 from goat_jax.positional import layer as layer_lib
+from tests.marks import SLOW_CASE
 
 E, N, H = 32, 4, 8  # model dim, query heads, head dim
 ENCODINGS = ("fire", "kerple_log", "fox")
@@ -117,8 +118,8 @@ def assert_grads_close(grads, ref_grads, tol):
 # bidirectional (FoX is causal only: test_kernel_rules; FoX without GQA:
 # test_fox_runs_exactly_on_every_cpu_kernel). The second pair is slow only for the suite's budget.
 CASES = [("fire", False, 2), ("kerple_log", True, 2), ("fox", True, 2),
-         pytest.param("fire", True, N, marks=pytest.mark.slow),
-         pytest.param("kerple_log", False, N, marks=pytest.mark.slow)]
+         pytest.param("fire", True, N, marks=SLOW_CASE),
+         pytest.param("kerple_log", False, N, marks=SLOW_CASE)]
 
 
 @pytest.mark.parametrize("enc,causal,kv_heads", CASES)
@@ -157,7 +158,7 @@ def test_fox_ignores_positions(rng):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enc", ["fire", pytest.param("kerple_log", marks=pytest.mark.slow), "fox"])  # kerple: fire's path
+@pytest.mark.parametrize("enc", ["fire", pytest.param("kerple_log", marks=SLOW_CASE), "fox"])  # kerple: fire's path
 def test_decode_equals_full_forward(enc, rng):
     """Prefill 4 tokens, one token, then a chunk of 4; equals the full causal forward."""
     b, t = 2, 9
@@ -324,7 +325,7 @@ def test_fox_bf16_error_at_2k(rng, monkeypatch):
     assert single[-1000:].mean() > 2 * ours[-1000:].mean()  # the split is what keeps it accurate
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="decodes 16,384 positions in chunks; the 2048-position variant runs in the default suite")
 def test_fox_bf16_error_at_16k(rng, monkeypatch):
     ours, single = fox_bf16_errors(rng, monkeypatch, 16384, 2048)
     print(f"fox bf16 @16k: split max {ours.max():.4f}, single channel last-1000 mean {single[-1000:].mean():.4f}")

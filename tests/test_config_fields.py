@@ -180,7 +180,7 @@ def test_old_config_builds_the_same_model_with_a_warning():
         lm_task.build_model(old)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains and resumes through the CLI; the fixture configs are checked without training in the default suite")
 def test_run_started_from_an_old_config_resumes_under_the_new_one(tmp_path):
     """End to end through the trainer: 2 steps under the old config (model.name set), then the
     same workdir continues to step 4 under today's config file."""

@@ -126,7 +126,7 @@ def test_trim_events_drops_later_steps_and_keeps_the_rest(tmp_path):
     assert os.listdir(tmp_path) == [name]  # the empty file is removed, the trimmed one kept
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains, kills and resumes a run to read its TensorBoard events")
 def test_tensorboard_events_are_not_duplicated_on_resume(tmp_path):
     """A run killed after logging step 4 but before its checkpoint: the resumed run logs 3 and
     4 again, and TensorBoard sees each step once, with the resumed values."""

@@ -223,7 +223,7 @@ def test_local_tasks_through_the_cli_equal_the_float64_reference(tmp_path, monke
                                       monkeypatch, caplog)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains a run and runs lm-eval tasks on it")
 def test_local_tasks_on_a_trained_run(tmp_path, monkeypatch, caplog):
     check_local_tasks_through_the_cli(trained_workdir(str(tmp_path / "run")), tmp_path,
                                       monkeypatch, caplog)

@@ -131,7 +131,7 @@ def test_other_import_errors_are_not_disguised_as_a_missing_extra():
     assert "pip install" not in str(info.value)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds a wheel and installs it into a fresh venv")
 def test_wheel_in_a_fresh_venv_with_core_dependencies_runs_the_readme_example(tmp_path):
     """Builds the wheel, installs it (no extras; jax, flax, numpy from PyPI, or pip's cache)
     into a new venv without system site-packages, and runs the README example there."""

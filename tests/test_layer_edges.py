@@ -11,6 +11,7 @@ from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests.marks import SLOW_CASE
 
 CPU_KERNELS = ["dense", "xla", "flash", "splash_interpret"]
 
@@ -42,7 +43,7 @@ EMPTY_ROW_CASES = {
 
 @pytest.mark.parametrize("implementation", CPU_KERNELS)
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[pytest.mark.slow] if c in ("causal_leading_padding",) else [])
+    pytest.param(c, marks=[SLOW_CASE] if c in ("causal_leading_padding",) else [])
     for c in EMPTY_ROW_CASES])
 def test_rows_without_keys_are_zero_with_zero_gradient(case, implementation, rng):
     is_causal, offset, padding, lengths = EMPTY_ROW_CASES[case]

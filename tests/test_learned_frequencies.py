@@ -22,6 +22,7 @@ from goat_jax.tasks.lm import official_c4_decay_mask
 from goat_jax.train import optim, sharding
 from tests import goat_reference as ref
 from tests.test_attention import CASES, E, _rel_err, _run_case, make_module_and_params, ref_cfg
+from tests.marks import SLOW_CASE
 
 
 def _on(fields):
@@ -32,11 +33,11 @@ def _on(fields):
     # Default suite: 1D GQA with offsets on the packed path, 2D with CLS on the dense log-prior
     # (the packed 2D path is test_frequency_gradients_match_float64_reference's).
     ("linear_sink_gqa_offsets", "xla"), ("grid_2d_cls_offsets", "dense"),
-    pytest.param("grid_2d_cls_offsets", "xla", marks=pytest.mark.slow),
-    pytest.param("bidir_gqa_padding", "dense", marks=pytest.mark.slow),
-    pytest.param("mqa_causal_offsets", "flash", marks=pytest.mark.slow),
-    pytest.param("cross_offsets", "xla", marks=pytest.mark.slow),
-    pytest.param("grid_2d", "flash", marks=pytest.mark.slow)])
+    pytest.param("grid_2d_cls_offsets", "xla", marks=SLOW_CASE),
+    pytest.param("bidir_gqa_padding", "dense", marks=SLOW_CASE),
+    pytest.param("mqa_causal_offsets", "flash", marks=SLOW_CASE),
+    pytest.param("cross_offsets", "xla", marks=SLOW_CASE),
+    pytest.param("grid_2d", "flash", marks=SLOW_CASE)])
 def test_matches_float64_reference_with_learned_frequencies(name, implementation, rng, monkeypatch):
     fields, call, t, s = CASES[name]
     monkeypatch.setitem(CASES, name, (_on(fields), call, t, s))
@@ -59,7 +60,7 @@ def test_starts_at_the_ladder_and_equals_the_fixed_prior(rng):
     np.testing.assert_allclose(run(on, v_on), run(off, v_off), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("grid", [pytest.param(None, marks=pytest.mark.slow), (3, 4)])
+@pytest.mark.parametrize("grid", [pytest.param(None, marks=SLOW_CASE), (3, 4)])
 def test_frequency_gradients_match_float64_reference(grid, rng):
     """d <cot, out> / d pos_freqs: JAX on the packed 'xla' path against central differences of
     the NumPy float64 reference."""

@@ -169,7 +169,7 @@ def _assert_equal_losses(two_losses, one_losses, steps):
                                [one_losses[s] for s in range(1, steps + 1)], rtol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the 12-step variant; the 3-step two-process test with SIGTERM runs in the default suite")
 def test_two_processes_equal_one_process(tmp_path):
     """3 steps on two processes (2 devices each) vs one process with 4 devices: a quick
     subset of the test above, for debugging a multi-host setup."""

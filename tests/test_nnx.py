@@ -10,6 +10,7 @@ from flax.nnx import bridge
 
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests.marks import SLOW_CASE
 
 LAYERS = {
     "goat": lambda: ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2, training_seq_len=16),
@@ -20,7 +21,7 @@ LAYERS = {
 
 
 # Slow: alibi and naive_prior (long compiles) and goat (tests/test_attention.py compares it in depth).
-@pytest.mark.parametrize("layer", [pytest.param(name, marks=[pytest.mark.slow] if name in ("alibi", "naive_prior", "goat") else [])
+@pytest.mark.parametrize("layer", [pytest.param(name, marks=[SLOW_CASE] if name in ("alibi", "naive_prior", "goat") else [])
                                    for name in LAYERS])
 def test_nnx_forward_and_grad_equal_linen(layer, rng):
     x = jnp.asarray(rng.normal(size=(2, 12, 32)), jnp.float32)

@@ -10,6 +10,7 @@ from flax import traverse_util
 
 from configs import lm_c4_125m
 from goat_jax.models import lm as lm_lib
+from tests.marks import SLOW_CASE
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -58,7 +59,7 @@ def test_attention_init_std_draws_normal_projections(encoding):
         assert abs(_kurtosis(old) - 1.8) < 0.1, path
 
 
-@pytest.mark.slow  # ~10-25 s: a 12-layer model init (the init option itself: the test above)
+@SLOW_CASE  # ~10-25 s: a 12-layer model init (the init option itself: the test above)
 def test_official_c4_init_std():
     """The official C4 recipe's init (docs/protocols.md, C4 125M) at its own depth, head size
     and ranks, narrowed (d 192, 3 heads of 64, vocab 512) so it initializes in a second: every
@@ -165,7 +166,7 @@ def test_official_synthetic_variant_fields():
                                "num_heads", "kv_num_heads"}
 
 
-@pytest.mark.slow  # ~25 s of CPU: two trainer runs (the reproduce smoke suite covers one too)
+@SLOW_CASE  # ~25 s of CPU: two trainer runs (the reproduce smoke suite covers one too)
 def test_official_synthetic_smoke_trains(tmp_path):
     """Two steps of the official variant, GOAT and a scale-1 baseline: finite losses."""
     from configs import retrieval_tiny

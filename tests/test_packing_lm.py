@@ -19,11 +19,12 @@ from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.models.lm import LMConfig, TransformerLM
 from goat_jax.tasks import lm as lm_task
 from tests.config_helpers import lm_smoke_config
+from tests.marks import SLOW_CASE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("encoding", ["goat", pytest.param("sinusoidal", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("encoding", ["goat", pytest.param("sinusoidal", marks=SLOW_CASE)])
 def test_lm_on_packed_documents_equals_documents_alone(encoding, rng):
     """Logits of 3 packed documents (+ padding) against each document alone (float32; the
     layers' float64 references are in tests/test_segment_layers.py)."""
@@ -91,7 +92,7 @@ def test_documents_packing_trains_and_evaluates_in_process(tmp_path):
     assert all(0 < m < 1 for m in result["first_mass"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains, resumes and evaluates through the CLI; the in-process sibling runs in the default suite")
 def test_documents_packing_trains_resumes_exactly_and_evaluates(tmp_path):
     """8 steps; then the step-8 checkpoint is removed (a run killed after saving step 4) and the
     same command resumes at step 4: steps 5-8 repeat the losses bit for bit, so the packer's

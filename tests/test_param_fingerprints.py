@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from tests.marks import SLOW_CASE
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "param_fingerprints.json")
 
@@ -94,7 +95,7 @@ def _load():
 
 
 @pytest.mark.parametrize("module,arg", list(DEFAULT_CASES) + [
-    pytest.param(m, a, marks=pytest.mark.slow) for m, a in SLOW_CASES])
+    pytest.param(m, a, marks=SLOW_CASE) for m, a in SLOW_CASES])
 def test_params_bit_identical(module, arg):
     want = _load()[f"{module}:{arg}"]
     got = fingerprint(module, arg)

@@ -12,7 +12,7 @@ from goat_jax.eval import lm_run
 from goat_jax.train import tasks
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains a run and probes it with every intervention")
 def test_probe_changes_only_what_each_intervention_names(tmp_path, rng):
     config = lm_tiny.get_config("goat,smoke")
     config.seq_len = config.model.training_seq_len = 16

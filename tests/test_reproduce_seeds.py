@@ -253,7 +253,7 @@ def test_two_seeds_end_to_end(tmp_path, monkeypatch, capsys):
                         "--out", str(tmp_path / "out2"), "--report_only"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts a worker process per job (a fresh JAX each)")
 def test_jobs_in_subprocesses_reuse_runs_and_report_a_failed_job(tmp_path, monkeypatch, capsys):
     argv, runs, out = _two_seeds(tmp_path, monkeypatch, capsys)
     # Again with --jobs 2 and a row whose config does not exist: the finished runs are reused
@@ -270,7 +270,7 @@ def test_jobs_in_subprocesses_reuse_runs_and_report_a_failed_job(tmp_path, monke
     assert stats.ONE_SEED in report
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains the smoke language family at two seeds")
 def test_issue_command_smoke_two_seeds_language(tmp_path):
     """The command of issue 19, as a user runs it (slow: every language stage twice)."""
     out = tmp_path / "out"

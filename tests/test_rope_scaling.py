@@ -13,6 +13,7 @@ from goat_jax.models import lm
 from goat_jax.positional import PositionalAttention
 from goat_jax.positional import rope_scaling as rs
 from tests import goat_reference as goat_ref
+from tests.marks import SLOW_CASE
 
 E, N, H = 32, 4, 16  # model dim, query heads, head dim
 BASE = 100.0  # a small base puts YaRN's ramp inside the 8 pairs at these training lengths
@@ -166,7 +167,7 @@ def test_yarn_beta_fields_move_the_ramp():
 
 @pytest.mark.parametrize("enc,causal,kv,factor", [("ntk", True, N, None), ("yarn", False, 2, None),
                                                   ("yarn", True, 2, 3.0),
-                                                  pytest.param("ntk", False, 2, 3.0, marks=pytest.mark.slow)])
+                                                  pytest.param("ntk", False, 2, 3.0, marks=SLOW_CASE)])
 def test_layer_matches_reference(enc, causal, kv, factor, rng):
     """Dynamic (the key length 2.5x the training length) and fixed factors, GQA, an offset."""
     t = 80 if factor is None else 12
@@ -213,7 +214,7 @@ def _decode(module_full, module_dec, params, x):
 
 
 @pytest.mark.parametrize("enc,kw", [("yarn", {}), ("rope", {"logn_scaling": "all"}),
-                                    pytest.param("ntk", {"logn_scaling": "content"}, marks=pytest.mark.slow)])
+                                    pytest.param("ntk", {"logn_scaling": "content"}, marks=SLOW_CASE)])
 def test_decode_equals_full_forward(enc, kw, rng):
     """The dynamic factor follows the cache length (the full forward's), log-n the position."""
     x = jnp.asarray(rng.normal(size=(2, 2 * TRAIN, E)), jnp.float32)
@@ -245,8 +246,8 @@ def test_gradients_match_float64_finite_differences(rng):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enc,causal", [("rope", True), pytest.param("yarn", False, marks=pytest.mark.slow),
-                                        pytest.param("alibi", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("enc,causal", [("rope", True), pytest.param("yarn", False, marks=SLOW_CASE),
+                                        pytest.param("alibi", True, marks=SLOW_CASE)])
 def test_logn_matches_reference(enc, causal, rng):
     """Per-query factors ln(p + 1) / ln L causally (positions with an offset), ln S / ln L
     otherwise. For 'alibi' (a materialized bias) 'content' leaves the bias alone, 'all' scales it."""
@@ -283,8 +284,8 @@ def _np_alibi(params, x, pos, factors, mode):
 
 
 @pytest.mark.parametrize("mode,impl", [("content", "xla"), ("all", "xla"),
-                                       pytest.param("content", "dense", marks=pytest.mark.slow),
-                                       pytest.param("all", "dense", marks=pytest.mark.slow)])
+                                       pytest.param("content", "dense", marks=SLOW_CASE),
+                                       pytest.param("all", "dense", marks=SLOW_CASE)])
 def test_logn_goat_matches_reference(mode, impl, rng):
     """GOAT: 'content' scales q_c . k_c / sqrt(d_c), 'all' the prior (Fourier + sink) too; on
     the packed path ('xla') and the materialized-prior path ('dense')."""
@@ -303,7 +304,7 @@ def test_logn_goat_matches_reference(mode, impl, rng):
     assert rel_err(other, ref) > 1e-4  # the two modes differ here
 
 
-@pytest.mark.slow  # the CPU flash kernel compiles slowly; the packed xla path is tested above
+@SLOW_CASE  # the CPU flash kernel compiles slowly; the packed xla path is tested above
 def test_flash_kernel_runs_yarn_with_logn(rng):
     x = jnp.asarray(rng.normal(size=(1, 64, E)), jnp.float32)
     module = make("yarn", 2, logn_scaling="all", training_seq_len=16)

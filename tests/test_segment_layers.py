@@ -16,6 +16,7 @@ from goat_jax import segments
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests.marks import SLOW_CASE
 
 E, N, K, H = 16, 4, 2, 8  # model dim, query heads, kv heads (GQA), head dim
 TRAIN_LEN = 8  # training_seq_len: shorter than some documents, so 'rope_pi' scales per document
@@ -148,7 +149,7 @@ def _check_packed_equals_alone(name, implementation, rng, docs="equal", is_causa
 # encoding on the xla/flash/dense kernels; every layer on every CPU kernel (splash in interpret
 # mode included) runs in the slow suite.
 _FAST = {("goat", "flash"), ("alibi_packed", "xla"), ("naive_prior", "dense")}
-_slow = lambda *args: pytest.param(*args, marks=pytest.mark.slow)
+_slow = lambda *args: pytest.param(*args, marks=SLOW_CASE)
 
 
 @pytest.mark.parametrize("name,implementation", [
@@ -163,7 +164,7 @@ def test_bidirectional_packed_documents_equal_documents_alone(name, rng):
     _check_packed_equals_alone(name, "xla", rng, is_causal=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="compiles every kernel for packed documents with log-n scaling")
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_logn_scaling_follows_each_document(is_causal, rng):
     """log-n factors per document: a causal query's n is its document position + 1, a

@@ -12,6 +12,7 @@ import pytest
 from goat_jax import flash
 from goat_jax import kernels
 from tests import goat_reference as ref
+from tests.marks import SLOW_CASE
 
 CPU_KERNELS = ["xla", "flash", "dense", "splash_interpret"]
 PAD = np.iinfo(np.int32).max  # the data packer's padding id (goat_jax.data.packing)
@@ -69,7 +70,7 @@ def _close(got, want, tol=1e-5, what=""):
 
 
 def _slow_unless(condition):
-    return [] if condition else [pytest.mark.slow]
+    return [] if condition else [SLOW_CASE]
 
 
 @pytest.mark.parametrize("implementation, is_causal", [
@@ -156,7 +157,7 @@ def test_flash_skips_tiles_whose_segments_cannot_meet(rng):
 
 
 # per_example=True (the default) is covered by the packed-rows test; the union path here.
-@pytest.mark.parametrize("per_example", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.parametrize("per_example", [pytest.param(True, marks=SLOW_CASE), False])
 def test_flash_non_contiguous_ids_are_exact(per_example, rng):
     # Ids that repeat non-contiguously (A B A), rows packed differently: no tile may be skipped
     # wrongly, whether each example skips its own tiles or the batch visits their union.
@@ -204,7 +205,7 @@ print("ALLGATHERS", jax.jit(jax.grad(loss)).lower(q, ids).compile().as_text().co
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="compiles the flash kernel sharded over 8 fake devices")
 def test_flash_segments_keep_a_sharded_batch_local():
     # With several devices the default runs the examples together: a loop over a batch sharded
     # over 'data' would make XLA all-gather it (every device computing every example).

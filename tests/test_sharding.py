@@ -144,7 +144,7 @@ def _run(workdir, devices, mesh):
     return result, losses
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains on a 2x2x2 mesh and on one device to compare")
 def test_eight_devices_2x2x2_match_one_device(tmp_path):
     """All three mesh axes at once (the default suite checks tensor and fsdp meshes from the
     compiled step, with loss parity, in test_compiled_step_partitions_...)."""

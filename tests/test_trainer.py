@@ -183,7 +183,7 @@ def test_loss_falls_well_below_unigram_entropy_fast(tmp_path):
     assert summary["eval_loss"] < entropy - 0.6, (summary, entropy)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains the tiny config through the CLI for minutes")
 def test_tiny_config_command_trains_below_unigram_entropy(tmp_path):
     """The documented command, unchanged (600 steps, ~3-4 min on 2 cores)."""
     workdir = tmp_path / "tiny"

@@ -71,7 +71,7 @@ def test_patch_log_prior_matches_float64_reference(rng):
     np.testing.assert_allclose(vision.centre_log_prior(p, CFG, (3, 4)), want[1, 2], atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds and evaluates ViT priors on several grids")
 def test_shift_invariance_measures_the_sink(rng):
     _, p = _params(rng, sink=False)  # uniform init keeps u = 0: only kappa, exactly relative
     assert vision.shift_invariance_error(p, CFG, (6, 7), shift=(2, 3)) < 1e-5
@@ -83,7 +83,7 @@ def test_shift_invariance_measures_the_sink(rng):
         vision.patch_log_prior(p, ViTConfig(**{**CFG.__dict__, "position_encoding": "ape"}), (2, 2))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="evaluates a ViT at several resolutions")
 def test_evaluate_resolutions_counts_weights(rng, tmp_path):
     model, p = _params(rng)
     p["head"]["bias"] = jnp.asarray([0.0, 50.0, 0.0])  # always predicts class 1

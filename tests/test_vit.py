@@ -79,7 +79,7 @@ def _shuffle_patches(x, perm, patch=4):
     return p[:, perm].reshape(b, gr, gc, patch, patch, ch).transpose(0, 1, 3, 2, 4, 5).reshape(x.shape)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="initializes ViTs of every encoding to compare")
 def test_uniform_goat_starts_position_free(rng):
     """Official ViT init: a flat prior (kappa = 0, u = 0), so at initialization the GOAT ViT
     ignores where patches are; after training the prior it no longer does."""
@@ -125,7 +125,7 @@ def test_bad_inputs_raise_clearly():
         ViTConfig(image_size=30, patch_size=4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="compiles the ViT's training and evaluation paths")
 def test_drop_path_is_train_only_and_per_example(rng):
     model = _model("rope2d", drop_path_rate=0.5, num_layers=3)
     x = jnp.asarray(rng.standard_normal((8, 16, 16, 1)), jnp.float32)
