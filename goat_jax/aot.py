@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax.train import memory as memory_lib
 
 GiB = float(1 << 30)
 # A step fits when XLA's plan leaves this fraction of the chip's HBM free: the runtime needs
@@ -151,20 +152,10 @@ def target_devices(target: Target) -> List[Any]:
 
 
 def memory(compiled: Any) -> Optional[Dict[str, int]]:
-    """Per-device bytes of one call of ``compiled`` from XLA's memory analysis: arguments,
-    outputs, temporaries, aliased (outputs reusing donated arguments) and total (= arguments +
-    outputs + temporaries - aliased, as :func:`goat_jax.train.memory.step_bytes`); None where the
-    backend gives none."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # pylint: disable=broad-except  # not implemented on some backends
-        return None
-    if m is None:
-        return None
-    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
-           "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
-    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
-    return out
+    """Per-device bytes of one call of ``compiled``: arguments, outputs, temporaries, aliased and
+    total (:func:`goat_jax.train.memory.step_memory`, the engine's own memory check's numbers);
+    None where the backend gives none."""
+    return memory_lib.step_memory(compiled)
 
 
 _SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"

@@ -20,24 +20,34 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 SKIP_ENV = "GOAT_SKIP_MEMORY_CHECK"
 GiB = float(1 << 30)
 
 
-def step_bytes(compiled: Any) -> Optional[int]:
-    """Bytes one call of ``compiled`` (a ``jax.stages.Compiled``) needs per device, from XLA's
-    memory analysis: arguments + outputs + temporaries - aliased (donated) bytes; None where
-    the backend gives no analysis."""
+def step_memory(compiled: Any) -> Optional[Dict[str, int]]:
+    """Per-device bytes of one call of ``compiled`` (a ``jax.stages.Compiled``) from XLA's memory
+    analysis: ``arguments``, ``outputs``, ``temporaries``, ``aliased`` (outputs reusing donated
+    arguments) and ``total`` = arguments + outputs + temporaries - aliased; None where the
+    backend gives no analysis."""
     try:
         m = compiled.memory_analysis()
     except Exception:  # pylint: disable=broad-except  # not implemented on some backends
         return None
     if m is None:
         return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return out
+
+
+def step_bytes(compiled: Any) -> Optional[int]:
+    """Bytes one call of ``compiled`` needs per device (:func:`step_memory`'s ``total``); None
+    where the backend gives no analysis."""
+    parts = step_memory(compiled)
+    return None if parts is None else parts["total"]
 
 
 def _meminfo() -> dict:
