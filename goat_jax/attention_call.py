@@ -26,6 +26,19 @@ Array = jax.Array
 LOGN_MODES = ("content", "all")
 
 
+def check_logn(logn_scaling: Optional[str], training_seq_len: Optional[int], field: str = "training_seq_len") -> None:
+    """The one rule of log-n scaling's settings, for the layer and the model configs alike:
+    ``logn_scaling`` None or one of :data:`LOGN_MODES`, and then a ``training_seq_len`` >= 2 to
+    scale from. ``field`` names the length in the error (``'model.training_seq_len'`` in a config)."""
+    if logn_scaling is None:
+        return
+    if logn_scaling not in LOGN_MODES:
+        raise ValueError(f"logn_scaling must be None or one of {LOGN_MODES}, got {logn_scaling!r}.")
+    if training_seq_len is None or training_seq_len < 2:
+        raise ValueError(f"logn_scaling={logn_scaling!r} needs {field} >= 2 (the training context length it "
+                         f"scales from: logits times ln n / ln training_seq_len), got {training_seq_len}.")
+
+
 def logn_factors(q_index: Array, is_causal: bool, key_len: int, training_len: int) -> Array:
     """Per-query log-n factors ``max(1, ln n / ln training_len)``, [T] or [B, T] float32.
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.attention_call import (
-    LOGN_MODES, AttentionCall, Encoded, LayerShape, apply_logn, logn_factors, resolve_call_segments)
+    AttentionCall, Encoded, LayerShape, apply_logn, check_logn, logn_factors, resolve_call_segments)
 
 Array = jax.Array
 
@@ -130,12 +130,7 @@ class AttentionLogic:
         """Raises ValueError naming the field when ``logn_scaling`` cannot run on this call."""
         if self.logn_scaling is None:
             return
-        if self.logn_scaling not in LOGN_MODES:
-            raise ValueError(f"logn_scaling must be None or one of {LOGN_MODES}, got {self.logn_scaling!r}.")
-        length = self._training_len()
-        if length is None or length < 2:
-            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs training_seq_len >= 2 (it scales "
-                             f"logits by ln n / ln training_seq_len), got {length}.")
+        check_logn(self.logn_scaling, self._training_len())
         if call.spatial_shape is not None:
             raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D sequences; drop it for 2D "
                              "inputs (spatial_shape was given).")

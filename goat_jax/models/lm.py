@@ -34,7 +34,7 @@ from goat_jax import segments
 from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
-from goat_jax.layers import LOGN_MODES
+from goat_jax.attention_call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.positional import layer as positional_layer
 from goat_jax.prior import PriorSettings
@@ -129,9 +129,7 @@ class LMConfig:
         if self.position_encoding != "goat":  # the baseline's own rules: its settings' and its head's
             _ = self.encoding_settings  # (its settings class raises naming the field)
             positional.get_encoding(self.attention_encoding).check_head_dim(self.head_size)
-        if self.training_seq_len is None and self.logn_scaling is not None:
-            raise ValueError(f"logn_scaling={self.logn_scaling!r} needs model.training_seq_len (the "
-                             "training context length it scales from).")
+        check_logn(self.logn_scaling, self.training_seq_len, "model.training_seq_len")  # the layer's own rule
 
     @property
     def max_positions(self) -> Optional[int]:
