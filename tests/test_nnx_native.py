@@ -38,12 +38,21 @@ CASES = {
                                                         implementation=impl),
                        {"spatial_shape": (2, 2), "has_cls_token": True}, 5),
 }
-DEFAULT = {("goat", "xla"), ("goat_segments_logn", "flash"), ("rope", "flash"), ("fox", "xla"), ("rope2d_cls", "xla")}
+# Every other 1D encoding of the layer, past its training length where it has one (T = 8 > 4).
+for _enc, _kw in (("nope", {}), ("rope_pi", {"training_seq_len": 4}), ("ntk", {"training_seq_len": 4}),
+                  ("yarn", {"training_seq_len": 4}), ("naive_prior", {"max_len": 16}), ("alibi", {}),
+                  ("fire", {}), ("kerple_log", {})):
+    CASES[_enc] = (lambda impl, _enc=_enc, _kw=_kw: PositionalAttention(
+        num_heads=4, position_encoding=_enc, implementation=impl, **_kw), {"is_causal": True}, T)
+# The encodings that materialize a bias run on the XLA kernel only (a flash kernel is refused by name).
+BIAS_ONLY = {"alibi", "fire", "kerple_log", "naive_prior"}
+DEFAULT = {("goat", "xla"), ("goat_segments_logn", "flash"), ("rope", "flash"), ("fox", "xla"), ("rope2d_cls", "xla"),
+           ("alibi", "xla")}
 
 
 def _cases():
     for name in CASES:
-        for impl in ("xla", "flash"):
+        for impl in ("xla",) if name in BIAS_ONLY else ("xla", "flash"):
             marks = [] if (name, impl) in DEFAULT else [pytest.mark.slow(reason="the default suite runs one kernel per encoding")]
             yield pytest.param(name, impl, marks=marks, id=f"{name}-{impl}")
 
