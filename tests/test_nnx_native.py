@@ -198,3 +198,64 @@ def test_construction_under_a_mesh_shards_by_the_logical_rules():
     params = nnx.state(layer, nnx.Param)
     assert params["q_proj"]["kernel"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
     assert params["fox_gate"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+_SHARDED_STEP = """
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from goat_jax import nnx as gnnx
+from goat_jax.prior import PriorSettings
+from goat_jax.train import sharding
+
+assert jax.device_count() == 8
+mesh = jax.make_mesh((4, 1, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+prior = PriorSettings(pos_rank=2, abs_rank=2, training_seq_len=16)
+# NNX resolves every logical name through the rules (an unlisted one is taken for a mesh axis), so
+# the names the engine leaves replicated are listed with None.
+rules = tuple(sharding.DEFAULT_RULES) + (("kv", None),)
+with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    layer = gnnx.GoatAttention(4, in_features=32, kv_num_heads=2, prior=prior, rngs=nnx.Rngs(0))
+    kernel = nnx.state(layer, nnx.Param)["q_proj"]["kernel"].get_value()
+    assert "tensor" in kernel.sharding.spec and len(kernel.sharding.device_set) == 8, kernel.sharding
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, 32)), jnp.float32),
+                       NamedSharding(mesh, P("data")))
+
+    @nnx.jit
+    def step(m, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x, is_causal=True) ** 2))(m)
+        return loss, grads, m(x, is_causal=True)
+
+    loss, grads, y = step(layer, x)
+    assert y.sharding.spec[0] == "data" or y.sharding.is_equivalent_to(x.sharding, 3), y.sharding
+# The same weights on one device, through the Linen module: the same output and gradients.
+module, variables = gnnx.to_linen(layer)
+params = jax.device_get(variables["params"])
+x1 = jax.device_get(x)
+f = lambda p: jnp.mean(module.apply({"params": p}, x1, is_causal=True) ** 2)
+loss1, grads1 = jax.value_and_grad(f)(params)
+np.testing.assert_allclose(np.asarray(y), np.asarray(module.apply({"params": params}, x1, is_causal=True)),
+                           rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(float(loss), float(loss1), rtol=1e-5)
+g = jax.device_get(grads.to_pure_dict())
+for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+print("OK")
+"""
+
+
+def test_a_jitted_step_on_8_devices_runs_sharded_and_equals_one_device():
+    """On 8 fake CPU devices (a 4 x 1 x 2 data/fsdp/tensor mesh, the engine's logical rules): the
+    native layer's parameters are made sharded over the mesh, a jitted value-and-grad step runs on
+    a batch sharded over ``data``, and its output, loss and gradients equal the same weights' on one
+    device through the Linen module."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_STEP], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
