@@ -23,12 +23,14 @@ from goat_jax import _extras
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_layer_example() -> str:
-    """The first python block of the README's 'Using the layer' section, verbatim."""
+def readme_layer_example(index: int = 0) -> str:
+    """The python block ``index`` of the README's 'Using the layer' section, verbatim (0: the
+    Linen layer, 1: the same layer in native Flax NNX)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     section = readme[readme.index("## Using the layer"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = section[:section.index("\n## ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
 
 
 # Every optional top-level package except the few that flax itself depends on (so a core
@@ -73,6 +75,20 @@ def test_readme_layer_example_runs_without_any_optional_package():
         OPTIONAL + ["optax", "orbax"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer-ok" in proc.stdout
+
+
+def test_readme_nnx_example_runs_without_any_optional_package():
+    example = readme_layer_example(1)
+    assert "from goat_jax.nnx import GoatAttention" in example and "(4, 1024, 512)" in example
+    example = example.replace("(4, 1024, 512)", "(2, 64, 512)")  # shorter, as the Linen example's test
+    proc = _run_blocked(example + textwrap.dedent("""
+        assert y.shape == x.shape[:2] + (512,), y.shape
+        assert bool(jnp.all(jnp.isfinite(y)))
+        assert float(jnp.abs(grads["q_proj"]["kernel"].get_value()).max()) > 0
+        print("nnx-ok")
+        """), OPTIONAL)  # flax.nnx itself imports optax (a dependency of flax), so it is not blocked
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nnx-ok" in proc.stdout
 
 
 # (module, the package made missing, the extra the message must name)

@@ -44,6 +44,8 @@ for _enc, _kw in (("nope", {}), ("rope_pi", {"training_seq_len": 4}), ("ntk", {"
                   ("fire", {}), ("kerple_log", {})):
     CASES[_enc] = (lambda impl, _enc=_enc, _kw=_kw: PositionalAttention(
         num_heads=4, position_encoding=_enc, implementation=impl, **_kw), {"is_causal": True}, T)
+# GOAT on the Pallas splash kernel in interpret mode (lengths a multiple of 128).
+CASES["goat_splash"] = (lambda impl: _goat(implementation=impl), {"is_causal": True}, 128)
 # The encodings that materialize a bias run on the XLA kernel only (a flash kernel is refused by name).
 BIAS_ONLY = {"alibi", "fire", "kerple_log", "naive_prior"}
 DEFAULT = {("goat", "xla"), ("goat_segments_logn", "flash"), ("rope", "flash"), ("fox", "xla"), ("rope2d_cls", "xla"),
@@ -52,7 +54,8 @@ DEFAULT = {("goat", "xla"), ("goat_segments_logn", "flash"), ("rope", "flash"), 
 
 def _cases():
     for name in CASES:
-        for impl in ("xla",) if name in BIAS_ONLY else ("xla", "flash"):
+        impls = ("splash_interpret",) if name == "goat_splash" else ("xla",) if name in BIAS_ONLY else ("xla", "flash")
+        for impl in impls:
             marks = [] if (name, impl) in DEFAULT else [pytest.mark.slow(reason="the default suite runs one kernel per encoding")]
             yield pytest.param(name, impl, marks=marks, id=f"{name}-{impl}")
 
@@ -259,3 +262,31 @@ def test_a_jitted_step_on_8_devices_runs_sharded_and_equals_one_device():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("OK")
+
+
+def test_stacked_layers_under_nnx_vmap_and_scan_equal_the_layers_one_by_one():
+    """Two GOAT layers made at once (``nnx.split_rngs`` + ``nnx.vmap``: one stacked state) and
+    applied with ``nnx.scan`` over the stack (a residual carry) give what the same two layers,
+    sliced out of the stack, give applied one after the other."""
+    prior = _goat().prior
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return gnnx.GoatAttention(4, in_features=E, kv_num_heads=2, prior=prior, rngs=rngs)
+
+    layers = make(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(B, T, E)), jnp.float32)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def forward(layer, h):
+        return h + layer(h, is_causal=True)
+
+    y = forward(layers, x)
+    graphdef, state = nnx.split(layers)
+    assert nnx.state(layers, nnx.Param)["q_proj"]["kernel"].get_value().shape[0] == 2  # stacked
+    h = x
+    for i in range(2):
+        h = h + nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))(h, is_causal=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(h), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(y), np.asarray(x))
