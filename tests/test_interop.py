@@ -135,3 +135,27 @@ def test_weights_with_learned_frequencies_are_refused_by_a_fixed_ladder_module(r
     with pytest.raises(ValueError, match="learn_frequencies=True"):
         to_official(learned, params)
     to_official(fixed, fixed.init(jax.random.PRNGKey(0), x, is_causal=True))  # the fixed ladder exports
+
+
+@pytest.mark.parametrize("name", ["gqa_fused", "grid_2d_cls"])
+def test_official_weights_in_the_native_nnx_layer(name, rng):
+    """The official package's weights reach the native NNX layer (``from_official`` then
+    ``goat_jax.nnx.from_linen``) and give the official outputs; ``to_linen`` then ``to_official``
+    takes them back into a PyTorch module with the same outputs."""
+    from goat_jax import nnx as gnnx
+
+    kwargs, call, length = CASES[name]
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    m = _official(kwargs, gen)
+    x = torch.randn(2, length, E, generator=gen)
+    with torch.no_grad():
+        want = m(x, x, x, need_weights=False, **call)[0].numpy()
+    module, params = from_official(m)
+    layer = gnnx.from_linen(module, params)
+    xj = jnp.asarray(x.numpy())
+    got = np.asarray(layer(xj, xj, xj, **call))
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+    module2, params2 = gnnx.to_linen(layer)
+    with torch.no_grad():
+        back = to_official(module2, params2)(x, x, x, need_weights=False, **call)[0].numpy()
+    np.testing.assert_allclose(back, want, rtol=0, atol=1e-6)
