@@ -237,12 +237,22 @@ class AttentionShell(nnx.Module):
         return attention_core.DecodeCache(*slots, slots[2].value)
 
     def _wants_attention_maps(self, implementation: str) -> bool:
-        return False
+        """The 'dense' kernel (the only one with materialized probabilities) sows them on every
+        call, outside construction and cache sizing; read them with
+        ``nnx.pop(layer, nnx.Intermediate)`` (Linen: ``mutable=['intermediates']``)."""
+        building = self in (getattr(_BUILD, "current", None), getattr(_BUILD, "sizing", None))
+        return implementation == "dense" and not building
 
     def _sow_maps(self, probs: Array, keys: Array, values: Array) -> None:
-        raise AssertionError("unreachable: no sowing")
+        """``attention_probs`` [B, N, T, S] float32, ``attention_keys`` and ``attention_values``
+        (the content keys and values, as the Linen layer sows them) as ``nnx.Intermediate``."""
+        self.sow(nnx.Intermediate, "attention_probs", probs)
+        self.sow(nnx.Intermediate, "attention_keys", keys)
+        self.sow(nnx.Intermediate, "attention_values", values)
 
-    _sow_probs = _sow_maps
+    def _sow_probs(self, probs: Array) -> None:
+        """While decoding only the probabilities are sown (the cache holds packed keys)."""
+        self.sow(nnx.Intermediate, "attention_probs", probs)
 
     def linen_fields(self) -> dict:
         """``{field: value}`` of the equivalent Linen module."""

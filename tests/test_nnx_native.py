@@ -290,3 +290,23 @@ def test_stacked_layers_under_nnx_vmap_and_scan_equal_the_layers_one_by_one():
         h = h + nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))(h, is_causal=True)
     np.testing.assert_allclose(np.asarray(y), np.asarray(h), rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(y), np.asarray(x))
+
+
+def test_the_dense_kernel_sows_the_linen_layers_attention_maps():
+    """With implementation='dense' every call sows the attention probabilities, content keys and
+    values as ``nnx.Intermediate`` (the Linen layer's ``intermediates``), equal to the Linen
+    layer's with the same weights, under ``nnx.jit`` too; other kernels sow nothing."""
+    module = _goat(implementation="dense")
+    layer = gnnx.like_linen(module, E, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(B, T, E)), jnp.float32)
+    _, variables = gnnx.to_linen(layer)
+    _, state = module.apply(variables, x, is_causal=True, mutable=["intermediates"])
+    for call in (lambda m: m(x, is_causal=True), nnx.jit(lambda m: m(x, is_causal=True))):
+        call(layer)
+        sown = nnx.pop(layer, nnx.Intermediate).to_pure_dict()
+        assert set(sown) == {"attention_probs", "attention_keys", "attention_values"}
+        for name, (want,) in state["intermediates"].items():
+            np.testing.assert_allclose(np.asarray(sown[name][0]), np.asarray(want), rtol=1e-6, atol=1e-7, err_msg=name)
+    plain = gnnx.like_linen(_goat(implementation="xla"), E, rngs=nnx.Rngs(0))
+    plain(x, is_causal=True)
+    assert not nnx.pop(plain, nnx.Intermediate).to_pure_dict()
