@@ -75,6 +75,19 @@ def load_for_evaluation(job: Job) -> lm_run.LMRun:
     return dataclasses.replace(run, config=config, model=model)
 
 
+def synthetic_passkey(row: dict[str, Any]) -> dict[int, Any]:
+    """``{length: accuracy}`` of a retrieval row's synthetic passkey (``{}`` when it has none)."""
+    return {int(n): a for n, a in ((row or {}).get("passkey") or {}).get("synthetic", {}).items()}
+
+
+def niah_by_length(grid: Optional[dict[str, Any]]) -> dict[int, Any]:
+    """``{length: value-span token accuracy, mean over depths}`` of a NIAH row's grid (``{}``
+    when it has none): what the NIAH table shows and the checks judge."""
+    if not grid:
+        return {}
+    return dict(zip([int(n) for n in grid["lengths"]], np.mean(grid["token_accuracy"], axis=1)))
+
+
 def headline_dataset(suite: Suite) -> str:
     """The LM dataset the language checks judge: the suite's first (``jargon`` in the tiny and
     smoke suites, ``c4_125m`` in the paper suite); the others are tables."""
@@ -110,8 +123,8 @@ def lm_checks(results: dict[str, dict], encodings: Sequence[str],
     plain encodings take part (variant rows are shown, not judged)."""
     lm = {e: results.get(f"lm/{dataset}/{e}", {}).get("extrapolation") for e in encodings}
     lm = {e: {int(n): v["ppl"] for n, v in r.items()} for e, r in lm.items() if r}
-    pk = {e: results.get(f"passkey/passkey/{e}", {}).get("passkey", {}).get("synthetic") for e in encodings}
-    pk = {e: {int(n): a for n, a in r.items()} for e, r in pk.items() if r}
+    pk = {e: synthetic_passkey(results.get(f"passkey/passkey/{e}")) for e in encodings}
+    pk = {e: r for e, r in pk.items() if r}
     checks = []
 
     def at(r):  # the judged length: multiplier x the shortest, or the longest below it
@@ -185,12 +198,7 @@ def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> 
 
     def accuracy(kind: str, label: str) -> dict[int, Any]:
         r = results.get(f"{kind}/{kind}/{label}", {})
-        if kind == "passkey":
-            return {int(n): a for n, a in (r.get("passkey") or {}).get("synthetic", {}).items()}
-        g = r.get("niah")
-        if not g:
-            return {}
-        return {int(n): sum(row) / len(row) for n, row in zip(g["lengths"], g["token_accuracy"])}
+        return synthetic_passkey(r) if kind == "passkey" else niah_by_length(r.get("niah"))
 
     for kind, title in (("passkey", "synthetic passkey"), ("niah", "NIAH")):
         c, r = accuracy(kind, rival.candidate), accuracy(kind, rival.retrieval_rival)
@@ -254,8 +262,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
                                             train_len=min(next(iter(ext.values()))),
                                             title=f"Length extrapolation ({dataset})")
     for suffix, title in [("", "")] + [(f"_{v.label}", f", {v.label} variant") for v in suite.retrieval_variants]:
-        pk = {e: {int(n): a for n, a in r["synthetic"].items()}
-              for e, r in rows("passkey", "passkey" + suffix, "passkey").items()}
+        pk = {e: synthetic_passkey({"passkey": r}) for e, r in rows("passkey", "passkey" + suffix, "passkey").items()}
         if pk:
             md += [f"## Synthetic passkey{title} (official GOAT variant: teacher-forced exact match of the "
                    "8-digit key)", "", length_table(pk, _train_len(results, "passkey", "passkey" + suffix), pct=True),
@@ -272,8 +279,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
     for suffix, title in [("", "")] + [(f"_{v.label}", f", {v.label} variant") for v in suite.retrieval_variants]:
         niah = rows("niah", "niah" + suffix, "niah")
         if niah:
-            mean = {e: dict(zip([int(n) for n in g["lengths"]], np.mean(g["token_accuracy"], axis=1)))
-                    for e, g in niah.items()}
+            mean = {e: niah_by_length(g) for e, g in niah.items()}
             md += [f"## Needle in a haystack{title} (synthetic; value-span token accuracy, mean over depths)", "",
                    length_table(mean, _train_len(results, "niah", "niah" + suffix), pct=True), ""]
             md += answer_loss("niah", "niah" + suffix)
