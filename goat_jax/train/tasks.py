@@ -120,7 +120,8 @@ class TaskFields:
 
     def schema(self) -> Dict[str, set]:
         """``{section: field names}`` of the task's sections (``model``, ``data``)."""
-        model = set(_specs(self.model)) | set(_defaults(self.model))
+        model = ({f.name for f in dataclasses.fields(self.model)} if dataclasses.is_dataclass(self.model)
+                 else set(_specs(self.model)))
         return {"model": model | set(self.model_extra) | ({"name"} if self.model_name else set()),
                 "data": set().union(*(set(_specs(d)) for d in self.data.values()))}
 
