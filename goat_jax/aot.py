@@ -214,9 +214,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     rules = sharding_lib.rules_from_config(config.sharding_rules)
     local = task.dummy_batch(config, global_batch // hosts)  # one host's rows, as the trainer
     batch_shardings = {k: sharding_lib.batch_sharding(mesh, np.ndim(v)) for k, v in local.items()}
-    abstract_batch = {k: jax.ShapeDtypeStruct((np.shape(v)[0] * hosts,) + tuple(np.shape(v)[1:]),
-                                              jax.dtypes.canonicalize_dtype(np.asarray(v).dtype),
-                                              sharding=batch_shardings[k]) for k, v in local.items()}
+    abstract_batch = trainer.global_abstract_batch(local, batch_shardings, hosts)
 
     start = time.perf_counter()
     with kernels.record_choices() as choices:

@@ -241,16 +241,21 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
 
 
+def global_abstract_batch(local: Dict[str, Any], batch_shardings: Dict[str, Any],
+                          process_count: int) -> Dict[str, jax.ShapeDtypeStruct]:
+    """The global batch as ``jax.ShapeDtypeStruct`` s with their shardings, from one host's
+    numpy batch ``local`` (its rows; the global batch has ``process_count`` times as many):
+    what a train step is lowered with, here and ahead of time (:mod:`goat_jax.aot`)."""
+    return {k: jax.ShapeDtypeStruct((np.shape(v)[0] * process_count,) + tuple(np.shape(v)[1:]),
+                                    jax.dtypes.canonicalize_dtype(np.asarray(v).dtype), sharding=batch_shardings[k])
+            for k, v in local.items()}
+
+
 def _compile_and_check_memory(steps: ShardedSteps, abstract_state, dummy: Dict[str, Any],
                               batch_shardings: Dict[str, Any]):
     """``(compiled train step or None, abstract batch)``; raises ValueError (with the estimate)
     when XLA's memory plan of one step exceeds the machine's memory (:mod:`memory_lib`)."""
-    def global_shape(local):  # this host's rows -> the global batch's (rows split over hosts)
-        return (local[0] * jax.process_count(),) + tuple(local[1:])
-
-    abstract_batch = {k: jax.ShapeDtypeStruct(global_shape(np.shape(v)),
-                                              jax.dtypes.canonicalize_dtype(np.asarray(v).dtype),
-                                              sharding=batch_shardings[k]) for k, v in dummy.items()}
+    abstract_batch = global_abstract_batch(dummy, batch_shardings, jax.process_count())
     try:
         compiled = steps.train_step.lower(abstract_state, abstract_batch).compile()
     except (TypeError, ValueError, NotImplementedError) as e:  # e.g. a task's batch the dummy misses
