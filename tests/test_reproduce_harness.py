@@ -269,3 +269,24 @@ def test_rival_rows_and_checks_run_through_the_harness(tmp_path, monkeypatch, ca
                   "goat+linear_sink NIAH accuracy at 2x > rope+base500's"):
         assert re.search(re.escape(claim) + r" \| inconclusive \(1 seed\) \| goat\+linear_sink - ", report), claim
     assert "trains nothing: the goat run evaluated with model.sink_extrapolation=linear" in report
+
+
+def test_the_sigterm_forwarder_reports_a_sigterm_only_when_one_came():
+    """``runner._forward_sigterm``'s event is set by a SIGTERM and by nothing else: a block that
+    ends normally leaves it unset (it used to be set on exit, so every --jobs > 1 run that finished
+    was reported as stopped by SIGTERM and wrote no report), and the stopper thread ends either way."""
+    import types
+
+    from goat_jax.reproduce import runner
+
+    pool = types.SimpleNamespace(_processes={})
+    before = threading.active_count()
+    with runner._forward_sigterm(pool, {}) as event:  # pylint: disable=protected-access
+        pass
+    assert not event.is_set()
+    with runner._forward_sigterm(pool, {}) as event:  # pylint: disable=protected-access
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert event.wait(5)
+    assert event.is_set()
+    time.sleep(0.5)
+    assert threading.active_count() <= before  # both stopper threads have ended

@@ -193,7 +193,9 @@ def _forward_sigterm(pool: futures.ProcessPoolExecutor, submitted: dict) -> Iter
     event, done = threading.Event(), threading.Event()
 
     def stop_workers():
-        event.wait()
+        while not event.wait(0.2):  # until SIGTERM, or the block ends without one
+            if done.is_set():
+                return
         while not done.is_set():
             for fut in list(submitted):
                 fut.cancel()  # not started yet: never starts
@@ -220,8 +222,7 @@ def _forward_sigterm(pool: futures.ProcessPoolExecutor, submitted: dict) -> Iter
         yield event
     finally:
         signal.signal(signal.SIGTERM, previous)
-        done.set()
-        event.set()  # lets the stopper thread end
+        done.set()  # ends the stopper thread; the event stays what it was (set only by SIGTERM)
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
