@@ -58,3 +58,19 @@ def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, std, x.shape), x.dtype), shapes["params"])
     return lm_run.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0)
+
+
+def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
+    """Runs ``python -c script *args`` from the repository root in a fresh process with
+    ``devices`` fake CPU devices (XLA_FLAGS must be set before jax is imported, hence the
+    subprocess); asserts it exits 0 (its stderr tail in the message) and returns its stdout."""
+    import os  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

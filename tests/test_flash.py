@@ -1,9 +1,6 @@
 """The memory-efficient kernel (``goat_jax.flash``, ``implementation='flash'``): forward and
 gradients against the hand-written float64 reference, masking edge cases, dtypes, memory."""
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +10,7 @@ import pytest
 from goat_jax import flash
 from goat_jax import kernels
 from tests import goat_reference as ref
+from tests.config_helpers import run_on_fake_devices
 
 
 def _rel_err(a, b):
@@ -182,10 +180,5 @@ print("RESULT", abs(float(l1) - float(l2)) / abs(float(l2)), err)
 def test_flash_under_batch_and_head_sharding():
     """8 fake CPU devices, batch over 'data' and heads over 'tensor': same value and gradients
     as the unsharded kernel, and the gradients keep the inputs' sharding."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loss_err, grad_err = map(float, proc.stdout.split("RESULT ")[-1].split())
+    loss_err, grad_err = map(float, run_on_fake_devices(_SHARDED, timeout=300).split("RESULT ")[-1].split())
     assert loss_err <= 1e-6 and grad_err <= 1e-6

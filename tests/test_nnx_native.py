@@ -252,16 +252,9 @@ def test_a_jitted_step_on_8_devices_runs_sharded_and_equals_one_device():
     native layer's parameters are made sharded over the mesh, a jitted value-and-grad step runs on
     a batch sharded over ``data``, and its output, loss and gradients equal the same weights' on one
     device through the Linen module."""
-    import os
-    import subprocess
-    import sys
+    from tests.config_helpers import run_on_fake_devices
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_STEP], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("OK")
+    assert run_on_fake_devices(_SHARDED_STEP, timeout=600).strip().endswith("OK")
 
 
 def test_stacked_layers_under_nnx_vmap_and_scan_equal_the_layers_one_by_one():

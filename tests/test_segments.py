@@ -209,13 +209,6 @@ print("ALLGATHERS", jax.jit(jax.grad(loss)).lower(q, ids).compile().as_text().co
 def test_flash_segments_keep_a_sharded_batch_local():
     # With several devices the default runs the examples together: a loop over a batch sharded
     # over 'data' would make XLA all-gather it (every device computing every example).
-    import os
-    import subprocess
-    import sys
+    from tests.config_helpers import run_on_fake_devices
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("ALLGATHERS ")[-1].strip() == "0"
+    assert run_on_fake_devices(_SHARDED, timeout=300).split("ALLGATHERS ")[-1].strip() == "0"

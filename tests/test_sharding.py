@@ -6,7 +6,6 @@ rest of the suite keeps one device.
 
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -19,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from goat_jax.train import sharding
+from tests.config_helpers import run_on_fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,10 +107,10 @@ _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, '.')
 import jax
-from configs import lm_tiny
+from goat_jax.config_files import load_config
 from goat_jax.train import trainer, sharding, tasks
 import flax.linen as nn
-config = lm_tiny.get_config('goat,smoke')
+config = load_config('configs/lm_tiny.py:goat,smoke')
 config.num_train_steps = 6
 config.progress_bar = False
 mesh_args = json.loads(sys.argv[2])
@@ -132,12 +132,8 @@ print('RESULT ' + json.dumps(out))
 
 
 def _run(workdir, devices, mesh):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(workdir), json.dumps(mesh)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT ")[-1])
+    out = run_on_fake_devices(_SCRIPT, str(workdir), json.dumps(mesh), devices=devices, timeout=300)
+    result = json.loads(out.split("RESULT ")[-1])
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
@@ -169,9 +165,9 @@ _COMPILED_SCRIPT = r"""
 import json, re, sys
 sys.path.insert(0, '.')
 import jax
-from configs import lm_tiny
+from goat_jax.config_files import load_config
 from goat_jax.train import trainer, sharding, tasks
-config = lm_tiny.get_config('goat,smoke')  # batch 8, length 64, embed 64, mlp 128, vocab 259
+config = load_config('configs/lm_tiny.py:goat,smoke')  # batch 8, length 64, embed 64, mlp 128, vocab 259
 task = tasks.get_task('lm')
 rules = sharding.rules_from_config(config.sharding_rules)
 data = task.make_datasets(config, config.global_batch_size, 0, 1)
@@ -215,11 +211,7 @@ def test_compiled_step_partitions_activations_and_params_tensor_and_fsdp():
     compiled train step (they were no-ops without the mesh and rules context), the partitioned
     step holds only per-device slices of the activations, parameters follow the rules, and the
     losses equal one device's to 1e-4. One subprocess, 8 fake CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _COMPILED_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    out = json.loads(run_on_fake_devices(_COMPILED_SCRIPT, timeout=600).split("RESULT ")[-1])
     one, tensor, fsdp = out["one"], out["tensor"], out["fsdp"]
     for run in (tensor, fsdp):
         # residual stream: batch over data x fsdp; MLP hidden and logits: features over tensor

@@ -9,11 +9,10 @@ One subprocess (the fake devices need XLA_FLAGS before JAX starts) runs every ca
 one JSON line; the tests read it."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.config_helpers import run_on_fake_devices
 
 _SCRIPT = r'''
 import json
@@ -107,12 +106,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def results():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULTS ")[-1])
+    return json.loads(run_on_fake_devices(_SCRIPT, timeout=600).split("RESULTS ")[-1])
 
 
 CASES = ["goat-4x2-noseg-rules", "goat-4x1-seg-set_mesh", "rope-4x2-seg-rules", "rope-4x1-noseg-set_mesh"]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import lm_tiny
-from tests.config_helpers import lm_smoke_config
+from tests.config_helpers import lm_smoke_config, set_fields
 from goat_jax.data import text
 from goat_jax.train import optim
 from goat_jax.train import tasks
@@ -173,7 +173,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 def test_loss_falls_well_below_unigram_entropy_fast(tmp_path):
     """200 steps of the tiny model (~1 min on 2 cores): held-out loss 0.6 nats under the
     unigram entropy (~3.4 nats), i.e. the model uses context."""
-    config = lm_tiny.get_config()
+    config = set_fields(lm_tiny.get_config())  # with the engine's defaults (the seed), as a run has them
     config.progress_bar = False
     config.num_train_steps = 200
     config.eval_every_steps = 200
@@ -192,7 +192,7 @@ def test_tiny_config_command_trains_below_unigram_entropy(tmp_path):
                           timeout=1800, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step/s" in proc.stderr and "loss=" in proc.stderr  # the progress bar
-    config = lm_tiny.get_config()
+    config = set_fields(lm_tiny.get_config())  # with the engine's defaults (the seed), as the run had them
     entropy = unigram_entropy(config)
     rows = _rows(workdir)
     final_eval = [r for r in rows if "eval_loss" in r][-1]
