@@ -27,6 +27,9 @@ Masking contract (shared by all kernels):
     :func:`goat_jax.flash.flash_attention`); that is effective when each row's ids are
     non-decreasing along the sequence (packed documents), and still exact, only slower, when
     they are not. 'cudnn' refuses segment ids (see :func:`attend`).
+Context parallelism: on a mesh whose ``context`` axis has more than one device, :func:`attend`
+runs the kernel under ``jax.shard_map`` on each device's queries against all-gathered keys
+(:mod:`goat_jax.context`), with the same contract and results.
 A query row with no visible key (every key padded, before the first key under causal
 masking with a negative offset, or no key of its segment) outputs **zeros on every kernel**,
 and no gradient flows through it: the kernels themselves disagree there (NaN from a dense
@@ -63,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from goat_jax import context as context_lib
 from goat_jax import flash as flash_lib
 from goat_jax import splash as splash_lib
 
@@ -211,7 +215,10 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
     platform = target[0]
     if implementation is None or implementation == "auto":
         padded = -(-qk_dim // 8) * 8
-        splash_fits = logits_shape is None or not (logits_shape[2] % _SPLASH_BLOCK or logits_shape[3] % _SPLASH_BLOCK)
+        # Under context parallelism every chunk a device attends must be whole splash blocks.
+        multiple = context_lib.length_multiple(context_lib.shards(), context_lib.is_balanced(), "splash")
+        multiple = max(multiple, _SPLASH_BLOCK)
+        splash_fits = logits_shape is None or not (logits_shape[2] % multiple or logits_shape[3] % multiple)
         if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
             choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
         elif platform == "tpu" and splash_fits:
@@ -219,7 +226,7 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         else:
             reasons = []
             if platform == "tpu":
-                reasons.append(f"TPU, but splash needs lengths that are multiples of {_SPLASH_BLOCK} "
+                reasons.append(f"TPU, but splash needs lengths that are multiples of {multiple} "
                                f"(T={logits_shape[2]}, S={logits_shape[3]})")
             if platform == "gpu" and not half:
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
@@ -444,6 +451,21 @@ def attend(
             "(jax 0.10.2) passes cuDNN only per-example query/key lengths (right padding), not "
             "its packed-segment offsets. Use implementation='flash' (segment-aware, skips tiles "
             "across documents) or 'xla'.")
+    if context_lib.shards() > 1:  # the sequence is split over the mesh's context axis
+        if return_probs:
+            raise ValueError(
+                f"return_probs materializes the T x S probabilities, which mesh.context="
+                f"{context_lib.shards()} does not shard; read them with mesh.context=1.")
+
+        def local(q, k, v, *, causal_offset, key_padding_mask, kv_lengths, segments, bias):
+            seg = {} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
+            return attend(q, k, v, implementation=implementation, scale=scale, is_causal=is_causal,
+                          causal_offset=causal_offset, key_padding_mask=key_padding_mask,
+                          kv_lengths=kv_lengths, bias=bias, **seg)
+
+        return context_lib.attend(q, k, v, local=local, is_causal=is_causal, causal_offset=causal_offset,
+                                  key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
+                                  segments=segments, bias=bias, implementation=implementation)
     visible = rows_with_keys(q.shape[1], k.shape[1], is_causal, causal_offset, key_padding_mask,
                              kv_lengths, segments)
     if return_probs:

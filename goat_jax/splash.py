@@ -22,7 +22,8 @@ BLOCK = 128  # splash block sizes must be multiples of the TPU lane count
 
 def partition(b: int, n: int, kh: int):
     """How splash runs on the mesh in context: ``(mesh, batch_axes, head_axes, shard_kv)``, or
-    None outside a mesh of more than one device.
+    None outside a mesh of more than one device. The ``context`` axis splits neither the batch
+    nor the heads (:mod:`goat_jax.context` splits the sequence over it).
 
     Mosaic kernels cannot be partitioned by XLA, so on a mesh splash runs under
     ``jax.shard_map``, each device on its own examples (and heads). The batch dim is split over
@@ -43,6 +44,7 @@ def partition(b: int, n: int, kh: int):
     names = tuple(a for a in mesh.axis_names if a not in manual)
     if np.prod([mesh.shape[a] for a in names], dtype=int) <= 1:
         return None
+    names = tuple(a for a in names if a != "context")
 
     def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
         try:

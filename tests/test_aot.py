@@ -125,7 +125,7 @@ def test_smoke_lm_train_step_compiles_for_v5e_4_through_experiments_compile(tmp_
                  "--config.seq_len=128", "--target", "v5e-4", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "compile.json").read_text())
-    assert (report["target"], report["num_devices"], report["mesh"]) == ("v5e-4", 4, {"data": 4, "fsdp": 1, "tensor": 1})
+    assert (report["target"], report["num_devices"], report["mesh"]) == ("v5e-4", 4, {"data": 4, "fsdp": 1, "context": 1, "tensor": 1})
     assert report["attention_implementation"] == "splash"  # chosen for the TPU mesh, not the CPU host
     # head_dim 16 = 11 content dims + 2 * pos_rank 2 + 1 sink channel (float32)
     assert report["packed_head_dim"] == 16

@@ -153,7 +153,7 @@ def _train(workdir, *overrides):
 
 def test_command_line_errors_stop_before_training(tmp_path):
     proc = _train(tmp_path / "mesh", "--config.mesh.data=3")
-    assert proc.returncode != 0 and "mesh.data * mesh.fsdp * mesh.tensor = 3" in proc.stderr
+    assert proc.returncode != 0 and "mesh.data * mesh.fsdp * mesh.context * mesh.tensor = 3 * 1 * 1 * 1 = 3" in proc.stderr
     assert not (tmp_path / "mesh").exists() or not os.listdir(tmp_path / "mesh")
     proc = _train(tmp_path / "typo", "--config.model.embed_dims=32")
     assert proc.returncode != 0 and "embed_dims" in proc.stderr

@@ -40,7 +40,7 @@ def test_a_config_with_only_the_required_fields_trains_and_writes_every_default(
         value = (written[section] if section else written)[name]
         expected = {"progress_bar": False, "global_batch_size": 4}.get(dotted, default)  # stated ones
         assert json.dumps(value, default=str) == json.dumps(expected, default=str), dotted
-    assert "engine" not in written and written["mesh"] == {"data": -1, "fsdp": 1, "tensor": 1}
+    assert "engine" not in written and written["mesh"] == {"data": -1, "fsdp": 1, "context": 1, "tensor": 1}
 
 
 def test_required_engine_fields_are_named_when_missing_and_typos_refused():

@@ -212,7 +212,7 @@ from goat_jax.prior import PriorSettings
 from goat_jax.train import sharding
 
 assert jax.device_count() == 8
-mesh = jax.make_mesh((4, 1, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+mesh = jax.make_mesh((4, 1, 1, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
 prior = PriorSettings(pos_rank=2, abs_rank=2, training_seq_len=16)
 # NNX resolves every logical name through the rules (an unlisted one is taken for a mesh axis), so
 # the names the engine leaves replicated are listed with None.

@@ -23,8 +23,13 @@ from tests.config_helpers import run_on_fake_devices
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _mesh_config(data, fsdp, tensor):
-    return {"data": data, "fsdp": fsdp, "tensor": tensor}
+def _mesh_config(data, fsdp, tensor, context=None):
+    """A mesh config; ``context`` None leaves the field out (configs written before the context
+    axis existed mean 1)."""
+    out = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if context is not None:
+        out["context"] = context
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -32,16 +37,21 @@ def _mesh_config(data, fsdp, tensor):
 # ----------------------------------------------------------------------------------------------
 
 
+# Sizes come back in MESH_AXES order: (data, fsdp, context, tensor).
 @pytest.mark.parametrize("cfg,n,expected", [
-    ((2, 2, 2), 8, (2, 2, 2)), ((-1, 1, 1), 8, (8, 1, 1)), ((1, -1, 2), 8, (1, 4, 2)),
-    ((1, 1, -1), 1, (1, 1, 1)),
+    ((2, 2, 2), 8, (2, 2, 1, 2)), ((-1, 1, 1), 8, (8, 1, 1, 1)), ((1, -1, 2), 8, (1, 4, 1, 2)),
+    ((1, 1, -1), 1, (1, 1, 1, 1)), ((2, 1, 1, 4), 8, (2, 1, 4, 1)), ((-1, 1, 2, 2), 8, (2, 1, 2, 2)),
+    ((1, 1, 2, -1), 8, (1, 1, 4, 2)),
 ])
 def test_mesh_shape_resolves_fill(cfg, n, expected):
     assert sharding.mesh_shape(_mesh_config(*cfg), n) == expected
 
 
 @pytest.mark.parametrize("cfg,n,field", [
-    ((3, 1, 1), 8, "mesh.data * mesh.fsdp * mesh.tensor"),  # product != device count
+    ((3, 1, 1), 8, "mesh.data * mesh.fsdp * mesh.context * mesh.tensor"),  # product != device count
+    ((1, 1, 1, 3), 8, "mesh.data * mesh.fsdp * mesh.context * mesh.tensor = 1 * 1 * 3 * 1"),
+    ((-1, 1, 1, -1), 8, "mesh.data, mesh.context"),  # two fills, one of them the context axis
+    ((1, 1, 1, 0), 8, "mesh.context=0"),
     ((-1, 3, 1), 8, "mesh.data=-1"),  # cannot fill
     ((-1, -1, 1), 8, "mesh.data"),  # two fills
     ((0, 1, 1), 8, "mesh.data=0"),
@@ -215,9 +225,10 @@ def test_compiled_step_partitions_activations_and_params_tensor_and_fsdp():
     one, tensor, fsdp = out["one"], out["tensor"], out["fsdp"]
     for run in (tensor, fsdp):
         # residual stream: batch over data x fsdp; MLP hidden and logits: features over tensor
-        assert ["8x64x64", "{data, fsdp}, {}, {}"] in run["constraints"]
-        assert ["8x64x128", "{data, fsdp}, {}, {tensor}"] in run["constraints"]
-        assert ["8x64x259", "{data, fsdp}, {}, {tensor}"] in run["constraints"]
+        # (the length is constrained to the context axis too: size 1 here, so not split)
+        assert ["8x64x64", "{data, fsdp}, {context}, {}"] in run["constraints"]
+        assert ["8x64x128", "{data, fsdp}, {context}, {tensor}"] in run["constraints"]
+        assert ["8x64x259", "{data, fsdp}, {context}, {tensor}"] in run["constraints"]
         np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-4)
     # One device holds whole activations; the meshes hold slices of them.
     assert "8,64,128" in one["shapes"] and "8,64,259" in one["shapes"]

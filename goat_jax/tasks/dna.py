@@ -86,7 +86,8 @@ def loss(apply_fn, params, batch, rng):
     """Summed per-base cross-entropy over ``weights``, with the number of correct argmax
     predictions as an auxiliary sum (no dropout: ``rng`` unused)."""
     del rng
-    logits = apply_fn({"params": params}, batch["inputs"])  # [B, T, 5] float32
+    # Explicit positions only in the engine's load-balanced order (goat_jax/context.py).
+    logits = apply_fn({"params": params}, batch["inputs"], **lm_task.document_inputs(batch))  # [B, T, 5] float32
     loss_sum, weight_sum = tasks.weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
     return loss_sum, (weight_sum, {"correct": jnp.sum(correct * batch["weights"].astype(jnp.float32))})

@@ -72,10 +72,9 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
 def document_inputs(batch) -> Dict[str, Any]:
     """The model's keyword inputs of a batch: ``segment_ids`` and ``positions`` of a
     ``data.packing='documents'`` batch (attention stays inside each document, positions restart
-    per document), none for ``'concat'``."""
-    if "segment_ids" not in batch:
-        return {}
-    return {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
+    per document), none for ``'concat'``; ``positions`` also when a batch carries them alone
+    (the engine's load-balanced order, goat_jax/context.py)."""
+    return {key: batch[key] for key in ("segment_ids", "positions") if key in batch}
 
 
 def loss(apply_fn, params, batch, rng):

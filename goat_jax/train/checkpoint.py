@@ -32,13 +32,14 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from etils import epath
 
 # Engine fields that may change between a run and its resumption without changing what is
-# computed: cadences, the device layout (the state is resharded on restore) and the batch split
+# computed: cadences, the device layout (the state is resharded on restore; load balancing of the
+# context axis reorders tokens, not results) and the batch split
 # over devices (the resolved global_batch_size is what is fingerprinted). A task adds its own
 # (``Task.resume_safe_fields``, e.g. kernels and rematerialization).
 RESUME_SAFE_FIELDS = frozenset({
     "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
     "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
-    "per_device_batch_size", "profile_steps", "wandb",
+    "per_device_batch_size", "profile_steps", "wandb", "context_load_balance",
 })
 
 

@@ -2,12 +2,17 @@
 
 Parameters carry *logical* axis names (``'embed'``, ``'mlp'``, ``'heads'``, ...) from
 ``nn.with_logical_partitioning``; a short list of ``(logical, mesh_axis)`` rules in the config
-maps them onto the three mesh axes:
+maps them onto the four mesh axes:
 
 * ``data``   -- pure data parallelism: batch split, parameters replicated.
 * ``fsdp``   -- batch split *and* parameters/optimizer state split (ZeRO-3 style): weights are
   all-gathered per layer in the forward pass and gradients reduce-scattered.
+* ``context`` -- context (sequence) parallelism: activations split over their length,
+  parameters replicated; attention all-gathers keys and values (:mod:`goat_jax.context`).
 * ``tensor`` -- Megatron-style tensor parallelism over heads / MLP hidden / vocab.
+
+The axes are laid out in that order, ``tensor`` innermost (on the fastest links), then
+``context`` (an all-gather of keys per layer), as MaxText orders them.
 
 Rules follow Flax semantics: for each logical name, the first rule whose mesh axis is not
 already used by another dimension of the same array wins; ``None`` means replicated. A mesh
@@ -34,18 +39,19 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 # The mesh axes a batch dimension is split over: every replica of the model sees a different
 # slice; ``tensor`` shards see the same examples.
 BATCH_AXES = ("data", "fsdp")
 
 Rules = Sequence[Tuple[str, Any]]
 
-# Logical axis -> mesh axis, shared by the language configs. Unlisted names ('length', 'kv',
-# 'layers') are replicated; a mesh axis that does not divide a dimension is dropped for that
+# Logical axis -> mesh axis, shared by the language configs. Unlisted names ('kv', 'layers') are
+# replicated; a mesh axis that does not divide a dimension is dropped for that
 # array (e.g. a 259-byte vocabulary over tensor=2).
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp")),  # activations: batch split over every replica
+    ("length", "context"),  # activations: sequence split over the context axis
     ("embed", "fsdp"),  # parameters + Adam moments sharded over fsdp (ZeRO-3)
     ("mlp", "tensor"),  # Megatron: MLP hidden
     ("heads", "tensor"),  # Megatron: query heads
@@ -59,17 +65,19 @@ DEFAULT_RULES = (
 # ----------------------------------------------------------------------------------------------
 
 
-def mesh_shape(mesh_config: Any, num_devices: int) -> Tuple[int, int, int]:
-    """Resolves ``mesh.{data,fsdp,tensor}`` (at most one may be -1: "the rest") to sizes whose
-    product is ``num_devices``; raises ValueError naming the field otherwise."""
-    sizes = {name: int(mesh_config[name]) for name in MESH_AXES}
+def mesh_shape(mesh_config: Any, num_devices: int) -> Tuple[int, ...]:
+    """Resolves ``mesh.{data,fsdp,context,tensor}`` (at most one may be -1: "the rest"; an
+    absent ``context`` is 1) to sizes, in :data:`MESH_AXES` order, whose product is
+    ``num_devices``; raises ValueError naming the field otherwise."""
+    sizes = {name: int(mesh_config[name]) if name in mesh_config or name != "context" else 1
+             for name in MESH_AXES}
     fill = [name for name, size in sizes.items() if size == -1]
     bad = [name for name, size in sizes.items() if size == 0 or size < -1]
     if bad:
         raise ValueError(f"mesh.{bad[0]}={sizes[bad[0]]} must be a positive size or -1 (fill the "
                          "remaining devices).")
     if len(fill) > 1:
-        raise ValueError(f"Only one of mesh.{{data,fsdp,tensor}} may be -1; got -1 for "
+        raise ValueError(f"Only one of mesh.{{data,fsdp,context,tensor}} may be -1; got -1 for "
                          f"{', '.join('mesh.' + f for f in fill)}. Set all but one explicitly.")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if fill:
@@ -81,14 +89,15 @@ def mesh_shape(mesh_config: Any, num_devices: int) -> Tuple[int, int, int]:
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"mesh.data * mesh.fsdp * mesh.tensor = {sizes['data']} * {sizes['fsdp']} * "
-            f"{sizes['tensor']} = {fixed}, but there are {num_devices} devices. Make the product "
-            f"{num_devices}, or set one of mesh.data/mesh.fsdp/mesh.tensor to -1.")
+            f"mesh.data * mesh.fsdp * mesh.context * mesh.tensor = "
+            f"{' * '.join(str(sizes[n]) for n in MESH_AXES)} = {fixed}, but there are {num_devices} "
+            f"devices. Make the product {num_devices}, or set one of "
+            f"{'/'.join('mesh.' + n for n in MESH_AXES)} to -1.")
     return tuple(sizes[name] for name in MESH_AXES)
 
 
 def make_mesh(mesh_config: Any, devices: Optional[Sequence[Any]] = None) -> Mesh:
-    """A ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` over ``devices`` (default: all)."""
+    """A ``Mesh`` with axes :data:`MESH_AXES` over ``devices`` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(mesh_config, len(devices))
     try:
