@@ -162,6 +162,37 @@ def balance_batch(batch: Dict[str, Any], seq_len: int, num_shards: int) -> Dict[
     return out
 
 
+def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Callable[..., Any]:
+    """``step(first, batch)`` (a train or eval step) run on the batch in :func:`balance_order`
+    (:func:`balance_batch`) and traced inside :func:`load_balanced`, so attention knows the order."""
+    @functools.wraps(step)
+    def wrapped(first, batch):
+        with load_balanced():
+            return step(first, balance_batch(batch, seq_len, num_shards))
+    return wrapped
+
+
+def check_config(config: Any, num_shards: int, task_name: str) -> None:
+    """The checks of ``mesh.context`` (resolved to ``num_shards``) and ``context_load_balance``
+    of a run's config, before any work: a task with a ``seq_len``, which the shards (and their
+    chunks, and splash's blocks) divide, and no encoding that cannot run reordered. Raises
+    ValueError naming the field and the fix."""
+    if num_shards <= 1:
+        return  # one shard: nothing is split, and the balanced order is the identity
+    balanced = bool(config.get(BALANCE_FIELD, False))
+    if "seq_len" not in config:
+        raise ValueError(
+            f"mesh.context={num_shards} splits each sequence over devices, but the {task_name!r} task "
+            "has no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
+    model = config.get("model") or {}
+    check_length(int(config.seq_len), num_shards, balanced, model.get("implementation"), field="seq_len")
+    if balanced and model.get("position_encoding") == "fox":
+        raise ValueError(
+            f"{BALANCE_FIELD}=True reorders each sequence, but FoX's forget gates are a cumulative "
+            f"sum along the sequence order (goat_jax/positional/fox.py). Set {BALANCE_FIELD}=False "
+            "(FoX runs under mesh.context > 1 unbalanced).")
+
+
 def _spec_axes(axes: Tuple[str, ...]) -> Any:
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
 import logging
 import math
@@ -102,7 +101,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
-    _check_context(config, mesh_shape[sharding_lib.MESH_AXES.index(context_lib.AXIS)], task)
+    context_lib.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(context_lib.AXIS)], task.name)
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
     gbs, pdbs = config.global_batch_size, config.per_device_batch_size
@@ -128,26 +127,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
                          f"{task.name!r} task: use one of {allowed}.")
     task.validate(config)
     return global_batch
-
-
-def _check_context(config: ml_collections.ConfigDict, shards: int, task: tasks_lib.Task) -> None:
-    """The checks of ``mesh.context`` and ``context_load_balance`` before any work
-    (:mod:`goat_jax.context`): a sequence task, a ``seq_len`` the shards (and their chunks,
-    and splash's blocks) divide, and no encoding that cannot run reordered."""
-    if shards <= 1:
-        return  # one shard: nothing is split, and the balanced order is the identity
-    balanced = bool(config.get(context_lib.BALANCE_FIELD, False))
-    if "seq_len" not in config:
-        raise ValueError(
-            f"mesh.context={shards} splits each sequence over devices, but the {task.name!r} task has "
-            "no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
-    model = config.get("model") or {}
-    context_lib.check_length(int(config.seq_len), shards, balanced, model.get("implementation"), field="seq_len")
-    if balanced and model.get("position_encoding") == "fox":
-        raise ValueError(
-            f"{context_lib.BALANCE_FIELD}=True reorders each sequence, but FoX's forget gates are a "
-            "cumulative sum along the sequence order (goat_jax/positional/fox.py). Set "
-            f"{context_lib.BALANCE_FIELD}=False (FoX runs under mesh.context > 1 unbalanced).")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,12 +233,7 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
 
     def under_mesh(fn):
         if balanced:  # the batch reordered once, attention told so (goat_jax/context.py)
-            inner = fn
-
-            def fn(first, batch):
-                with context_lib.load_balanced():
-                    return inner(first, context_lib.balance_batch(batch, int(config.seq_len), shards))
-            fn = functools.wraps(inner)(fn)
+            fn = context_lib.balanced_step(fn, int(config.seq_len), shards)
         return sharding_lib.with_mesh_and_rules(fn, mesh, rules)
 
     accum = config.grad_accum_steps
