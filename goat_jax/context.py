@@ -256,14 +256,19 @@ def attend(q: Array, k: Array, v: Array, *, local: Callable[..., Array], is_caus
         x = jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)
         return natural_order(x, c, axis) if balanced else x
 
-    def shard_fn(index, *values):
-        """One device: its queries (and their bias rows / ids), all keys in sequence order; the
-        shard's place ``index`` given statically (splash) or traced (every other kernel)."""
+    def gathered(values):
+        """This device's arrays, keys and their masks all-gathered (in sequence order)."""
         a = dict(zip(names, values))
-        k_all, v_all = gather(a["k"], 1), gather(a["v"], 1)
-        pad = gather(a["key_padding_mask"], 1) if "key_padding_mask" in a else None
-        kv_seg = gather(a["kv_segments"], 1) if "kv_segments" in a else None
-        bias_rows = natural_order(a["bias"], c, 3) if balanced and "bias" in a else a.get("bias")
+        for name in ("k", "v", "key_padding_mask", "kv_segments"):
+            if name in a:
+                a[name] = gather(a[name], 1)
+        if balanced and "bias" in a:
+            a["bias"] = natural_order(a["bias"], c, 3)  # its key axis, whole on every device
+        return a
+
+    def shard_fn(index, a):
+        """One device: its queries (and their bias rows / ids) against all keys, the shard's
+        place ``index`` given statically (splash) or traced (every other kernel)."""
         # The queries' runs of sequence positions: (start, first row, rows).
         if balanced:
             runs = ((index * chunk, 0, chunk), ((2 * c - 1 - index) * chunk, chunk, chunk))
@@ -274,22 +279,23 @@ def attend(q: Array, k: Array, v: Array, *, local: Callable[..., Array], is_caus
         outs = []
         for start, row, rows in runs:
             cut = lambda x, axis: jax.lax.slice_in_dim(x, row, row + rows, axis=axis)
-            seg = None
-            if kv_seg is not None:
-                seg = (cut(a["q_segments"], 1), kv_seg)
+            seg = None if "kv_segments" not in a else (cut(a["q_segments"], 1), a["kv_segments"])
             outs.append(local(
-                cut(a["q"], 1), k_all, v_all, causal_offset=causal_offset + start if is_causal else causal_offset,
-                key_padding_mask=pad, kv_lengths=a.get("kv_lengths"), segments=seg,
-                bias=None if bias_rows is None else cut(bias_rows, 2)))
+                cut(a["q"], 1), a["k"], a["v"],
+                causal_offset=causal_offset + start if is_causal else causal_offset,
+                key_padding_mask=a.get("key_padding_mask"), kv_lengths=a.get("kv_lengths"), segments=seg,
+                bias=None if "bias" not in a else cut(a["bias"], 2)))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
     static_offsets = implementation in ("splash", "splash_interpret") and is_causal
 
     def run(*values):
+        a = gathered(values)  # once, outside any branch
+        index = jax.lax.axis_index(AXIS)
         if static_offsets:  # splash builds its masks statically: one branch per place
             branches = [functools.partial(shard_fn, j) for j in range(c)]
-            return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *values)
-        return shard_fn(jax.lax.axis_index(AXIS), *values)
+            return jax.lax.switch(index, branches, a)
+        return shard_fn(index, a)
 
     return jax.shard_map(run, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec,
                          check_vma=False)(*args)
