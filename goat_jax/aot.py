@@ -212,9 +212,11 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     config = tasks_lib.with_field_defaults(config, task)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     rules = sharding_lib.rules_from_config(config.sharding_rules)
-    local = task.dummy_batch(config, global_batch // hosts)  # one host's rows, as the trainer
+    # One host's rows, as the trainer: the hosts feed `groups` distinct row blocks.
+    groups = sharding_lib.batch_groups(mesh, global_batch, process_index=devices[0].process_index)[1]
+    local = task.dummy_batch(config, global_batch // groups)
     batch_shardings = {k: sharding_lib.batch_sharding(mesh, np.ndim(v)) for k, v in local.items()}
-    abstract_batch = trainer.global_abstract_batch(local, batch_shardings, hosts)
+    abstract_batch = trainer.global_abstract_batch(local, batch_shardings, groups)
 
     start = time.perf_counter()
     with kernels.record_choices() as choices:

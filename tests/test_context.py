@@ -348,3 +348,36 @@ def test_splash_under_context_parallelism_compiles_for_4_tpu_chips():
     assert one["custom_calls"] >= 3 and one["all_gathers"] == 0, one
     # 4 shards x 2 chunks (forward, and the backward's dq / dkv kernels), in switch branches.
     assert four["custom_calls"] >= 3 * 4 * 2 and four["all_gathers"] >= 2, four
+
+
+# ----------------------------------------------------------------------------------------------
+# A context group spanning two processes: both read the same rows
+# ----------------------------------------------------------------------------------------------
+
+
+def test_context_group_across_two_processes_trains_as_one_process(tmp_path):
+    """Two ``experiments.train`` processes (2 fake devices each, localhost coordinator) with
+    ``mesh.context=4``, ``mesh.data=1``: the context group spans both processes, so both must
+    feed the same rows (``sharding.batch_groups``: one row block) and split each sequence over
+    the four devices. The losses equal one process's on one device, at context 1."""
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    from tests import test_multihost as mh  # pylint: disable=g-import-not-at-top
+    from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
+
+    steps, workdir, port = 3, tmp_path / "two", mh._free_port()  # pylint: disable=protected-access
+    workdir.mkdir()
+    procs = []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "experiments.train", "--config", "configs/lm_tiny.py:goat,smoke",
+               "--config.progress_bar=False", "--config.mesh.data=1", "--config.mesh.context=4",
+               "--config.context_load_balance=True", f"--config.num_train_steps={steps}", "--workdir", str(workdir),
+               "--coordinator_address", f"localhost:{port}", "--num_processes", "2", "--process_id", str(i)]
+        log = open(f"{workdir}.p{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=mh.ROOT, env=mh._env(2), stdout=log, stderr=subprocess.STDOUT), log))  # pylint: disable=protected-access
+    codes = mh._wait(procs)  # pylint: disable=protected-access
+    logs = [open(f"{workdir}.p{i}.log").read() for i in range(2)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert all("mesh {'data': 1, 'fsdp': 1, 'context': 4, 'tensor': 1} over 4 devices" in log for log in logs)
+    trainer.train_and_evaluate(lm_smoke_config(num_train_steps=steps), str(tmp_path / "one"))
+    mh._assert_equal_losses(mh._losses(workdir), mh._losses(tmp_path / "one"), steps)  # pylint: disable=protected-access

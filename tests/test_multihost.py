@@ -178,5 +178,5 @@ def test_two_processes_equal_one_process(tmp_path):
     codes = _wait(_launch_pair(workdir, _free_port(), steps=3))
     logs = [open(f"{workdir}.p{i}.log").read() for i in range(2)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert all("mesh {'data': 2, 'fsdp': 2, 'tensor': 1} over 4 devices" in log for log in logs)
+    assert all("mesh {'data': 2, 'fsdp': 2, 'context': 1, 'tensor': 1} over 4 devices" in log for log in logs)
     _assert_equal_to_one_process(workdir, tmp_path / "one", 3)

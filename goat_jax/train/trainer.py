@@ -117,9 +117,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
             f"divisible by mesh.data * mesh.fsdp * grad_accum_steps = {mesh_shape[0]} * "
             f"{mesh_shape[1]} * {accum} = {batch_shards * accum} (each microbatch is split over the "
             f"data and fsdp axes). Change {field}, grad_accum_steps or the mesh.")
-    if global_batch % process_count:
+    # Processes feed distinct rows only up to the number of batch shards (beyond, a context or
+    # tensor group spans hosts and its processes read the same rows: sharding.batch_groups).
+    feeding = min(process_count, batch_shards)
+    if global_batch % feeding:
         raise ValueError(f"{field}: global batch {global_batch} must be divisible by the "
-                         f"{process_count} processes.")
+                         f"{feeding} processes that feed distinct rows.")
     grouping = config.optimizer.get("decay_grouping", run_lib.DEFAULT_DECAY_GROUPING)
     if grouping != run_lib.DEFAULT_DECAY_GROUPING and grouping not in task.decay_groupings:
         allowed = (run_lib.DEFAULT_DECAY_GROUPING, *sorted(task.decay_groupings))
@@ -249,20 +252,23 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
 
 
 def global_abstract_batch(local: Dict[str, Any], batch_shardings: Dict[str, Any],
-                          process_count: int) -> Dict[str, jax.ShapeDtypeStruct]:
+                          groups: int) -> Dict[str, jax.ShapeDtypeStruct]:
     """The global batch as ``jax.ShapeDtypeStruct`` s with their shardings, from one host's
-    numpy batch ``local`` (its rows; the global batch has ``process_count`` times as many):
-    what a train step is lowered with, here and ahead of time (:mod:`goat_jax.aot`)."""
-    return {k: jax.ShapeDtypeStruct((np.shape(v)[0] * process_count,) + tuple(np.shape(v)[1:]),
+    numpy batch ``local`` (its rows; the global batch has ``groups`` times as many: the
+    processes' distinct row blocks, :func:`goat_jax.train.sharding.batch_groups`, the process
+    count unless a context or tensor group spans hosts): what a train step is lowered with, here
+    and ahead of time (:mod:`goat_jax.aot`)."""
+    return {k: jax.ShapeDtypeStruct((np.shape(v)[0] * groups,) + tuple(np.shape(v)[1:]),
                                     jax.dtypes.canonicalize_dtype(np.asarray(v).dtype), sharding=batch_shardings[k])
             for k, v in local.items()}
 
 
 def _compile_and_check_memory(steps: ShardedSteps, abstract_state, dummy: Dict[str, Any],
-                              batch_shardings: Dict[str, Any]):
+                              batch_shardings: Dict[str, Any], groups: int):
     """``(compiled train step or None, abstract batch)``; raises ValueError (with the estimate)
-    when XLA's memory plan of one step exceeds the machine's memory (:mod:`memory_lib`)."""
-    abstract_batch = global_abstract_batch(dummy, batch_shardings, jax.process_count())
+    when XLA's memory plan of one step exceeds the machine's memory (:mod:`memory_lib`).
+    ``dummy``: one process's rows, of ``groups`` blocks (:func:`sharding_lib.batch_groups`)."""
+    abstract_batch = global_abstract_batch(dummy, batch_shardings, groups)
     try:
         compiled = steps.train_step.lower(abstract_state, abstract_batch).compile()
     except (TypeError, ValueError, NotImplementedError) as e:  # e.g. a task's batch the dummy misses
@@ -420,15 +426,18 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     logging.info("mesh %s over %d devices (%s)", dict(mesh.shape), mesh.size, jax.devices()[0].device_kind)
 
     # --- Data -----------------------------------------------------------------------------------
-    data = task.make_datasets(config, global_batch, jax.process_index(), jax.process_count())
-    dummy = task.dummy_batch(config, global_batch // jax.process_count())
+    # Processes holding the same rows (a context or tensor group across hosts) read the same data.
+    group, groups = sharding_lib.batch_groups(mesh, global_batch)
+    data = task.make_datasets(config, global_batch, group, groups)
+    dummy = task.dummy_batch(config, global_batch // groups)
     batch_shardings = {k: sharding_lib.batch_sharding(mesh, np.ndim(v)) for k, v in dummy.items()}
 
     def to_device(local_batch):
         missing = set(task.batch_keys) - set(local_batch)
         if missing:
             raise ValueError(f"task {task.name!r} needs batch keys {sorted(missing)}; the data gave {sorted(local_batch)}.")
-        return {k: jax.make_array_from_process_local_data(batch_shardings[k], local_batch[k])
+        return {k: jax.make_array_from_process_local_data(
+                    batch_shardings[k], local_batch[k], (global_batch,) + np.shape(local_batch[k])[1:])
                 for k in batch_shardings}
 
     # --- Model, optimizer, sharded init (or restore), jitted steps -------------------------------
@@ -437,7 +446,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
                             steps.abstract_state, steps.state_shardings)
     # Compiled ahead of the first step, so that a step that cannot fit in memory is refused
     # with XLA's estimate before any state is allocated (goat_jax/train/memory.py).
-    compiled_step, abstract_batch = _compile_and_check_memory(steps, abstract, dummy, batch_shardings)
+    compiled_step, abstract_batch = _compile_and_check_memory(steps, abstract, dummy, batch_shardings, groups)
     start_step, state, data_state = checkpointer.restore_latest(abstract)  # skips damaged ones
     start_step = start_step or 0
     progress["step"] = start_step
