@@ -1,14 +1,17 @@
-"""Compile a run's train step for a TPU slice on this host, before booking the slice.
+"""Compile a run's train step for a TPU slice or a GPU node on this host, before booking it.
 
     python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5p-8 --out DIR
+    python -m experiments.compile --config configs/lm_c4_125m.py:goat --target h200x8 --out DIR
     python -m experiments.compile --config FILE[:ARG] --target SLICE --out DIR [--config.x=y ...]
 
 ``--target`` names a TPU slice as Google Cloud does: ``v5e-N`` / ``v6e-N`` (N chips),
-``v4-N`` / ``v5p-N`` (N TensorCores, two per chip: v5p-8 is 4 chips). The command builds the
-slice's devices (compile-only: no TPU needed, only libtpu, ``pip install 'goat-jax[aot]'``), the
+``v4-N`` / ``v5p-N`` (N TensorCores, two per chip: v5p-8 is 4 chips); or a GPU node as
+``h100xN`` / ``h200xN`` (N GPUs: 1, 2, 4, 8 in one node, multiples of 8 as nodes of 8). The
+command builds the target's devices (compile-only: no TPU or GPU needed, only libtpu,
+``pip install 'goat-jax[aot]'``, or JAX's CUDA plugin, ``pip install 'goat-jax[aot-gpu]'``), the
 run's mesh from ``config.mesh``, the train state as abstract arrays with their shardings and the
 batch as ShapeDtypeStructs, lowers and compiles the trainer's real train step with the TPU
-compiler (Mosaic kernels included), and writes ``DIR/compile.json`` and ``DIR/compile.md``:
+compiler (Mosaic kernels included) or the CUDA compiler (cuDNN's fused attention included), and writes ``DIR/compile.json`` and ``DIR/compile.md``:
 per-device bytes (arguments, outputs, temporaries, aliased, total), the chip's HBM and whether the
 step fits, parameters, analytic model FLOPs per step and the step time / tokens per second per
 chip at peak (estimates), the attention kernel and packed head dim, compile seconds. A step
@@ -23,6 +26,8 @@ import sys
 # A TPU compile needs no accelerator on this host: keep JAX's own backend on the CPU (without
 # this, an installed libtpu makes JAX try to open TPU chips first, and print why it could not).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A GPU compile neither: the CUDA plugin's check of its libraries against a GPU driver is moot.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 from goat_jax import _extras  # pylint: disable=g-import-not-at-top,wrong-import-position
 with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
@@ -36,7 +41,8 @@ from goat_jax import files  # pylint: disable=wrong-import-position
 _CONFIG = config_files.define_config_flag("config", None, "Config file, e.g. configs/lm_tiny.py:rope.")
 _TARGET = flags.DEFINE_string(
     "target", None, "TPU slice as Cloud names it: v5e-N or v6e-N (N = chips), v4-N or v5p-N "
-    "(N = TensorCores, 2 per chip); e.g. v5e-16, v6e-8, v4-8, v5p-32.")
+    "(N = TensorCores, 2 per chip); e.g. v5e-16, v6e-8, v4-8, v5p-32. Or a GPU node: h100xN or "
+    "h200xN (N = GPUs: 1, 2, 4, 8; multiples of 8 are nodes of 8); e.g. h100x8, h200x1, h200x8.")
 _OUT = flags.DEFINE_string("out", None, "Folder for compile.json and compile.md (created).")
 flags.mark_flags_as_required(["config", "target", "out"])
 

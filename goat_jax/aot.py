@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPU slices from any host: will a run fit, and how fast could it be?
+"""Ahead-of-time compilation for TPU slices and GPU nodes from any host: will a run fit, and how fast could it be?
 
 JAX can compile for TPUs that are not there: with libtpu installed (the ``aot`` extra,
 ``pip install 'goat-jax[aot]'``), :func:`target_devices` gives the compile-only devices of a
@@ -11,6 +11,12 @@ abstract arrays with their shardings (nothing materialized) -> the batch as
 ``ShapeDtypeStruct`` s -> lower, compile -> memory per device, fit, and an analytic
 FLOP-count estimate of the step time at peak. ``python -m experiments.compile`` is the command
 (docs/aot.md).
+
+GPU nodes compile the same way with the CUDA plugin (the ``aot-gpu`` extra): ``h100x8``,
+``h200x1``, ``h200x8`` (GPU model x GPUs; more than 8 is nodes of 8) build compile-only CUDA
+devices from a committed target description (``goat_jax/targets/*.txtpb``, a
+``GpuTargetConfig`` from NVIDIA's published specifications), and :func:`gpu_target` stands in
+for the attached GPU that jax's cuDNN checks would otherwise ask for (:func:`gpu_target`).
 
 Targets are named as Google Cloud names TPU slices: ``v5e-16`` and ``v6e-8`` count **chips**,
 ``v4-8`` and ``v5p-32`` count **TensorCores** (two per chip: v5p-32 is 16 chips). One JAX device
@@ -27,13 +33,14 @@ slice's peak bf16 FLOP/s: a lower bound at 100% MFU, **an estimate, not a measur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -46,12 +53,17 @@ GiB = float(1 << 30)
 # some for the program, collectives and fragmentation (XLA's own limit on v5e is ~15.75 of 16 GiB).
 FIT_MARGIN = 0.05
 INSTALL_HINT = "pip install 'goat-jax[aot]' (libtpu for jax 0.10.2; or: pip install 'jax[tpu]==0.10.2')"
+# The CUDA plugin is its own extra: ~3.2 GB of wheels, ~4.9 GB installed (docs/aot.md).
+GPU_INSTALL_HINT = ("pip install 'goat-jax[aot-gpu]' (the CUDA plugin for jax 0.10.2; or: "
+                    "pip install 'jax[cuda12]==0.10.2')")
+GPUS_PER_NODE = 8  # HGX / DGX H100 and H200 nodes
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU generation: per-chip peak dense bf16 FLOP/s, HBM and its bandwidth, and what the
-    number in its Cloud slice name counts."""
+    """One TPU generation or GPU model: per-chip peak dense bf16 FLOP/s, HBM and its bandwidth,
+    and what the number in its target name counts. GPUs also name their target description
+    (a file in goat_jax/targets/) and compute capability."""
 
     family: str
     device_kind: str  # as JAX reports it
@@ -59,8 +71,11 @@ class Chip:
     hbm_bytes: int  # per chip
     hbm_bytes_per_s: float  # per chip
     name_counts: str  # 'chips' | 'TensorCores'
-    topology_dims: int  # 2 (v5e, v6e: 2D torus) or 3 (v4, v5p)
+    topology_dims: int  # 2 (v5e, v6e: 2D torus) or 3 (v4, v5p); 0 for GPUs
     source: str
+    platform: str = "tpu"  # 'tpu' | 'cuda'
+    target_config: Optional[str] = None  # GPUs: the GpuTargetConfig text file in goat_jax/targets/
+    compute_capability: Optional[Tuple[int, int]] = None  # GPUs
 
 
 # Google Cloud's system-architecture pages (numbers per chip; checked 2026-12).
@@ -73,13 +88,22 @@ CHIPS = {
                 "https://cloud.google.com/tpu/docs/v5p"),
     "v6e": Chip("v6e", "TPU v6 lite", 918e12, 32 << 30, 1640e9, "chips", 2,
                 "https://cloud.google.com/tpu/docs/v6e"),
+    # NVIDIA's datasheets (SXM parts; BF16 Tensor Core peak without sparsity, i.e. half the
+    # datasheet's "with sparsity" 1,979 TFLOP/s; HBM as GiB, as the TPU rows).
+    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 << 30, 3.35e12, "GPUs", 0,
+                 "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 989 TFLOP/s dense BF16, 80 GB HBM3, "
+                 "3.35 TB/s", platform="cuda", target_config="h100_sxm.txtpb", compute_capability=(9, 0)),
+    "h200": Chip("h200", "NVIDIA H200", 989e12, 141 << 30, 4.8e12, "GPUs", 0,
+                 "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 989 TFLOP/s dense BF16, 141 GB HBM3e, "
+                 "4.8 TB/s", platform="cuda", target_config="h200_sxm.txtpb", compute_capability=(9, 0)),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A TPU slice by its Cloud name (``v5e-16``): the chip, the number of chips, and the
-    arguments of ``jax.experimental.topologies.get_topology_desc`` that build its devices."""
+    """A TPU slice by its Cloud name (``v5e-16``) or a GPU node (``h200x8``): the chip, the
+    number of chips, and the arguments of ``jax.experimental.topologies.get_topology_desc``
+    that build its devices (for GPUs ``topology_name`` is slices x hosts x GPUs per host)."""
 
     name: str
     chip: Chip
@@ -89,8 +113,8 @@ class Target:
 
 
 class TargetUnavailable(ValueError):
-    """The host cannot compile for the target (libtpu is not installed): one line naming the extra
-    (a ValueError, so the commands print it as their one-line error)."""
+    """The host cannot compile for the target (libtpu or the CUDA plugin is not installed): one
+    line naming the extra (a ValueError, so the commands print it as their one-line error)."""
 
 
 def _grid(chips: int, dims: int) -> Tuple[int, ...]:
@@ -107,14 +131,29 @@ def _grid(chips: int, dims: int) -> Tuple[int, ...]:
     return tuple(shape)
 
 
+def _parse_gpu_target(name: str, chip: Chip, count: int) -> Target:
+    """``h200x8`` -> one node of 8; more than 8 GPUs are nodes of :data:`GPUS_PER_NODE`."""
+    if count < 1 or (count <= GPUS_PER_NODE and count & (count - 1)) or (
+            count > GPUS_PER_NODE and count % GPUS_PER_NODE):
+        raise ValueError(f"--target {name!r}: {chip.family}xN counts GPUs: 1, 2, 4 or 8 in one node, "
+                         f"or a multiple of {GPUS_PER_NODE} (nodes of {GPUS_PER_NODE}).")
+    hosts, per_host = (1, count) if count <= GPUS_PER_NODE else (count // GPUS_PER_NODE, GPUS_PER_NODE)
+    return Target(name.strip(), chip, count, f"1x{hosts}x{per_host}", ())
+
+
 def parse_target(name: str) -> Target:
-    """``'v5e-16'`` -> :class:`Target`. The number counts chips for v5e/v6e and TensorCores for
-    v4/v5p (Cloud's names). ValueError naming the accepted forms otherwise."""
+    """``'v5e-16'`` or ``'h200x8'`` -> :class:`Target`. The number counts chips for v5e/v6e,
+    TensorCores for v4/v5p (Cloud's names) and GPUs for h100/h200. ValueError naming the
+    accepted forms otherwise."""
+    gpu = re.fullmatch(r"\s*(h100|h200)x(\d+)\s*", name or "")
+    if gpu:
+        return _parse_gpu_target(name, CHIPS[gpu.group(1)], int(gpu.group(2)))
     m = re.fullmatch(r"\s*(v4|v5e|v5p|v6e)-(\d+)\s*", name or "")
-    known = ", ".join(f"{c.family}-N (N {c.name_counts})" for c in CHIPS.values())
+    known = ", ".join(f"{c.family}-N (N {c.name_counts})" for c in CHIPS.values() if c.platform == "tpu")
     if not m:
         raise ValueError(f"--target {name!r}: expected a TPU slice as Cloud names it, one of {known}; "
-                         "e.g. v5e-16, v5p-32, v6e-8, v4-8.")
+                         "e.g. v5e-16, v5p-32, v6e-8, v4-8; or a GPU node: h100x8, h200x1, h200x8 "
+                         "(model x GPUs).")
     chip, count = CHIPS[m.group(1)], int(m.group(2))
     chips = count // 2 if chip.name_counts == "TensorCores" else count
     if count < 1 or chips < 1 or chips & (chips - 1) or (chip.name_counts == "TensorCores" and count % 2):
@@ -136,10 +175,35 @@ def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def target_devices(target: Target) -> List[Any]:
-    """The compile-only devices of ``target``'s slice, built on this host (no TPU needed).
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin (the GPU compiler, ``jax[cuda12]``) is importable here."""
+    try:
+        return (importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+                and importlib.util.find_spec("jax_cuda12_plugin") is not None)
+    except ImportError:  # no jax_plugins namespace at all
+        return False
 
-    Raises :class:`TargetUnavailable` (one line naming the extra) when libtpu is missing."""
+
+def _gpu_devices(target: Target) -> List[Any]:
+    if not cuda_plugin_installed():
+        raise TargetUnavailable(f"compiling for {target.name} needs JAX's CUDA plugin, which is not "
+                                f"installed: {GPU_INSTALL_HINT}.")
+    # The plugin checks the CUDA libraries against an attached GPU's driver; there is none.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    from goat_jax import targets  # pylint: disable=g-import-not-at-top
+    return list(topologies.get_topology_desc(platform="cuda", topology=target.topology_name,
+                                             target_config=targets.read(target.chip.target_config)).devices)
+
+
+def target_devices(target: Target) -> List[Any]:
+    """The compile-only devices of ``target``'s slice or node, built on this host (no TPU or GPU
+    needed).
+
+    Raises :class:`TargetUnavailable` (one line naming the extra) when libtpu (TPU targets) or
+    the CUDA plugin (GPU targets) is missing."""
+    if target.chip.platform == "cuda":
+        return _gpu_devices(target)
     if not libtpu_installed():
         raise TargetUnavailable(f"compiling for {target.name} needs the TPU compiler, which is not "
                                 f"installed: {INSTALL_HINT}.")
@@ -149,6 +213,50 @@ def target_devices(target: Target) -> List[Any]:
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
     return list(topologies.get_topology_desc(topology_name=target.topology_name, platform="tpu",
                                              **dict(target.topology_kwargs)).devices)
+
+
+@contextlib.contextmanager
+def gpu_target(target: Optional[Target]) -> Iterator[None]:
+    """While tracing for a GPU ``target`` on a host without that GPU: jax's cuDNN attention
+    checks answer for the target's compute capability and cuDNN version, not the host's.
+
+    jax 0.10.2 (``jax._src.cudnn.fused_attention_stablehlo``) asks the *local* default backend
+    for the compute capability; on a CPU host that is "not CUDA", so Hopper's head-dim limit of
+    256 becomes 128 and Hopper-only layouts are refused. This AOT-only workaround replaces those
+    three queries for the ``with`` block (and the cuDNN version, read from the host's libraries
+    otherwise, by the target description's). Nothing changes for TPU targets or ``None``, nor
+    on a host whose own default backend is a CUDA GPU."""
+    if target is None or target.chip.platform != "cuda":
+        yield
+        return
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    if "cuda" in str(getattr(xla_bridge.get_backend(), "platform_version", "")):
+        yield  # a real GPU answers for itself
+        return
+    have = target.chip.compute_capability
+    dnn = _dnn_version(target)
+    saved = {k: getattr(fa, k) for k in ("check_compute_capability", "is_cuda_compute_capability_equal",
+                                         "check_cudnn_version")}
+    fa.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    fa.is_cuda_compute_capability_equal = lambda c: have == tuple(int(x) for x in c.split("."))
+    fa.check_cudnn_version = lambda: dnn
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(fa, k, v)
+
+
+def _dnn_version(target: Target) -> int:
+    """The target description's cuDNN version as cuDNN numbers it (9.28.0 -> 92800)."""
+    from goat_jax import targets  # pylint: disable=g-import-not-at-top
+    text = targets.read(target.chip.target_config)
+    m = re.search(r"dnn_version_info\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)\s*patch:\s*(\d+)", text)
+    if not m:
+        raise ValueError(f"goat_jax/targets/{target.chip.target_config} has no dnn_version_info.")
+    major, minor, patch = map(int, m.groups())
+    return major * 10000 + minor * 100 + patch
 
 
 def memory(compiled: Any) -> Optional[Dict[str, int]]:
@@ -182,6 +290,16 @@ def out_of_memory(error: BaseException) -> Optional[Dict[str, Any]]:
             "limit_bytes": _bytes(used.group(3), used.group(4)) if used else None}
 
 
+def custom_calls(hlo_text: str) -> Dict[str, int]:
+    """``{custom call target: count}`` in a compiled program's text (``compiled.as_text()``):
+    ``tpu_custom_call`` for Mosaic kernels (splash), ``__cudnn$fmhaSoftmax`` and its backward
+    for cuDNN's fused attention, the GEMM and collective calls of the GPU compiler."""
+    found: Dict[str, int] = {}
+    for name in re.findall(r'custom_call_target="([^"]+)"', hlo_text):
+        found[name] = found.get(name, 0) + 1
+    return dict(sorted(found.items()))
+
+
 def fit(per_device_total: Optional[int], hbm_bytes: int) -> Dict[str, Any]:
     """Whether ``per_device_total`` bytes fit one chip's HBM leaving :data:`FIT_MARGIN` free."""
     if per_device_total is None:
@@ -200,7 +318,8 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
 
     A program that does not fit (the compiler's HBM error) is reported with ``fits: False`` and
     the compiler's numbers instead of raising. Raises ValueError for an invalid config (naming
-    the field) and :class:`TargetUnavailable` when libtpu is missing."""
+    the field) and :class:`TargetUnavailable` when libtpu or the CUDA plugin is missing. For
+    GPU targets the cuDNN checks answer for the target (:func:`gpu_target`)."""
     from goat_jax.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     from goat_jax.train import tasks as tasks_lib
     from goat_jax.train import trainer
@@ -219,7 +338,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     abstract_batch = trainer.global_abstract_batch(local, batch_shardings, groups)
 
     start = time.perf_counter()
-    with kernels.record_choices() as choices:
+    with kernels.record_choices() as choices, gpu_target(target):
         # The model's shapes are traced under the target's mesh too (make_sharded_steps
         # eval_shapes the init outside its own mesh context), so kernel choices are the target's.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -245,6 +364,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     flops = None if per_token is None else float(per_token) * tokens
     seconds = None if flops is None else flops / (chip.peak_bf16_flops * len(devices))
     per_device = memory(compiled) if compiled is not None else None
+    calls = custom_calls(compiled.as_text()) if compiled is not None else None
     report: Dict[str, Any] = {
         "target": target.name, "topology": target.topology_name, "device_kind": devices[0].device_kind,
         "num_devices": len(devices), "num_hosts": hosts, "mesh": {k: int(v) for k, v in mesh.shape.items()},
@@ -260,6 +380,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
                          "bound on the step time, not a measurement",
         "attention_implementation": sorted({c["implementation"] for c in choices}) or None,
         "packed_head_dim": sorted({c["qk_dim"] for c in choices}) or None,
+        "custom_calls": calls,  # in the compiled step: the kernels it really runs (splash, cuDNN)
         "compile_seconds": round(compile_seconds, 2),  # tracing and lowering included
         "lower_seconds": round(lower_seconds, 2),  # of which tracing and lowering
     }
@@ -292,6 +413,11 @@ def markdown(report: Dict[str, Any]) -> str:
               f"| attention | {report['attention_implementation']}, packed q/k head dim {report['packed_head_dim']} |"]
     for key in ("arguments", "outputs", "temporaries", "aliased", "total"):
         lines.append(f"| per device: {key} | {gib(mem.get(key))} |")
+    if report.get("custom_calls"):
+        kernels_found = [f"`{k}` x{v}" for k, v in report["custom_calls"].items()
+                         if k == "tpu_custom_call" or "fmha" in k]
+        if kernels_found:
+            lines.append(f"| attention kernels in the compiled step | {', '.join(kernels_found)} |")
     lines.append(f"| HBM per chip | {gib(report['device_memory_bytes'])} |")
     verdict = {True: "yes", False: "**no**", None: "unknown"}[report["fits"]]
     lines.append(f"| fits (leaving {report['fit_margin']:.0%} free) | {verdict}"
