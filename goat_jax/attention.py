@@ -266,11 +266,11 @@ class GoatLogic(attention_core.AttentionLogic):
                 f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
                 f"{type(settings).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
         spec = settings.for_heads(self.num_heads, shape.kv_heads)
-        d_c = spec.content_dim(shape.head_dim)
         sink_channels = int(settings.enable_key_bias) * (
             self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
         if settings.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
+        d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
                                               logits_shape=shape.logits_shape)

@@ -117,7 +117,8 @@ def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask
     n, kv, h = cfg["num_heads"], cfg["kv_num_heads"], cfg["head_dim"]
     g = n // kv
     key_bias = cfg.get("enable_key_bias", True)
-    d_c = h - 2 * cfg["pos_rank"] - int(key_bias)
+    # Content dims: the official layout's, or given (qk_layout='lane_aligned' carves more).
+    d_c = cfg.get("content_dims", h - 2 * cfg["pos_rank"] - int(key_bias))
 
     def proj(name, x):
         y = np.einsum("bte,enh->btnh", x, p[name]["kernel"])

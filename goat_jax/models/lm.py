@@ -104,6 +104,7 @@ class LMConfig:
     init_scale_prior: float = borrow(PriorSettings, "init_scale_prior")
     sink_extrapolation: str = borrow(PriorSettings, "sink_extrapolation")  # docs/extrapolation.md
     learn_frequencies: bool = borrow(PriorSettings, "learn_frequencies")  # docs/layer.md
+    qk_layout: str = borrow(PriorSettings, "qk_layout")  # docs/layer.md, Packed width
     use_bias: bool = declare(False, Bool(doc="biases in attention projections (and the 'gpt2' MLP); GPT-2: True"))
     norm_eps: float = declare(1e-6, Float(min=0.0, min_inclusive=False, doc="epsilon of the block norms (RMSNorm for block=llama, LayerNorm for block=gpt2)"))
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))

@@ -15,6 +15,8 @@ SINK_EXTRAPOLATIONS = ("official", "linear")
 # The prior's initial state (PriorSettings.prior_init) and query-side gate (PriorSettings.prior_gate).
 PRIOR_INITS = ("seeded", "uniform")
 PRIOR_GATES = ("none", "query_norm")
+# Where the sink's extra channels come from (PriorSettings.qk_layout; docs/layer.md, Packed width).
+QK_LAYOUTS = ("official", "lane_aligned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,14 @@ class PriorSettings:
         geometric ladder; in 2D mode the row and column frequencies are both in it. False
         (default): the fixed ladder, no extra parameter, the official module exactly. The sink
         MLP's absolute frequencies stay fixed (an MLP of them is already learned).
+      qk_layout: 'official' (default): the prior takes ``2R + 1`` of the head dims, as the
+        official package, and the sink's extra exact-split channels (2 more in bfloat16, 1 in
+        float16) widen q/k past the head dim: 130 for a 128 head in bf16, which TPU's 128-lane
+        tiles pad to 256 (benchmarks/packed_head_dim.md). 'lane_aligned': those channels are
+        carved from the content dims too (``d_c = head_dim - 2R - sink channels``), so q/k stay
+        exactly ``head_dim`` wide; the same parameters, two fewer content dims in bf16, not the
+        official function (use 'official' to load or compare with official weights). Identical
+        to 'official' in float32 and without the sink.
     """
 
     pos_rank: int = declare(8, Int(min=0, doc="GOAT relative rank R"))
@@ -65,6 +75,8 @@ class PriorSettings:
                                                       doc="'linear' needs training_seq_len"))
     learn_frequencies: bool = declare(False, Bool(doc="learn the relative Fourier frequencies (per KV "
                                                       "head, initialised to the ladder); not in the official package"))
+    qk_layout: str = declare("official", Str(choices=QK_LAYOUTS, doc="'lane_aligned': the sink's extra bf16 "
+                                             "channels carved from the content dims, q/k exactly head_dim wide"))
 
     def __post_init__(self):
         check_instance(self)
@@ -127,13 +139,22 @@ class PriorSpec(PriorSettings):
     def group_size(self) -> int:
         return self.num_heads // self.kv_num_heads
 
-    def content_dim(self, head_dim: int) -> int:
-        """Content dims ``d_c = head_dim - prior_dim``; raises if the head is too small."""
-        d_c = head_dim - self.prior_dim
+    def content_dim(self, head_dim: int, sink_channels: int = 1) -> int:
+        """Content dims: ``head_dim - prior_dim``, or with ``qk_layout='lane_aligned'`` and the
+        sink ``head_dim - 2R - sink_channels`` (every packed channel carved from the head);
+        raises if the head is too small."""
+        taken = self.prior_dim
+        if self.qk_layout == "lane_aligned" and self.enable_key_bias:
+            taken = 2 * self.pos_rank + max(1, sink_channels)
+        d_c = head_dim - taken
         if d_c < 1:
+            sink = ""
+            if self.enable_key_bias:
+                sink = (f" + {max(1, sink_channels)} (key bias, lane-aligned)" if taken != self.prior_dim
+                        else " + 1 (key bias)")
             raise ValueError(
                 f"head_dim={head_dim} is too small for the prior: it needs 2*pos_rank"
-                f"{' + 1 (key bias)' if self.enable_key_bias else ''} = {self.prior_dim} dims and "
+                f"{sink} = {taken} dims and "
                 "at least one content dim. Increase the head dim (embed_dim / num_heads) or "
                 "reduce pos_rank."
             )

@@ -1,0 +1,123 @@
+"""``PriorSettings.qk_layout``: the packed q/k width of GOAT (docs/layer.md, Packed width).
+
+'official' takes ``2R + 1`` head dims for the prior and widens q/k by the sink's extra exact-split
+channels (130 for a 128 head in bf16); 'lane_aligned' carves those channels from the content
+dims too, so the kernel sees exactly ``head_dim``. Checked: the widths, the lane-aligned layer
+against the float64 reference with the narrower content, identity with 'official' in float32,
+the LM config field, and (with libtpu) the TPU compiler's operands of splash: 130 lanes tiled
+to 128-lane tiles (padded) for 'official', 128 for 'lane_aligned'."""
+
+import json
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from goat_jax import kernels
+from goat_jax.prior import PriorSettings
+from tests import goat_reference as ref
+from tests.config_helpers import lm_smoke_config, run_on_fake_devices
+from tests.test_attention import make_module_and_params, ref_cfg
+
+E = 64
+
+
+def _packed_width(module, x):
+    with kernels.record_choices() as found:
+        jax.eval_shape(lambda: module.init(jax.random.key(0), x, is_causal=True))
+    return found[0]["qk_dim"]
+
+
+@pytest.mark.parametrize("dtype, official, aligned", [
+    (jnp.bfloat16, 18, 16),  # head 16, R 2: d_c 11 + 4 + 3 sink channels vs d_c 9 + 4 + 3
+    (jnp.float16, 17, 16),
+    (jnp.float32, 16, 16),  # one sink channel: the layouts agree
+])
+def test_packed_width_is_the_head_dim_when_lane_aligned(dtype, official, aligned):
+    x = jnp.zeros((1, 8, E), dtype)
+    widths = [_packed_width(ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, dtype=dtype, qk_layout=layout), x)
+              for layout in ("official", "lane_aligned")]
+    assert widths == [official, aligned]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash", "dense"])
+def test_lane_aligned_layer_equals_the_float64_reference_with_narrower_content(rng, implementation):
+    # float32 with three sink channels: the bf16 layout's arithmetic, checkable to float32 round-off.
+    module, params = make_module_and_params(rng, 16, pos_rank=2, abs_rank=2, sink_channels=3,
+                                            qk_layout="lane_aligned", implementation=implementation)
+    x = jnp.asarray(rng.normal(size=(2, 16, E)), jnp.float32)
+    out = module.apply(params, x, is_causal=True)
+    cfg = dict(ref_cfg(module), content_dims=16 - 2 * 2 - 3)
+    want = ref.goat_attention(params, cfg, x, x, x, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    # ... and it is not the official function: the content has two dims fewer.
+    official = ref.goat_attention(params, ref_cfg(module), x, x, x, is_causal=True)
+    assert np.abs(official - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_float32_layouts_are_the_same_function(rng):
+    module, params = make_module_and_params(rng, 16, pos_rank=2, abs_rank=2)
+    aligned = ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, qk_layout="lane_aligned")
+    x = jnp.asarray(rng.normal(size=(1, 16, E)), jnp.float32)
+    np.testing.assert_array_equal(module.apply(params, x, is_causal=True), aligned.apply(params, x, is_causal=True))
+
+
+def test_layout_is_a_model_field_and_bad_values_name_the_choices():
+    from goat_jax.train import tasks, trainer  # pylint: disable=g-import-not-at-top
+    config = lm_smoke_config(**{"model.qk_layout": "lane_aligned", "model.dtype": "bfloat16"})
+    trainer.validate_config(config, 1)
+    model = tasks.get_task("lm").build_model(config)
+    with kernels.record_choices() as found:
+        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    assert {c["qk_dim"] for c in found} == {16}  # the smoke model's head dim
+    with pytest.raises(ValueError, match=r"qk_layout.*'official', 'lane_aligned'"):
+        trainer.validate_config(lm_smoke_config(**{"model.qk_layout": "aligned"}), 1)
+    with pytest.raises(ValueError, match=r"qk_layout"):
+        PriorSettings(qk_layout="lanes")
+
+
+_TPU_SCRIPT = r'''
+import json, re
+import jax, jax.numpy as jnp, numpy as np, flax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from goat_jax import GoatAttention, PriorSettings, aot
+
+devices = aot.target_devices(aot.parse_target("v5e-1"))
+mesh = Mesh(np.array(devices).reshape(1), ("data",))
+B, T, E = 1, 2048, 1024
+x = jax.ShapeDtypeStruct((B, T, E), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+out = {}
+for layout in ("official", "lane_aligned"):
+    attn = GoatAttention(num_heads=8, head_dim=128, implementation="splash", dtype=jnp.bfloat16,
+                         prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T, qk_layout=layout))
+    with jax.set_mesh(mesh):
+        params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
+        loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
+        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    # The q/k operands of splash's forward kernel, with their layouts.
+    fwd = [l for l in text.splitlines() if "tpu_custom_call" in l and "splash_mha_fwd" in l][0]
+    at = fwd.index("operand_layout_constraints={")
+    shapes = fwd[at:fwd.index("frontend_attributes", at)]
+    out[layout] = {"operands": shapes, "bytes_accessed": cost.get("bytes accessed"),
+                   "tiled_qk": sorted(set(re.findall(r"bf16\[8,2048,(\d+)\]\{2,1,0:T\(8,128\)", text)))}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_tpu_splash_sees_128_lanes_when_lane_aligned():
+    """The TPU compiler's view: GOAT with a 128 head in bf16 hands splash q/k 130 wide under
+    'official' (tiled in 128-lane tiles: padded to 256 in memory) and 128 wide under
+    'lane_aligned'; the compiled step accesses fewer bytes."""
+    from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    if not aot.libtpu_installed():
+        pytest.skip("libtpu (the TPU compiler) is not installed: pip install 'goat-jax[aot]'")
+    out = json.loads(run_on_fake_devices(_TPU_SCRIPT, devices=1, timeout=900).split("RESULT ")[-1])
+    official, aligned = out["official"], out["lane_aligned"]
+    assert "bf16[8,2048,130]" in official["operands"] and "130" in official["tiled_qk"], official
+    assert "bf16[8,2048,130]" not in aligned["operands"] and "bf16[8,2048,128]" in aligned["operands"], aligned
+    assert aligned["bytes_accessed"] < official["bytes_accessed"], out
