@@ -5,7 +5,8 @@
     python -m experiments.train --config configs/dna_long.py:rope \
         --config.data.paths=/data/hg38.fa --workdir runs/dna_long_rope
     python -m experiments.compile --config configs/dna_long.py:goat --target v5p-16 \
-        --out runs/aot/dna_long_goat_v5p16        # does it fit? (docs/aot.md, benchmarks/context.md)
+        --out runs/aot/dna_long_goat_v5p16        # does it fit? (docs/aot.md, benchmarks/context.md:
+                                                  # compile times, splash vs flash, the batch per host)
 
 The argument names the position encoding (default 'goat'; any of
 goat_jax.models.lm.POSITION_ENCODINGS). The model, optimizer and hg38 FASTA split are
@@ -14,7 +15,8 @@ so the source is always a FASTA: hg38 with its ``.fai``, or any FASTA with
 ``--config.data.paths=... --config.data.train_records=... --config.data.valid_records=...``).
 What long context changes, and why:
 
-* ``seq_len`` 131,072 bases; ``model.training_seq_len`` follows it (GOAT's sink normalization
+* ``seq_len`` 131,072 bases, the engine's ceiling (``MAX_POSITION = 2**17``,
+  goat_jax/prior/positions.py); ``model.training_seq_len`` follows it (GOAT's sink normalization
   and RoPE's PI scale are the training length), ``model.max_len`` too (the tables of 'learned' /
   'naive_prior' must hold the window).
 * the sequence is split over the devices: ``mesh.context=-1`` (all devices), ``mesh.data=1``;
