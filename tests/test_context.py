@@ -381,3 +381,53 @@ def test_context_group_across_two_processes_trains_as_one_process(tmp_path):
     assert all("mesh {'data': 1, 'fsdp': 1, 'context': 4, 'tensor': 1} over 4 devices" in log for log in logs)
     trainer.train_and_evaluate(lm_smoke_config(num_train_steps=steps), str(tmp_path / "one"))
     mh._assert_equal_losses(mh._losses(workdir), mh._losses(tmp_path / "one"), steps)  # pylint: disable=protected-access
+
+
+_GPU_SCRIPT = r'''
+import json
+import flax, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from goat_jax import GoatAttention, PriorSettings, aot, context
+target = aot.parse_target("h200x8")
+devices = aot.target_devices(target)
+B, T, E = 2, 2048, 256
+out = {}
+with aot.gpu_target(target):
+    for name, shape, balanced in [("context1", (2, 1, 1, 4), False), ("context4", (2, 1, 4, 1), True), ("context4_tensor2", (1, 1, 4, 2), True)]:
+        mesh = Mesh(np.array(devices).reshape(shape), ("data", "fsdp", "context", "tensor"))
+        x = jax.ShapeDtypeStruct((B, T, E), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "context")))
+        attn = GoatAttention(num_heads=8, kv_num_heads=4, head_dim=64, implementation=None,
+                             prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T), dtype=jnp.bfloat16)
+        with jax.set_mesh(mesh), context.load_balanced(balanced):
+            params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
+            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
+            loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
+            compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+        text = compiled.as_text()
+        out[name] = dict(calls=aot.custom_calls(text), all_gathers=text.count("all-gather-start") or text.count("all-gather"), memory=aot.memory(compiled))
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.slow(reason="three compiles for 8 H200s with the CUDA plugin (the aot-gpu extra, not installed in CI)")
+def test_cudnn_under_context_parallelism_compiles_for_8_h200s():
+    """GOAT's layer with the automatic kernel on 8 compile-only H200s: cuDNN's fused attention
+    runs per device on the gathered keys (forward and backward), with the shards' offset causal
+    masks, also with heads over a tensor axis; the context-1 mesh keeps the native causal mode."""
+    import os  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    if not aot.cuda_plugin_installed():
+        pytest.skip("JAX's CUDA plugin is not installed: pip install 'goat-jax[aot-gpu]'")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    proc = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert out["context1"]["calls"] == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}, out
+    for name in ("context4", "context4_tensor2"):  # two chunks per device: two calls each way
+        calls = out[name]["calls"]
+        assert sum(v for k, v in calls.items() if k.startswith("__cudnn$fmha") and "Backward" not in k) == 2, out
+        assert sum(v for k, v in calls.items() if k.startswith("__cudnn$fmha") and "Backward" in k) == 2, out
+        assert out[name]["all_gathers"] >= 2, out
