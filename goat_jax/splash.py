@@ -10,6 +10,7 @@ shard_map."), so each device runs it on its own examples (and heads).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -82,6 +83,24 @@ def partition(b: int, n: int, kh: int):
     return mesh, batch, heads, shard_kv
 
 
+@functools.lru_cache(maxsize=256)
+def _kernel(mqa: bool, heads: int, t: int, s: int, is_causal: bool, offset: int, bq: int, bkv: int,
+            interpret: bool):
+    """The splash kernel of one static mask, built once per process. Building one processes its
+    mask block by block in NumPy for the forward and both backward kernels (seconds at long T);
+    jax caches only the last 12 masks, which context parallelism (2 masks per shard,
+    goat_jax/context.py) and rematerialization's re-tracing exceed, so every layer rebuilt them
+    (benchmarks/context.md: tracing grew with mesh.context)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                          block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    base = sm.CausalMask((t, s), offset=offset) if is_causal else sm.FullMask((t, s))
+    make = sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device
+    return make(sm.MultiHeadMask([base] * heads), block_sizes=sizes, interpret=interpret)
+
+
 def splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask, kv_lengths, segments, *,
             interpret):
     """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA); under
@@ -109,9 +128,6 @@ def splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
         bq -= BLOCK
     while s % bkv:
         bkv -= BLOCK
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                          block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    base = sm.CausalMask((t, s), offset=int(causal_offset)) if is_causal else sm.FullMask((t, s))
 
     pad = None
     if key_padding_mask is not None:
@@ -145,8 +161,8 @@ def splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
         n_, kh_ = qs.shape[1], ks.shape[1]
         g = n_ // kh_
         mqa = kh_ == 1 or g > 1
-        kernel = (sk.make_splash_mqa_single_device if mqa else sk.make_splash_mha_single_device)(
-            sm.MultiHeadMask([base] * (g if mqa else n_)), block_sizes=sizes, interpret=interpret)
+        kernel = _kernel(mqa, g if mqa else n_, t, s, bool(is_causal), int(causal_offset) if is_causal else 0,
+                         bq, bkv, bool(interpret))
 
         def one(qb, kb, vb, sq=None, skv=None):
             ids = None if sq is None else sk.SegmentIds(q=sq, kv=skv)
