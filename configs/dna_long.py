@@ -26,8 +26,8 @@ What long context changes, and why:
   e.g. ``--config.mesh.context=4 --config.mesh.data=-1`` (the batch must stay divisible by the
   data axes). seq_len must be a multiple of 2 x context x 128 (splash's blocks) on TPU.
 * ``global_batch_size`` 8 windows (the recipe's 8 sequences; 1,048,576 bases per step): any data
-  axis of 1, 2, 4 or 8 divides it. The engine also wants it divisible by the number of hosts
-  (processes), whatever the mesh: up to 8 hosts (v5p-64); on v5p-128 (16 hosts) set 16.
+  axis of 1, 2, 4 or 8 divides it. Hosts of one context group read the same windows
+  (goat_jax/train/sharding.py, batch_groups), so the batch need not divide the host count.
 * ``model.remat=True`` (each block recomputed in the backward pass), bf16 compute as the recipe.
 * FASTA crops tile the genome (``fasta_stride=0``: one crop per 131,073 bases per epoch; the
   recipe's 6,000-base stride would repeat each base ~22 times), and eval reads 8 batches
