@@ -242,3 +242,28 @@ def test_compiled_step_partitions_activations_and_params_tensor_and_fsdp():
     assert tensor["q_proj"] == str(P("fsdp", "tensor", None)) and tensor["wi_0"] == str(P("fsdp", "tensor"))
     assert tensor["embed"] == str(P(None, "fsdp"))  # 259 does not split over tensor=2
     assert fsdp["embed"] == str(P("tensor", "fsdp")) and fsdp["wi_0"] == str(P("fsdp", "tensor"))
+
+
+def test_batch_groups_from_the_devices_rows(monkeypatch):
+    """Processes holding the same rows form one group (a context group across hosts); a
+    process's rows may be interleaved with another's (a topology-aware mesh); unequal or
+    overlapping parts are refused."""
+    import collections  # pylint: disable=g-import-not-at-top
+    import types  # pylint: disable=g-import-not-at-top
+    device = collections.namedtuple("Device", "process_index id")
+
+    def layout(rows_by_device):  # [(process, start, stop)] -> a fake batch sharding
+        devices = {device(p, i): (slice(a, b),)
+                   for i, (p, a, b) in enumerate(rows_by_device)}
+        monkeypatch.setattr(sharding, "batch_sharding", lambda mesh, ndim: types.SimpleNamespace(
+            devices_indices_map=lambda shape: {d: idx for d, idx in devices.items()}))
+
+    layout([(0, 0, 8), (0, 0, 8), (1, 0, 8), (1, 0, 8)])  # data 1, context over both hosts
+    assert [sharding.batch_groups(None, 8, p) for p in (0, 1)] == [(0, 1), (0, 1)]
+    layout([(0, 0, 2), (1, 2, 4), (0, 4, 6), (1, 6, 8)])  # interleaved hosts, data 4
+    assert [sharding.batch_groups(None, 8, p) for p in (0, 1)] == [(0, 2), (1, 2)]
+    layout([(0, 0, 4), (0, 4, 8), (1, 0, 4), (1, 4, 8), (2, 0, 8)])
+    assert sharding.batch_groups(None, 8, 0)[1] == 1  # the same rows: one group
+    layout([(0, 0, 6), (1, 4, 8)])
+    with pytest.raises(ValueError, match="equal disjoint parts"):
+        sharding.batch_groups(None, 8, 0)

@@ -241,16 +241,17 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def batch_groups(mesh: Mesh, global_rows: int, process_index: Optional[int] = None) -> Tuple[int, int]:
-    """``(group, groups)``: which of the batch's row blocks process ``process_index`` (default
-    this one) feeds, and how many distinct blocks the processes feed.
+    """``(group, groups)``: which of the batch's row sets process ``process_index`` (default
+    this one) feeds, and how many distinct sets the processes feed.
 
     Processes whose devices hold the same rows of a ``[batch, ...]`` array (:func:`batch_sharding`)
     form one group and must load the same examples: a ``context`` or ``tensor`` group of devices
     that spans hosts splits a sequence or its heads, not the batch. Without such groups every
     process is its own group (``group = process_index``, ``groups = process_count``). The data
-    pipeline is built with ``(group, groups)`` in place of ``(process_index, process_count)``.
-    Raises ValueError when a process's rows are not one contiguous block of the same size as
-    every other process's (a device layout the data pipelines cannot feed)."""
+    pipeline is built with ``(group, groups)`` in place of ``(process_index, process_count)``,
+    and ``jax.make_array_from_process_local_data`` places a process's rows on its devices' row
+    slices, contiguous or not (a topology-aware mesh may interleave the hosts' devices). Raises
+    ValueError when the groups' row sets do not split the batch into equal disjoint parts."""
     index_map = batch_sharding(mesh, 1).devices_indices_map((global_rows,))
     per_process: dict = {}
     for device, index in index_map.items():
@@ -258,21 +259,11 @@ def batch_groups(mesh: Mesh, global_rows: int, process_index: Optional[int] = No
         start = 0 if rows.start is None else rows.start
         stop = global_rows if rows.stop is None else rows.stop
         per_process.setdefault(device.process_index, set()).add((start, stop))
-    blocks = {}
-    for process, slices in per_process.items():
-        lo, hi = min(a for a, _ in slices), max(b for _, b in slices)
-        covered = sorted(slices)
-        contiguous = covered[0][0] == lo and all(a <= prev_b for (_, prev_b), (a, _) in zip(covered, covered[1:]))
-        if not contiguous:
-            raise ValueError(f"process {process}'s devices hold rows {covered} of the batch, not one "
-                             "contiguous block: reorder the mesh (mesh.data / mesh.fsdp outermost).")
-        blocks[process] = (lo, hi)
-    distinct = sorted(set(blocks.values()))
-    sizes = {b - a for a, b in distinct}
-    if len(sizes) != 1 or distinct[0][0] != 0 or distinct[-1][1] != global_rows or any(
-            b != a2 for (_, b), (a2, _) in zip(distinct, distinct[1:])):
-        raise ValueError(f"the processes hold row blocks {distinct} of a batch of {global_rows}: they "
-                         "must tile it in equal blocks. Change the mesh or the global batch.")
+    rows_of = {p: frozenset(r for a, b in slices for r in range(a, b)) for p, slices in per_process.items()}
+    distinct = sorted(set(rows_of.values()), key=min)
+    covered = sorted(r for rows in distinct for r in rows)
+    if len({len(rows) for rows in distinct}) != 1 or covered != list(range(global_rows)):
+        raise ValueError(f"the processes hold rows {[sorted(r) for r in distinct]} of a batch of {global_rows}: "
+                         "they must split it into equal disjoint parts. Change the mesh or the global batch.")
     me = jax.process_index() if process_index is None else process_index
-    return distinct.index(blocks[me]), len(distinct)
-
+    return distinct.index(rows_of[me]), len(distinct)
