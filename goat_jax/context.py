@@ -172,6 +172,15 @@ def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Ca
     return wrapped
 
 
+def balanced_if_asked(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[..., Any]:
+    """:func:`balanced_step` of ``step`` when the run's ``config`` asks for load balancing and
+    ``mesh`` has a ``context`` axis of more than one device; else ``step`` itself."""
+    num_shards = dict(mesh.shape).get(AXIS, 1)
+    if num_shards <= 1 or not bool(config.get(BALANCE_FIELD, False)):
+        return step
+    return balanced_step(step, int(config.seq_len), num_shards)
+
+
 def check_config(config: Any, num_shards: int, task_name: str) -> None:
     """The checks of ``mesh.context`` (resolved to ``num_shards``) and ``context_load_balance``
     of a run's config, before any work: a task with a ``seq_len``, which the shards (and their

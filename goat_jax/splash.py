@@ -83,17 +83,38 @@ def partition(b: int, n: int, kh: int):
     return mesh, batch, heads, shard_kv
 
 
-@functools.lru_cache(maxsize=256)
+_MASK_CACHE_SIZE = 512
+_mask_cache_widened = False
+
+
+def _widen_mask_cache() -> None:
+    """Makes jax's cache of processed splash masks hold :data:`_MASK_CACHE_SIZE` masks (jax
+    keeps 12). Building a splash kernel processes its mask block by block in NumPy for the
+    forward and both backward kernels (seconds at long T); context parallelism (2 masks per
+    shard, goat_jax/context.py) with rematerialized layers needs far more than 12, so every
+    layer re-processed every mask and tracing grew with mesh.context (benchmarks/context.md).
+    The cache holds NumPy mask descriptions only, as jax's does. A jax without these names is
+    left alone (only slower)."""
+    global _mask_cache_widened
+    if _mask_cache_widened:
+        return
+    _mask_cache_widened = True
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
+    inner = getattr(getattr(info, "_process_mask", None), "__wrapped__", None)
+    if inner is None or not hasattr(info, "process_mask") or not hasattr(info, "process_mask_dkv"):
+        return
+    cached = functools.lru_cache(maxsize=_MASK_CACHE_SIZE)(inner)
+    info.process_mask = functools.partial(cached, is_dkv=False)
+    info.process_mask_dkv = functools.partial(cached, is_dkv=True)
+
+
 def _kernel(mqa: bool, heads: int, t: int, s: int, is_causal: bool, offset: int, bq: int, bkv: int,
             interpret: bool):
-    """The splash kernel of one static mask, built once per process. Building one processes its
-    mask block by block in NumPy for the forward and both backward kernels (seconds at long T);
-    jax caches only the last 12 masks, which context parallelism (2 masks per shard,
-    goat_jax/context.py) and rematerialization's re-tracing exceed, so every layer rebuilt them
-    (benchmarks/context.md: tracing grew with mesh.context)."""
+    """The splash kernel of one static mask (its processed mask cached, :func:`_widen_mask_cache`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+    _widen_mask_cache()
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     base = sm.CausalMask((t, s), offset=offset) if is_causal else sm.FullMask((t, s))

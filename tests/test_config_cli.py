@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # be listed: a new one fails test_every_config_file_is_covered until it is).
 VARIANTS = {
     "dna_hg38": ["goat", "rope,fasta"],
+    "dna_long": ["goat", "rope"],
     "dna_tiny": ["goat", "rope,smoke"],
     "lm_c4_125m": ["goat", "goat,llama"],
     "lm_fineweb_1b": ["goat"],

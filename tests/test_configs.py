@@ -121,7 +121,7 @@ def _tiny(**changes):
     (lambda c: c.model.__setattr__("embed_dims", 5), 1, r"Unknown config field model\.embed_dims\. Did you mean model\.embed_dim"),
     (lambda c: c.data.__setattr__("tokeniser", "byte"), 1, r"Unknown config field data\.tokeniser"),
     (lambda c: c.optimizer.__delattr__("learning_rate"), 1, r"missing field\(s\) \['optimizer\.learning_rate'\]"),
-    (lambda c: c.mesh.__setattr__("data", 3), 8, r"mesh\.data \* mesh\.fsdp \* mesh\.tensor = 3 \* 1 \* 1 = 3, but there are 8 devices"),
+    (lambda c: c.mesh.__setattr__("data", 3), 8, r"mesh\.data \* mesh\.fsdp \* mesh\.context \* mesh\.tensor = 3 \* 1 \* 1 \* 1 = 3, but there are 8 devices"),
     (lambda c: (c.mesh.__setattr__("data", 8), c.__setattr__("global_batch_size", 12)), 8,
      r"global_batch_size=12 .* divisible by mesh\.data \* mesh\.fsdp \* grad_accum_steps"),
     (lambda c: c.__setattr__("grad_accum_steps", 3), 1, r"global_batch_size=16 .* grad_accum_steps = 1 \* 1 \* 3"),

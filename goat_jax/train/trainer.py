@@ -231,13 +231,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    shards = dict(mesh.shape).get(context_lib.AXIS, 1)
-    balanced = shards > 1 and bool(config.get(context_lib.BALANCE_FIELD, False))
-
-    def under_mesh(fn):
-        if balanced:  # the batch reordered once, attention told so (goat_jax/context.py)
-            fn = context_lib.balanced_step(fn, int(config.seq_len), shards)
-        return sharding_lib.with_mesh_and_rules(fn, mesh, rules)
+    def under_mesh(fn):  # load balancing of the context axis, if on (goat_jax/context.py)
+        return sharding_lib.with_mesh_and_rules(context_lib.balanced_if_asked(fn, config, mesh), mesh, rules)
 
     accum = config.grad_accum_steps
     return ShardedSteps(
