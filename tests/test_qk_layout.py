@@ -109,6 +109,7 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+@pytest.mark.slow(reason="two TPU compiles of a 1024-wide layer (30 s); the default suite compiles splash for TPUs in tests/test_aot.py and tests/test_context.py")
 def test_tpu_splash_sees_128_lanes_when_lane_aligned():
     """The TPU compiler's view: GOAT with a 128 head in bf16 hands splash q/k 130 wide under
     'official' (tiled in 128-lane tiles: padded to 256 in memory) and 128 wide under
