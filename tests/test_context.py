@@ -309,6 +309,17 @@ def test_balance_batch_reorders_every_sequence_array_and_adds_positions():
 # The real TPU compiler (libtpu, the aot extra): splash under context parallelism on 4 chips
 # ----------------------------------------------------------------------------------------------
 
+# Shared by the TPU and GPU compile scripts: the layer's forward and backward, compiled with
+# abstract parameters replicated on the mesh, the sequence in the given order.
+_COMPILE_GRAD = r'''
+def compile_grad(attn, x, mesh, balanced):
+    with jax.set_mesh(mesh), context.load_balanced(balanced):
+        params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
+        loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
+        return jax.jit(jax.grad(loss)).lower(params, x).compile()
+'''
+
 _TPU_SCRIPT = r'''
 import json
 import flax, jax, jax.numpy as jnp, numpy as np
@@ -324,11 +335,7 @@ for name, shape, balanced in [("context1", (4, 1, 1, 1), False), ("context4", (1
     x = jax.ShapeDtypeStruct((4 if shape[0] == 4 else B, T, E), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
     attn = GoatAttention(num_heads=4, kv_num_heads=2, head_dim=64, implementation=None,
                          prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T), dtype=jnp.bfloat16)
-    with jax.set_mesh(mesh), context.load_balanced(balanced):
-        params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
-        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
-        loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
-        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+    compiled = compile_grad(attn, x, mesh, balanced)
     text = compiled.as_text()
     out[name] = dict(custom_calls=text.count("tpu_custom_call"), all_gathers=text.count("all-gather"),
                      memory=aot.memory(compiled))
@@ -343,7 +350,7 @@ def test_splash_under_context_parallelism_compiles_for_4_tpu_chips():
     from goat_jax import aot  # pylint: disable=g-import-not-at-top
     if not aot.libtpu_installed():
         pytest.skip("libtpu (the TPU compiler) is not installed: pip install 'goat-jax[aot]'")
-    out = json.loads(run_on_fake_devices(_TPU_SCRIPT, devices=1, timeout=900).split("RESULT ")[-1])
+    out = json.loads(run_on_fake_devices(_TPU_SCRIPT.replace("out = {}", _COMPILE_GRAD + "out = {}", 1), devices=1, timeout=900).split("RESULT ")[-1])
     one, four = out["context1"], out["context4"]
     assert one["custom_calls"] >= 3 and one["all_gathers"] == 0, one
     # 4 shards x 2 chunks (forward, and the backward's dq / dkv kernels), in switch branches.
@@ -398,11 +405,7 @@ with aot.gpu_target(target):
         x = jax.ShapeDtypeStruct((B, T, E), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "context")))
         attn = GoatAttention(num_heads=8, kv_num_heads=4, head_dim=64, implementation=None,
                              prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T), dtype=jnp.bfloat16)
-        with jax.set_mesh(mesh), context.load_balanced(balanced):
-            params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
-            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
-            loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
-            compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+        compiled = compile_grad(attn, x, mesh, balanced)
         text = compiled.as_text()
         out[name] = dict(calls=aot.custom_calls(text), all_gathers=text.count("all-gather-start") or text.count("all-gather"), memory=aot.memory(compiled))
 print("RESULT " + json.dumps(out))
@@ -421,7 +424,7 @@ def test_cudnn_under_context_parallelism_compiles_for_8_h200s():
     if not aot.cuda_plugin_installed():
         pytest.skip("JAX's CUDA plugin is not installed: pip install 'goat-jax[aot-gpu]'")
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    proc = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
+    proc = subprocess.run([sys.executable, "-c", _GPU_SCRIPT.replace("out = {}", _COMPILE_GRAD + "out = {}", 1)], cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ")[-1])
