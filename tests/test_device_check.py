@@ -26,5 +26,6 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     assert text.count("| ok |") == 6  # flash f32/bf16 and xla bf16, causal and padded
     for row in ("| 64 | goat_dense_bias:xla |", "| 64 | goat:flash |", "| 64 | goat:xla |", "| tiny (dry run) |"):
         assert row in text
+    assert "| est. ms/step at peak |" in text and "| planned GiB |" in text  # the compile-time view beside it
     assert "test_error_cudnn_float32_or_no_gpu`: exit code 0" in text
     assert "Imported of ('tensorflow', 'grain', 'ml_collections'): none" in text
