@@ -74,3 +74,21 @@ def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int 
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_compile_only(args, timeout: int = 300, gpu: bool = False):
+    """``python *args`` from the repository root as an ahead-of-time compile runs it
+    (docs/aot.md): ``JAX_PLATFORMS=cpu``, and for GPU targets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``
+    (the CUDA plugin's checks of a local GPU). Returns the ``CompletedProcess`` (text output):
+    the caller asserts on its exit code, since some runs are expected to fail."""
+    import os  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if gpu:
+        env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+

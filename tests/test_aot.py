@@ -7,24 +7,19 @@ compiler on compile-only devices of v5e:2x2, the GOAT layer with splash sharded 
 and the smoke LM's train step through ``python -m experiments.compile``, fitting and not."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from goat_jax import aot
+from tests.config_helpers import run_compile_only
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(
     not aot.libtpu_installed(),
     reason="libtpu (the TPU compiler) is not installed: pip install 'goat-jax[aot]'")
 
 
-def _run(args, timeout=300, **kw):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+def _run(args, timeout=300):
+    return run_compile_only(args, timeout)
 
 
 @pytest.mark.parametrize("name, chips, topology", [

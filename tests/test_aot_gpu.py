@@ -9,26 +9,21 @@ device in memory_analysis and in the kernels' shapes) and a smoke LM's train ste
 ``python -m experiments.compile --target h200x8``."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from goat_jax import aot
 from goat_jax import targets
+from tests.config_helpers import run_compile_only
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cuda_plugin = pytest.mark.skipif(
     not aot.cuda_plugin_installed(),
     reason="JAX's CUDA plugin (the GPU compiler) is not installed: pip install 'goat-jax[aot-gpu]'")
 
 
 def _run(args, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_compile_only(args, timeout, gpu=True)
 
 
 @pytest.mark.parametrize("name, gpus, topology, kind", [

@@ -417,15 +417,11 @@ def test_cudnn_under_context_parallelism_compiles_for_8_h200s():
     """GOAT's layer with the automatic kernel on 8 compile-only H200s: cuDNN's fused attention
     runs per device on the gathered keys (forward and backward), with the shards' offset causal
     masks, also with heads over a tensor axis; the context-1 mesh keeps the native causal mode."""
-    import os  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
     from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    from tests.config_helpers import run_compile_only  # pylint: disable=g-import-not-at-top
     if not aot.cuda_plugin_installed():
         pytest.skip("JAX's CUDA plugin is not installed: pip install 'goat-jax[aot-gpu]'")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    proc = subprocess.run([sys.executable, "-c", _GPU_SCRIPT.replace("out = {}", _COMPILE_GRAD + "out = {}", 1)], cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = run_compile_only(["-c", _GPU_SCRIPT.replace("out = {}", _COMPILE_GRAD + "out = {}", 1)], 900, gpu=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ")[-1])
     assert out["context1"]["calls"] == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}, out
