@@ -52,6 +52,7 @@ Array = jax.Array
 
 AXIS = "context"  # the mesh axis a sequence is split over
 BALANCE_FIELD = "context_load_balance"  # the config field (top level) that turns balancing on
+_SPLASH = ("splash", "splash_interpret")  # the kernels with static masks and 128-token blocks
 
 _balanced: contextvars.ContextVar = contextvars.ContextVar("goat_jax_context_balanced", default=False)
 
@@ -89,7 +90,7 @@ def length_multiple(num_shards: int, balanced: bool, implementation: Optional[st
     if num_shards <= 1:
         return 1
     chunks = num_shards * (2 if balanced else 1)
-    if implementation in ("splash", "splash_interpret"):
+    if implementation in _SPLASH:
         from goat_jax import splash as splash_lib  # pylint: disable=g-import-not-at-top
         chunks *= splash_lib.BLOCK
     return chunks
@@ -104,7 +105,7 @@ def check_length(length: int, num_shards: int, balanced: bool, implementation: O
         parts = [f"mesh.context={num_shards}"]
         if balanced:
             parts.append(f"2 chunks per shard ({BALANCE_FIELD}=True)")
-        if implementation in ("splash", "splash_interpret"):
+        if implementation in _SPLASH:
             parts.append("splash's 128-token blocks per chunk")
         below, above = length // multiple * multiple, -(-length // multiple) * multiple
         choices = f"{below} or {above}" if below else f"{above}"
@@ -296,7 +297,7 @@ def attend(q: Array, k: Array, v: Array, *, local: Callable[..., Array], is_caus
                 bias=None if "bias" not in a else cut(a["bias"], 2)))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
-    static_offsets = implementation in ("splash", "splash_interpret") and is_causal
+    static_offsets = implementation in _SPLASH and is_causal
 
     def run(*values):
         a = gathered(values)  # once, outside any branch
