@@ -34,7 +34,10 @@ family in the ``--families`` order and every seed of a family before the next fa
 tables' other rows after them), so a suite stopped part way has verdicts to report:
 ``--report_only`` writes that report from whatever finished. Runs live under
 ``--workdir`` and resume: re-running after an interruption retrains nothing that finished, and
-evaluations are cached per run (``reproduce_eval.json``). A suite is a ``Suite`` in
+evaluations are cached per run (``reproduce_eval.json``). Each evaluated run is also *recorded*
+under ``--records`` (default ``OUT/runs``; goat_jax/reproduce/records.py): its numbers, config
+and the small files the report reads, small enough to commit beside the report, and reused when
+the workdir is gone (a suite spread over machines or sittings that do not keep their disk). A suite is a ``Suite`` in
 ``goat_jax/reproduce/suites.py: SUITES``; extra LM rows (``LMVariant``) and retrieval variants
 (``RetrievalVariant``) are one-line entries there (docs/experiments.md, "Adding rows"). This file
 parses the command line; the harness is the library package ``goat_jax/reproduce/``.
@@ -65,7 +68,7 @@ def _split(value: Optional[str]) -> Optional[list[str]]:
     return [x for x in value.split(",") if x] if value else None
 
 
-PATH_FLAGS = ("--workdir", "--out", "--compilation_cache")  # where files go: not what is computed
+PATH_FLAGS = ("--workdir", "--out", "--records", "--compilation_cache")  # where files go: not what is computed
 
 
 def report_command(argv: Sequence[str]) -> str:
@@ -102,6 +105,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--suite", choices=sorted(SUITES), default="tiny")
     p.add_argument("--workdir", default=None, help="runs root (default runs/reproduce_<suite>)")
     p.add_argument("--out", default=None, help="report dir (default reports/<suite>)")
+    p.add_argument("--records", default=None,
+                   help="run records: each finished run's evaluated numbers, config and small files, written as "
+                   "soon as it is evaluated and reused when its workdir is gone (default <out>/runs; 'none': off)")
     p.add_argument("--families", default=",".join(FAMILIES),
                    help="comma list of families to run and report: lm (language models, retrieval, toy), "
                    "vit (vision), dna (genomes); default all")
@@ -138,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vit_encodings=_split(args.vit_encodings), dna_encodings=_split(args.dna_encodings),
         retrieval_variants=None if args.retrieval_variants is None else args.retrieval_variants.split(","),
         dry_run=args.dry_run, seeds=args.seeds, jobs=args.jobs, status=args.status,
-        report_only=args.report_only, compilation_cache=args.compilation_cache)
+        report_only=args.report_only, compilation_cache=args.compilation_cache, records=args.records)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from goat_jax.eval import dna as dna_eval
 from goat_jax.eval import lm_run
 from goat_jax.eval.runs import table
 from goat_jax.reproduce import dna_bench
-from goat_jax.reproduce import stats
+from goat_jax.reproduce import records, stats
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.train import run as run_lib
 
@@ -68,18 +68,21 @@ def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
     """Compiled train-step memory of GOAT and RoPE at each of ``suite.dna_memory_lengths``
     (:func:`goat_jax.reproduce.dna_bench.memory_row`: the official genome GPT, 8,192 bases per
     step, ``MEMORY_DTYPE``, kernel ``MEMORY_KERNEL``; ``suite.dna_memory_model`` shrinks it for
-    tests). Cached in ``reproduce_memory.json`` next to the DNA runs, keyed by the settings."""
+    tests). Cached in ``reproduce_memory.json`` next to the DNA runs, keyed by the settings, and
+    copied next to their records (read from there when the runs are gone)."""
     dna_jobs = [j for j in jobs if j.kind == "dna"]
     if not dna_jobs or not suite.dna_memory_lengths:
         return []
-    cache = os.path.join(os.path.dirname(dna_jobs[0].workdir), "reproduce_memory.json")
+    cache, kept = records.family_file(dna_jobs[0], records.MEMORY_FILE)  # the record's copy: kept
     key = json.dumps({"lengths": list(suite.dna_memory_lengths), "model": suite.dna_memory_model,
                       "dtype": MEMORY_DTYPE, "kernel": MEMORY_KERNEL}, sort_keys=True)
-    if os.path.exists(cache):
-        with open(cache) as f:
-            cached = json.load(f)
-        if cached.get("key") == key:
-            return cached["rows"]
+    for path in (cache, kept):
+        if path and os.path.exists(path):
+            with open(path) as f:
+                cached = json.load(f)
+            if cached.get("key") == key:
+                records.copy_into(path, kept)  # a cache made before records existed gets its copy
+                return cached["rows"]
     rows = []
     for n in suite.dna_memory_lengths:
         for e in ("goat", "rope"):
@@ -87,7 +90,9 @@ def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
                                              implementation=MEMORY_KERNEL,
                                              model_overrides=suite.dna_memory_model))
             cli.log(f"  memory {e} L={n}: {rows[-1]['arguments'] + rows[-1]['temporaries']:.1f} MiB")
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
     files.write_whole(cache, json.dumps({"key": key, "rows": rows}))  # a kill mid-write leaves the old one
+    records.copy_into(cache, kept)
     return rows
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from goat_jax import cli, files
 from goat_jax.config_files import load_config
-from goat_jax.reproduce import dna_family, lm_family, vit_family
+from goat_jax.reproduce import dna_family, lm_family, records, vit_family
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.train import run as run_lib
 from goat_jax.train import trainer
@@ -200,13 +200,32 @@ def reused(job: Job, suite: Suite) -> Optional[dict]:
     (:func:`goat_jax.train.trainer.is_finished`) and whose evaluation is cached with this
     suite's settings; an evaluated-with row likewise when the run it evaluates is finished and
     its own evaluation is cached (it trains nothing: 0 training seconds, the run's are its
-    row's). None otherwise: the job then runs as usual (and the trainer names any
-    incompatibility)."""
+    row's); failing those, a job whose run record matches (:func:`recorded`; the result then
+    carries ``from_record``). None otherwise: the job then runs as usual (and the trainer names
+    any incompatibility)."""
     cached = cached_evaluation(job, suite)
     if cached is None or not trainer.is_finished(job_config(job), job.workdir):
-        return None
+        return recorded(job, suite)
     seconds = run_lib.training_seconds(job.workdir) if job.trains else 0.0
     return {"train_seconds": seconds, "result": _with_final_loss(job, cached), "wall_seconds": 0.0}
+
+
+def recorded(job: Job, suite: Suite) -> Optional[dict]:
+    """``job``'s result from its run record (:func:`goat_jax.reproduce.records.read`) when the
+    record was made by the config the job trains with now and with this suite's evaluation
+    settings; None otherwise (or when records are off)."""
+    if not job.record:
+        return None
+    return records.read(job, job_config(job).to_dict(), eval_settings(job, suite))
+
+
+def write_record(job: Job, result: dict) -> bool:
+    """Records ``result`` (what :func:`train_and_evaluate` or :func:`reused` returned) for
+    ``job`` (:func:`goat_jax.reproduce.records.write`); nothing for a result read from the
+    record itself, or when records are off. Returns whether a file was written."""
+    if not job.record or result.get("from_record"):
+        return False
+    return records.write(job, job_config(job).to_dict(), result)
 
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:

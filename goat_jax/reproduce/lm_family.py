@@ -23,7 +23,7 @@ from goat_jax.config_files import load_config
 from goat_jax.eval import plots, toy
 from goat_jax.eval import lm_run
 from goat_jax.eval import runs as ev
-from goat_jax.reproduce import stats
+from goat_jax.reproduce import records, stats
 from goat_jax.reproduce.suites import Job, RivalChecks, Suite
 
 
@@ -306,11 +306,13 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
 
 
 def copy_toy_figures(jobs: Sequence[Job], out: str) -> None:
-    """Copies the toy run's prior figures (written into its workdir by the evaluation) to ``out``."""
+    """Copies the toy run's prior figures (written into its workdir by the evaluation; or its
+    record's copies, :func:`goat_jax.reproduce.records.run_file`) to ``out``."""
     for job in jobs:
         if job.kind != "toy":
             continue
         for name in ("toy_prior.png", "toy_prior_all_heads.png"):
-            if os.path.exists(os.path.join(job.workdir, name)):
-                with open(os.path.join(job.workdir, name), "rb") as src, open(os.path.join(out, name), "wb") as dst:
-                    dst.write(src.read())
+            src = records.run_file(job, name)
+            if os.path.exists(src):
+                with open(src, "rb") as f, open(os.path.join(out, name), "wb") as dst:
+                    dst.write(f.read())

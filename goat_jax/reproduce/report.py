@@ -17,8 +17,8 @@ from typing import Optional
 from goat_jax import files
 from goat_jax.reproduce import dna_family, lm_family, stats, vit_family
 from goat_jax.reproduce import jobs as jobs_lib
+from goat_jax.reproduce import records
 from goat_jax.reproduce.suites import FAMILY_TITLES, LM_KINDS, ROOT, Job, Suite
-from goat_jax.train import run as run_lib
 
 
 def _git_commit() -> str:
@@ -32,7 +32,7 @@ def _git_commit() -> str:
 
 def _setup_line(job: Job) -> str:
     """One line of the Setup section: the job's spec, overrides and the resolved settings."""
-    c = run_lib.read_config(job.workdir).to_dict()  # what actually ran
+    c = records.read_config(job).to_dict()  # what actually ran (the workdir's, or the record's copy)
     m = c["model"]
     head = f"`{job.spec}`{' + ' + str(job.overrides) if job.overrides else ''}: "
     if job.kind == "vit":

@@ -27,7 +27,9 @@ from goat_jax.models import lm, vit
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
 from goat_jax.reproduce import status as status_lib
+from goat_jax.reproduce import records as records_lib
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
+from goat_jax.train import trainer
 
 
 def select_retrieval_variants(suite: Suite, labels: Optional[Sequence[str]]) -> Suite:
@@ -62,7 +64,8 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
               vit_encodings: Optional[Sequence[str]] = None, dna_encodings: Optional[Sequence[str]] = None,
               retrieval_variants: Optional[Sequence[str]] = None, dry_run: bool = False,
               seeds: Optional[int] = None, jobs: int = 1, status: bool = False,
-              report_only: bool = False, compilation_cache: Optional[str] = None) -> int:
+              report_only: bool = False, compilation_cache: Optional[str] = None,
+              records: Optional[str] = None) -> int:
     """Runs (or prints) suite ``suite_name``'s ``families``; returns the process exit code.
 
     ``workdir``: the runs root (default ``runs/reproduce_<suite>``); ``out``: the report
@@ -75,6 +78,9 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
     from the runs finished and evaluated so far, training and evaluating nothing (the runs left
     out are listed in it; every number is over the seeds its row has). ``compilation_cache``:
     see :func:`use_compilation_cache` (default ``<workdir>/xla_cache``, 'none' for off).
+    ``records``: the run records' folder (goat_jax/reproduce/records.py; default ``<out>/runs``,
+    'none' for off): every evaluated run is recorded there, and a run whose workdir is gone is
+    reused from a record made by its current config and evaluation settings.
     """
     if suite_name not in SUITES:
         raise ValueError(f"--suite {suite_name}: choose from {', '.join(sorted(SUITES))}.")
@@ -113,11 +119,14 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax INFO lines would drown the progress log
     t_start = time.time()
-    all_jobs = plan(suite, root, encodings, seeds=seeds, **plan_kwargs)
+    records_root = None if records == "none" else (records or os.path.join(out, "runs"))
+    all_jobs = records_lib.attach(plan(suite, root, encodings, seeds=seeds, **plan_kwargs), root, records_root)
     if not all_jobs:
         raise ValueError(f"--families {','.join(families)}: suite {suite.name!r} has no runs there.")
     if not status:  # before any run trains: a report that cannot be written is known now
         files.check_writable(out, "--out")
+        if records_root:
+            files.check_writable(records_root, "--records")
         if not report_only:
             files.check_writable(root, "--workdir")
     if status:
@@ -127,6 +136,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         return 0
     cache = None if report_only else use_compilation_cache(compilation_cache, root)  # report_only compiles nothing
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
+            + (f", records in {records_root}" if records_root else "")
             + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
     try:
         raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
@@ -254,25 +264,31 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
              families: Sequence[str] = FAMILIES, train: bool = True):
     """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
     run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
-    ``<workdir>.log`` (a failure is recorded, the other jobs go on); evaluated-with rows,
-    which read another row's run, wait until every training job is done. ``jobs`` = 1: one
-    after another in this process, as before (an exception stops the suite). Runs that are
-    finished and evaluated (:func:`goat_jax.reproduce.jobs.reused`) are read first, in this
+    ``<workdir>.log`` (a failure is recorded, the other jobs go on). ``jobs`` = 1: one after
+    another in this process (an exception stops the suite). Runs that are finished and
+    evaluated, or recorded (:func:`goat_jax.reproduce.jobs.reused`), are read first, in this
     process, and take no job slot. The others train in :func:`queue_order` (``families``: the
-    order of the ``--families`` flag). ``train`` False: only the reused runs are read, nothing
-    trains or evaluates (``--report_only``)."""
+    order of the ``--families`` flag); an evaluated-with row, which reads another row's run,
+    is evaluated as soon as that run is trained (so a sitting that ends part way loses no
+    evaluation of weights it trained), and a run known only from its record is trained again
+    when an evaluated-with row still needs its weights. Every result is written to its job's
+    record (:func:`goat_jax.reproduce.jobs.write_record`) as soon as it exists. ``train``
+    False: only the reused runs are read, nothing trains or evaluates (``--report_only``)."""
     raw, timings, failed = {}, {}, {}
+    written = []
 
     def record(job, res):
         timings[f"train {job.run_name}"] = res["train_seconds"]
         raw[job.run_name] = res["result"]
         timings[f"eval {job.run_name}"] = res["result"]["eval_seconds"]
         timings[f"wall {job.run_name}"] = res["wall_seconds"]
+        if jobs_lib.write_record(job, res):
+            written.append(job.run_name)
 
     # Finished and evaluated runs are read here, in seconds, instead of in a trainer (a job
     # slot, a fresh JAX, a restored state) each: a suite resumed in a later sitting goes straight
     # to its unfinished runs.
-    todo = []
+    todo, from_records = [], 0
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
     try:
@@ -281,52 +297,94 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
             if done is None:
                 todo.append(job)
             else:
+                from_records += bool(done.get("from_record"))
                 record(job, done)
+        if train:  # an evaluated-with row to do whose run is known only from its record: retrain the run
+            queued = {id(j) for j in todo}
+            for reader in [j for j in todo if not j.trains]:
+                base = _run_read_by(reader, all_jobs)
+                if base is not None and id(base) not in queued and not trainer.is_finished(
+                        jobs_lib.job_config(base), base.workdir):
+                    cli.log(f"{base.run_name}: recorded, but its weights are not in {base.workdir}, and "
+                            f"{reader.run_name} evaluates them: training it again")
+                    todo.append(base)
+                    queued.add(id(base))
     finally:
         absl_logging.set_verbosity(verbosity)
     if len(todo) < len(all_jobs):
-        cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s); {len(todo)} to go")
+        cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s)"
+                + (f" ({from_records} from their records)" if from_records else "") + f"; {len(todo)} to go")
+    if written:
+        cli.log(f"recorded {len(written)} run(s) that had no current record")
     if not train:
         cli.log(f"--report_only: {len(todo)} unfinished run(s) left out of the report")
         return raw, timings, failed
     all_jobs = queue_order(todo, suite, families)
-    if jobs == 1:
-        for i, job in enumerate(all_jobs):
-            cli.log(f"[{i + 1}/{len(all_jobs)}] {job.run_name}: {job.spec} {job.overrides or ''}")
-            record(job, jobs_lib.train_and_evaluate(job, suite))
-            cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
-        return raw, timings, failed
     trained = [j for j in all_jobs if j.trains]
+    readers: dict[int, list[Job]] = {}  # id(trained job) -> its evaluated-with rows to do
+    ready = []  # evaluated-with rows whose run is already trained
+    for job in (j for j in all_jobs if not j.trains):
+        base = _run_read_by(job, trained)
+        (readers.setdefault(id(base), []) if base is not None else ready).append(job)
+    if jobs == 1:
+        step = 0
+        for job in ready + trained:
+            for each in [job] + readers.get(id(job), []):
+                step += 1
+                cli.log(f"[{step}/{len(all_jobs)}] {each.run_name}: {each.spec} {each.overrides or ''}"
+                        + (f" evaluated with {each.eval_overrides}" if not each.trains else ""))
+                record(each, jobs_lib.train_and_evaluate(each, suite))
+                cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
+        return raw, timings, failed
     context = multiprocessing.get_context("spawn")  # a fresh JAX per job; fork would copy its threads
     stopped: list[str] = []
     pending: dict = {}
+    count = 0
     with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool, \
             _forward_sigterm(pool, pending) as sigterm:
-        for job in trained:
-            log_path = job.workdir + ".log"
-            pending[pool.submit(jobs_lib.train_and_evaluate, job, suite, log_path)] = job
+
+        def submit(job):
+            log_path = job.workdir + (".log" if job.trains else f"@{job.label}.log")
+            fut = pool.submit(jobs_lib.train_and_evaluate, job, suite, log_path)
+            pending[fut] = job
             cli.log(f"queued {job.run_name} (log {log_path})")
-        for i, fut in enumerate(futures.as_completed(pending)):
-            job = pending[fut]
-            if fut.cancelled():
-                continue
-            try:
-                record(job, fut.result())
-                cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} done; elapsed "
-                        f"{(time.time() - t_start) / 60:.1f} min")
-            except jobs_lib.RunStopped as e:
-                stopped.append(str(e))
-            except Exception as e:  # pylint: disable=broad-except  # one job's failure loses no other
-                if sigterm.is_set():  # a worker killed by the SIGTERM outside its trainer: evaluated nothing
-                    stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(e).__name__})")
+            return fut
+
+        for job in ready + trained:
+            submit(job)
+        running = set(pending)
+        while running:
+            finished, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for fut in finished:
+                job = pending[fut]
+                if fut.cancelled():
                     continue
-                failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
-                cli.log(f"[{i + 1}/{len(trained)}] {job.run_name} FAILED: {failed[job.run_name]}")
+                count += 1
+                try:
+                    record(job, fut.result())
+                    cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} done; elapsed "
+                            f"{(time.time() - t_start) / 60:.1f} min")
+                    if not sigterm.is_set():
+                        for reader in readers.get(id(job), []):
+                            running.add(submit(reader))
+                    continue
+                except jobs_lib.RunStopped as e:
+                    stopped.append(str(e))
+                except Exception as e:  # pylint: disable=broad-except  # one job's failure loses no other
+                    if sigterm.is_set():  # a worker killed by the SIGTERM outside its trainer: evaluated nothing
+                        stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(e).__name__})")
+                        continue
+                    failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
+                    cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
+                for reader in readers.get(id(job), []):
+                    if job.run_name in failed:
+                        failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
     if stopped or sigterm.is_set():
         raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
-    for job in (j for j in all_jobs if not j.trains):
-        if any(f.startswith(f"{job.kind}/{job.dataset}/") for f in failed):
-            failed[job.run_name] = "not evaluated: a training job of its dataset failed"
-            continue
-        record(job, jobs_lib.train_and_evaluate(job, suite))
     return raw, timings, failed
+
+
+def _run_read_by(reader: Job, candidates: Sequence[Job]) -> Optional[Job]:
+    """The training job among ``candidates`` whose run evaluated-with row ``reader`` evaluates
+    (the same workdir), or None."""
+    return next((j for j in candidates if j.trains and j.workdir == reader.workdir), None)

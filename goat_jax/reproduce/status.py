@@ -45,9 +45,15 @@ class RunState:
 
 
 def run_state(job: Job, suite: Suite) -> RunState:
-    """The :class:`RunState` of ``job`` read from its workdir (read-only)."""
+    """The :class:`RunState` of ``job`` read from its workdir (read-only), or from its run
+    record when the workdir has no finished run and the record matches (what the harness reuses:
+    :func:`goat_jax.reproduce.jobs.reused`)."""
     config = jobs_lib.job_config(job)
     total = int(config.num_train_steps)
+    rec = jobs_lib.recorded(job, suite)
+    if rec is not None and not trainer.is_finished(config, job.workdir):
+        return RunState(job, "done", total, total, train_seconds=rec["train_seconds"] if job.trains else 0.0,
+                        eval_seconds=float(rec["result"].get("eval_seconds", 0.0)))
     steps = run_lib.checkpoint_steps(job.workdir) if os.path.exists(run_lib.config_path(job.workdir)) else ()
     step = steps[-1] if steps else 0
     cached = jobs_lib.cached_evaluation(job, suite)

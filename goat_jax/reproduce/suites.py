@@ -246,6 +246,7 @@ class Job:
     seed_offset: int = 0  # k: trains with the config's seed + k (k = 0 is the run of a 1-seed report)
     eval_overrides: dict = dataclasses.field(default_factory=dict)  # model fields changed at evaluation
     trains: bool = True  # False: an evaluated-with row, evaluating another row's run in ``workdir``
+    record: str = ""  # the run's record folder (goat_jax/reproduce/records.py); '' when records are off
 
     @property
     def label(self) -> str:

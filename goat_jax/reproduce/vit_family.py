@@ -25,7 +25,7 @@ from goat_jax import cli
 from goat_jax.config_files import load_config
 from goat_jax.eval import canvas as canvas_lib
 from goat_jax.eval import vision
-from goat_jax.reproduce import stats
+from goat_jax.reproduce import records, stats
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.tasks import vit as vit_task
 from goat_jax.train import run as run_lib
@@ -225,8 +225,8 @@ def vision_section(jobs: Sequence[Job], results: dict[str, dict], out: str) -> l
     # The figures draw one run's arrays (the row's own job: seed +0), while every number in the
     # tables is over the seeds; the captions say so.
     drawn = {j.label: j for j in jobs if j.kind == "vit" and j.label in runs
-             and os.path.exists(os.path.join(j.workdir, "reproduce_vision.npz"))}
-    arrays = {label: dict(np.load(os.path.join(j.workdir, "reproduce_vision.npz"))) for label, j in drawn.items()}
+             and os.path.exists(records.run_file(j, "reproduce_vision.npz"))}
+    arrays = {label: dict(np.load(records.run_file(j, "reproduce_vision.npz"))) for label, j in drawn.items()}
     if "goat" in arrays and "centre_log_prior" in arrays["goat"]:
         g = runs["goat"]
         grid = arrays["goat"]["centre_log_prior"].shape
@@ -306,4 +306,4 @@ def _canvas_section(runs: dict[str, dict], r1: int, out: str) -> list[str]:
 def _patch(jobs: Sequence[Job]) -> int:
     """The patch size of the first ViT run (from the config it wrote)."""
     job = next(j for j in jobs if j.kind == "vit")
-    return int(run_lib.read_config(job.workdir).model.patch_size)
+    return int(records.read_config(job).model.patch_size)
