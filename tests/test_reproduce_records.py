@@ -16,6 +16,7 @@ import pytest
 from experiments import reproduce
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import records, suites
+from goat_jax.train import tasks as tasks_lib
 
 
 def _suite():
@@ -96,7 +97,16 @@ def test_a_torn_or_foreign_record_is_not_reused(tmp_path):
     got = records.read(job, config, settings)
     assert got["result"]["x"] == [1, 2] and got["train_seconds"] == 3.0 and got["from_record"]
     assert records.read(job, {**config, "seed": config["seed"] + 1}, settings) is None
-    assert records.read(job, config, {**settings, "multipliers": [1]}) is None
+    # The checkpoint's rules: a cadence may change, and a field the record's config lacks (one
+    # added since it was written) is no change at its default; at another value it is one.
+    task = tasks_lib.get_task(config["task"])
+    safe, defaults = task.resume_safe_fields, tasks_lib.field_defaults(task)
+    assert records.read(job, {**config, "log_every_steps": 7}, settings, safe, defaults) is not None
+    assert defaults["model.name"] == "lm" and "name" not in config["model"]
+    newer = {**config, "model": {**config["model"], "name": "lm"}}  # the field written out at its default
+    assert records.read(job, newer, settings) is None  # without the defaults: a change
+    assert records.read(job, newer, settings, safe, defaults) is not None
+    assert records.read(job, {**config, "model": {**config["model"], "name": "vit"}}, settings, safe, defaults) is None
     with open(records.record_path(job), "w") as f:
         f.write('{"config": ')  # torn
     assert records.read(job, config, settings) is None

@@ -15,6 +15,7 @@ from goat_jax.config_files import load_config
 from goat_jax.reproduce import dna_family, lm_family, records, vit_family
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.train import run as run_lib
+from goat_jax.train import tasks as tasks_lib
 from goat_jax.train import trainer
 
 EVAL_CACHE = "reproduce_eval.json"  # the harness's own file in a run's workdir (not the trainer's)
@@ -216,7 +217,10 @@ def recorded(job: Job, suite: Suite) -> Optional[dict]:
     settings; None otherwise (or when records are off)."""
     if not job.record:
         return None
-    return records.read(job, job_config(job).to_dict(), eval_settings(job, suite))
+    config = job_config(job)
+    task = tasks_lib.get_task(config.task)
+    return records.read(job, config.to_dict(), eval_settings(job, suite), task.resume_safe_fields,
+                        tasks_lib.field_defaults(task))
 
 
 def write_record(job: Job, result: dict) -> bool:

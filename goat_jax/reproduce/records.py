@@ -30,11 +30,12 @@ import datetime
 import json
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 from goat_jax import files
 from goat_jax.reproduce.suites import ROOT, Job
+from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import run as run_lib
 
 # The workdir files the report reads besides the evaluation (config: the Setup section; the
@@ -116,14 +117,23 @@ def _load(path: str) -> Optional[dict]:
         return None  # torn by a kill before writes were whole: the run counts as unrecorded
 
 
-def read(job: Job, config: dict, settings: dict) -> Optional[dict]:
+def read(job: Job, config: dict, settings: dict, resume_safe_fields: Iterable[str] = (),
+         field_defaults: Optional[dict] = None) -> Optional[dict]:
     """``job``'s recorded result, ``{'train_seconds', 'result', 'wall_seconds': 0.0,
     'from_record': True}``, if its record was made by ``config`` (the config the job trains with
     now) and its evaluation with ``settings`` (the suite's evaluation settings for the job);
-    None when there is no record, or one made otherwise."""
+    None when there is no record, or one made otherwise. "Made by ``config``" is the test a
+    resumed checkpoint passes (:func:`goat_jax.train.checkpoint.config_changes`): the task's
+    ``resume_safe_fields`` (cadences, kernels, layout) may differ, and a field added to the
+    config since, at its default (``field_defaults``), is no change."""
     path = record_path(job)
     rec = _load(path) if path else None
-    if rec is None or rec.get("config") != normalized(config):
+    if rec is None or not isinstance(rec.get("config"), dict):
+        return None
+    defaults = normalized(field_defaults or {})
+    if checkpoint_lib.config_changes(checkpoint_lib.fingerprint_fields(rec["config"], resume_safe_fields),
+                                     checkpoint_lib.fingerprint_fields(normalized(config), resume_safe_fields),
+                                     defaults):
         return None
     result = rec.get("result") or {}
     if result.get("eval_settings") != normalized(settings):

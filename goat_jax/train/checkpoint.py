@@ -87,6 +87,21 @@ def fingerprint_fields(config_dict: Dict[str, Any], resume_safe_fields: Iterable
     return {k: v for k, v in sorted(flat.items()) if k not in safe and k.split(".")[0] not in safe}
 
 
+def config_changes(saved: Dict[str, Any], new: Dict[str, Any],
+                   field_defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Tuple[Any, Any]]:
+    """``{field: (saved value, new value)}`` of the fields that differ between two
+    :func:`fingerprint_fields` dicts (``'<absent>'`` for a field one of them lacks), leaving out
+    a field added to the config after ``saved`` was written at its default value, or one
+    dropped while at its default (``field_defaults``: ``{'a.b': default}``, JSON-normalized):
+    such a config computes the same run. What a resumed checkpoint and a reused run record
+    are both checked with."""
+    defaults = field_defaults or {}
+    keys = sorted(set(saved) | set(new))
+    changed = {k: (saved.get(k, "<absent>"), new.get(k, "<absent>")) for k in keys
+               if saved.get(k, "<absent>") != new.get(k, "<absent>")}
+    return {k: v for k, v in changed.items() if not ("<absent>" in v and k in defaults and defaults[k] in v)}
+
+
 def config_fingerprint(config_dict: Dict[str, Any], resume_safe_fields: Iterable[str] = ()) -> str:
     """A short hash of :func:`fingerprint_fields`."""
     blob = json.dumps(fingerprint_fields(config_dict, resume_safe_fields), sort_keys=True).encode()
@@ -222,15 +237,9 @@ class Checkpointer:
                 continue  # a damaged checkpoint: restore_latest reports it and falls back
         if meta is None or meta.get("fingerprint") == self.fingerprint:
             return {}
-        saved = meta.get("config", {})
-        keys = sorted(set(saved) | set(self.fields))
-        changed = {k: (saved.get(k, "<absent>"), self.fields.get(k, "<absent>")) for k in keys
-                   if saved.get(k, "<absent>") != self.fields.get(k, "<absent>")}
         # A field added to the config after the checkpoint was written, at its default value
         # (or one dropped while at its default), computes the same run.
-        changed = {k: v for k, v in changed.items()
-                   if not ("<absent>" in v and k in self.field_defaults
-                           and self.field_defaults[k] in v)}
+        changed = config_changes(meta.get("config", {}), self.fields, self.field_defaults)
         if not changed:
             return {}
         adjustable = set(changed) <= RESUME_ADJUSTABLE_FIELDS
