@@ -44,6 +44,17 @@ _TARGET = flags.DEFINE_string(
     "(N = TensorCores, 2 per chip); e.g. v5e-16, v6e-8, v4-8, v5p-32. Or a GPU node: h100xN or "
     "h200xN (N = GPUs: 1, 2, 4, 8; multiples of 8 are nodes of 8); e.g. h100x8, h200x1, h200x8.")
 _OUT = flags.DEFINE_string("out", None, "Folder for compile.json and compile.md (created).")
+_SEARCH = flags.DEFINE_bool(
+    "search_batch", False, "Instead of one compile: find the largest per-device batch (one microbatch, "
+    "grad_accum_steps 1) whose train step fits the target, for each --search_remat setting, by doubling "
+    "then bisecting with the real compiler; writes OUT/search.json and OUT/search.md (and the largest "
+    "fitting batch's compile.json / compile.md).")
+_SEARCH_REMAT = flags.DEFINE_list("search_remat", ["off", "on"], "With --search_batch: model.remat settings to "
+                                  "search (comma list of off/on).")
+_SEARCH_START = flags.DEFINE_integer("search_start", 1, "With --search_batch: the first per-device batch tried "
+                                     "(start near the expected answer to spend fewer compiles).")
+_MAX_COMPILES = flags.DEFINE_integer("max_compiles", 8, "With --search_batch: compiles per remat setting at most; "
+                                     "a search that runs out reports its bracket.")
 flags.mark_flags_as_required(["config", "target", "out"])
 
 
@@ -64,6 +75,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     target = aot.parse_target(_TARGET.value)  # before any work: a bad name is one line
+    if _SEARCH.value:
+        return _search(target)
     report = aot.compile_train_step(_CONFIG.value, target)
     report["config"] = _config_arguments(sys.argv[1:])
     os.makedirs(_OUT.value, exist_ok=True)
@@ -76,6 +89,39 @@ def main(argv):
             f"{report['device_memory_bytes'] / aot.GiB:.0f} GiB, fits={report['fits']}, "
             f"attention {report['attention_implementation']}, compiled in {report['compile_seconds']:.1f} s "
             f"-> {os.path.join(_OUT.value, 'compile.json')}")
+
+
+
+def _search(target):
+    """--search_batch: :func:`goat_jax.aot.largest_batch`, written to OUT/search.{json,md}."""
+    remats = []
+    for v in _SEARCH_REMAT.value:
+        if v not in ("off", "on"):
+            raise app.UsageError(f"--search_remat {','.join(_SEARCH_REMAT.value)}: give off and/or on.")
+        remats.append(v == "on")
+    if "remat" not in _CONFIG.value.get("model", {}):
+        raise app.UsageError(f"--search_batch: the config has no model.remat field to search over; give "
+                             "--search_remat with the setting it has, or search another config.")
+    files.check_writable(_OUT.value, "--out")
+    text = _config_arguments(sys.argv[1:])
+    cli.log(f"searching the largest per-device batch of `{text}` on {target.name} (remat {','.join(_SEARCH_REMAT.value)})")
+    search = aot.largest_batch(_CONFIG.value, target, remat_options=remats, start=_SEARCH_START.value,
+                               max_compiles=_MAX_COMPILES.value, log=cli.log)
+    search["config"] = text
+    os.makedirs(_OUT.value, exist_ok=True)
+    best = [r for r in search["per_remat"] if r["report"] is not None]
+    if best:
+        win = max(best, key=lambda r: r["largest"])
+        top = {**win["report"], "config": f"{text} --config.global_batch_size=None --config.grad_accum_steps=1 "
+                                          f"--config.per_device_batch_size={win['largest']} "
+                                          f"--config.model.remat={win['remat']}"}
+        files.write_whole(os.path.join(_OUT.value, "compile.json"), json.dumps(top, indent=2) + "\n")
+        files.write_whole(os.path.join(_OUT.value, "compile.md"), aot.markdown(top))
+    files.write_whole(os.path.join(_OUT.value, "search.json"), json.dumps(search, indent=2) + "\n")
+    files.write_whole(os.path.join(_OUT.value, "search.md"), aot.search_markdown(search, text))
+    for r in search["per_remat"]:
+        cli.log(f"{target.name} remat={'on' if r['remat'] else 'off'}: largest per-device batch "
+                f"{r['largest']} (first failing {r['first_failing']}) -> {os.path.join(_OUT.value, 'search.md')}")
 
 
 if __name__ == "__main__":
