@@ -502,6 +502,9 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
     if implementation in ("splash", "splash_interpret"):
         return splash_lib.splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
                                            kv_lengths, segments, interpret=implementation == "splash_interpret")
+    t_real = q.shape[1]
+    if implementation == "cudnn":
+        q, k, v, key_padding_mask, kv_lengths = even_lengths(q, k, v, key_padding_mask, kv_lengths)
     # jax.nn.dot_product_attention needs equal q/k and v head dims: pad v with zero columns.
     hv, hqk = v.shape[-1], q.shape[-1]
     if implementation == "cudnn" and hqk % 8:
@@ -522,7 +525,29 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
         key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
         implementation=implementation,
     )
-    return out[..., :hv]
+    return out[:, :t_real, :, :hv]
+
+
+def even_lengths(q: Array, k: Array, v: Array, key_padding_mask: Optional[Array], kv_lengths: Optional[Array]):
+    """``(q, k, v, key_padding_mask, kv_lengths)`` with odd query / key lengths padded by one
+    row, exactly: the extra query row's output is dropped by the caller, the extra key is
+    masked out (``kv_lengths`` = the real length when none was given, or ``key_padding_mask``
+    extended with True, "ignored"). Why: jax 0.10.2's cuDNN attention, under differentiation, checks every call as one
+    with a bias (its forward rule is handed an empty placeholder for "no bias"), and biased cuDNN
+    attention needs even lengths, so training a ViT (196 patches + CLS = 197 tokens) on a GPU
+    failed at the first step ("Unsupported sequence length Q 197, KV 197"). Even lengths are
+    returned unchanged."""
+    t, s = q.shape[1], k.shape[1]
+    if t % 2:
+        q = jnp.pad(q, [(0, 0), (0, 1), (0, 0), (0, 0)])
+    if s % 2:
+        k = jnp.pad(k, [(0, 0), (0, 1), (0, 0), (0, 0)])
+        v = jnp.pad(v, [(0, 0), (0, 1), (0, 0), (0, 0)])
+        if key_padding_mask is not None:
+            key_padding_mask = jnp.pad(key_padding_mask, [(0, 0), (0, 1)], constant_values=True)  # True = ignored
+        else:
+            kv_lengths = jnp.full((k.shape[0],), s, jnp.int32) if kv_lengths is None else kv_lengths
+    return q, k, v, key_padding_mask, kv_lengths
 
 
 def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:

@@ -191,3 +191,65 @@ def test_smoke_lm_train_step_compiles_for_h200x8_through_experiments_compile(tmp
     assert mem["aliased"] > 0 and mem["total"] > 0 and report["fits"] is True
     assert report["estimated_step_seconds"] == pytest.approx(report["model_flops_per_step"] / (8 * 989e12))
     assert "__cudnn$fmhaSoftmax" in (tmp_path / "compile.md").read_text()
+
+
+@pytest.mark.parametrize("t, s, causal, masking", [(197, 197, False, None), (9, 9, True, None),
+                                                    (5, 9, False, "lengths"), (7, 7, False, "mask"), (6, 8, False, None)])
+def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
+    """kernels.even_lengths (what the cuDNN path applies: jax 0.10.2's cuDNN training rule needs
+    even lengths): attention on the padded inputs, the extra query row dropped, equals the
+    float64 reference on the real ones, values and gradients, with kv_lengths or a padding mask."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from goat_jax import kernels
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape) for shape in ((2, t, 2, 8), (2, s, 2, 8), (2, s, 2, 8)))
+    lengths = jnp.array([s, s - 2]) if masking == "lengths" else None
+    mask = jnp.zeros((2, s), bool).at[1, -3:].set(True) if masking == "mask" else None  # True = ignored
+
+    def attention(q, k, v, lengths, mask):  # float64, cuDNN's masking contract (causal top-left)
+        t, s = q.shape[1], k.shape[1]
+        logits = jnp.einsum("btnd,bsnd->bnts", q, k) / np.sqrt(8)
+        keep = jnp.ones((2, 1, t, s), bool)
+        if causal:
+            keep &= jnp.tril(jnp.ones((t, s), bool))
+        if lengths is not None:
+            keep &= (jnp.arange(s) < lengths[:, None])[:, None, None, :]
+        if mask is not None:
+            keep &= ~mask[:, None, None, :]
+        p = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bnts,bsnd->btnd", p, v)
+
+    def reference(q, k, v):
+        return attention(q, k, v, lengths, mask)
+
+    def padded(q, k, v):
+        qp, kp, vp, m, n = kernels.even_lengths(q, k, v, mask, lengths)
+        assert qp.shape[1] % 2 == 0 and kp.shape[1] % 2 == 0
+        return attention(qp, kp, vp, n, m)[:, :t]
+
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(a, jnp.float64) for a in (q, k, v))
+        np.testing.assert_allclose(padded(q, k, v), reference(q, k, v), rtol=1e-10, atol=1e-12)
+        g_ref = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2))(q, k, v)
+        g_pad = jax.grad(lambda *a: jnp.sum(jnp.sin(padded(*a))), argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(g_pad, g_ref):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow(reason="needs the aot-gpu extra (the CUDA plugin), which CI does not install; a ViT train "
+                         "step (197 tokens) compiled for one H200 through experiments.compile, ~1 min")
+def test_a_vit_with_197_tokens_trains_on_cudnn_for_one_h200(tmp_path):
+    """197 tokens (196 patches + CLS) is odd: before even_lengths the cuDNN path failed at the
+    first training step ("Unsupported sequence length Q 197, KV 197"); now it compiles with the
+    fused-attention calls forward and backward."""
+    proc = _run(["-m", "experiments.compile", "--config", "configs/vit_s16_imagenet.py:goat", "--target", "h200x1",
+                 "--config.model.num_layers=2", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert report["attention_implementation"] == "cudnn" and report["fits"] is True
+    assert report["custom_calls"]["__cudnn$fmhaSoftmax"] >= 1 and report["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] >= 1
