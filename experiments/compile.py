@@ -91,7 +91,6 @@ def main(argv):
             f"-> {os.path.join(_OUT.value, 'compile.json')}")
 
 
-
 def _search(target):
     """--search_batch: :func:`goat_jax.aot.largest_batch`, written to OUT/search.{json,md}."""
     remats = []
@@ -100,8 +99,8 @@ def _search(target):
             raise app.UsageError(f"--search_remat {','.join(_SEARCH_REMAT.value)}: give off and/or on.")
         remats.append(v == "on")
     if "remat" not in _CONFIG.value.get("model", {}):
-        raise app.UsageError(f"--search_batch: the config has no model.remat field to search over; give "
-                             "--search_remat with the setting it has, or search another config.")
+        raise app.UsageError("--search_batch: the config has no model.remat field to search over; search "
+                             "a config whose model has one (the LM, DNA and ViT configs do).")
     files.check_writable(_OUT.value, "--out")
     text = _config_arguments(sys.argv[1:])
     cli.log(f"searching the largest per-device batch of `{text}` on {target.name} (remat {','.join(_SEARCH_REMAT.value)})")

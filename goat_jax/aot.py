@@ -465,7 +465,7 @@ def largest_batch(config: Any, target: Target, remat_options: Sequence[bool] = (
             else:
                 hi = mid
         out["per_remat"].append({"remat": bool(remat), "largest": lo, "first_failing": hi,
-                                 "exact": lo is not None and hi is not None and hi - lo == 1 or (lo is None and hi == 1),
+                                 "exact": (lo is not None and hi is not None and hi - lo == 1) or (lo is None and hi == 1),
                                  "tried": tried, "report": reports.get(lo)})
     return out
 

@@ -97,10 +97,7 @@ def write(job: Job, config: dict, entry: dict) -> bool:
     os.makedirs(job.record, exist_ok=True)
     if job.trains:
         for name in SIDE_FILES:
-            src = os.path.join(job.workdir, name)
-            if os.path.exists(src):
-                with open(src, "rb") as f:
-                    files.write_whole(os.path.join(job.record, name), f.read())
+            copy_into(os.path.join(job.workdir, name), os.path.join(job.record, name))
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     files.write_whole(path, json.dumps({**body, "commit": _commit(), "written": stamp}, indent=1,
                                        sort_keys=True) + "\n")

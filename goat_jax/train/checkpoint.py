@@ -237,8 +237,6 @@ class Checkpointer:
                 continue  # a damaged checkpoint: restore_latest reports it and falls back
         if meta is None or meta.get("fingerprint") == self.fingerprint:
             return {}
-        # A field added to the config after the checkpoint was written, at its default value
-        # (or one dropped while at its default), computes the same run.
         changed = config_changes(meta.get("config", {}), self.fields, self.field_defaults)
         if not changed:
             return {}
