@@ -309,6 +309,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                             f"{reader.run_name} evaluates them: training it again")
                     todo.append(base)
                     queued.add(id(base))
+                    from_records -= 1  # counted as read from its record above; it trains now
     finally:
         absl_logging.set_verbosity(verbosity)
     if len(todo) < len(all_jobs):
