@@ -390,7 +390,11 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
             report[key] = report[key][0]
     if error is not None:
         report.update(fits=False, margin_bytes=None, compiler_error=error["message"],
-                      compiler_used_bytes=error["used_bytes"], compiler_limit_bytes=error["limit_bytes"])
+                      compiler_used_bytes=error["used_bytes"], compiler_limit_bytes=error["limit_bytes"],
+                      # by how much it does not fit: the compiler's own count (temporaries alone) over its limit
+                      shortfall_bytes=(error["used_bytes"] - error["limit_bytes"]
+                                       if error["used_bytes"] is not None and error["limit_bytes"] is not None
+                                       else None))
     else:
         report.update(fit(None if per_device is None else per_device["total"], chip.hbm_bytes))
     return report
@@ -517,7 +521,9 @@ def markdown(report: Dict[str, Any]) -> str:
     lines.append(f"| HBM per chip | {gib(report['device_memory_bytes'])} |")
     verdict = {True: "yes", False: "**no**", None: "unknown"}[report["fits"]]
     lines.append(f"| fits (leaving {report['fit_margin']:.0%} free) | {verdict}"
-                 + (f", margin {gib(report['margin_bytes'])}" if report.get("margin_bytes") is not None else "") + " |")
+                 + (f", margin {gib(report['margin_bytes'])}" if report.get("margin_bytes") is not None else "")
+                 + (f", short by at least {gib(report['shortfall_bytes'])} (the compiler's count of the temporaries "
+                    "alone, over what it can use)" if report.get("shortfall_bytes") is not None else "") + " |")
     if report.get("compiler_error"):
         lines.append(f"| compiler | {report['compiler_error']} |")
     flops = report["model_flops_per_step"]

@@ -45,8 +45,9 @@ interpret mode on CPU; under ``jax.shard_map`` on a mesh), 'dense' (the material
 reference).
 
 Automatic choice (``None``, for the devices the computation runs on: :func:`target_platform`):
-cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash on TPU for lengths that are
-multiples of 128; otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
+cuDNN on GPU for bf16/fp16 when the packed head dim fits, splash on TPU for lengths of at least
+128 (padded to whole 128-blocks, exactly; multiples of every chunk's blocks under context
+parallelism); otherwise (CPU, or GPU in float32) 'flash' when XLA would materialize more than
 ``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4`` bytes, else 'xla'.
 Why 16 MiB: XLA keeps those logits and the probabilities (and their gradients while training),
 so its memory grows as L^2 (2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash
@@ -204,7 +205,8 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
 
     Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
     q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU when the
-    lengths of ``logits_shape`` are multiples of 128 (splash's blocks); otherwise
+    lengths of ``logits_shape`` are at least 128 (splash's block; padded to whole blocks,
+    exactly) or, under context parallelism, multiples of every chunk's blocks; otherwise
     'flash' when ``logits_shape`` = (B, N, T, S) is given and ``B * N * T * S * 4`` exceeds
     ``FLASH_THRESHOLD_BYTES``, else XLA. An explicit choice that cannot run raises ValueError
     naming the reason (:func:`_refusal`).
@@ -219,6 +221,8 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         multiple = context_lib.length_multiple(context_lib.shards(), context_lib.is_balanced(), "splash")
         multiple = max(multiple, _SPLASH_BLOCK)
         splash_fits = logits_shape is None or not (logits_shape[2] % multiple or logits_shape[3] % multiple)
+        if multiple == _SPLASH_BLOCK and logits_shape is not None and min(logits_shape[2:]) >= _SPLASH_BLOCK:
+            splash_fits = True  # padded to whole blocks, exactly (splash.whole_blocks): < 2x the tiles
         if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
             choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
         elif platform == "tpu" and splash_fits:
@@ -226,7 +230,8 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         else:
             reasons = []
             if platform == "tpu":
-                reasons.append(f"TPU, but splash needs lengths that are multiples of {multiple} "
+                reasons.append(f"TPU, but splash needs lengths of at least {_SPLASH_BLOCK} (padded to whole "
+                               f"blocks) or, under context parallelism, multiples of {multiple} "
                                f"(T={logits_shape[2]}, S={logits_shape[3]})")
             if platform == "gpu" and not half:
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")

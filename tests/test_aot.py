@@ -148,6 +148,8 @@ def test_a_step_that_does_not_fit_is_reported_not_raised(tmp_path):
     report = json.loads((tmp_path / "compile.json").read_text())
     assert report["fits"] is False and report["per_device_bytes"] is None
     assert "HBM" in report["compiler_error"] and report["compiler_used_bytes"] > report["compiler_limit_bytes"]
+    assert report["shortfall_bytes"] == report["compiler_used_bytes"] - report["compiler_limit_bytes"]
+    assert "short by at least" in (tmp_path / "compile.md").read_text()
 
 
 def test_reports_render_without_a_compile():
@@ -165,10 +167,12 @@ def test_reports_render_without_a_compile():
             "config": "--config configs/lm_tiny.py:goat,smoke"}
     refused = dict(fits, per_device_bytes=None, fits=False, margin_bytes=None,
                    compiler_error="RESOURCE_EXHAUSTED: Ran out of memory on HBM",
-                   compiler_used_bytes=49 << 30, compiler_limit_bytes=int(15.75 * 2**30))
+                   compiler_used_bytes=49 << 30, compiler_limit_bytes=int(15.75 * 2**30),
+                   shortfall_bytes=(49 << 30) - int(15.75 * 2**30))
     page = aot.markdown(fits)
     assert "| per device: total | 8.00 MiB |" in page and "0.5 us" in page and "| fits (leaving 5% free) | yes" in page
     assert "**no**" in aot.markdown(refused) and "Ran out of memory on HBM" in aot.markdown(refused)
+    assert "short by at least 33.25 GiB" in aot.markdown(refused)
     table = aot.summary_table([fits, refused]).splitlines()
     assert len(table) == 4 and "| yes |" in table[2] and "49.000 (compiler)" in table[3]
 

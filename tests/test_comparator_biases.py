@@ -191,8 +191,8 @@ def test_decode_equals_full_forward(enc, rng):
 @pytest.mark.parametrize("implementation", ["flash", "dense", "splash_interpret"])
 def test_fox_runs_exactly_on_every_cpu_kernel(implementation, rng):
     """The packed forget gate is ``logits + (c_i - c_j)`` on every kernel ('xla', the automatic
-    choice on CPU, in test_values_and_gradients_match_float64_reference; splash needs lengths
-    that are multiples of 128). Without GQA here, with it there."""
+    choice on CPU, in test_values_and_gradients_match_float64_reference; 128 tokens: one whole
+    splash block). Without GQA here, with it there."""
     b, t = 1, 128
     x = jnp.asarray(rng.normal(size=(b, t, E)), jnp.float32)
     module = make("fox", kv_heads=N, implementation=implementation)

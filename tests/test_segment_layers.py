@@ -25,7 +25,7 @@ ENCODINGS_1D = tuple(e.name for e in positional.ENCODINGS if e.positions in ("1d
 LAYERS = ("goat",) + ENCODINGS_1D
 BIAS_ENCODINGS = {e.name for e in positional.ENCODINGS if e.materialized_bias}
 CPU_KERNELS = ("xla", "flash", "dense", "splash_interpret")
-# Document lengths of one packed row, then padding; splash needs a row of 128 tokens.
+# Document lengths of one packed row, then padding; 'splash' fills one whole 128-token block.
 # "equal" lets the float64 reference run the documents alone as one batch (one compilation).
 DOCS = {"equal": ((9, 9, 9), 3), "short": ((7, 11, 5), 3), "splash": ((40, 50, 30), 8)}
 

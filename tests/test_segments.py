@@ -17,7 +17,7 @@ from tests.marks import SLOW_CASE
 CPU_KERNELS = ["xla", "flash", "dense", "splash_interpret"]
 PAD = np.iinfo(np.int32).max  # the data packer's padding id (goat_jax.data.packing)
 FLASH_BLOCKS = dict(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=16)
-T = 128  # splash needs lengths that are multiples of 128
+T = 128  # one whole splash block (other lengths are padded: tests/test_attention.py)
 
 
 def _packed_ids(rng, b, t, pad_tail):
