@@ -220,9 +220,10 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         # Under context parallelism every chunk a device attends must be whole splash blocks.
         multiple = context_lib.length_multiple(context_lib.shards(), context_lib.is_balanced(), "splash")
         multiple = max(multiple, _SPLASH_BLOCK)
-        splash_fits = logits_shape is None or not (logits_shape[2] % multiple or logits_shape[3] % multiple)
-        if multiple == _SPLASH_BLOCK and logits_shape is not None and min(logits_shape[2:]) >= _SPLASH_BLOCK:
-            splash_fits = True  # padded to whole blocks, exactly (splash.whole_blocks): < 2x the tiles
+        # Outside context parallelism any length >= one block is padded to whole blocks, exactly
+        # (pad_lengths): < 2x the tiles.
+        splash_fits = (logits_shape is None or not (logits_shape[2] % multiple or logits_shape[3] % multiple)
+                       or (multiple == _SPLASH_BLOCK and min(logits_shape[2:]) >= _SPLASH_BLOCK))
         if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
             choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
         elif platform == "tpu" and splash_fits:
@@ -504,12 +505,15 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
         seg = {} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
         return flash_lib.flash_attention(q, k, v, scale=scale, is_causal=is_causal, causal_offset=causal_offset,
                                          key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, **seg)
-    if implementation in ("splash", "splash_interpret"):
-        return splash_lib.splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
-                                           kv_lengths, segments, interpret=implementation == "splash_interpret")
     t_real = q.shape[1]
+    if implementation in ("splash", "splash_interpret"):
+        q, k, v, key_padding_mask, kv_lengths, segments = pad_lengths(
+            q, k, v, key_padding_mask, kv_lengths, segments, _SPLASH_BLOCK)
+        out = splash_lib.splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
+                                          kv_lengths, segments, interpret=implementation == "splash_interpret")
+        return out[:, :t_real]
     if implementation == "cudnn":
-        q, k, v, key_padding_mask, kv_lengths = even_lengths(q, k, v, key_padding_mask, kv_lengths)
+        q, k, v, key_padding_mask, kv_lengths, _ = pad_lengths(q, k, v, key_padding_mask, kv_lengths, None, 2)
     # jax.nn.dot_product_attention needs equal q/k and v head dims: pad v with zero columns.
     hv, hqk = v.shape[-1], q.shape[-1]
     if implementation == "cudnn" and hqk % 8:
@@ -533,26 +537,40 @@ def _attend(q, k, v, implementation, scale, is_causal, causal_offset, key_paddin
     return out[:, :t_real, :, :hv]
 
 
-def even_lengths(q: Array, k: Array, v: Array, key_padding_mask: Optional[Array], kv_lengths: Optional[Array]):
-    """``(q, k, v, key_padding_mask, kv_lengths)`` with odd query / key lengths padded by one
-    row, exactly: the extra query row's output is dropped by the caller, the extra key is
-    masked out (``kv_lengths`` = the real length when none was given, or ``key_padding_mask``
-    extended with True, "ignored"). Why: jax 0.10.2's cuDNN attention, under differentiation, checks every call as one
-    with a bias (its forward rule is handed an empty placeholder for "no bias"), and biased cuDNN
-    attention needs even lengths, so training a ViT (196 patches + CLS = 197 tokens) on a GPU
-    failed at the first step ("Unsupported sequence length Q 197, KV 197"). Even lengths are
-    returned unchanged."""
+def pad_lengths(q: Array, k: Array, v: Array, key_padding_mask: Optional[Array], kv_lengths: Optional[Array],
+                segments: Optional[Tuple[Array, Array]], multiple: int):
+    """``(q, k, v, key_padding_mask, kv_lengths, segments)`` with the query and key lengths
+    padded to multiples of ``multiple``, exactly: the caller drops the extra query rows'
+    outputs, and the extra keys are masked out (``kv_lengths`` = the real length when no mask
+    was given, or ``key_padding_mask`` extended with True, "ignored"). An extra query row copies
+    the last real row's segment id (and sits below it in the causal order), so it attends to a
+    superset of that row's keys: never an empty row, whose gradient could be NaN. Lengths
+    already multiples are returned unchanged.
+
+    Why, per kernel: splash (``multiple`` 128, its block) would otherwise leave a ViT's 197
+    tokens (196 patches + CLS) the blockwise fallback on TPU, whose compile takes tens of
+    minutes (padding to 256 costs splash 30% more tiles); cuDNN (``multiple`` 2): jax 0.10.2's
+    cuDNN attention, under differentiation, checks every call as one with a bias (its forward
+    rule is handed an empty placeholder for "no bias"), and biased cuDNN attention needs even
+    lengths, so training a ViT on a GPU failed at the first step ("Unsupported sequence length
+    Q 197, KV 197")."""
     t, s = q.shape[1], k.shape[1]
-    if t % 2:
-        q = jnp.pad(q, [(0, 0), (0, 1), (0, 0), (0, 0)])
-    if s % 2:
-        k = jnp.pad(k, [(0, 0), (0, 1), (0, 0), (0, 0)])
-        v = jnp.pad(v, [(0, 0), (0, 1), (0, 0), (0, 0)])
+    tp, sp = -(-t // multiple) * multiple, -(-s // multiple) * multiple
+    seg_q, seg_kv = segments if segments is not None else (None, None)
+    if tp != t:
+        q = jnp.pad(q, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
+        if seg_q is not None:
+            seg_q = jnp.pad(seg_q, [(0, 0), (0, tp - t)], mode="edge")
+    if sp != s:
+        k = jnp.pad(k, [(0, 0), (0, sp - s), (0, 0), (0, 0)])
+        v = jnp.pad(v, [(0, 0), (0, sp - s), (0, 0), (0, 0)])
+        if seg_kv is not None:
+            seg_kv = jnp.pad(seg_kv, [(0, 0), (0, sp - s)], mode="edge")  # the padding mask hides them
         if key_padding_mask is not None:
-            key_padding_mask = jnp.pad(key_padding_mask, [(0, 0), (0, 1)], constant_values=True)  # True = ignored
-        else:
-            kv_lengths = jnp.full((k.shape[0],), s, jnp.int32) if kv_lengths is None else kv_lengths
-    return q, k, v, key_padding_mask, kv_lengths
+            key_padding_mask = jnp.pad(key_padding_mask.astype(bool), [(0, 0), (0, sp - s)], constant_values=True)
+        elif kv_lengths is None:
+            kv_lengths = jnp.full((k.shape[0],), s, jnp.int32)
+    return q, k, v, key_padding_mask, kv_lengths, None if seg_q is None else (seg_q, seg_kv)
 
 
 def _dense(q, k, v, scale, bias, mask, return_probs: bool = False) -> Any:

@@ -126,21 +126,24 @@ def splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
             interpret):
     """Pallas TPU splash attention, vmapped over the batch (and KV heads for GQA); under
     ``jax.shard_map`` over the batch (and head) axes inside a mesh of several devices
-    (:func:`partition`). Lengths that are not whole blocks are padded exactly
-    (:func:`whole_blocks`)."""
+    (:func:`partition`). Lengths must be whole blocks: :func:`goat_jax.kernels.attend` pads
+    others exactly (:func:`goat_jax.kernels.pad_lengths`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    b, t_real, n, _ = q.shape
-    s_real, kh = k.shape[1], k.shape[2]
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if t % BLOCK or s % BLOCK:
+        raise ValueError(
+            f"splash attention needs query and key lengths that are multiples of {BLOCK}; "
+            f"got T={t}, S={s}. Call goat_jax.kernels.attend, which pads them exactly, or pad the sequence."
+        )
     if is_causal and not isinstance(causal_offset, (int, np.integer)):
         raise ValueError(
             "splash attention builds its causal mask statically and needs an integer "
             "causal_offset (got a traced value, e.g. a KV-cache index). Decode with "
             "implementation='xla'/'cudnn'."
         )
-    q, k, v, key_padding_mask, kv_lengths, segments = whole_blocks(q, k, v, key_padding_mask, kv_lengths, segments)
-    t, s = q.shape[1], k.shape[1]
     block = lambda length: max(BLOCK, min(512, length) // BLOCK * BLOCK)
     bq, bkv = block(t), block(s)
     while t % bq:
@@ -206,33 +209,4 @@ def splash_attention(q, k, v, scale, is_causal, causal_offset, key_padding_mask,
         out = jax.shard_map(run, mesh=mesh, out_specs=q_spec,
                             in_specs=(q_spec, kv_spec, kv_spec) + (seg_spec,) * len(seg),
                             check_vma=False)(qs, ks, vs, *seg)
-    return jnp.moveaxis(out, 1, 2)[:, :t_real].astype(v.dtype)  # [B, T, N, Hv]
-
-
-def whole_blocks(q, k, v, key_padding_mask, kv_lengths, segments):
-    """``(q, k, v, key_padding_mask, kv_lengths, segments)`` with the query and key lengths
-    padded to whole splash blocks (multiples of :data:`BLOCK`), exactly: the caller drops the
-    extra query rows' outputs, and the extra keys are masked out (``kv_lengths`` = the real
-    length when no mask was given, or ``key_padding_mask`` extended with True, "ignored").
-    An extra query row copies the last real row's segment id (and sits below it in the causal
-    order), so it attends to a superset of that row's keys: never an empty row, whose
-    gradient could be NaN. Lengths already whole are returned unchanged. Why: a ViT's 197
-    tokens (196 patches + CLS) would otherwise leave TPUs the blockwise fallback, which
-    compiles for tens of minutes; padding to 256 costs splash 30% more tiles."""
-    t, s = q.shape[1], k.shape[1]
-    tp, sp = -(-t // BLOCK) * BLOCK, -(-s // BLOCK) * BLOCK
-    seg_q, seg_kv = segments if segments is not None else (None, None)
-    if tp != t:
-        q = jnp.pad(q, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
-        if seg_q is not None:
-            seg_q = jnp.pad(seg_q, [(0, 0), (0, tp - t)], mode="edge")
-    if sp != s:
-        k = jnp.pad(k, [(0, 0), (0, sp - s), (0, 0), (0, 0)])
-        v = jnp.pad(v, [(0, 0), (0, sp - s), (0, 0), (0, 0)])
-        if seg_kv is not None:
-            seg_kv = jnp.pad(seg_kv, [(0, 0), (0, sp - s)], mode="edge")  # masked below regardless
-        if key_padding_mask is not None:
-            key_padding_mask = jnp.pad(key_padding_mask.astype(bool), [(0, 0), (0, sp - s)], constant_values=True)
-        elif kv_lengths is None:
-            kv_lengths = jnp.full((k.shape[0],), s, jnp.int32)
-    return q, k, v, key_padding_mask, kv_lengths, None if seg_q is None else (seg_q, seg_kv)
+    return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]

@@ -196,7 +196,7 @@ def test_smoke_lm_train_step_compiles_for_h200x8_through_experiments_compile(tmp
 @pytest.mark.parametrize("t, s, causal, masking", [(197, 197, False, None), (9, 9, True, None),
                                                     (5, 9, False, "lengths"), (7, 7, False, "mask"), (6, 8, False, None)])
 def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
-    """kernels.even_lengths (what the cuDNN path applies: jax 0.10.2's cuDNN training rule needs
+    """kernels.pad_lengths to even lengths (what the cuDNN path applies: jax 0.10.2's cuDNN training rule needs
     even lengths): attention on the padded inputs, the extra query row dropped, equals the
     float64 reference on the real ones, values and gradients, with kv_lengths or a padding mask."""
     import jax
@@ -227,7 +227,7 @@ def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
         return attention(q, k, v, lengths, mask)
 
     def padded(q, k, v):
-        qp, kp, vp, m, n = kernels.even_lengths(q, k, v, mask, lengths)
+        qp, kp, vp, m, n, _ = kernels.pad_lengths(q, k, v, mask, lengths, None, 2)
         assert qp.shape[1] % 2 == 0 and kp.shape[1] % 2 == 0
         return attention(qp, kp, vp, n, m)[:, :t]
 
@@ -244,7 +244,7 @@ def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
 @pytest.mark.slow(reason="needs the aot-gpu extra (the CUDA plugin), which CI does not install; a ViT train "
                          "step (197 tokens) compiled for one H200 through experiments.compile, ~1 min")
 def test_a_vit_with_197_tokens_trains_on_cudnn_for_one_h200(tmp_path):
-    """197 tokens (196 patches + CLS) is odd: before even_lengths the cuDNN path failed at the
+    """197 tokens (196 patches + CLS) is odd: before padding to even lengths the cuDNN path failed at the
     first training step ("Unsupported sequence length Q 197, KV 197"); now it compiles with the
     fused-attention calls forward and backward."""
     proc = _run(["-m", "experiments.compile", "--config", "configs/vit_s16_imagenet.py:goat", "--target", "h200x1",

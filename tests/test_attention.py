@@ -121,7 +121,7 @@ def test_splash_interpret_matches_reference(name, rng):
                                                "padding rules are covered by the three cases above")),
 ])
 def test_splash_pads_lengths_to_whole_blocks_exactly(t, s, causal, offset, masking, rng):
-    """splash.whole_blocks (lengths that are not multiples of 128 padded, the extra query rows
+    """kernels.pad_lengths to whole splash blocks (lengths that are not multiples of 128 padded, the extra query rows
     dropped, the extra keys masked): splash_interpret equals a float64 reference on the real
     lengths, values and gradients, bidirectional and causal, with a padding mask or segment ids."""
     b, n, kh, h = 2, 2, 1, 8
