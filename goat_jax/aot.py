@@ -339,14 +339,17 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     abstract_batch = trainer.global_abstract_batch(local, batch_shardings, groups)
 
     start = time.perf_counter()
-    with kernels.record_choices() as choices, gpu_target(target):
+    with gpu_target(target):
         # The model's shapes are traced under the target's mesh too (make_sharded_steps
         # eval_shapes the init outside its own mesh context), so kernel choices are the target's.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             steps = trainer.make_sharded_steps(task, config, mesh, rules, batch_shardings)
         abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                       steps.abstract_state, steps.state_shardings)
-        lowered = steps.train_step.lower(abstract_state, abstract_batch)
+        # The kernels the train step uses, not the init's (traced without the batch's segment
+        # ids, its choice can differ: cuDNN at init, 'flash' for packed documents).
+        with kernels.record_choices() as choices:
+            lowered = steps.train_step.lower(abstract_state, abstract_batch)
     lower_seconds = time.perf_counter() - start
     error = None
     try:

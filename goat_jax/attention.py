@@ -273,7 +273,8 @@ class GoatLogic(attention_core.AttentionLogic):
         d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
-                                              logits_shape=shape.logits_shape)
+                                              logits_shape=shape.logits_shape,
+                                              segments=call.q_segment_ids is not None)
 
         t, s = call.query.shape[1], call.key.shape[1]
         spatial_shape = call.spatial_shape

@@ -184,12 +184,6 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
                        layer.dtype or jnp.result_type(query.dtype, layer.param_dtype), embed_dim,
                        (query.shape[0], layer.num_heads, query.shape[1], layer._attended_length(key.shape[1])))
     plan = layer._plan(call, shape)
-    if (call.q_segment_ids is not None and plan.implementation == "cudnn"
-            and layer.implementation in (None, "auto")):
-        # The automatic choice must not pick the one kernel that refuses segment ids.
-        kernels.log_once("goat_jax: segment_ids use implementation 'flash' (cuDNN's fused "
-                         "attention in jax cannot take them).")
-        plan = plan._replace(implementation="flash")
     layer._check_logn(call)
 
     def proj(x, name, heads, axes):

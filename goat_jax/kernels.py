@@ -198,13 +198,14 @@ def _refusal(implementation: str, dtype: Any, qk_dim: int, target: Tuple[str, st
 
 def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
                            logits_shape: Optional[Tuple[int, int, int, int]] = None,
-                           *, like: Tuple[Any, ...] = ()) -> str:
+                           *, like: Tuple[Any, ...] = (), segments: bool = False) -> str:
     """Validates ``implementation`` or picks one automatically (logged once), for the devices
     the computation runs on (:func:`target_platform` of ``like``, the mesh in context, else the
     default backend): a TPU program traced on a CPU host gets TPU kernels.
 
-    Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16 and the packed
-    q/k dim fits (<= 256 after padding to a multiple of 8); splash attention on TPU when the
+    Automatic choice: cuDNN flash attention on GPU when the dtype is bf16/fp16, the packed
+    q/k dim fits (<= 256 after padding to a multiple of 8) and the call has no segment ids
+    (``segments``: jax's cuDNN path cannot take them); splash attention on TPU when the
     lengths of ``logits_shape`` are at least 128 (splash's block; padded to whole blocks,
     exactly) or, under context parallelism, multiples of every chunk's blocks; otherwise
     'flash' when ``logits_shape`` = (B, N, T, S) is given and ``B * N * T * S * 4`` exceeds
@@ -224,7 +225,7 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         # (pad_lengths): < 2x the tiles.
         splash_fits = (logits_shape is None or not (logits_shape[2] % multiple or logits_shape[3] % multiple)
                        or (multiple == _SPLASH_BLOCK and min(logits_shape[2:]) >= _SPLASH_BLOCK))
-        if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM:
+        if platform == "gpu" and half and padded <= _CUDNN_MAX_HEAD_DIM and not segments:
             choice, why = "cudnn", f"GPU, {dtype.name}, packed head dim {padded}"
         elif platform == "tpu" and splash_fits:
             choice, why = "splash", "TPU"
@@ -238,6 +239,8 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
                 reasons.append(f"{dtype.name} (cuDNN needs bf16/fp16)")
             if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
                 reasons.append(f"packed head dim {padded} > {_CUDNN_MAX_HEAD_DIM}")
+            if platform == "gpu" and segments:
+                reasons.append("segment ids (cuDNN's fused attention in jax cannot take them)")
             logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
             if logits_bytes > FLASH_THRESHOLD_BYTES:
                 choice = "flash"

@@ -261,18 +261,23 @@ def test_bad_segment_input_raises_naming_the_argument():
          is_causal=True, segment_ids=ok)
 
 
-def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch):
-    """Where the automatic choice is cuDNN (GPU, bf16), segment ids get 'flash' instead (cuDNN
-    refuses them); an explicit implementation='cudnn' still gets the kernel's clear error."""
+@pytest.mark.parametrize("name", ["goat", "rope"])
+def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch, name):
+    """On a GPU in bf16 the automatic choice is cuDNN, but not for a call with segment ids
+    (jax's cuDNN path refuses them); the choice recorded for the compile report
+    (``kernels.record_choices``) is the kernel the layer then runs, in both cases."""
     from goat_jax import kernels
     used = []
     real_attend = kernels.attend
-    monkeypatch.setattr(kernels, "resolve_implementation", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(kernels, "target_platform", lambda *a: ("gpu", "this test"))
+    # cuDNN needs a GPU to run: the spy notes the kernel and runs XLA in its place.
     monkeypatch.setattr(kernels, "attend", lambda *a, **k: used.append(k["implementation"]) or real_attend(
         *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))
     ids = jnp.asarray([[1, 1, 2, 2, 2, PAD_SEGMENT_ID]], jnp.int32)
-    x = jnp.zeros((1, 6, E))
-    layer = _layer("rope", None)  # the choice is made in the shared layer, once for every subclass
-    layer.init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
-    layer.init(jax.random.key(0), x, is_causal=True)
-    assert used == ["flash", "cudnn"]
+    x = jnp.zeros((1, 6, E), jnp.bfloat16)
+    layer = _layer(name, None, dtype=jnp.bfloat16)
+    with kernels.record_choices() as choices:
+        layer.init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
+        layer.init(jax.random.key(0), x, is_causal=True)
+    assert used[0] != "cudnn" and used[-1] == "cudnn", used
+    assert [c["implementation"] for c in choices] == used, (choices, used)

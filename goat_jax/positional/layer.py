@@ -172,7 +172,8 @@ class PositionalLogic(attention_core.AttentionLogic):
         enc.check_head_dim(shape.head_dim)
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
-        return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape), enc, channels,
+        return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape,
+                                                      call.q_segment_ids is not None), enc, channels,
                      settings)
 
     def _check_call(self, enc: PositionEncoding, call: layers.AttentionCall) -> None:
@@ -196,15 +197,17 @@ class PositionalLogic(attention_core.AttentionLogic):
         if enc.causal_only and not call.is_causal:
             raise ValueError(f"position_encoding={name!r} needs is_causal=True: {enc.causal_only}")
 
-    def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape) -> str:
-        """Kernel choice; bias-based encodings need a kernel that takes an additive bias."""
+    def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape,
+                        segments: bool) -> str:
+        """Kernel choice (``segments``: the call has segment ids); bias-based encodings need a
+        kernel that takes an additive bias."""
         impl = self.implementation
         if not enc.materialized_bias:
-            return kernels.resolve_implementation(impl, dtype, qk_dim, logits_shape)
+            return kernels.resolve_implementation(impl, dtype, qk_dim, logits_shape, segments=segments)
         if impl is None or impl == "auto":
             kernels.log_once(f"goat_jax: position_encoding={enc.name!r} uses "
                              "implementation 'xla' (it needs an additive bias).")
-            return "xla"
+            return kernels.resolve_implementation("xla", dtype, qk_dim)  # recorded like any choice
         if impl in kernels.IMPLEMENTATIONS and impl not in ("xla", "dense"):
             raise ValueError(
                 f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, "
