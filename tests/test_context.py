@@ -113,13 +113,13 @@ def _all_cases():
 
 
 # A covering subset that keeps the default suite short: every kernel, context 2 and 4, balanced
-# and not, segment ids and not, GOAT and RoPE, the bias encoding, heads over a tensor axis twice.
+# and not, segment ids and not, GOAT and RoPE, the bias encoding, heads over a tensor axis twice
+# (four cases: one shard_map program each, ~25 s of one idle core apiece).
 # The slow suite runs every combination (test_layer_under_context_parallelism_every_combination).
 _DEFAULT_CASES = [
     ["goat", "flash", 4, True, True, 1],
     ["rope", "flash", 2, False, False, 2],
-    ["goat", "xla", 4, False, False, 2],
-    ["kerple_log", "xla", 2, True, True, 1],
+    ["kerple_log", "xla", 4, False, True, 2],
     ["goat", "splash_interpret", 2, True, True, 1],
 ]
 
@@ -190,7 +190,7 @@ for name, source, second in [("c1_to_c4", "c1", config(4))] + ([("c4_to_c1", "c4
 # Per-device temporaries of the compiled train step against mesh.context at a fixed per-device
 # batch (data 2, on 2 x context devices; xla kernel, whose T x S logits dominate).
 memory = {}
-for c in (1, 2, 4):
+for c in ((1, 2, 4) if full else (1, 4)):  # the default suite skips context 2's compile
     cfg = config(c, **{"seq_len": 256, "model.implementation": "xla", "mesh.data": 2})
     task = tasks.get_task(cfg.task)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2 * c])
@@ -218,7 +218,9 @@ def _check_engine(out, full):
         assert out[name]["resumed_at"] == 6
         np.testing.assert_allclose(out[name]["losses"], base, rtol=2e-6, err_msg=name)
     temps = {int(k): v for k, v in out["temporaries"].items()}
-    assert temps[4] < temps[2] < temps[1], temps
+    assert temps[4] < temps[1], temps
+    if full:
+        assert temps[4] < temps[2] < temps[1], temps
     assert temps[4] < 0.6 * temps[1], temps  # most of the step's temporaries are split
 
 
@@ -226,7 +228,8 @@ def test_engine_trains_resumes_and_saves_memory_under_context(tmp_path):
     """The issue's done-when on 8 fake devices: the smoke LM at mesh.context=4 (load-balanced)
     trains with the losses of mesh.context=1, a context-1 run stopped after step 3 resumes
     exactly at mesh.context=4, and the compiled step's temporaries per device fall as the
-    context axis grows at a fixed per-device batch (the T x S logits are split over it)."""
+    context axis grows at a fixed per-device batch (the T x S logits are split over it; contexts 1
+    and 4 here, 1, 2 and 4 in the slow test below)."""
     out = json.loads(run_on_fake_devices(_ENGINE_SCRIPT, str(tmp_path), "default", timeout=1200).split("RESULT ")[-1])
     _check_engine(out, full=False)
 

@@ -258,6 +258,7 @@ def test_goat_lm_refuses_synthetic_runs_and_bad_arguments(tmp_path):
     assert harness.bucket_length(33, 40) == 40
 
 
+@pytest.mark.slow(reason="compiles the decoder for three prompt buckets (~30 s of an idle core); generate_until against the float64 greedy reference runs in the default suite (test_local_tasks_through_the_cli_equal_the_float64_reference)")
 def test_generate_until_shares_one_compile_across_prompt_lengths_of_a_bucket(tmp_path):
     """Two prompts of two lengths below prefill_multiple=16 tokens and one in the next bucket:
     two decoder compiles, and every continuation equals the exact-length decode of
@@ -279,6 +280,7 @@ def test_generate_until_shares_one_compile_across_prompt_lengths_of_a_bucket(tmp
     assert got == harness.GoatLM(run, batch_size=4, prefill_multiple=1).generate_until(requests)
 
 
+@pytest.mark.slow(reason="lm-eval indexes its whole task registry (~25 s of an idle core)")
 def test_a_task_yaml_that_does_not_parse_is_named_when_its_task_is_asked_for(tmp_path):
     """lm-eval's index skips a task YAML with a syntax error silently; asking for its task names
     the file and the parser's error instead of only 'unknown task'."""

@@ -116,6 +116,7 @@ def test_documents_packing_trains_resumes_exactly_and_evaluates(tmp_path):
     assert "Packed held-out documents" in open(out / "results.md").read()
 
 
+@pytest.mark.slow(reason="trains and evaluates YaRN on packed documents (~22 s of an idle core); packed evaluation runs in the default suite (test_documents_packing_trains_and_evaluates_in_process)")
 def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_finished(tmp_path, monkeypatch):
     """A RoPE run trained on packed documents, evaluated as YaRN: with --rope_scaling_factor the
     documents evaluation past 1x runs (each document scaled by the fixed factor); when an

@@ -206,6 +206,7 @@ def test_rope_pi_is_rope_with_interpolated_positions(rng):
                    rope.apply({"params": params}, short, is_causal=True)) <= 1e-6
 
 
+@pytest.mark.slow(reason="ALiBi and packed ALiBi in bf16 at long lengths (~12 s of an idle core); float32 equality of the two stays in the default suite")
 def test_alibi_packed_matches_alibi_far_in_bf16(rng):
     """Positions ~16000 in bfloat16: ALiBi packed into q/k (exactly split slope * p_j) gives the
     materialized-bias output. A single bf16 channel would be off by up to 16 logits there."""

@@ -86,6 +86,7 @@ def test_smoke_suite_writes_report_with_every_table(tmp_path, capsys):
     assert {"lm/jargon/goat", "vit/vit/goat", "dna/dna/goat"} <= set(json.loads((out / "results.json").read_text()))
 
 
+@pytest.mark.slow(reason="builds every config of the paper suite (~20 s of an idle core); the README's reproduce commands are parsed in the default suite")
 def test_paper_dry_run_prints_commands_for_every_run(capsys):
     assert reproduce.main(["--suite", "paper", "--dry_run", "--workdir", "/cluster/runs",
                            "--out", "/cluster/report"]) == 0

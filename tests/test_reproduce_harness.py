@@ -117,6 +117,7 @@ def _checks(report_md):
     return [line for line in section.splitlines() if line.startswith("| GOAT") or line.startswith("| RoPE")]
 
 
+@pytest.mark.slow(reason="trains the smoke suite's seeds in two sittings (~30 s of an idle core); reuse of finished runs is in tests/test_reproduce_seeds.py")
 def test_seeds_run_in_parts_give_the_report_of_one_sitting(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(suites.SUITES, "smoke_parts", _suite("smoke_parts", ("goat", "rope")))
     argv = _argv("smoke_parts", tmp_path)
@@ -214,6 +215,7 @@ def _sigterm_once_all_training(workdirs, deadline=300.0):
         time.sleep(0.1)
 
 
+@pytest.mark.slow(reason="two workers trained to a SIGTERM (~26 s of an idle core); the one-job SIGTERM test below keeps the preemption promise in the default suite")
 def test_sigterm_with_parallel_jobs_stops_every_worker_after_it_saves(tmp_path):
     """``--jobs 2``: the harness forwards SIGTERM to its worker processes; each trainer saves
     where it stopped, nothing is evaluated or cached, and the harness raises RunStopped (the

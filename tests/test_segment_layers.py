@@ -261,7 +261,7 @@ def test_bad_segment_input_raises_naming_the_argument():
          is_causal=True, segment_ids=ok)
 
 
-@pytest.mark.parametrize("name", ["goat", "rope"])
+@pytest.mark.parametrize("name", ["goat", _slow("rope")])
 def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch, name):
     """On a GPU in bf16 the automatic choice is cuDNN, but not for a call with segment ids
     (jax's cuDNN path refuses them); the choice recorded for the compile report
