@@ -171,6 +171,11 @@ def _platform() -> str:
     return target_platform()[0]
 
 
+# Why cuDNN never takes segment ids: said by the automatic choice and by attend's refusal.
+_CUDNN_SEGMENTS_WHY = ("jax.nn.dot_product_attention (jax 0.10.2) passes cuDNN only per-example query/key "
+                       "lengths (right padding), not its packed-segment offsets")
+
+
 def _refusal(implementation: str, dtype: Any, qk_dim: int, target: Tuple[str, str]) -> Optional[str]:
     """Why ``implementation`` cannot run for ``dtype``, ``qk_dim`` on ``target`` (see
     :func:`target_platform`), or None: the one list of reasons an explicit choice is refused."""
@@ -240,7 +245,7 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
             if platform == "gpu" and padded > _CUDNN_MAX_HEAD_DIM:
                 reasons.append(f"packed head dim {padded} > {_CUDNN_MAX_HEAD_DIM}")
             if platform == "gpu" and segments:
-                reasons.append("segment ids (cuDNN's fused attention in jax cannot take them)")
+                reasons.append(f"segment ids ({_CUDNN_SEGMENTS_WHY})")
             logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
             if logits_bytes > FLASH_THRESHOLD_BYTES:
                 choice = "flash"
@@ -456,10 +461,8 @@ def attend(
     segments = resolve_segments(q.shape, k.shape, segment_ids, q_segment_ids, kv_segment_ids)
     if segments is not None and implementation == "cudnn":
         raise ValueError(
-            "implementation='cudnn' cannot honour segment_ids: jax.nn.dot_product_attention "
-            "(jax 0.10.2) passes cuDNN only per-example query/key lengths (right padding), not "
-            "its packed-segment offsets. Use implementation='flash' (segment-aware, skips tiles "
-            "across documents) or 'xla'.")
+            f"implementation='cudnn' cannot honour segment_ids: {_CUDNN_SEGMENTS_WHY}. Use "
+            "implementation='flash' (segment-aware, skips tiles across documents) or 'xla'.")
     if context_lib.shards() > 1:  # the sequence is split over the mesh's context axis
         if return_probs:
             raise ValueError(
