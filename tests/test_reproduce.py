@@ -408,6 +408,21 @@ def test_rival_checks_pair_seeds_and_name_what_is_missing():
     assert "(points) = 40 ± " in checks["goat+linear_sink synthetic passkey accuracy at 8x > fox+gate_bias5's"].difference
     # The rival's NIAH rows have not finished: not measured, never dropped.
     assert all(c.verdict == "" and c.numbers == "not measured" for c in list(checks.values())[4:])
+    # Once they have, the mean over depths is taken per seed: the NIAH checks are verdicts on a
+    # paired difference with its interval (8x: 10, 20 and 13 points in the three seeds, an
+    # interval above 0), never the sign of a bare mean.
+    results["niah/niah/fox+gate_bias5"] = {"niah": {
+        "lengths": [64, 512, 1024], "depths": [0.1, 0.9],
+        "token_accuracy": [[E([1, 1, 1])] * 2, [E([.1, .1, .1]), E([.1, .1, .14])], [E([.1, .15, .1])] * 2]}}
+    niah = lm_family.niah_by_length(results["niah/niah/fox+gate_bias5"]["niah"])
+    assert isinstance(niah[512], stats.Estimate) and niah[512].values == pytest.approx((.1, .1, .12))
+    checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
+    at_8x, at_16x = (checks[f"goat+linear_sink NIAH accuracy at {m}x > fox+gate_bias5's"] for m in (8, 16))
+    assert (at_8x.verdict, at_8x.seeds) == (stats.SUPPORTED, 3) and " ± " in at_8x.difference
+    assert (at_16x.verdict, at_16x.seeds) == (stats.INCONCLUSIVE, 3) and " ± " in at_16x.difference
+    # With one seed there is no interval: inconclusive (1 seed), not a verdict on the sign.
+    one = {k: stats.restrict(v, [0]) for k, v in results.items()}
+    assert lm_family.rival_checks(one, rival, "jargon")[4].verdict == stats.ONE_SEED
     # A length the suite did not evaluate is named.
     del results["lm/jargon/fox"]["extrapolation"][4096]
     assert "4096 tokens not evaluated" in lm_family.rival_checks(results, rival, "jargon")[1].numbers

@@ -82,10 +82,17 @@ def synthetic_passkey(row: dict[str, Any]) -> dict[int, Any]:
 
 def niah_by_length(grid: Optional[dict[str, Any]]) -> dict[int, Any]:
     """``{length: value-span token accuracy, mean over depths}`` of a NIAH row's grid (``{}``
-    when it has none): what the NIAH table shows and the checks judge."""
+    when it has none): what the NIAH table shows and the checks judge. The mean is taken per
+    seed, so an aggregated grid of :class:`~goat_jax.reproduce.stats.Estimate` s gives
+    Estimates with their seeds and interval (``np.mean`` would read them as plain floats and
+    drop the seeds: a check would then judge the sign of a mean, with no interval)."""
     if not grid:
         return {}
-    return dict(zip([int(n) for n in grid["lengths"]], np.mean(grid["token_accuracy"], axis=1)))
+    lengths, rows = grid["lengths"], grid["token_accuracy"]
+    if len(rows) != len(lengths) or not all(rows):
+        raise ValueError(f"NIAH grid: {len(rows)} rows of token_accuracy for {len(lengths)} lengths "
+                         "(one non-empty row of depths per length expected).")
+    return {int(n): sum(row) / len(row) for n, row in zip(lengths, rows)}
 
 
 def headline_dataset(suite: Suite) -> str:
