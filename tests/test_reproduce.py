@@ -440,3 +440,12 @@ def test_report_command_is_runnable_from_the_repository_root(tmp_path):
     assert reproduce.report_command(["--workdir", inside]) == (
         "python -m experiments.reproduce --workdir runs/reproduce_tiny")
     assert str(tmp_path) not in reproduce.report_command(["--out", str(tmp_path)])
+
+
+def test_perplexity_ratio_line_names_the_length_it_is_at():
+    """The line under a perplexity table says at which length each ratio is taken: once when
+    every row reaches the same longest length, per row when they differ."""
+    same = lm_family.ratio_line({"goat": {64: 2.0, 4096: 3.0}, "rope": {64: 2.0, 4096: 8.0}})
+    assert same == "Ratio of the perplexity at 4096 tokens to the in-distribution (1x) one: goat 1.50, rope 4.00"
+    mixed = lm_family.ratio_line({"goat": {64: 2.0, 4096: 3.0}, "rope": {64: 2.0, 1024: 8.0}})
+    assert mixed.endswith("goat 1.50 (at 4096), rope 4.00 (at 1024)")

@@ -222,6 +222,19 @@ def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> 
     return checks
 
 
+def ratio_line(ext: dict[str, dict[int, Any]]) -> str:
+    """The line under a perplexity table: each row's perplexity at its longest evaluated length
+    over its perplexity at the shortest (the training length), with that length named once when
+    every row shares it and per row otherwise."""
+    longest = {e: max(r) for e, r in ext.items()}
+    shared = len(set(longest.values())) == 1
+    head = (f"Ratio of the perplexity at {next(iter(longest.values()))} tokens to the in-distribution "
+            "(1x) one: " if shared else "Ratio of the perplexity at each row's longest length to the "
+            "in-distribution (1x) one: ")
+    return head + ", ".join(f"{e} {r[longest[e]] / r[min(r)]:.2f}" + ("" if shared else f" (at {longest[e]})")
+                            for e, r in ext.items())
+
+
 def length_table(rows: dict[str, dict[int, float]], train_len: int, pct: bool = False) -> str:
     """Runs x lengths, each length header also given as a multiple of the training length."""
     return ev.table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
@@ -262,8 +275,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
         if ext:
             md += [f"## Perplexity by evaluation length ({dataset}, byte level, non-overlapping windows)", "",
                    length_table(ext, _train_len(results, "lm", dataset)), "",
-                   "Ratio to the in-distribution (1x) perplexity: " + ", ".join(
-                       f"{e} {r[max(r)] / r[min(r)]:.2f}" for e, r in ext.items()), "",
+                   ratio_line(ext), "",
                    f"![perplexity](perplexity_{dataset}.png)", ""]
             plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
                                             train_len=min(next(iter(ext.values()))),
