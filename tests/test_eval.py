@@ -448,3 +448,17 @@ def test_a_text_file_shorter_than_one_window_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=rf"--text {path}: 11 tokens .* shorter than one window of "
                                          rf"{config.seq_len} tokens .*give a longer file"):
         runs.eval_extrapolation(run, (1, 2), text_file=str(path))
+
+
+def test_a_diverging_row_goes_off_scale_and_says_so_instead_of_flattening_the_rest(tmp_path):
+    """One diverging row (sinusoidal at 10^4 in the tiny report) stretched the log axis so far
+    that every other line lay on the bottom: the axis stops at 10 x the lowest perplexity and
+    the row that leaves it is labelled with the length it leaves at; nothing is cut without a
+    word, and with every row in range the axis is untouched."""
+    curves = {"goat": {64: 6.0, 128: 7.7, 4096: 8.1}, "sinusoidal": {64: 16.0, 128: 26.0, 4096: 3.5e4}}
+    top, shown = plots.off_scale(curves, 10.0)
+    assert top == pytest.approx(60.0)
+    assert shown == {"goat": "goat", "sinusoidal": "sinusoidal (off scale from 4096)"}
+    assert plots.off_scale(curves, None) == (None, {"goat": "goat", "sinusoidal": "sinusoidal"})
+    assert plots.off_scale({"goat": curves["goat"]}, 10.0) == (None, {"goat": "goat"})
+    assert os.path.exists(plots.plot_perplexity_vs_length(curves, str(tmp_path / "ppl.png")))

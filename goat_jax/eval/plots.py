@@ -164,23 +164,55 @@ def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int]) -> N
     ax.set_xlabel("evaluation length (tokens)")
 
 
+def off_scale(curves: Mapping[str, Mapping[int, Any]], max_ratio: Optional[float]
+              ) -> tuple[Optional[float], dict[str, str]]:
+    """The top of a perplexity axis and each line's legend label: ``max_ratio`` x the lowest
+    value when some value lies above that (else None: the axis holds every point), and a row
+    with a value above the top labelled ``'<label> (off scale from <first such length>)'``."""
+    values = [float(v) for by_len in curves.values() for v in by_len.values()]
+    top = None
+    if max_ratio is not None and values and max(values) > max_ratio * min(values):
+        top = max_ratio * min(values)
+    shown = {}
+    for label, by_len in curves.items():
+        off = [n for n in sorted(by_len) if top is not None and float(by_len[n]) > top]
+        shown[label] = f"{label} (off scale from {off[0]})" if off else label
+    return top, shown
+
+
 def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: str, *,
-                              train_len: Optional[int] = None, title: str = "Length extrapolation") -> str:
+                              train_len: Optional[int] = None, title: str = "Length extrapolation",
+                              max_ratio: Optional[float] = 10.0) -> str:
     """Perplexity vs evaluation length, one line per position encoding, log y.
 
     Args:
       results: ``{label: {length: PerplexityResult or ppl float}}`` (e.g. one
         ``perplexity_by_length`` result per encoding).
+      max_ratio: the y axis stops at ``max_ratio`` x the lowest perplexity plotted, so that one
+        diverging row (e.g. sinusoidal at 10^4) does not press every other line onto the bottom
+        of the plot; a row that leaves the axis says so in the legend ("off scale from N"),
+        and its numbers are in the table beside the figure. None: the axis holds every point.
     """
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     all_lengths = sorted({int(n) for r in results.values() for n in r})
     styles = line_styles(list(results))
-    for label, by_len in results.items():
-        lengths = sorted(by_len)
-        ppl = [getattr(by_len[n], "ppl", by_len[n]) for n in lengths]
-        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=label, **styles[label])
+    curves = {label: (sorted(by_len), [getattr(by_len[n], "ppl", by_len[n]) for n in sorted(by_len)])
+              for label, by_len in results.items()}
+    top, shown = off_scale({label: dict(zip(*curve)) for label, curve in curves.items()}, max_ratio)
+    for label, (lengths, ppl) in curves.items():
+        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=shown[label],
+                    **styles[label])
     ax.set_yscale("log")
+    if top is not None:
+        ax.set_ylim(top=top)
+    low, high = ax.get_ylim()
+    if high < 1000 * low:  # within 3 decades: ticks at 1, 2, 5 x 10^k, written as plain numbers
+        from matplotlib import ticker  # pylint: disable=g-import-not-at-top  # plotting extra
+
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylabel("perplexity")
     ax.set_title(title)
