@@ -416,6 +416,8 @@ def test_rival_checks_pair_seeds_and_name_what_is_missing():
         "token_accuracy": [[E([1, 1, 1])] * 2, [E([.1, .1, .1]), E([.1, .1, .14])], [E([.1, .15, .1])] * 2]}}
     niah = lm_family.niah_by_length(results["niah/niah/fox+gate_bias5"]["niah"])
     assert isinstance(niah[512], stats.Estimate) and niah[512].values == pytest.approx((.1, .1, .12))
+    with pytest.raises(ValueError, match="2 rows of token_accuracy for 3 lengths"):
+        lm_family.niah_by_length({"lengths": [64, 512, 1024], "token_accuracy": [[1.0], [0.5]]})
     checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
     at_8x, at_16x = (checks[f"goat+linear_sink NIAH accuracy at {m}x > fox+gate_bias5's"] for m in (8, 16))
     assert (at_8x.verdict, at_8x.seeds) == (stats.SUPPORTED, 3) and " ± " in at_8x.difference
