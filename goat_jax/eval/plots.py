@@ -197,11 +197,12 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
     ax = fig.subplots()
     all_lengths = sorted({int(n) for r in results.values() for n in r})
     styles = line_styles(list(results))
-    curves = {label: (sorted(by_len), [getattr(by_len[n], "ppl", by_len[n]) for n in sorted(by_len)])
+    curves = {label: {n: getattr(v, "ppl", v) for n, v in sorted(by_len.items())}
               for label, by_len in results.items()}
-    top, shown = off_scale({label: dict(zip(*curve)) for label, curve in curves.items()}, max_ratio)
-    for label, (lengths, ppl) in curves.items():
-        ax.errorbar(lengths, ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=shown[label],
+    top, shown = off_scale(curves, max_ratio)
+    for label, by_len in curves.items():
+        ppl = list(by_len.values())
+        ax.errorbar(list(by_len), ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=shown[label],
                     **styles[label])
     ax.set_yscale("log")
     if top is not None:
