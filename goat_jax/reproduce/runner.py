@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
 import os
 import signal
 import subprocess
 import threading
 import time
-from concurrent import futures
 from collections.abc import Iterator, Sequence
 from typing import Optional
 
@@ -28,6 +26,7 @@ from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
 from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce import records as records_lib
+from goat_jax.reproduce import workers
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 from goat_jax.train import trainer
 
@@ -191,31 +190,14 @@ def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _forward_sigterm(pool: futures.ProcessPoolExecutor, submitted: dict) -> Iterator[threading.Event]:
+def _sigterm_event() -> Iterator[threading.Event]:
     """While the block runs, a SIGTERM to the harness (``kill PID``, a scheduler's preemption)
-    sets the event yielded and stops ``pool``'s work: the futures in ``submitted`` that have not
-    started are cancelled, and every live worker is sent SIGTERM, again each second until the
-    block ends (a worker the executor starts for a call it had already queued gets it too). A
-    trainer then saves a checkpoint at the end of its step and returns
-    (:class:`goat_jax.reproduce.jobs.RunStopped`); a worker outside its trainer ends, having
-    evaluated nothing. The previous handler is restored after the block; a harness not on the
-    main thread cannot install one and keeps the default behaviour."""
-    event, done = threading.Event(), threading.Event()
-
-    def stop_workers():
-        while not event.wait(0.2):  # until SIGTERM, or the block ends without one
-            if done.is_set():
-                return
-        while not done.is_set():
-            for fut in list(submitted):
-                fut.cancel()  # not started yet: never starts
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # the executor's live workers
-                if proc.is_alive():
-                    try:
-                        os.kill(proc.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            done.wait(1.0)
+    sets the event yielded, and nothing else does: :class:`goat_jax.reproduce.workers.JobProcesses`
+    then starts no further job and forwards SIGTERM to each running one, whose trainer saves a
+    checkpoint at the end of its step and returns (:class:`goat_jax.reproduce.jobs.RunStopped`).
+    The previous handler is restored after the block; a harness not on the main thread cannot
+    install one and keeps the default behaviour."""
+    event = threading.Event()
 
     def handle(signum, frame):  # pylint: disable=unused-argument
         if not event.is_set():
@@ -225,14 +207,11 @@ def _forward_sigterm(pool: futures.ProcessPoolExecutor, submitted: dict) -> Iter
     if threading.current_thread() is not threading.main_thread():
         yield event
         return
-    stopper = threading.Thread(target=stop_workers, daemon=True)
-    stopper.start()
     previous = signal.signal(signal.SIGTERM, handle)
     try:
         yield event
     finally:
         signal.signal(signal.SIGTERM, previous)
-        done.set()  # ends the stopper thread; the event stays what it was (set only by SIGTERM)
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
@@ -337,52 +316,50 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 record(each, jobs_lib.train_and_evaluate(each, suite))
                 cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
         return raw, timings, failed
-    context = multiprocessing.get_context("spawn")  # a fresh JAX per job; fork would copy its threads
     stopped: list[str] = []
-    pending: dict = {}
     count = 0
-    with futures.ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool, \
-            _forward_sigterm(pool, pending) as sigterm:
+    with _sigterm_event() as sigterm:
+        pool = workers.JobProcesses(jobs, jobs_lib.train_and_evaluate, stop=sigterm)
+        by_key: dict[int, Job] = {}
 
         def submit(job):
-            log_path = job.workdir + (".log" if job.trains else f"@{job.label}.log")
-            fut = pool.submit(jobs_lib.train_and_evaluate, job, suite, log_path)
-            pending[fut] = job
-            cli.log(f"queued {job.run_name} (log {log_path})")
-            return fut
+            by_key[id(job)] = job
+            pool.submit(id(job), job, suite, _log_path(job))
+            cli.log(f"queued {job.run_name} (log {_log_path(job)})")
 
         for job in ready + trained:
             submit(job)
-        running = set(pending)
-        while running:
-            finished, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
-            for fut in finished:
-                job = pending[fut]
-                if fut.cancelled():
-                    continue
-                count += 1
-                try:
-                    record(job, fut.result())
-                    cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} done; elapsed "
-                            f"{(time.time() - t_start) / 60:.1f} min")
-                    if not sigterm.is_set():
-                        for reader in readers.get(id(job), []):
-                            running.add(submit(reader))
-                    continue
-                except jobs_lib.RunStopped as e:
-                    stopped.append(str(e))
-                except Exception as e:  # pylint: disable=broad-except  # one job's failure loses no other
-                    if sigterm.is_set():  # a worker killed by the SIGTERM outside its trainer: evaluated nothing
-                        stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(e).__name__})")
-                        continue
-                    failed[job.run_name] = f"{type(e).__name__}: {e} (log {job.workdir}.log)"
-                    cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
-                for reader in readers.get(id(job), []):
-                    if job.run_name in failed:
-                        failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
+        for key, result, error in pool.outcomes():
+            job = by_key[key]
+            count += 1
+            if error is None:
+                record(job, result)
+                cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} done; elapsed "
+                        f"{(time.time() - t_start) / 60:.1f} min")
+                if not sigterm.is_set():
+                    for reader in readers.get(id(job), []):
+                        submit(reader)
+                continue
+            if isinstance(error, jobs_lib.RunStopped):
+                stopped.append(str(error))
+            elif sigterm.is_set():  # a process ended by the SIGTERM outside its trainer: evaluated nothing
+                stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(error).__name__})")
+                continue
+            else:  # one job's failure loses no other
+                failed[job.run_name] = f"{type(error).__name__}: {error} (log {_log_path(job)})"
+                cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
+            for reader in readers.get(id(job), []):
+                if job.run_name in failed:
+                    failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
     if stopped or sigterm.is_set():
         raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
     return raw, timings, failed
+
+
+def _log_path(job: Job) -> str:
+    """Where a ``--jobs J`` process writes ``job``'s output: ``<workdir>.log`` for a training
+    row, ``<workdir>@<label>.log`` for an evaluated-with row (which shares its run's workdir)."""
+    return job.workdir + (".log" if job.trains else f"@{job.label}.log")
 
 
 def _run_read_by(reader: Job, candidates: Sequence[Job]) -> Optional[Job]:
