@@ -19,7 +19,8 @@ Two uses:
 
 What a record cannot stand in for is a checkpoint: an evaluated-with row (another row's run
 evaluated with changed settings) whose own record is missing needs its run's weights, so that
-run is trained again (training is deterministic for a config and seed on one platform). This
+run is trained again and its record rewritten (retraining is bit-identical on one machine, not
+across machines: docs/experiments.md, "Run records"). This
 module reads and writes files only; :mod:`goat_jax.reproduce.jobs` decides when.
 """
 
