@@ -16,8 +16,7 @@ from goat_jax.eval import checks, runs
 
 def _run_dir(path, task):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"task": task, "model": {"name": "lm",
-                                                                          "position_encoding": "goat"}}))
+    (path / "config.json").write_text(json.dumps({"task": task, "model": {"position_encoding": "goat"}}))
     return str(path)
 
 
@@ -98,7 +97,7 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
 def _rope_run(path, **model):
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"task": "lm", "seq_len": 32, "model": {
-        "name": "lm", "position_encoding": "rope", "rope_scaling_factor": None, **model}}))
+        "position_encoding": "rope", "rope_scaling_factor": None, **model}}))
     return str(path)
 
 
