@@ -320,17 +320,14 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     count = 0
     with _sigterm_event() as sigterm:
         pool = workers.JobProcesses(jobs, jobs_lib.train_and_evaluate, stop=sigterm)
-        by_key: dict[int, Job] = {}
 
         def submit(job):
-            by_key[id(job)] = job
-            pool.submit(id(job), job, suite, _log_path(job))
+            pool.submit(job, job, suite, _log_path(job))  # the job is its outcome's key
             cli.log(f"queued {job.run_name} (log {_log_path(job)})")
 
         for job in ready + trained:
             submit(job)
-        for key, result, error in pool.outcomes():
-            job = by_key[key]
+        for job, result, error in pool.outcomes():
             count += 1
             if error is None:
                 record(job, result)
@@ -344,12 +341,10 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 stopped.append(str(error))
             elif sigterm.is_set():  # a process ended by the SIGTERM outside its trainer: evaluated nothing
                 stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(error).__name__})")
-                continue
             else:  # one job's failure loses no other
                 failed[job.run_name] = f"{type(error).__name__}: {error} (log {_log_path(job)})"
                 cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
-            for reader in readers.get(id(job), []):
-                if job.run_name in failed:
+                for reader in readers.get(id(job), []):
                     failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
     if stopped or sigterm.is_set():
         raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))

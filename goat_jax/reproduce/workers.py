@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import traceback
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import connection
 from typing import Any, NamedTuple, Optional
 
@@ -33,7 +33,7 @@ class WorkerDied(RuntimeError):
 class Outcome(NamedTuple):
     """What one job came to: ``result`` (the target's return value) when ``error`` is None,
     else ``error`` (the exception the target raised, or :class:`WorkerDied`)."""
-    key: Hashable
+    key: Any
     result: Any
     error: Optional[BaseException]
 
@@ -54,7 +54,7 @@ def _child(conn, target: Callable, args: tuple) -> None:
 
 
 class _Running(NamedTuple):
-    key: Hashable
+    key: Any
     process: multiprocessing.process.BaseProcess
     conn: connection.Connection
 
@@ -73,15 +73,16 @@ class JobProcesses:
         self.slots, self.target = slots, target
         self.stop = stop if stop is not None else threading.Event()
         self._context = multiprocessing.get_context("spawn")  # fork would copy JAX's threads
-        self._queue: list[tuple[Hashable, tuple]] = []
+        self._queue: list[tuple[Any, tuple]] = []
         self._running: list[_Running] = []
         self._signalled: set[int] = set()  # pids sent SIGTERM
 
-    def submit(self, key: Hashable, *args) -> None:
-        """Queues ``target(*args)``; its outcome will carry ``key``."""
+    def submit(self, key: Any, *args) -> None:
+        """Queues ``target(*args)``; its outcome will carry ``key`` (any object: it is never
+        hashed nor sent to the job's process)."""
         self._queue.append((key, args))
 
-    def _start(self, key: Hashable, args: tuple) -> None:
+    def _start(self, key: Any, args: tuple) -> None:
         reader, writer = self._context.Pipe(duplex=False)
         process = self._context.Process(target=_child, args=(writer, self.target, args), daemon=False)
         process.start()
@@ -99,14 +100,14 @@ class JobProcesses:
 
     def _finish(self, run: _Running) -> Outcome:
         """Reads ``run``'s result (or notes its death) and reaps its process."""
-        result, error = None, None
         try:
-            result, error = run.conn.recv()
+            (result, error), sent = run.conn.recv(), True  # before join: a large result is read as the child sends it
         except (EOFError, OSError):
-            run.process.join()
-            error = WorkerDied(f"the job's process exited with code {run.process.exitcode} and sent no result")
+            result, error, sent = None, None, False
         run.process.join()
         run.conn.close()
+        if not sent:
+            error = WorkerDied(f"the job's process exited with code {run.process.exitcode} and sent no result")
         self._running.remove(run)
         return Outcome(run.key, result, error)
 
