@@ -4,7 +4,7 @@ What is compared, at equal B, T = S = L, N, H and ``loss = sum(outputs)`` (causa
 
 * ``core``: attention on given q/k/v [B, L, N, H], gradients w.r.t. q, k, v (and the prior's
   parameters where there are any): plain ``kernels.attend``; GOAT (prior features from
-  ``goat_jax.prior``, ``attention.pack_query``/``pack_key``, attend at scale 1); RoPE; ALiBi
+  ``goat_jax.prior``, ``goat_jax.prior.packing.pack_query``/``pack_key``, attend at scale 1); RoPE; ALiBi
   as a materialized bias; ALiBi packed; the naive learned L x L prior.
 * ``layer``: the whole Flax layer (projections included), gradients w.r.t. the parameters:
   ``GoatAttention`` vs ``PositionalAttention`` ('nope' = plain, 'rope', 'alibi', ...), plus
@@ -62,6 +62,7 @@ from goat_jax.benchmarking import Variant, jax_variant, measure  # noqa: E402
 from goat_jax import kernels  # noqa: E402
 from goat_jax import positional as pos_lib  # noqa: E402
 from goat_jax import prior as prior_lib  # noqa: E402
+from goat_jax.prior import packing  # noqa: E402
 
 MiB = 2.0**20
 
@@ -89,13 +90,13 @@ def core_variants(b: int, length: int, n: int, h: int, dtype, impl: str, rng, bi
     pp = attn_lib.GoatPrior(spec).init(
         jax.random.PRNGKey(0), prior_lib.positions_1d(4), prior_lib.positions_1d(4), True)["params"]
     d_c = spec.content_dim(h)
-    channels = attn_lib.default_sink_channels(dtype)
+    channels = packing.default_sink_channels(dtype)
 
     def pack(q_, k_, pp_):
         q_rel, q_sink = prior_lib.query_features(spec, pp_, pos)
         k_rel, u = prior_lib.key_features(spec, pp_, pos, True)
-        return (attn_lib.pack_query(q_[..., :d_c], q_rel, q_sink, channels, dtype),
-                attn_lib.pack_key(k_[..., :d_c], k_rel, u, channels, dtype))
+        return (packing.pack_query(q_[..., :d_c], q_rel, q_sink, channels, dtype),
+                packing.pack_key(k_[..., :d_c], k_rel, u, channels, dtype))
 
     def goat(q_, k_, v_, pp_):
         qp, kp = pack(q_, k_, pp_)
@@ -134,8 +135,8 @@ def core_variants(b: int, length: int, n: int, h: int, dtype, impl: str, rng, bi
         k_rel, u = prior_lib.key_features(spec, pp, pos, True)
 
         def packed_only(q_, k_, v_, q_rel_, q_sink_, k_rel_, u_):
-            qp_ = attn_lib.pack_query(q_[..., :d_c], q_rel_, q_sink_, channels, dtype)
-            kp_ = attn_lib.pack_key(k_[..., :d_c], k_rel_, u_, channels, dtype)
+            qp_ = packing.pack_query(q_[..., :d_c], q_rel_, q_sink_, channels, dtype)
+            kp_ = packing.pack_key(k_[..., :d_c], k_rel_, u_, channels, dtype)
             return jnp.sum(attend(qp_, kp_, v_, scale=1.0).astype(jnp.float32))
 
         out.append(jax_variant("goat:no_features", packed_only, (q, k, v, q_rel, q_sink, k_rel, u),

@@ -146,6 +146,7 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
     import numpy as np
 
     from goat_jax import attention as attn_lib
+    from goat_jax.prior import packing
     from goat_jax import kernels
     from goat_jax.benchmarking import jax_variant, measure
     from goat_jax import prior as prior_lib
@@ -163,13 +164,13 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
         variants = []
 
         def goat(dtype, impl):
-            channels = attn_lib.default_sink_channels(dtype)
+            channels = packing.default_sink_channels(dtype)
 
             def loss(q_, k_, v_, pp_):
                 q_rel, q_sink = prior_lib.query_features(spec, pp_, pos)
                 k_rel, u = prior_lib.key_features(spec, pp_, pos, True)
-                qp = attn_lib.pack_query(q_[..., :d_c], q_rel, q_sink, channels, dtype)
-                kp = attn_lib.pack_key(k_[..., :d_c], k_rel, u, channels, dtype)
+                qp = packing.pack_query(q_[..., :d_c], q_rel, q_sink, channels, dtype)
+                kp = packing.pack_key(k_[..., :d_c], k_rel, u, channels, dtype)
                 return jnp.sum(kernels.attend(qp, kp, v_, implementation=impl, is_causal=True).astype(jnp.float32))
             return loss
 

@@ -1,25 +1,7 @@
-"""GOAT attention: packing the log-prior into q/k channels, and the Flax Linen modules.
+"""GOAT attention: the prior module and the Flax Linen layer (and its framework-free logic).
 
-Packing (paper section 3.3; docs/protocols.md, The mechanism). Per head, with content dims ``d_c``::
-
-    q~ = [q_c / sqrt(d_c),  A cos(w p_i) + B sin(w p_i),  A sin(w p_i) - B cos(w p_i),  g * 1 ...]
-    k~ = [k_c,              cos(w p_j),                   sin(w p_j),                   u(j) ...]
-
-so that ``q~ . k~`` (scale 1) equals ``q_c . k_c / sqrt(d_c) + kappa(p_i - p_j) + g u(j)`` and
-any unmodified dot-product kernel (cuDNN flash, splash, XLA) computes GOAT exactly, with no
-T x S bias. Values keep the full head dim.
-
-bfloat16 at long context. ``u(j)`` contains the causal recency term ``slope * j``, which grows
-with position: rounded to bfloat16 (8 mantissa bits) it is off by up to ``2**-9 |u|``, i.e. up
-to 16 logits at j = 16384 -- this is what breaks the official package in bf16. We instead
-split ``u`` *exactly* into ``c`` bf16 (or fp16) channels ``u = u_1 + ... + u_c`` (each the
-rounding of the remainder), with the query side carrying the same coefficient (1 or the gate)
-in each. Kernels multiply bf16 inputs exactly and accumulate in float32, so the sink reaches
-the logits with float32 accuracy (3 bf16 parts carry 24 bits). The bounded channels (Fourier
-features, scaled content) have position-independent rounding errors and stay one channel.
-``sink_channels`` is 1 in float32, 3 in bfloat16 and 2 in float16 by default; the packed q/k
-dim is then ``head_dim + sink_channels - 1`` and values are zero-padded to it where a kernel
-needs equal dims (cuDNN/XLA), never for splash.
+The packing of the prior into q/k channels (and its bf16-exact sink channels) is
+:mod:`goat_jax.prior.packing`; this module holds the Flax side.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, H head dim.
 """
@@ -39,77 +21,10 @@ from goat_jax import attention_core
 from goat_jax import kernels
 from goat_jax import layers
 from goat_jax import prior as prior_lib
+from goat_jax.prior.packing import default_sink_channels, pack_key, pack_query
 
 Array = jax.Array
 Dtype = Any
-
-
-# ----------------------------------------------------------------------------------------------
-# Packing (pure functions)
-# ----------------------------------------------------------------------------------------------
-
-
-def default_sink_channels(dtype: Dtype) -> int:
-    """Channels needed to carry ``u(j)`` at float32 accuracy in ``dtype`` (see module doc)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.dtype(jnp.bfloat16):
-        return 3
-    if dtype == jnp.dtype(jnp.float16):
-        return 2
-    return 1
-
-
-def split_exact(x: Array, parts: int, dtype: Dtype) -> Array:
-    """Splits float32 ``x`` into ``parts`` values of ``dtype`` whose float32 sum is ``x``
-    (up to the last part's rounding): ``x_1 = round(x)``, ``x_2 = round(x - x_1)``, ...
-
-    Returns [..., parts] in ``dtype``.
-    """
-    out, rest = [], x.astype(prior_lib.real_dtype())
-    for _ in range(parts):
-        piece = rest.astype(dtype)
-        out.append(piece)
-        rest = rest - piece.astype(rest.dtype)
-    return jnp.stack(out, axis=-1)
-
-
-def pack_query(q_content: Array, q_rel: Array, q_sink: Array, sink_channels: int, dtype: Dtype) -> Array:
-    """Packed queries ``[q_c / sqrt(d_c), q_rel, q_sink x sink_channels]``.
-
-    Args:
-      q_content: [B, T, N, d_c]; q_rel: [..., T, N, 2R]; q_sink: [..., T, N] (ignored when
-        ``sink_channels == 0``).
-    Returns:
-      [B, T, N, d_c + 2R + sink_channels] in ``dtype``.
-    """
-    b, t, n, d_c = q_content.shape
-    # The 1/sqrt(d_c) scale is folded in float32 before the cast so the kernel runs at scale 1.
-    parts = [(q_content.astype(prior_lib.real_dtype()) / math.sqrt(d_c)).astype(dtype),
-             jnp.broadcast_to(q_rel, (b, t, n, q_rel.shape[-1])).astype(dtype)]
-    if sink_channels:
-        coef = jnp.broadcast_to(q_sink, (b, t, n))[..., None]
-        parts.append(jnp.repeat(coef, sink_channels, axis=-1).astype(dtype))
-    return jnp.concatenate(parts, axis=-1)
-
-
-def pack_key(k_content: Array, k_rel: Array, u: Array, sink_channels: int, dtype: Dtype,
-             rel_per_head: bool = False) -> Array:
-    """Packed keys ``[k_c, cos(w p_j), sin(w p_j), split(u(j))]``.
-
-    Args:
-      k_content: [B, S, K, d_c]; k_rel: [..., S, 2R] shared by the heads, or [..., S, K, 2R]
-        when ``rel_per_head`` (learned per-head frequencies); u: [..., S, K] float32.
-    Returns:
-      [B, S, K, d_c + 2R + sink_channels] in ``dtype``.
-    """
-    b, s, kh, _ = k_content.shape
-    rel = k_rel if rel_per_head else k_rel[..., None, :]
-    parts = [k_content.astype(dtype),
-             jnp.broadcast_to(rel, (b, s, kh, k_rel.shape[-1])).astype(dtype)]
-    if sink_channels:
-        u = jnp.broadcast_to(u, (b, s, kh))
-        parts.append(split_exact(u, sink_channels, dtype))
-    return jnp.concatenate(parts, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +189,8 @@ class GoatLogic(attention_core.AttentionLogic):
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
                                               logits_shape=shape.logits_shape,
-                                              segments=call.q_segment_ids is not None)
+                                              segments=call.q_segment_ids is not None,
+                                              decoding=bool(self.decode))
 
         t, s = call.query.shape[1], call.key.shape[1]
         spatial_shape = call.spatial_shape
@@ -328,7 +244,7 @@ class GoatLogic(attention_core.AttentionLogic):
 
     def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
                 plan: _GoatPlan, q: Array, k: Array, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions,
-                cache: Optional[layers.DecodeCache]) -> attention_call.Encoded:
+                cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:
         # Causal masking is by sequence index, shifted by the 1D offsets (official semantics).
         causal_offset = 0
         if not plan.use_2d:

@@ -132,8 +132,8 @@ def resolve_call_segments(call: AttentionCall, segment_ids: Optional[Array],
         raise ValueError("segment_ids are for 1D sequences (packed documents); a patch grid "
                          "(spatial_shape) has no documents. Drop segment_ids or spatial_shape.")
     b, t, s = call.query.shape[0], call.query.shape[1], call.key.shape[1]
-    q_ids, kv_ids = kernels.resolve_segments((b, t), (b, s), q_segment_ids=segment_ids,
-                                            kv_segment_ids=kv_segment_ids)
+    q_ids, kv_ids = kernels.check_segment_ids(b, t, s, q_segment_ids=segment_ids,
+                                              kv_segment_ids=kv_segment_ids)
     names = ("segment_ids", "segment_ids" if self_attention and kv_segment_ids is segment_ids else "kv_segment_ids")
     for ids, name in zip((q_ids, kv_ids), names):
         segments_lib.check_contiguous(ids, name)

@@ -229,11 +229,13 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     if skip_kernel:
         out = jnp.zeros((b, t, layer.num_heads, v.shape[-1]), shape.dtype)
     else:
+        # The one mask value of this call, handed to whichever kernel runs it.
+        mask = kernels.AttentionMask.build(
+            b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,
+            key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
+            q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids)
         out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
-                             is_causal=is_causal, causal_offset=causal_offset,
-                             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, bias=enc.bias,
-                             q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
-                             return_probs=sow)  # [B, T, N, Hv]
+                             mask=mask, bias=enc.bias, return_probs=sow)  # [B, T, N, Hv]
     if sow:
         out, probs = out
         if cache is None:

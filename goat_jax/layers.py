@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import attention_core
-from goat_jax.attention_call import LOGN_MODES, AttentionCall, Encoded, LayerShape, Offset  # noqa: F401 (re-exported)
-from goat_jax.attention_core import (  # noqa: F401 (re-exported: the pieces used to live here)
-    DecodeCache, append_to_cache, check_qkv, head_dims, poison_overflow)
+from goat_jax.attention_call import Offset
+from goat_jax.attention_core import DecodeCache
 
 Array = jax.Array
 Dtype = Any

@@ -227,9 +227,10 @@ def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
         return attention(q, k, v, lengths, mask)
 
     def padded(q, k, v):
-        qp, kp, vp, m, n, _ = kernels.pad_lengths(q, k, v, mask, lengths, None, 2)
+        qp, kp, vp, padded_mask = kernels.pad_lengths(
+            q, k, v, kernels.AttentionMask(key_padding=mask, kv_lengths=lengths), 2)
         assert qp.shape[1] % 2 == 0 and kp.shape[1] % 2 == 0
-        return attention(qp, kp, vp, n, m)[:, :t]
+        return attention(qp, kp, vp, padded_mask.kv_lengths, padded_mask.key_padding)[:, :t]
 
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(a, jnp.float64) for a in (q, k, v))

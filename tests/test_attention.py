@@ -10,7 +10,7 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention import split_exact
+from goat_jax.prior.packing import split_exact
 from tests import goat_reference as ref
 from tests.marks import SLOW_CASE
 

@@ -1,4 +1,4 @@
-"""Context parallelism (goat_jax/context.py): a sequence sharded over the ``context`` mesh axis
+"""Context parallelism (goat_jax/kernels/context.py): a sequence sharded over the ``context`` mesh axis
 must compute what the unsharded run computes.
 
 On 8 fake CPU devices (one subprocess per test: XLA_FLAGS must precede JAX):
@@ -26,7 +26,8 @@ from tests.config_helpers import lm_smoke_config, run_on_fake_devices
 _LAYER_SCRIPT = r'''
 import json, sys
 import flax, jax, jax.numpy as jnp, numpy as np
-from goat_jax import context, segments as seglib
+from goat_jax import segments as seglib
+from goat_jax.kernels import balance
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
 
@@ -34,7 +35,7 @@ B, E, H = 2, 16, 8
 results = []
 for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
     rng = np.random.default_rng(len(results))
-    t = max(64, context.length_multiple(c, balanced, impl))
+    t = max(64, balance.length_multiple(c, balanced, impl))
     common = dict(num_heads=4, kv_num_heads=2, head_dim=H, implementation=impl)  # GQA
     module = (ref.goat_module(pos_rank=2, abs_rank=2, training_seq_len=t, **common) if enc == "goat"
               else PositionalAttention(position_encoding=enc, **common))
@@ -55,13 +56,13 @@ for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
     grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
     (rp, rx), rout = jax.jit(grad)(params, x, pos, seg, w)  # one device's program, no mesh
     # The sharded run sees the batch as the engine gives it: reordered when balanced.
-    order = context.balance_order(t, c) if balanced else np.arange(t)
+    order = balance.balance_order(t, c) if balanced else np.arange(t)
     perm = lambda a: None if a is None else jnp.take(a, order, axis=1)
     mesh = jax.make_mesh((8 // c // tensor, 1, c, tensor), ("data", "fsdp", "context", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
     def sharded(*args):
-        with context.load_balanced(balanced):
+        with balance.load_balanced(balanced):
             return grad(*args)
 
     args = (params, perm(x), perm(pos), perm(seg), perm(w))
@@ -268,6 +269,21 @@ def test_context_settings_that_cannot_run_are_refused(overrides, match):
         _validate(lm_smoke_config(**overrides))
 
 
+@pytest.mark.parametrize("implementation,needs", [("splash", "a TPU"), ("cudnn", "a GPU")])
+def test_a_kernel_for_other_hardware_is_refused_first_and_by_platform(implementation, needs):
+    """Splash under context parallelism on CPU devices, with a seq_len splash could not split
+    either: the decisive reason (the kernel needs other hardware) comes first, before any length
+    rule, and it names the run's devices, not "no mesh in context" (reliability round 5, item 7)."""
+    from goat_jax.train import trainer  # pylint: disable=g-import-not-at-top
+    config = lm_smoke_config(**{"mesh.context": 2, "mesh.data": 4, "model.implementation": implementation,
+                                "seq_len": 64})
+    with pytest.raises(ValueError) as err:
+        trainer.validate_config(config, 8, platform="cpu")
+    assert f"model.implementation='{implementation}': implementation='{implementation}' needs {needs}" in str(err.value)
+    assert "the devices this run uses" in str(err.value) and "no mesh" not in str(err.value)
+    assert "multiple of" not in str(err.value)
+
+
 def test_context_with_a_task_without_sequences_is_refused():
     from goat_jax.config_files import load_config  # pylint: disable=g-import-not-at-top
     config = load_config("configs/vit_tiny.py")
@@ -278,34 +294,34 @@ def test_context_with_a_task_without_sequences_is_refused():
 
 def test_balance_order_is_dual_chunk_swap_and_natural_order_undoes_it():
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    from goat_jax import context  # pylint: disable=g-import-not-at-top
-    order = context.balance_order(16, 2)  # chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
+    from goat_jax.kernels import balance  # pylint: disable=g-import-not-at-top
+    order = balance.balance_order(16, 2)  # chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
-    np.testing.assert_array_equal(context.balance_order(8, 1), np.arange(8))
+    np.testing.assert_array_equal(balance.balance_order(8, 1), np.arange(8))
     for c in (1, 2, 4):
         x = jnp.arange(3 * 32).reshape(3, 32)
-        np.testing.assert_array_equal(context.natural_order(x[:, context.balance_order(32, c)], c, 1), x)
+        np.testing.assert_array_equal(balance.natural_order(x[:, balance.balance_order(32, c)], c, 1), x)
     # Causal work per shard (visible keys summed over its queries) is equal in this order.
     t, c = 64, 4
-    order = context.balance_order(t, c).reshape(c, -1)
+    order = balance.balance_order(t, c).reshape(c, -1)
     work = (order + 1).sum(axis=1)
     assert len(set(work.tolist())) == 1
     with pytest.raises(ValueError, match="length=30 cannot be split"):
-        context.balance_order(30, 4)
+        balance.balance_order(30, 4)
 
 
 def test_balance_batch_reorders_every_sequence_array_and_adds_positions():
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    from goat_jax import context  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels import balance  # pylint: disable=g-import-not-at-top
     batch = {"inputs": jnp.arange(16).reshape(2, 8), "weights": jnp.ones((2, 8)), "label": jnp.arange(2)}
-    out = context.balance_batch(batch, 8, 2)
-    order = context.balance_order(8, 2)
+    out = balance.balance_batch(batch, 8, 2)
+    order = balance.balance_order(8, 2)
     np.testing.assert_array_equal(out["inputs"], np.asarray(batch["inputs"])[:, order])
     np.testing.assert_array_equal(out["positions"], np.broadcast_to(order, (2, 8)))
     np.testing.assert_array_equal(out["label"], batch["label"])  # not a sequence: left alone
-    assert context.balance_batch(batch, 8, 1) is batch
+    assert balance.balance_batch(batch, 8, 1) is batch
     with pytest.raises(ValueError, match="needs the batch's 'positions'"):
-        context.balance_batch({"inputs": batch["inputs"], "segment_ids": batch["inputs"]}, 8, 2)
+        balance.balance_batch({"inputs": batch["inputs"], "segment_ids": batch["inputs"]}, 8, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +332,7 @@ def test_balance_batch_reorders_every_sequence_array_and_adds_positions():
 # abstract parameters replicated on the mesh, the sequence in the given order.
 _COMPILE_GRAD = r'''
 def compile_grad(attn, x, mesh, balanced):
-    with jax.set_mesh(mesh), context.load_balanced(balanced):
+    with jax.set_mesh(mesh), balance.load_balanced(balanced):
         params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
         loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from configs import dna_long
-from goat_jax import context
+from goat_jax.kernels import balance
 from goat_jax.train import sharding, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def test_window_splits_over_all_devices(devices):
     shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, devices)))
     assert shape == {"data": 1, "fsdp": 1, "context": devices, "tensor": 1}
     # balanced (2 chunks per shard) and in splash's 128-token blocks, as on TPU
-    context.check_length(config.seq_len, devices, True, "splash")
+    balance.check_length(config.seq_len, devices, True, "splash")
     assert config.global_batch_size % (shape["data"] * shape["fsdp"]) == 0
 
 

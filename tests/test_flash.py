@@ -1,4 +1,4 @@
-"""The memory-efficient kernel (``goat_jax.flash``, ``implementation='flash'``): forward and
+"""The memory-efficient kernel (``goat_jax.kernels.flash``, ``implementation='flash'``): forward and
 gradients against the hand-written float64 reference, masking edge cases, dtypes, memory."""
 
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from goat_jax import flash
+from tests.kernel_calls import flash_attention
 from goat_jax import kernels
 from tests import goat_reference as ref
 from tests.config_helpers import run_on_fake_devices
@@ -72,7 +72,7 @@ def test_kernel_value_and_grads_match_float64_reference(name, implementation, rn
     want = ref.attention_and_grads(q, k, v, ct, **kw)
     jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in kw.items()}
     if implementation == "flash":
-        f = lambda q_, k_, v_: flash.flash_attention(q_, k_, v_, **jkw, **blocks)
+        f = lambda q_, k_, v_: flash_attention(q_, k_, v_, **jkw, **blocks)
     else:
         f = lambda q_, k_, v_: kernels.attend(q_, k_, v_, implementation=implementation, **jkw)
     out, grads = _value_and_grads(f, *jx)
@@ -84,7 +84,7 @@ def test_kernel_value_and_grads_match_float64_reference(name, implementation, rn
 def test_traced_offset_equals_static_and_skips_nothing_visible(rng):
     """A KV-cache index is traced under jit; the (dynamic) block skipping must agree."""
     (q, k, v, ct), jx = _inputs(rng, 1, 6, 64, 2, 2, 8, 8)
-    f = jax.jit(lambda q_, k_, v_, off: flash.flash_attention(q_, k_, v_, is_causal=True, causal_offset=off,
+    f = jax.jit(lambda q_, k_, v_, off: flash_attention(q_, k_, v_, is_causal=True, causal_offset=off,
                                                               block_q=8, block_k=16))
     for off in (0, 17, 58):
         want = ref.attention_and_grads(q, k, v, ct, is_causal=True, causal_offset=off)[0]
@@ -96,7 +96,7 @@ def test_rows_with_no_visible_key_are_zero_with_zero_gradient(rng):
     kpm = np.zeros((2, 12), bool)
     kpm[1] = True  # example 1: every key is padding
     kw = dict(is_causal=True, causal_offset=-4)  # rows 0-3 of example 0 see no key either
-    f = lambda q_, k_, v_: flash.flash_attention(q_, k_, v_, key_padding_mask=jnp.asarray(kpm), block_q=8,
+    f = lambda q_, k_, v_: flash_attention(q_, k_, v_, key_padding_mask=jnp.asarray(kpm), block_q=8,
                                                  block_k=8, **kw)
     out, (dq, dk, dv) = _value_and_grads(f, *jx)
     assert np.all(np.asarray(out[1]) == 0) and np.all(np.asarray(out[0, :4]) == 0)
@@ -114,7 +114,7 @@ def test_half_precision_inputs(dtype, rng):
     # The bar is the inputs' rounding: compare with float64 attention on the rounded inputs.
     rounded = [np.asarray(x.astype(jnp.float32), np.float64) for x in jx]
     want = ref.attention_and_grads(*rounded, scale=0.25, is_causal=True)
-    f = lambda q_, k_, v_: flash.flash_attention(q_, k_, v_, scale=0.25, is_causal=True, block_q=16, block_k=16)
+    f = lambda q_, k_, v_: flash_attention(q_, k_, v_, scale=0.25, is_causal=True, block_q=16, block_k=16)
     out, grads = _value_and_grads(f, *jx)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     for got, exp in zip((out,) + tuple(grads), want):
@@ -154,7 +154,7 @@ def test_automatic_choice_uses_flash_above_threshold():
 def test_bad_block_size_names_the_argument(rng):
     _, jx = _inputs(rng, 1, 8, 8, 2, 2, 8, 8)
     with pytest.raises(ValueError, match="block sizes must be >= 1"):
-        flash.flash_attention(*jx[:3], block_k=0)
+        flash_attention(*jx[:3], block_k=0)
 
 
 _SHARDED = """

@@ -91,9 +91,9 @@ def test_rows_without_keys_are_zero_with_zero_gradient(case, implementation, rng
 
 
 def test_rows_with_keys_static_shortcut():
-    assert kernels.rows_with_keys(8, 8, True, 0, None, None) is None
-    assert kernels.rows_with_keys(8, 8, True, 3, None, None) is None
-    rows = kernels.rows_with_keys(4, 8, True, -2, None, None)
+    assert kernels.AttentionMask(causal=True, offset=0).rows_with_keys(8, 8) is None
+    assert kernels.AttentionMask(causal=True, offset=3).rows_with_keys(8, 8) is None
+    rows = kernels.AttentionMask(causal=True, offset=-2).rows_with_keys(4, 8)
     np.testing.assert_array_equal(np.asarray(rows), [[False, False, True, True]])
 
 
@@ -260,3 +260,13 @@ def test_invalid_rope_scaling_factor_is_refused(encoding, factor):
     with pytest.raises(ValueError, match=r"rope_scaling_factor=\S+ is (out of range|not finite): allowed is a "
                                          r"number finite in float32 >= 1"):
         layer.init(jax.random.PRNGKey(0), x)
+
+
+def test_docs_capability_table_is_the_codes():
+    """docs/layer.md's kernel capability table is ``capabilities.markdown_table()`` verbatim."""
+    import os  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels import capabilities  # pylint: disable=g-import-not-at-top
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "layer.md")) as f:
+        text = f.read()
+    inside = text.split("<!-- capability-table -->\n")[1].split("\n<!-- /capability-table -->")[0]
+    assert inside == capabilities.markdown_table(), "regenerate the table in docs/layer.md"

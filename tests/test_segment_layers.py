@@ -269,7 +269,7 @@ def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch, name):
     from goat_jax import kernels
     used = []
     real_attend = kernels.attend
-    monkeypatch.setattr(kernels, "target_platform", lambda *a: ("gpu", "this test"))
+    monkeypatch.setattr(kernels.choice, "target_platform", lambda *a, **kw: ("gpu", "this test"))
     # cuDNN needs a GPU to run: the spy notes the kernel and runs XLA in its place.
     monkeypatch.setattr(kernels, "attend", lambda *a, **k: used.append(k["implementation"]) or real_attend(
         *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))

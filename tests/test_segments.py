@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from goat_jax import flash
+from tests.kernel_calls import flash_attention
 from goat_jax import kernels
 from tests import goat_reference as ref
 from tests.marks import SLOW_CASE
@@ -52,7 +52,7 @@ def _compiled(implementation, static, array_keys):
             seg = kw.pop("segment_ids", None)
             if seg is not None:
                 kw.update(q_segment_ids=seg, kv_segment_ids=seg)
-            f = lambda a_, c_, d_: flash.flash_attention(a_, c_, d_, **kw, **FLASH_BLOCKS)
+            f = lambda a_, c_, d_: flash_attention(a_, c_, d_, **kw, **FLASH_BLOCKS)
         else:
             f = lambda a_, c_, d_: kernels.attend(a_, c_, d_, implementation=implementation, **kw)
         out, vjp = jax.vjp(f, a, c, d)
@@ -188,19 +188,21 @@ def test_segment_ids_need_equal_lengths_and_cudnn_refuses():
     q, k = jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 12, 2, 8))
     with pytest.raises(ValueError, match="q_segment_ids .B, T. and kv_segment_ids"):
         kernels.attend(q, k, k, implementation="xla", segment_ids=jnp.zeros((1, 8), jnp.int32))
-    with pytest.raises(ValueError, match="'cudnn' cannot honour segment_ids"):
+    with pytest.raises(ValueError, match="'cudnn' needs a GPU"):  # the decisive reason on this host
         kernels.attend(q, q, q, implementation="cudnn", segment_ids=jnp.zeros((1, 8), jnp.int32))
+    on_gpu = kernels.Request.of(("gpu", "a test"), jnp.bfloat16, 8, segment_ids=True)
+    assert "'cudnn' cannot take segment ids" in kernels.refusal("cudnn", on_gpu)
 
 
 _SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from goat_jax import flash
+from tests.kernel_calls import flash_attention
 sh = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
 q = jax.device_put(jnp.ones((8, 64, 2, 8)), sh)
 ids = jax.device_put(jnp.zeros((8, 64), jnp.int32), sh)
-loss = lambda q_, s_: jnp.sum(flash.flash_attention(q_, q_, q_, q_segment_ids=s_, kv_segment_ids=s_,
-                                                    block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16))
+loss = lambda q_, s_: jnp.sum(flash_attention(q_, q_, q_, q_segment_ids=s_, kv_segment_ids=s_,
+                                              block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16))
 print("ALLGATHERS", jax.jit(jax.grad(loss)).lower(q, ids).compile().as_text().count("all-gather"))
 """
 

@@ -1,6 +1,6 @@
 """Splash attention on a mesh: inside a mesh of several devices the splash path runs under
 ``jax.shard_map`` over the batch axes (and the heads, where the tensor axis splits them), since
-XLA cannot partition a Mosaic kernel (goat_jax/splash.py, ``partition``). On 8 fake
+XLA cannot partition a Mosaic kernel (goat_jax/kernels/splash.py; ``goat_jax.kernels.mesh.partition``). On 8 fake
 CPU devices, 'splash_interpret' (the same Pallas kernel in interpret mode) under shard_map must
 give the unsharded result, values and gradients, for GOAT and RoPE, with and without segment ids,
 with GQA and MQA, under the trainer's logical rules and under a bare ``jax.set_mesh``.
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax import kernels
-from goat_jax import splash
+from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.positional import PositionalAttention
 from tests import goat_reference as ref
 
@@ -78,7 +78,7 @@ for name, n, k, with_segments, hows in CASES:
             c.__enter__()
         try:
             jaxpr = str(jax.make_jaxpr(loss)(params, xs, segs))
-            part = splash.partition(B, n, k)
+            part = mesh_lib.partition(mesh_lib.ambient_mesh(), B, n, k)
             (_, got), got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xs, segs)
         finally:
             for c in reversed(ctx):
@@ -98,7 +98,7 @@ q = jnp.asarray(rng.normal(size=(B, T, 4, H)), jnp.float32)
 attend = lambda q: kernels.attend(q, q[:, :, :2], q[:, :, :2], implementation="splash_interpret", is_causal=True)
 want = attend(q)
 with jax.set_mesh(mesh):
-    inner = jax.shard_map(lambda q: (parts.append(splash.partition(q.shape[0], 4, 2)), attend(q))[1],
+    inner = jax.shard_map(lambda q: (parts.append(mesh_lib.partition(mesh_lib.ambient_mesh(), q.shape[0], 4, 2)), attend(q))[1],
                           in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
     parts = []
     got = jax.jit(inner)(jax.device_put(q, NamedSharding(mesh, P("data"))))

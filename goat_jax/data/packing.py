@@ -16,7 +16,7 @@ Batch fields, each [b, seq_len] (``'concat'`` batches have only the first three)
     segment_ids  int32    1, 2, ... for the documents (pieces) of a row in order, then
                           ``PAD_SEGMENT_ID`` on the padding: non-decreasing along every row, the
                           contract under which the flash kernel skips tiles across documents
-                          (goat_jax/kernels.py); padding sees only padding
+                          (goat_jax/kernels/mask.py); padding sees only padding
     positions    int32    0, 1, ... restarting at each document (and at the padding)
 
 Choices, and why:

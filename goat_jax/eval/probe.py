@@ -18,10 +18,11 @@ and reports the perplexity of the targets at window positions [0, L), [L, 2L), [
                         for runs with training_seq_len = seq_len)
 
 plus 1x windows with every position shifted by L, 4L and (multiple - 1) L (only the sink MLP's
-absolute inputs and the first-key bump see a shift). The interventions replace functions of
-``goat_jax.prior.sink_term`` / ``goat_jax.prior.fourier`` / ``goat_jax.kernels`` (the modules
-that define them, so every caller sees the replacement) inside this process while they are
-evaluated and restore them after; nothing is written to the run. The CLI writes :func:`probe`'s result to
+absolute inputs and the first-key bump see a shift). The interventions on the prior replace
+functions of ``goat_jax.prior.sink_term`` / ``goat_jax.prior.fourier`` (the modules that define
+them, so every caller sees the replacement) inside this process while they are evaluated and
+restore them after; "last L keys" is the kernels' sliding-window hook
+(:func:`goat_jax.kernels.local_window`); nothing is written to the run. The CLI writes :func:`probe`'s result to
 ``OUT/probe.json`` and its :func:`markdown` to ``OUT/probe.md``.
 """
 
@@ -56,8 +57,7 @@ def patched(module, name: str, fn):
 
 def _interventions(train_len: int):
     """``{label: (LMConfig changes, context manager factory)}``, in report order."""
-    sink_inputs, sink, kappa, dense = (prior_lib.sink_mlp_inputs, prior_lib.sink, prior_lib.kappa,
-                                       kernels._dense)  # pylint: disable=protected-access
+    sink_inputs, sink, kappa = prior_lib.sink_mlp_inputs, prior_lib.sink, prior_lib.kappa
 
     def clamped_inputs(spec, k_pos):
         t = jnp.minimum(k_pos.index, train_len - 1)
@@ -72,10 +72,6 @@ def _interventions(train_len: int):
     def clamped_kappa(delta, lam_sym, lam_asym, freqs):
         return kappa(jnp.clip(delta, -(train_len - 1), train_len - 1), lam_sym, lam_asym, freqs)
 
-    def last_keys(q, k, v, scale, bias, mask, return_probs=False):
-        band = (jnp.arange(q.shape[1])[:, None] - jnp.arange(k.shape[1])[None, :]) < train_len
-        return dense(q, k, v, scale, bias, band if mask is None else mask & band, return_probs)
-
     none = contextlib.nullcontext
     return {
         "as trained": ({}, none),
@@ -83,7 +79,7 @@ def _interventions(train_len: int):
         "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp)),
         "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope)),
         "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(fourier, "kappa", clamped_kappa)),
-        "last L keys": ({"implementation": "dense"}, lambda: patched(kernels, "_dense", last_keys)),
+        "last L keys": ({"implementation": "dense"}, lambda: kernels.local_window(train_len)),
         "linear sink": ({"sink_extrapolation": "linear"}, none),
     }
 

@@ -105,7 +105,7 @@ Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, i
 :class:`goat_jax.layers.AttentionBase`), so any 1D encoding and GOAT can add it.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
-H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
+H head dim, c split channels (``goat_jax.prior.packing.default_sink_channels``).
 """
 
 from goat_jax.positional.absolute import LearnedPositionEmbedding, sincos_2d_embedding, sinusoidal_embedding

@@ -17,9 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import layers
+from goat_jax import attention_call
 from goat_jax import prior as prior_lib
-from goat_jax.attention import split_exact
+from goat_jax.prior.packing import split_exact
 from goat_jax.positional.base import EncodingContext, PositionEncoding, as_batched
 
 Array = jax.Array
@@ -57,7 +57,7 @@ def pack_alibi_query(q: Array, group_size: int, channels: int, dtype: Dtype,
       [B, T, N, H + G c] in ``dtype`` (use with attention scale 1).
     """
     b, t, n, h = q.shape
-    # The scale is folded in float32 before the cast, as in attention.pack_query.
+    # The scale is folded in float32 before the cast, as in goat_jax.prior.packing.pack_query.
     q32 = q.astype(jnp.float32)
     scaled = (q32 / math.sqrt(h) if scale is None else q32 * scale).astype(dtype)
     onehot = jnp.repeat(jnp.eye(group_size, dtype=dtype), channels, axis=-1)  # [G, G c]
@@ -71,7 +71,7 @@ def pack_alibi_key(k: Array, k_positions: Array, num_heads: int, channels: int, 
     ``q~ . k~ = q . k / sqrt(H) + m_n p_j``, which is ALiBi's ``-m_n (p_i - p_j)`` up to the
     row constant ``m_n p_i`` that softmax ignores: valid under a causal mask with positions
     increasing along the sequence. ``m p_j`` grows with position, so it is split exactly into
-    ``c`` parts of ``dtype`` (``attention.split_exact``, as GOAT's sink): bf16 inputs multiply
+    ``c`` parts of ``dtype`` (``goat_jax.prior.packing.split_exact``, as GOAT's sink): bf16 inputs multiply
     exactly and accumulate in float32, so the slope reaches the logits at float32 accuracy.
 
     Args:
@@ -106,7 +106,7 @@ class AlibiPacked(PositionEncoding):
     causal_only = ("it drops ALiBi's row constant m * p_i, which is exact only when every visible "
                    "key precedes the query. Use 'alibi' (materialized bias) for bidirectional attention.")
 
-    def extra_qk_dims(self, shape: layers.LayerShape, channels: int) -> int:
+    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
         return shape.group * channels
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):

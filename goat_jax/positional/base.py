@@ -10,7 +10,7 @@ positions, KV cache, kernel call, sowing: :func:`goat_jax.attention_core.run`, c
 is either shell's), so an encoding is only its own math and its own settings.
 
 Shape legend: B batch, T queries, S keys (the cache while decoding), N query heads, K kv heads,
-G = N // K, H head dim, c split channels (``goat_jax.attention.default_sink_channels``).
+G = N // K, H head dim, c split channels (``goat_jax.prior.packing.default_sink_channels``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import layers
+from goat_jax import attention_call
 from goat_jax.config.fields import check_instance
 
 Array = jax.Array
@@ -90,7 +90,7 @@ class EncodingContext(NamedTuple):
     Attributes:
       call: the call's arguments (``query`` [B, T, E] is the layer input, e.g. for a
         data-dependent encoding); offsets are the cache index while decoding.
-      shape: head counts, head dim and compute dtype (:class:`goat_jax.layers.LayerShape`).
+      shape: head counts, head dim and compute dtype (:class:`goat_jax.attention_call.LayerShape`).
       q_pos: [T] or [B, T] float positions of the queries (1D).
       k_pos: [S] or [B, S] float positions of this call's keys (what :meth:`PositionEncoding.encode`
         encodes, and what the KV cache then stores).
@@ -103,8 +103,8 @@ class EncodingContext(NamedTuple):
       settings: the layer's :attr:`PositionEncoding.settings_class` instance (checked).
     """
 
-    call: layers.AttentionCall
-    shape: layers.LayerShape
+    call: attention_call.AttentionCall
+    shape: attention_call.LayerShape
     q_pos: Array
     k_pos: Array
     attended_k_pos: Array
@@ -149,7 +149,7 @@ class PositionEncoding:
         """Raises ValueError unless the encoding runs on heads of ``head_dim`` dims (called by the
         layer before any parameter is made, and by a model config's validation)."""
 
-    def extra_qk_dims(self, shape: layers.LayerShape, channels: int) -> int:
+    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
         """Channels the encoding appends to each q/k head (0 unless it packs a term into q/k)."""
         return 0
 

@@ -10,7 +10,7 @@ causal recency term): query head ``n`` carries ones in its own block of ``c`` ch
 carry ``split(-c_j)`` for each query head of their GQA group. Every kernel then runs it (xla,
 flash, dense, splash, cuDNN), with no [T, S] bias. ``-c_j`` grows with position (about
 ``-log f`` per token), so in bf16 it is split exactly over ``c`` channels
-(``attention.split_exact``, as GOAT's sink): the bias reaches the logits at float32 accuracy.
+(``goat_jax.prior.packing.split_exact``, as GOAT's sink): the bias reaches the logits at float32 accuracy.
 
 Parameters (the official layer's ``fgate_proj``, a Linear with bias): ``fox_gate`` [E, N]
 (logical axes ('embed', 'heads')), initialized N(0, 0.02) as the official code's
@@ -43,9 +43,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from goat_jax import attention_call
 from goat_jax import layers
 from goat_jax import prior as prior_lib
-from goat_jax.attention import split_exact
+from goat_jax.prior.packing import split_exact
 from goat_jax.config.fields import Float, declare
 from goat_jax.positional.alibi import pack_alibi_query
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
@@ -113,7 +114,7 @@ class Fox(PositionEncoding):
     causal_only = ("its packed bias drops the row constant c_i of c_i - c_j, which is exact only "
                    "when every visible key precedes the query (FoX is a causal model).")
 
-    def extra_qk_dims(self, shape: layers.LayerShape, channels: int) -> int:
+    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
         return shape.group * channels
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from goat_jax import attention_core
 from goat_jax import kernels
+from goat_jax import attention_call
 from goat_jax import layers
-from goat_jax.attention import default_sink_channels
+from goat_jax.prior.packing import default_sink_channels
 from goat_jax.config.fields import Float, check_section, specs_of
 from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_mixed, rope_scaling
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
@@ -162,7 +163,7 @@ class PositionalLogic(attention_core.AttentionLogic):
                              f"{self.settings!r}; pass each setting once.")
         return self.settings
 
-    def _plan(self, call: layers.AttentionCall, shape: layers.LayerShape) -> _Plan:
+    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape) -> _Plan:
         check_section({"attention_scale": self.attention_scale}, {"attention_scale": ATTENTION_SCALE}, None,
                       owner=type(self).__name__)
         enc = get_encoding(self.position_encoding)
@@ -176,7 +177,7 @@ class PositionalLogic(attention_core.AttentionLogic):
                                                       call.q_segment_ids is not None), enc, channels,
                      settings)
 
-    def _check_call(self, enc: PositionEncoding, call: layers.AttentionCall) -> None:
+    def _check_call(self, enc: PositionEncoding, call: attention_call.AttentionCall) -> None:
         """What the encoding's attributes rule out for this call, as one clear error."""
         name = enc.name
         if call.spatial_shape is not None and enc.positions == "1d":
@@ -199,24 +200,22 @@ class PositionalLogic(attention_core.AttentionLogic):
 
     def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape,
                         segments: bool) -> str:
-        """Kernel choice (``segments``: the call has segment ids); bias-based encodings need a
-        kernel that takes an additive bias."""
-        impl = self.implementation
-        if not enc.materialized_bias:
-            return kernels.resolve_implementation(impl, dtype, qk_dim, logits_shape, segments=segments)
-        if impl is None or impl == "auto":
-            kernels.log_once(f"goat_jax: position_encoding={enc.name!r} uses "
-                             "implementation 'xla' (it needs an additive bias).")
-            return kernels.resolve_implementation("xla", dtype, qk_dim)  # recorded like any choice
-        if impl in kernels.IMPLEMENTATIONS and impl not in ("xla", "dense"):
+        """Kernel choice (``segments``: the call has segment ids): bias-based encodings need a
+        kernel that takes an additive bias, which the capability table says ('xla', 'dense');
+        naming another is refused with the encoding's alternative, whatever else it lacks."""
+        bias = bool(enc.materialized_bias)
+        row = kernels.CAPABILITIES.get(self.implementation)
+        if bias and row is not None and not row.takes("bias"):
+            alternative = f", or position_encoding={enc.flash_alternative}" if enc.flash_alternative else ""
             raise ValueError(
-                f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, "
-                f"which implementation={impl!r} (a flash kernel) does not take; use 'xla' or "
-                "'dense'" + (f", or position_encoding={enc.flash_alternative}." if enc.flash_alternative else "."))
-        return kernels.resolve_implementation(impl, dtype, qk_dim)
+                f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, which "
+                f"implementation={self.implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
+                f"'dense'{alternative}.")
+        return kernels.resolve_implementation(self.implementation, dtype, qk_dim, logits_shape,
+                                              segments=segments, bias=bias, decoding=bool(self.decode))
 
-    def _encode(self, call: layers.AttentionCall, shape: layers.LayerShape, plan: _Plan, q: Array, k: Array,
-                q_pos, k_pos, cache: Optional[layers.DecodeCache]) -> layers.Encoded:
+    def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, plan: _Plan, q: Array, k: Array,
+                q_pos, k_pos, cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:
         key_len = k.shape[1] if cache is None else cache.length
         attended = k_pos.index if cache is None else jnp.arange(key_len, dtype=jnp.float32)  # whole cache
         ctx = EncodingContext(
@@ -226,7 +225,7 @@ class PositionalLogic(attention_core.AttentionLogic):
             settings=plan.settings)
         q_enc, k_enc, scale = plan.encoding.encode(self, ctx, q, k)
         # k before the encoding: what a key-norm "sink" statistic reads.
-        return layers.Encoded(q_enc, k_enc, scale, k, 0, plan.encoding.bias(self, ctx))
+        return attention_call.Encoded(q_enc, k_enc, scale, k, 0, plan.encoding.bias(self, ctx))
 
 
 class PositionalAttention(PositionalLogic, _SettingKeywords):

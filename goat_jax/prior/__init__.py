@@ -31,9 +31,11 @@ One module per idea; every name is re-exported here, so ``from goat_jax import p
 ``sink_term``      ``u(j)``: the sink MLP, its linear extrapolation, bump and recency slope (ALiBi
                    slopes seed it)
 ``features``       the query/key channels that get packed into q/k, and the dense ``log_prior``
+``packing``        the packing itself (``pack_query``, ``pack_key``) and the bf16-exact split of the
+                   sink into channels (``split_exact``), also used by the packed baselines
 =================  =============================================================================
 
-Imports run one way: settings, positions -> fourier -> sink_term -> features.
+Imports run one way: settings, positions -> fourier -> sink_term -> features; positions -> packing.
 
 Shape legend used in docstrings:
   B batch, T query length, S key length, N query heads, K key/value heads, G = N // K,

@@ -86,7 +86,7 @@ def loss(apply_fn, params, batch, rng):
     """Summed per-base cross-entropy over ``weights``, with the number of correct argmax
     predictions as an auxiliary sum (no dropout: ``rng`` unused)."""
     del rng
-    # Explicit positions only in the engine's load-balanced order (goat_jax/context.py).
+    # Explicit positions only in the engine's load-balanced order (goat_jax/kernels/balance.py).
     logits = apply_fn({"params": params}, batch["inputs"], **lm_task.document_inputs(batch))  # [B, T, 5] float32
     loss_sum, weight_sum = tasks.weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)

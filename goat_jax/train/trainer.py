@@ -30,7 +30,7 @@ import math
 import os
 import signal
 import threading
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
 import jax
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import _extras, files
-from goat_jax import context as context_lib
 from goat_jax.config.fields import check_config
+from goat_jax.kernels.mesh import CONTEXT_AXIS
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -47,6 +47,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import failures as failures_lib
 from goat_jax.train import lock as lock_lib
+from goat_jax.train import long_context
 from goat_jax.train import memory as memory_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
@@ -75,8 +76,11 @@ def _check_fields(section: str, present: set, allowed: set, required: set) -> No
                          "(goat_jax/train/validation.py and the task's fields say what each means).")
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> int:
-    """Checks ``config`` against the engine's and the task's schema and the device layout.
+def validate_config(config: ml_collections.ConfigDict, num_devices: int, process_count: int = 1,
+                    platform: Optional[str] = None) -> int:
+    """Checks ``config`` against the engine's and the task's schema and the device layout
+    (``platform``: 'cpu', 'gpu' or 'tpu' of the devices the run will use, when known: a kernel
+    named in the config that cannot run there is refused first).
 
     Returns the resolved global batch size. Raises ValueError naming the offending field (unknown
     fields, mesh vs device count, batch divisibility, sequence length vs model limits).
@@ -101,7 +105,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
-    context_lib.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(context_lib.AXIS)], task.name)
+    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(CONTEXT_AXIS)], task.name, platform)
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
     gbs, pdbs = config.global_batch_size, config.per_device_batch_size
@@ -231,8 +235,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn):  # load balancing of the context axis, if on (goat_jax/context.py)
-        return sharding_lib.with_mesh_and_rules(context_lib.balanced_if_asked(fn, config, mesh), mesh, rules)
+    def under_mesh(fn):  # load balancing of the context axis, if on (goat_jax/kernels/balance.py)
+        return sharding_lib.with_mesh_and_rules(long_context.balanced_if_asked(fn, config, mesh), mesh, rules)
 
     accum = config.grad_accum_steps
     return ShardedSteps(
@@ -377,7 +381,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     config = validation.with_engine_defaults(config)  # fields left out: their declared defaults
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
-    global_batch = validate_config(config, jax.device_count(), jax.process_count())
+    global_batch = validate_config(config, jax.device_count(), jax.process_count(), jax.devices()[0].platform)
     # A config written before a field existed (e.g. data.packing) gets the field's default.
     config = tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task))
     if jax.process_index() == 0:  # the process that logs: W&B online needs credentials, network

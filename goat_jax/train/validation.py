@@ -47,7 +47,7 @@ ENGINE: Dict[str, Section] = {
         sharding_rules=(sharding.DEFAULT_RULES, Opaque(doc="logical axis -> mesh axis (goat_jax/train/sharding.py)")),
         context_load_balance=(False, Bool(doc="with mesh.context > 1: reorder each causal sequence once "
                                               "(dual-chunk swap) so every context shard does the same "
-                                              "attention work; same results (goat_jax/context.py)")),
+                                              "attention work; same results (goat_jax/kernels/balance.py)")),
     ),
     "mesh": Section(**{axis: (-1 if axis == "data" else 1, _MESH_AXIS) for axis in sharding.MESH_AXES}),
     "optimizer": Section(

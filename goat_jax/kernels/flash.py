@@ -1,6 +1,6 @@
 """Memory-efficient ("flash") attention in pure JAX: never materializes T x S on any backend.
 
-``implementation='flash'`` in :mod:`goat_jax.kernels`. The math is FlashAttention-2
+``implementation='flash'`` in :mod:`goat_jax.kernels` (:func:`attention`). The math is FlashAttention-2
 (Dao, 2023) written with ``lax`` loops:
 
 * Forward: for each query block, an online softmax over key blocks keeps a running row max
@@ -15,7 +15,7 @@
   (``lax.fori_loop`` with a per-block trip count), so fully masked blocks cost nothing; this
   also works with a traced ``causal_offset`` (a KV-cache index) since the trip counts may be
   dynamic (the backward is hand-written, so the loops need no reverse-mode autodiff).
-* Segment ids (document-aware packing, :mod:`goat_jax.kernels` masking contract): each tile
+* Segment ids (document-aware packing, the masking contract of :mod:`goat_jax.kernels.mask`): each tile
   masks pairs of different ids, and a tile is skipped when the ``[min, max]`` id ranges of its
   query block and of its key block's unmasked keys are disjoint in every example it holds.
   The loops run over the key (query) blocks between the first and the last one that can meet
@@ -45,6 +45,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from goat_jax.kernels.mask import AttentionMask
 
 Array = jax.Array
 
@@ -316,12 +318,7 @@ def flash_attention(
     v: Array,
     *,
     scale: float = 1.0,
-    is_causal: bool = False,
-    causal_offset: Any = 0,
-    key_padding_mask: Optional[Array] = None,
-    kv_lengths: Optional[Array] = None,
-    q_segment_ids: Optional[Array] = None,
-    kv_segment_ids: Optional[Array] = None,
+    mask: Optional[AttentionMask] = None,
     per_example: Optional[bool] = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
@@ -333,13 +330,9 @@ def flash_attention(
     Args:
       q: [B, T, N, Hqk]; k: [B, S, K, Hqk]; v: [B, S, K, Hv], N % K == 0 (GQA/MQA).
       scale: logit scale (GOAT's packed q/k run at 1).
-      is_causal, causal_offset, key_padding_mask, kv_lengths: the masking contract of
-        :mod:`goat_jax.kernels` (query i sees key j iff j <= i + causal_offset; padding mask
-        [B, S] True = ignored; keys at index >= kv_lengths[b] ignored). ``causal_offset`` may be
-        a traced integer.
-      q_segment_ids, kv_segment_ids: optional [B, T] and [B, S] integer ids (both or neither):
-        query i sees key j only if their ids are equal; tiles whose id ranges cannot meet are
-        skipped (module doc). :func:`goat_jax.kernels.attend` checks them.
+      mask: the :class:`goat_jax.kernels.mask.AttentionMask` (None: every key visible); its
+        causal offset may be traced. With segment ids, tiles whose id ranges cannot meet are
+        skipped (module doc). A window is not taken (the capability table refuses it).
       per_example: with segment ids and B > 1, run the examples one after another
         (``lax.map``), each skipping its own tiles, instead of all at once over the union of
         their tiles: rows packed differently share few skippable tiles (on the CPU, 4 packed
@@ -352,6 +345,12 @@ def flash_attention(
     Returns:
       [B, T, N, Hv] in v's dtype; rows with no visible key are zeros.
     """
+    mask = AttentionMask() if mask is None else mask
+    if mask.window is not None:
+        raise ValueError("flash_attention takes no sliding window; use implementation='xla' or 'dense'.")
+    is_causal, causal_offset = mask.causal, mask.offset
+    key_padding_mask, kv_lengths = mask.key_padding, mask.kv_lengths
+    q_segment_ids, kv_segment_ids = mask.q_segment_ids, mask.kv_segment_ids
     b, t, n, hqk = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
     g = n // kh
@@ -376,8 +375,6 @@ def flash_attention(
     vb = _pad_to(jnp.moveaxis(v, 1, 2), sp, 2)  # [B, K, Sp, Hv]
     offset = jnp.asarray(causal_offset, jnp.int32)
     seg = None
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids, or neither.")
     if q_segment_ids is not None:
         # Edge padding: padded rows repeat the last id, so they widen no block's id range
         # (padded keys are masked by `valid` anyway, padded query rows are sliced off).
@@ -400,3 +397,12 @@ def flash_attention(
         seg = _segments(q_ids, kv_ids, valid, bq, bk, bwd_bq, bwd_bk)
     out = _flash(cfg, qb, kb, vb, valid, offset, seg)  # [B, K, G, Tp, Hv]
     return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)
+
+
+def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask, bias: Optional[Array] = None,
+              mesh: Any = None) -> Array:
+    """The 'flash' kernel behind :func:`goat_jax.kernels.attend`: :func:`flash_attention` with
+    its default blocks; ``bias`` is refused by the capability table before this runs, ``mesh``
+    is unused (XLA partitions the loops itself)."""
+    del bias, mesh
+    return flash_attention(q, k, v, scale=scale, mask=mask)

@@ -1,0 +1,45 @@
+"""Attention kernels behind one switch: ``implementation=`` 'xla' | 'flash' | 'cudnn' |
+'splash' | 'splash_interpret' | 'dense' | None (automatic).
+
+Every kernel computes plain ``softmax(q . k * scale + mask) v`` with *no additive bias* (only
+'xla' and 'dense' take one, for the materialized baselines): GOAT's prior is packed into extra
+q/k channels (:mod:`goat_jax.prior.packing`), so an unmodified flash kernel runs it exactly.
+Shape legend: B batch, T queries, S keys, N query heads, K kv heads (N % K == 0, grouped-query
+attention), Hqk q/k head dim, Hv value head dim.
+
+One concern a module:
+
+* :mod:`~goat_jax.kernels.mask`: :class:`AttentionMask`, the one mask value of a call (causal
+  with its offset, key padding, kv lengths, segment ids, a sliding window) and its conversions;
+  the masking contract every kernel honours is its module docstring.
+* :mod:`~goat_jax.kernels.capabilities`: one row per kernel (platforms, dtypes, head dims,
+  length padding, masking features, and why each missing feature is missing), read by the
+  automatic choice and by every refusal.
+* :mod:`~goat_jax.kernels.choice`: the target platform, :func:`resolve_implementation` (the
+  automatic choice, logged once with its reason) and :func:`record_choices`.
+* :mod:`~goat_jax.kernels.dispatch`: :func:`attend`, the front door.
+* the kernels: :mod:`~goat_jax.kernels.xla`, :mod:`~goat_jax.kernels.flash` (pure-JAX online
+  softmax with a recomputing custom VJP, memory linear in T and S), :mod:`~goat_jax.kernels.cudnn`,
+  :mod:`~goat_jax.kernels.splash` (Pallas TPU; interpret mode on CPU), :mod:`~goat_jax.kernels.dense`
+  (the materialized float32 reference); exact padding for them in :mod:`~goat_jax.kernels.padding`.
+* context parallelism: :mod:`~goat_jax.kernels.context` (keys all-gathered over the ``context``
+  mesh axis), :mod:`~goat_jax.kernels.balance` (load-balanced order), :mod:`~goat_jax.kernels.mesh`
+  (the mesh, read once per call and passed down; how a shard_map splits batch and heads).
+
+A query row with no visible key (every key padded, before the first key under causal masking
+with a negative offset, or no key of its segment) outputs **zeros on every kernel**, and no
+gradient flows through it: the kernels themselves disagree there (NaN from a dense softmax over
+``-inf`` logits, a uniform average of the values from XLA and splash), so :func:`attend` selects
+zeros for such rows after the kernel (:meth:`AttentionMask.rows_with_keys`).
+"""
+
+from goat_jax.kernels.capabilities import CAPABILITIES, IMPLEMENTATIONS, Capability, Request, refusal
+from goat_jax.kernels.choice import (FLASH_THRESHOLD_BYTES, log_once, record_choices, resolve_implementation,
+                                     target_platform)
+from goat_jax.kernels.dispatch import attend, attend_local
+from goat_jax.kernels.mask import AttentionMask, check_segment_ids, local_window
+from goat_jax.kernels.padding import pad_head_dims, pad_lengths
+
+__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Capability", "Request", "refusal", "FLASH_THRESHOLD_BYTES",
+           "log_once", "record_choices", "resolve_implementation", "target_platform", "attend", "attend_local",
+           "AttentionMask", "check_segment_ids", "local_window", "pad_head_dims", "pad_lengths"]

@@ -1,0 +1,169 @@
+"""What each attention kernel can do: one row per kernel (:data:`CAPABILITIES`), read by the
+automatic choice (:func:`goat_jax.kernels.resolve_implementation`) and by every refusal
+(:func:`refusal`), so a rule such as "cuDNN takes no segment ids" is written once, here.
+
+A call's needs are a :class:`Request` (the platform the computation runs on, the dtype, the
+packed q/k width, and which masking features it uses); :func:`refusal` returns the first reason
+a kernel cannot serve it (the decisive one first: the platform, then the dtype, the head dim,
+then the features), or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import jax.numpy as jnp
+
+ANY = ("cpu", "gpu", "tpu")
+HALF = ("bfloat16", "float16")
+
+# Why cuDNN never takes segment ids through the public API (said by the automatic choice's log
+# line and by the refusal of an explicit choice).
+CUDNN_SEGMENTS_WHY = ("jax.nn.dot_product_attention (jax 0.10.2) passes cuDNN only per-example query/key "
+                      "lengths (right padding), not its packed-segment offsets")
+FEATURES = ("segment_ids", "bias", "traced_offset", "window", "return_probs")
+FEATURE_NAMES = {"segment_ids": "segment ids", "bias": "an additive bias", "traced_offset": "a traced causal offset",
+                 "window": "a sliding window", "return_probs": "return_probs"}  # as the messages say them
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One kernel's row. ``why_not`` says, per feature of :data:`FEATURES` it lacks, why."""
+
+    name: str
+    platforms: Tuple[str, ...]  # where it runs
+    dtypes: Optional[Tuple[str, ...]]  # None: any float dtype
+    max_head_dim: Optional[int]  # packed q/k width after padding; None: no limit
+    head_dim_multiple: int  # q/k (and v) widths are zero-padded to a multiple of this
+    length_multiple: int  # query/key lengths are padded to multiples of this, exactly
+    auto_min_length: int  # the automatic choice takes it only for lengths >= this
+    features: Tuple[str, ...]  # the FEATURES it takes
+    why_not: Dict[str, str]
+    summary: str  # one line: what it is (docs/layer.md's kernel table)
+
+    def takes(self, feature: str) -> bool:
+        """Whether the kernel takes ``feature`` (one of :data:`FEATURES`)."""
+        return feature in self.features
+
+
+_NO_BIAS = "flash kernels take packed q/k instead of an additive bias"
+_NO_PROBS = "only 'dense' materializes the attention probabilities"
+_NO_WINDOW = "the sliding-window hook (goat_jax.kernels.local_window) is for the materializing kernels 'xla' and 'dense'"
+
+CAPABILITIES: Dict[str, Capability] = {row.name: row for row in (
+    Capability("xla", ANY, None, None, 1, 1, 0, ("segment_ids", "bias", "traced_offset", "window"),
+               {"return_probs": _NO_PROBS},
+               "jax.nn.dot_product_attention's XLA path: materializes the T x S logits"),
+    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "traced_offset"),
+               {"bias": _NO_BIAS, "window": _NO_WINDOW, "return_probs": _NO_PROBS},
+               "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
+               "masked blocks skipped (goat_jax/kernels/flash.py)"),
+    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("traced_offset",),
+               {"segment_ids": CUDNN_SEGMENTS_WHY, "bias": "an additive bias is not wired to cuDNN here "
+                "(it needs even lengths when training); use 'xla'", "window": _NO_WINDOW,
+                "return_probs": _NO_PROBS},
+               "cuDNN fused flash attention through jax.nn.dot_product_attention (GPU, bf16/fp16)"),
+    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids",),
+               {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
+                "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
+                "window": _NO_WINDOW, "return_probs": _NO_PROBS},
+               "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)"),
+    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids",),
+               {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
+                "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
+                "window": _NO_WINDOW, "return_probs": _NO_PROBS},
+               "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)"),
+    Capability("dense", ANY, None, None, 1, 1, 0, FEATURES, {},
+               "the materialized float32 reference (and the only kernel returning probabilities)"),
+)}
+IMPLEMENTATIONS = tuple(CAPABILITIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one attention call asks of a kernel: the platform it runs on (``where``: how that
+    was read, :func:`goat_jax.kernels.target_platform`), the dtype, the packed q/k width, and
+    the masking features it uses (:data:`FEATURES`)."""
+
+    platform: str
+    where: str
+    dtype: str
+    qk_dim: int
+    features: Tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, target: Tuple[str, str], dtype, qk_dim: int, **uses: bool) -> "Request":
+        """A request on ``target`` = (platform, where); ``uses``: feature name -> bool."""
+        unknown = set(uses) - set(FEATURES)
+        if unknown:
+            raise TypeError(f"Request.of: unknown features {sorted(unknown)}; known: {FEATURES}.")
+        return cls(target[0], target[1], jnp.dtype(dtype).name, int(qk_dim),
+                   tuple(f for f in FEATURES if uses.get(f)))
+
+
+def padded_head_dim(row: Capability, qk_dim: int) -> int:
+    """``qk_dim`` rounded up to the kernel's head-dim multiple."""
+    return -(-qk_dim // row.head_dim_multiple) * row.head_dim_multiple
+
+
+def platform_refusal(row: Capability, req: Request) -> str:
+    """The refusal of ``row`` for a call on another platform than its own (with the fix)."""
+    name = row.name
+    msg = (f"implementation={name!r} needs a {' or '.join(p.upper() for p in row.platforms)}, but the "
+           f"computation runs on '{req.platform}' ({req.where}).")
+    if name == "splash":
+        msg += " Use 'splash_interpret' to run the same Pallas kernel in interpret mode (slow; for tests)."
+        if req.where.startswith("JAX's default"):
+            msg += (" To compile for TPUs from this host, trace under a mesh of TPU devices "
+                    "(jax.set_mesh(mesh); docs/aot.md).")
+    else:
+        msg += " Use implementation='xla' (or None for automatic choice)."
+    return msg
+
+
+def refusal(name: str, req: Request) -> Optional[str]:
+    """Why kernel ``name`` cannot serve ``req``, or None: the platform first (the decisive
+    reason), then the dtype, the head dim, and the masking features, from :data:`CAPABILITIES`."""
+    row = CAPABILITIES[name]
+    if req.platform not in row.platforms:
+        return platform_refusal(row, req)
+    if row.dtypes is not None and req.dtype not in row.dtypes:
+        return (f"implementation={name!r} needs {' or '.join(row.dtypes)} inputs, got {req.dtype}. Set the "
+                "module's dtype=jnp.bfloat16, or use implementation='xla'.")
+    if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
+        return (f"implementation={name!r} supports head dims <= {row.max_head_dim}; the packed q/k dim is "
+                f"{req.qk_dim}. Use fewer heads' dims or implementation='xla'.")
+    for feature in req.features:
+        if not row.takes(feature):
+            return f"implementation={name!r} cannot take {FEATURE_NAMES[feature]}: {row.why_not[feature]}."
+    return None
+
+
+def reason_skipped(name: str, req: Request) -> Optional[str]:
+    """The short form of :func:`refusal` for the automatic choice's log line (why a preferred
+    kernel was passed over), or None when it can serve ``req``."""
+    row = CAPABILITIES[name]
+    if req.platform not in row.platforms:
+        return None  # not a candidate on this platform at all
+    if row.dtypes is not None and req.dtype not in row.dtypes:
+        return f"{req.dtype} ({name} needs {'/'.join(row.dtypes)})"
+    if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
+        return f"packed head dim {padded_head_dim(row, req.qk_dim)} > {row.max_head_dim}"
+    for feature in req.features:
+        if not row.takes(feature):
+            return f"{FEATURE_NAMES[feature]} ({row.why_not[feature]})"
+    return None
+
+
+def markdown_table() -> str:
+    """The capability table as Markdown (docs/layer.md holds it; a test keeps the two equal)."""
+    head = ["kernel", "platforms", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
+    head += [FEATURE_NAMES[f] for f in FEATURES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in CAPABILITIES.values():
+        cells = [f"`{row.name}`", ", ".join(row.platforms), "any float" if row.dtypes is None else ", ".join(row.dtypes),
+                 str(row.max_head_dim or "-"), str(row.head_dim_multiple), str(row.length_multiple)]
+        cells += ["yes" if row.takes(f) else "no" for f in FEATURES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

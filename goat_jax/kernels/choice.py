@@ -1,0 +1,197 @@
+"""Which kernel runs: the target platform of the computation being traced, the automatic
+choice and its logged reason, explicit choices checked against the capability table
+(:mod:`goat_jax.kernels.capabilities`), and the record of every choice for compile reports.
+
+Automatic choice (``implementation=None``) for the devices the computation runs on
+(:func:`target_platform`): each platform's preferred kernel when its row can serve the call
+(cuDNN on GPU for bf16/fp16 when the packed head dim fits; splash on TPU for lengths of at least
+128, padded to whole 128-blocks exactly, or multiples of every chunk's blocks under context
+parallelism); otherwise (CPU, or what the preferred kernel cannot take) 'flash' when XLA would
+materialize more than ``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4``
+bytes, else 'xla' (or whichever of the two the call's features allow). Why 16 MiB: XLA keeps the
+logits and the probabilities (and their gradients while training), so its memory grows as L^2
+(2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash kernel is already faster
+from L = 1024 at 8 heads (32 MiB of logits; benchmarks/attention.md); below the threshold
+(short sequences, decoding one token against a cache) XLA's single fused matmul has less loop
+overhead and its memory is small anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator, Optional, Tuple
+
+import jax
+
+from goat_jax.kernels import capabilities as caps
+from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.kernels.balance import is_balanced
+
+FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
+PREFERRED = {"gpu": ("cudnn",), "tpu": ("splash",)}  # tried first, in order, on each platform
+
+_logger = logging.getLogger("goat_jax")
+_logged: set = set()
+_choices: list = []  # the open record_choices() lists
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+@contextlib.contextmanager
+def record_choices() -> Iterator[list]:
+    """Collects every kernel choice made while tracing inside the ``with`` (one dict per
+    :func:`resolve_implementation` call: implementation, packed q/k dim ``qk_dim``, dtype,
+    platform and where it was read); :mod:`goat_jax.aot` reports what a compiled step uses."""
+    found: list = []
+    _choices.append(found)
+    try:
+        yield found
+    finally:
+        _choices.remove(found)
+
+
+def _record(choice: str, req: caps.Request) -> str:
+    for found in _choices:
+        found.append({"implementation": choice, "qk_dim": req.qk_dim, "dtype": req.dtype,
+                      "platform": req.platform, "devices_from": req.where})
+    return choice
+
+
+def log_once(message: str) -> None:
+    """Logs ``message`` at INFO level the first time it is seen in this process."""
+    if message not in _logged:
+        _logged.add(message)
+        _logger.info(message)
+
+
+def _normal(platform: str) -> str:
+    return "gpu" if platform in _GPU_PLATFORMS else platform
+
+
+def _array_platform(x: Any) -> Optional[Tuple[str, str]]:
+    """The platform ``x`` lives on, from its own placement, or None when that is unknown (a
+    tracer without a mesh in its type, a NumPy array)."""
+    if x is None or not hasattr(x, "shape"):
+        return None
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            device = next(iter(x.sharding.device_set))
+        except Exception:  # pylint: disable=broad-except  # deleted or unusual arrays
+            return None
+        return _normal(device.platform), f"the inputs' devices ({device.device_kind})"
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except Exception:  # pylint: disable=broad-except  # no sharding in the type
+        return None
+    device = getattr(mesh, "abstract_device", None)
+    if getattr(mesh, "empty", True) or device is None:
+        return None
+    return _normal(device.platform), f"the inputs' mesh ({device.device_kind})"
+
+
+def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
+    """``(platform, where that was read)`` of the devices the computation being traced runs on:
+    'cpu', 'gpu' or 'tpu'. The one place the kernels ask which hardware they are for.
+
+    In order: the placement of the arrays ``like`` (concrete arrays' devices; a tracer whose type
+    carries a mesh, under explicit sharding); ``mesh``, else the abstract mesh in context
+    (``jax.set_mesh(mesh)``, ``jax.sharding.use_abstract_mesh``, the trainer's
+    :func:`goat_jax.train.sharding.with_mesh_and_rules`), whose devices may be another machine's
+    (a TPU topology compiled ahead of time on a CPU host, :mod:`goat_jax.aot`); a legacy
+    ``with mesh:``; and only then JAX's default backend (the host's).
+    """
+    for x in like:
+        found = _array_platform(x)
+        if found is not None:
+            return found
+    abstract = mesh_lib.ambient_mesh() if mesh is None else mesh
+    device = getattr(abstract, "abstract_device", None)
+    if not abstract.empty and device is not None:
+        return _normal(device.platform), f"the mesh in context ({device.device_kind})"
+    try:  # `with mesh:` (deprecated) sets only the physical mesh
+        from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
+        physical = jax_mesh.thread_resources.env.physical_mesh
+        if not physical.empty:
+            device = physical.devices.flat[0]
+            return _normal(device.platform), f"the mesh in context ({device.device_kind})"
+    except (ImportError, AttributeError):
+        pass
+    return (_normal(jax.default_backend()),
+            "JAX's default backend, as no mesh was set where this attention call was traced")
+
+
+def _length_skip(row: caps.Capability, logits_shape, mesh: Any) -> Optional[str]:
+    """Why the automatic choice passes over ``row`` for these lengths, or None. A kernel with
+    a length multiple (splash's 128-blocks) takes any length >= its ``auto_min_length`` (padded
+    to whole blocks, exactly: < 2x the tiles); under context parallelism every chunk a device
+    attends must be whole blocks, so the lengths must be multiples of the chunks' blocks."""
+    if row.auto_min_length <= 1 or logits_shape is None:
+        return None
+    t, s = logits_shape[2], logits_shape[3]
+    shards = mesh_lib.context_shards(mesh)
+    chunks = shards * (2 if is_balanced() else 1) if shards > 1 else 1
+    multiple = row.length_multiple * chunks
+    if not (t % multiple or s % multiple):
+        return None
+    if chunks == 1 and min(t, s) >= row.auto_min_length:
+        return None
+    return (f"{row.name} needs lengths of at least {row.auto_min_length} (padded to whole blocks) or, "
+            f"under context parallelism, multiples of {multiple} (T={t}, S={s})")
+
+
+def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
+    reasons = []
+    for name in PREFERRED.get(req.platform, ()):
+        skip = caps.reason_skipped(name, req) or _length_skip(caps.CAPABILITIES[name], logits_shape, mesh)
+        if skip is None:
+            if name == "cudnn":
+                padded = caps.padded_head_dim(caps.CAPABILITIES[name], req.qk_dim)
+                return name, f"GPU, {req.dtype}, packed head dim {padded}"
+            return name, req.platform.upper()
+        reasons.append(f"{req.platform.upper()}, but {skip}" if name == "splash" else skip)
+    logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
+    big = logits_bytes > FLASH_THRESHOLD_BYTES
+    for name in (("flash", "xla") if big else ("xla", "flash")):
+        if caps.refusal(name, req) is None:
+            if big and name == "flash":
+                reasons.append(f"{logits_bytes / 2**20:.0f} MiB of T x S logits > "
+                               f"{FLASH_THRESHOLD_BYTES / 2**20:.0f} MiB")
+            elif big:
+                reasons.append(f"flash cannot run it: {caps.reason_skipped('flash', req)}")
+            return name, ", ".join(reasons) or f"platform {req.platform}"
+    return "dense", ", ".join(reasons + ["only the dense reference takes this call"])
+
+
+def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
+                           logits_shape: Optional[Tuple[int, int, int, int]] = None,
+                           *, like: Tuple[Any, ...] = (), segments: bool = False, bias: bool = False,
+                           decoding: bool = False, mesh: Any = None) -> str:
+    """Validates ``implementation`` or picks one automatically (logged once), for the devices
+    the computation runs on (:func:`target_platform` of ``like`` and ``mesh``, else the mesh in
+    context, else the default backend): a TPU program traced on a CPU host gets TPU kernels.
+
+    Args:
+      implementation: a name of :data:`goat_jax.kernels.IMPLEMENTATIONS`, or None / 'auto'.
+      dtype, qk_dim: the kernel's input dtype and packed q/k width.
+      logits_shape: (B, N, T, S) when known: the automatic choice's size rule (module doc).
+      segments, bias, decoding: the call has segment ids / an additive bias / a traced causal
+        offset (a KV cache); kernels that cannot take them are passed over (automatic) or
+        refused (explicit), from the capability table.
+    Raises:
+      ValueError naming the reason when an explicit choice cannot run.
+    """
+    req = caps.Request.of(target_platform(*like, mesh=mesh), dtype, qk_dim, segment_ids=segments, bias=bias,
+                          traced_offset=decoding)
+    if implementation is None or implementation == "auto":
+        choice, why = _automatic(req, logits_shape, mesh_lib.ambient_mesh() if mesh is None else mesh)
+        log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")
+        return _record(choice, req)
+    if implementation not in caps.CAPABILITIES:
+        raise ValueError(f"Unknown implementation={implementation!r}; choose one of {caps.IMPLEMENTATIONS} "
+                         "or None (automatic).")
+    why = caps.refusal(implementation, req)
+    if why is not None:
+        raise ValueError(why)
+    return _record(implementation, req)
+

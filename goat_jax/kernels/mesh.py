@@ -1,0 +1,110 @@
+"""Where the kernels run: the device mesh, read once per attention call and passed down.
+
+:func:`ambient_mesh` is the one place the kernel layer reads the mesh in context (``jax.set_mesh``,
+``jax.sharding.use_abstract_mesh``, the trainer's ``with_mesh_and_rules``); the front door
+(:func:`goat_jax.kernels.attend`) and the automatic choice call it, and everything below them
+(context parallelism, splash under ``jax.shard_map``) takes the mesh as an argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+import jax
+
+CONTEXT_AXIS = "context"  # the mesh axis a sequence is split over (goat_jax/kernels/context.py)
+
+
+def ambient_mesh() -> Any:
+    """The abstract mesh in context (empty outside one)."""
+    return jax.sharding.get_abstract_mesh()
+
+
+def _manual(mesh: Any) -> set:
+    return set(getattr(mesh, "manual_axes", ()))
+
+
+def context_shards(mesh: Any) -> int:
+    """The size of ``mesh``'s ``context`` axis, 1 when there is none (no mesh, no such axis, or
+    the axis already manual: inside a shard_map every device holds its shard)."""
+    if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names or CONTEXT_AXIS in _manual(mesh):
+        return 1
+    return int(mesh.shape[CONTEXT_AXIS])
+
+
+class Layout(NamedTuple):
+    """How a kernel that XLA cannot partition (splash; context parallelism's shard_map) splits
+    its work over a mesh: the batch over ``batch_axes``, the query heads over ``head_axes``, the
+    key/value heads with them when ``shard_kv``."""
+
+    mesh: Any
+    batch_axes: Tuple[str, ...]
+    head_axes: Tuple[str, ...]
+    shard_kv: bool
+
+
+def partition(mesh: Any, b: int, n: int, kh: int) -> Optional[Layout]:
+    """The :class:`Layout` of a call with ``b`` examples, ``n`` query and ``kh`` key/value heads
+    on ``mesh``, or None outside a mesh of more than one device. The ``context`` axis splits
+    neither the batch nor the heads (:mod:`goat_jax.kernels.context` splits the sequence over it).
+
+    Mosaic kernels cannot be partitioned by XLA, so on a mesh splash runs under
+    ``jax.shard_map``, each device on its own examples (and heads). The batch dim is split over
+    the mesh axes the logical rules in context give ``'batch'`` (Flax's
+    ``nn.logical_axis_rules``, as the trainer sets them; without rules the axes named
+    ``data``/``fsdp``, else every axis but ``tensor``/``model``), the query heads over those of
+    ``'heads'`` (without rules: ``tensor``); an axis is kept only while the product still divides
+    the dimension. The key/value heads are split with the query heads when their number divides
+    too (each device keeps its query heads' KV heads: GQA groups are contiguous), kept whole for
+    one KV head (MQA), and otherwise the heads are not split (every device of those axes repeats
+    the heads' work: correct, only redundant). Axes that are already manual (the layer called
+    inside the caller's own ``shard_map``) are left alone; with none other of size > 1: None."""
+    if mesh is None or mesh.empty:
+        return None
+    manual = _manual(mesh)
+    names = tuple(a for a in mesh.axis_names if a not in manual)
+    if np.prod([mesh.shape[a] for a in names], dtype=int) <= 1:
+        return None
+    names = tuple(a for a in names if a != CONTEXT_AXIS)
+
+    def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
+        try:
+            import flax.linen as nn  # pylint: disable=g-import-not-at-top
+            if not nn.get_logical_axis_rules():
+                return None
+            spec = nn.logical_to_mesh_axes((logical,))
+        except Exception:  # pylint: disable=broad-except  # rules naming axes of another mesh
+            return None
+        if spec is None or not len(spec) or spec[0] is None:
+            return ()
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        return tuple(a for a in axes if a in names)
+
+    def dividing(axes, dim, used=()):
+        kept, size = [], 1
+        for a in axes:
+            if a not in used and dim % (size * mesh.shape[a]) == 0:
+                kept.append(a)
+                size *= mesh.shape[a]
+        return tuple(kept), size
+
+    batch = from_rules("batch")
+    if batch is None:
+        batch = tuple(a for a in ("data", "fsdp") if a in names) or tuple(
+            a for a in names if a not in ("tensor", "model"))
+    batch, _ = dividing(batch, b)
+    heads = from_rules("heads")
+    if heads is None:
+        heads = tuple(a for a in ("tensor", "model") if a in names)
+    heads, m = dividing(heads, n, used=batch)
+    shard_kv = bool(heads) and kh % m == 0
+    if heads and not shard_kv and kh != 1:
+        heads = ()
+    return Layout(mesh, batch, heads, shard_kv)
+
+
+def spec_axes(axes: Tuple[str, ...]) -> Any:
+    """A PartitionSpec entry for ``axes``: None, one name, or a tuple of names."""
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
