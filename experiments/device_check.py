@@ -8,6 +8,9 @@ Sections (each written to ``--out`` as soon as it finishes, so a timeout keeps w
 1. Correctness on the GPU: the kernels (cuDNN, flash, XLA) against the hand-written float64
    reference (``tests/goat_reference.py``: value and dq/dk/dv) at bf16 tolerance (2e-2, the bar
    the GPU-only test uses), flash also in float32 at 1e-5.
+2b. Packed documents (segment ids) on cuDNN's packed layout: GOAT and RoPE, MHA and GQA (4 query
+   heads per key head), value and gradients against the float64 reference; then the wall time
+   of cuDNN packed against 'flash' on the same inputs at 2k and 8k.
 2. Attention forward+backward, B=1, 8 heads, H=64, causal, at 1k-16k: GOAT packed on cuDNN vs
    plain cuDNN flash vs GOAT's dense log-prior as a bias on XLA (bf16), and the flash kernel on
    GOAT's packed q/k in float32 vs XLA float32: median wall ms and compiled memory (temp +
@@ -112,6 +115,7 @@ def correctness(kernel_names: List[str], length: int) -> List[List]:
 
 
 GPU_TESTS = ["tests/test_attention.py::test_cudnn_matches_reference_in_bf16",
+             "tests/test_attention.py::test_cudnn_packed_documents_match_reference_in_bf16",
              "tests/test_attention.py::test_error_cudnn_float32_or_no_gpu", "tests/test_flash.py"]
 
 
@@ -219,6 +223,124 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
                          None if var.memory is None else var.memory / 2**20, ""])
         del variants
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# 2b. Packed documents on cuDNN's packed layout (goat_jax/kernels/cudnn_packed.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _documents(rng, b: int, t: int, docs: int):
+    """[b, t] int32 segment ids: ``docs`` documents of random lengths per row, the last row
+    ending in padding (PAD_SEGMENT_ID), one row with a one-token document."""
+    import numpy as np
+
+    rows = []
+    for r in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), docs - 1, replace=False))
+        row = np.repeat(np.arange(1, docs + 1), np.diff(np.r_[0, cuts, t])).astype(np.int32)
+        if r == b - 1:
+            row[-t // 8:] = np.iinfo(np.int32).max
+        rows.append(row)
+    rows[0][:1] = 0  # a one-token document at the start of row 0
+    return np.stack(rows)
+
+
+def packed_inputs(encoding: str, b: int, t: int, n: int, kh: int, h: int, ids, dtype):
+    """bf16 q/k/v as the kernel sees them for GOAT (prior packed into q/k, per-document
+    positions) or RoPE (rotated by per-document positions)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from goat_jax import attention as attn_lib
+    from goat_jax import prior as prior_lib
+    from goat_jax import segments
+    from goat_jax.positional import rope
+    from goat_jax.prior import packing
+
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in
+               ((b, t, n, h), (b, t, kh, h), (b, t, kh, h)))
+    pos = segments.segment_positions(jnp.asarray(ids))
+    if encoding == "rope":
+        return rope.apply_rope(q, pos).astype(dtype), rope.apply_rope(k, pos).astype(dtype), v.astype(dtype)
+    spec = prior_lib.PriorSpec(num_heads=n, kv_num_heads=kh, pos_rank=8, abs_rank=8, training_seq_len=t)
+    channels = packing.default_sink_channels(dtype)
+    d_c = spec.content_dim(h, channels)
+    p_pos = prior_lib.positions_1d(t, positions=pos)
+    params = attn_lib.GoatPrior(spec).init(jax.random.PRNGKey(0), p_pos, p_pos, True)["params"]
+    q_rel, q_sink = prior_lib.query_features(spec, params, p_pos)
+    k_rel, u = prior_lib.key_features(spec, params, p_pos, True)
+    return (packing.pack_query(q[..., :d_c], q_rel, q_sink, channels, dtype),
+            packing.pack_key(k[..., :d_c], k_rel, u, channels, dtype), v.astype(dtype))
+
+
+def packed_rows(length: int, timing_lengths: List[int], repeats: int, deadline: float, dry_run: bool) -> List[List]:
+    """cuDNN's packed layout vs the float64 reference (value, dq, dk, dv) for GOAT and RoPE, MHA
+    and GQA (4 query heads per key head); then forward+backward wall time against 'flash' on the
+    same inputs. On CPU (dry run) the 'cudnn' rows say they were skipped and flash is checked."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from goat_jax import kernels
+    from goat_jax.benchmarking import jax_variant, measure
+    from tests import goat_reference as ref
+
+    rows = []
+    rng = np.random.default_rng(1)
+    impls = ["flash"] if dry_run else ["cudnn", "flash"]
+    b, n, h = 2, 8, 64
+    ids = _documents(rng, b, length, 6)
+    for encoding in ("goat", "rope"):
+        for kh in (n, n // 4):
+            q, k, v = packed_inputs(encoding, b, length, n, kh, h, ids, jnp.bfloat16)
+            ct = jnp.asarray(rng.normal(size=(b, length, n, h)), jnp.bfloat16)
+            want = ref.attention_and_grads(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, ct)),
+                                           is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+            for impl in impls:
+                def run(q_, k_, v_, ct_, impl=impl):
+                    out, vjp = jax.vjp(lambda a, c, d: kernels.attend(
+                        a, c, d, implementation=impl, is_causal=True, segment_ids=jnp.asarray(ids)), q_, k_, v_)
+                    return (out,) + vjp(ct_)
+                label = [encoding, "MHA" if kh == n else f"GQA {n // kh}:1", impl, length]
+                try:
+                    got = jax.jit(run)(q, k, v, ct)
+                except Exception as err:  # noqa: BLE001 -- an unchecked machine: record, go on
+                    rows.append(label + [None] * 4 + [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:200]}"])
+                    continue
+                errs = [float(np.abs(np.asarray(g.astype(jnp.float32), np.float64) - w).max() / np.abs(w).max())
+                        for g, w in zip(got, want)]
+                rows.append(label + errs + ["ok" if max(errs) <= 2e-2 else "**FAIL**"])
+    timing = []
+    for t in timing_lengths:
+        ids_t = _documents(rng, 1, t, max(2, t // 1024))
+        for encoding in ("goat", "rope"):
+            q, k, v = packed_inputs(encoding, 1, t, n, n // 4, h, ids_t, jnp.bfloat16)
+            variants = []
+            for impl in impls:
+                if time.time() > deadline:
+                    timing.append([t, encoding, impl, None, None, "skipped: time budget"])
+                    continue
+                loss = lambda q_, k_, v_, impl=impl: jnp.sum(kernels.attend(
+                    q_, k_, v_, implementation=impl, is_causal=True,
+                    segment_ids=jnp.asarray(ids_t)).astype(jnp.float32))
+                try:
+                    variants.append(jax_variant(f"{encoding}:{impl}", loss, (q, k, v), (0, 1, 2)))
+                except Exception as err:  # noqa: BLE001
+                    timing.append([t, encoding, impl, None, None, f"**ERROR** {type(err).__name__}: "
+                                   f"{str(err).splitlines()[0][:200]}"])
+            try:
+                measure(variants, repeats)
+            except Exception as err:  # noqa: BLE001
+                timing += [[t, encoding, v_.name.split(":")[1], None, None, f"**ERROR** while running: "
+                            f"{type(err).__name__}"] for v_ in variants]
+                continue
+            for var in variants:
+                timing.append([t, encoding, var.name.split(":")[1], 1e3 * statistics.median(var.times),
+                               None if var.memory is None else var.memory / 2**20, ""])
+    return rows, timing
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,6 +457,19 @@ def main(argv=None) -> int:
         ["L", "variant", "dtype", "median wall ms", "compiled MiB", "note"], rows))
 
     try:
+        rows, timing = packed_rows(64 if args.dry_run else 1024, [64] if args.dry_run else [2048, 8192],
+                                   repeats, deadline - 90, args.dry_run)
+        report.section("2b. Packed documents: cuDNN's packed layout vs the float64 reference (causal, per-document; "
+                       "relative max error of value and gradients), B=2, N=8, H=64, 6 documents per row",
+                       skip_note + [""] + table(["encoding", "heads", "kernel", "L", "out", "dq", "dk", "dv", "result"],
+                                                rows))
+        report.section("2c. Packed documents: forward+backward wall time, cuDNN packed vs flash (bf16, B=1, N=8, "
+                       "GQA 4:1, one document per 1024 tokens)", table(
+                           ["L", "encoding", "kernel", "median wall ms", "compiled MiB", "note"], timing))
+    except Exception as err:  # noqa: BLE001 -- keep the sections above
+        report.section("2b. Packed documents", [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:300]}"])
+
+    try:
         rows = train_step_rows(args.dry_run, 2 if args.dry_run else 30, deadline + 30)
     except Exception as err:  # noqa: BLE001 -- keep the sections above
         rows = [["**ERROR**", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"] + [None] * 10]
@@ -349,7 +484,7 @@ def main(argv=None) -> int:
                                                              GPU_TESTS))
     else:  # the same machinery on one quick test
         report.section("4. GPU-only pytest tests", ["skipped on CPU; the runner checked on one test instead:", ""]
-                       + gpu_pytest(args.wheel_dir, 120.0, GPU_TESTS[1:2]))
+                       + gpu_pytest(args.wheel_dir, 120.0, GPU_TESTS[2:3]))
 
     loaded = [m for m in FORBIDDEN if sys.modules.get(m) is not None]
     report.section("Environment", [f"Imported of {FORBIDDEN}: {loaded or 'none'}; total {time.time() - start:.0f} s."])

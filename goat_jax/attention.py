@@ -190,6 +190,7 @@ class GoatLogic(attention_core.AttentionLogic):
         impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
                                               logits_shape=shape.logits_shape,
                                               segments=call.q_segment_ids is not None,
+                                              ragged_segments=attention_call.ragged_segments(call),
                                               decoding=bool(self.decode))
 
         t, s = call.query.shape[1], call.key.shape[1]

@@ -189,3 +189,10 @@ class Encoded(NamedTuple):
     content_keys: Array
     causal_offset: Any = 0
     bias: Optional[Array] = None
+
+
+def ragged_segments(call: AttentionCall) -> bool:
+    """Whether the call's segment ids come with a key padding mask or keys other than the
+    queries (cross-attention): what cuDNN's packed layout cannot express
+    (goat_jax/kernels/capabilities.py, feature 'ragged_segments')."""
+    return call.q_segment_ids is not None and (call.key_padding_mask is not None or call.key is not call.query)

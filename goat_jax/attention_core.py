@@ -13,7 +13,7 @@ so neither re-implements packing, encodings or masking.
 The shell contract (what :func:`run` reads from ``layer``):
 
 * fields: ``num_heads, kv_num_heads, head_dim, out_features, use_bias, dtype, param_dtype,
-  implementation, decode, kernel_init_std, logn_scaling``;
+  implementation, decode, kernel_init_std, logn_scaling, max_documents_per_row``;
 * the variant (:class:`AttentionLogic` and a subclass mixin): ``_plan``, ``_positions``,
   ``_encode``, ``_training_len``;
 * parameters: ``param(name, init, *args)`` (encodings' own parameters, Linen's signature) and
@@ -233,7 +233,8 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
         mask = kernels.AttentionMask.build(
             b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,
             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
-            q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids)
+            q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
+            max_documents=layer.max_documents_per_row)
         out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
                              mask=mask, bias=enc.bias, return_probs=sow)  # [B, T, N, Hv]
     if sow:

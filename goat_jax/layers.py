@@ -202,6 +202,9 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
       multiplied by ``max(1, ln n / ln training_seq_len)`` (:func:`logn_factors`) before the
       kernel, so every kernel runs it; 'content' scales the content logits ``q . k`` only, 'all'
       the whole logit including a packed or materialized prior (:func:`apply_logn`).
+    * ``max_documents_per_row``: the most documents (runs of equal ``segment_ids``, padding
+      counting as one) a row may hold, the static size of cuDNN's packed layout (segment ids on
+      Hopper GPUs, goat_jax/kernels/cudnn_packed.py); None: its default. Other kernels ignore it.
 
     This class is the Linen *shell* of :func:`goat_jax.attention_core.run`, which does the work
     of a call: the fields, and the parameters, cache and sowing as Linen variables. A subclass
@@ -221,6 +224,7 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
     decode: bool = False
     kernel_init_std: Optional[float] = None
     logn_scaling: Optional[str] = None
+    max_documents_per_row: Optional[int] = None
 
     # The shell contract of attention_core.run: parameters, cache and sowing as Linen variables.
 

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import lm_tiny
 from goat_jax.train import validation
 
 
@@ -26,6 +25,7 @@ def set_fields(config, **overrides):
 
 def lm_smoke_config(**overrides):
     """``configs/lm_tiny.py:goat,smoke`` without the progress bar, with dotted overrides."""
+    from configs import lm_tiny  # pylint: disable=g-import-not-at-top  # ml_collections: not on the GPU image
     config = lm_tiny.get_config("goat,smoke")
     config.progress_bar = False
     return set_fields(config, **overrides)

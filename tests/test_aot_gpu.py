@@ -121,12 +121,16 @@ HEADS = {"q_proj/kernel": P(None, "tensor"), "k_proj/kernel": P(None, "tensor"),
          "v_proj/bias": P("tensor"), "out_proj/kernel": P("tensor")}
 out = {"device_kind": devices[0].device_kind}
 cases = {"cudnn": ("cudnn", 64, (8, 1), False), "auto": (None, 64, (8, 1), False),
-         "head_dim_128": ("cudnn", 128, (8, 1), False), "heads_over_tensor": ("cudnn", 64, (4, 2), True)}
+         "head_dim_128": ("cudnn", 128, (8, 1), False), "heads_over_tensor": ("cudnn", 64, (4, 2), True),
+         "segments": (None, 64, (8, 1), False), "segments_heads_over_tensor": (None, 64, (4, 2), True)}
 for case, (impl, head_dim, shape, heads) in cases.items():
     mesh = Mesh(np.array(devices).reshape(shape), ("data", "tensor"))
     attn = GoatAttention(num_heads=4, kv_num_heads=2, head_dim=head_dim, implementation=impl,
                          prior=PriorSettings(pos_rank=8, abs_rank=8, training_seq_len=T), dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((B, T, E), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    # Packed documents: segment ids [B, T] (abstract here; the packed layout is built in the step).
+    seg = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    kw = {"segment_ids": seg} if case.startswith("segments") else {}
     def spec(path):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         return next((s for k, s in HEADS.items() if heads and name.endswith(k)), P())
@@ -134,8 +138,9 @@ for case, (impl, head_dim, shape, heads) in cases.items():
         params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
         params = jax.tree_util.tree_map_with_path(
             lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec(path))), params)
-        loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
-        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+        loss = lambda p, x, s: jnp.mean(attn.apply(p, x, is_causal=True, **({"segment_ids": s} if kw else {}))
+                                        .astype(jnp.float32) ** 2)
+        compiled = jax.jit(jax.grad(loss)).lower(params, x, seg).compile()
     text = compiled.as_text()
     fwd = [l for l in text.splitlines() if 'custom_call_target="__cudnn$fmhaSoftmax"' in l]
     out[case] = dict(calls=aot.custom_calls(text), memory=aot.memory(compiled),
@@ -153,9 +158,10 @@ def test_goat_layer_with_cudnn_compiles_sharded_for_8_h200s():
     out = json.loads(proc.stdout.split("RESULT ")[-1])
     assert out["device_kind"] == "NVIDIA H200"
     batch_per_device = 8 * 1024 * 512 * 4 // 8  # float32 inputs split over 8 GPUs
-    for case in ("cudnn", "auto", "head_dim_128", "heads_over_tensor"):
+    for case in ("cudnn", "auto", "head_dim_128", "heads_over_tensor", "segments", "segments_heads_over_tensor"):
         r = out[case]
-        # cuDNN's fused attention, forward and backward, in the compiled GPU program.
+        # cuDNN's fused attention, forward and backward, in the compiled GPU program (with
+        # segment ids: cuDNN's packed layout, chosen automatically for the H200).
         assert r["calls"].get("__cudnn$fmhaSoftmax") == 1 and r["calls"].get("__cudnn$fmhaSoftmaxBackward") == 1, r
         mem = r["memory"]
         assert mem["temporaries"] > 0 and mem["total"] == (mem["arguments"] + mem["outputs"]
@@ -163,13 +169,18 @@ def test_goat_layer_with_cudnn_compiles_sharded_for_8_h200s():
     for case in ("cudnn", "auto", "head_dim_128"):  # batch over 8, parameters replicated
         r = out[case]  # (XLA drops the few parameters this prior leaves unused: 0.99)
         assert batch_per_device + 0.99 * r["param_bytes"] <= r["memory"]["arguments"] < 2 * batch_per_device + r["param_bytes"], r
-    # Per device: 1 sequence, 4 query heads, 2 key heads; packed 66 -> 72 and 130 -> 136
-    # (multiples of 8), accepted for the H200 although this host has no GPU (aot.gpu_target).
-    assert out["cudnn"]["operands"] == ["bf16[1,1024,4,72]", "bf16[1,1024,2,72]", "bf16[1,1024,2,72]"]
+    # Per device: 1 sequence, 4 query heads, 2 key heads; packed q/k 66 -> 72 and 130 -> 136
+    # (multiples of 8), v at its own 64 (cuDNN >= 9.10 on Hopper takes q/k wider than v),
+    # accepted for the H200 although this host has no GPU (aot.gpu_target).
+    assert out["cudnn"]["operands"] == ["bf16[1,1024,4,72]", "bf16[1,1024,2,72]", "bf16[1,1024,2,64]"]
     assert out["head_dim_128"]["operands"][0] == "bf16[1,1024,4,136]"
     # Heads over a tensor axis of 2 (batch over 4): jax's partitioning of the cuDNN call runs
     # each GPU's 2 query heads and 1 key head, and the arguments hold half the projections.
-    assert out["heads_over_tensor"]["operands"] == ["bf16[2,1024,2,72]", "bf16[2,1024,1,72]", "bf16[2,1024,1,72]"]
+    assert out["heads_over_tensor"]["operands"] == ["bf16[2,1024,2,72]", "bf16[2,1024,1,72]", "bf16[2,1024,1,64]"]
+    # The packed layout (goat_jax/kernels/cudnn_packed.py): K/V repeated to the 4 query heads and
+    # v padded to the q/k width, one device's rows under shard_map (and its heads over tensor).
+    assert out["segments"]["operands"] == ["bf16[1,1024,4,72]"] * 3
+    assert out["segments_heads_over_tensor"]["operands"] == ["bf16[2,1024,2,72]"] * 3
     r = out["heads_over_tensor"]
     assert r["memory"]["arguments"] - 2 * batch_per_device < 0.6 * r["param_bytes"], r  # a quarter of the batch
 

@@ -23,20 +23,29 @@ def test_every_row_has_a_kernel_and_every_missing_feature_a_reason():
         assert set(row.features) <= set(caps.FEATURES)
 
 
+class _Device:
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+def _on(platform, kind="NVIDIA A100-SXM4-80GB"):
+    return lambda *a, **kw: (platform, "this test", _Device(kind))
+
+
 def test_the_table_decides_the_automatic_choice(monkeypatch):
     """Changing one row changes the automatic choice and the refusal, with no other code: the
-    rule is stated once. GPU bf16 with segment ids: cuDNN's row lacks segment ids, so the choice
-    falls back; give the row segment ids and the same call picks cuDNN."""
+    rule is stated once. An A100 in bf16 with segment ids: cuDNN's row takes segment ids from
+    compute capability 9.0 only, so the choice falls back; drop that need from the row and the
+    same call picks cuDNN."""
     shape = (1, 4, 64, 64)
     with monkeypatch.context() as m:
-        m.setattr(kernels.choice, "target_platform", lambda *a, **kw: ("gpu", "this test"))
+        m.setattr(kernels.choice, "target", _on("gpu"))
         assert kernels.resolve_implementation(None, jnp.bfloat16, 64, shape, segments=True) == "xla"
         assert kernels.resolve_implementation(None, jnp.bfloat16, 64, shape) == "cudnn"
         with pytest.raises(ValueError, match="'cudnn' cannot take segment ids"):
             kernels.resolve_implementation("cudnn", jnp.bfloat16, 64, shape, segments=True)
         row = caps.CAPABILITIES["cudnn"]
-        m.setitem(caps.CAPABILITIES, "cudnn", caps.Capability(**{**row.__dict__,
-                                                                  "features": row.features + ("segment_ids",)}))
+        m.setitem(caps.CAPABILITIES, "cudnn", caps.Capability(**{**row.__dict__, "needs_capability": {}}))
         assert kernels.resolve_implementation(None, jnp.bfloat16, 64, shape, segments=True) == "cudnn"
         assert kernels.resolve_implementation("cudnn", jnp.bfloat16, 64, shape, segments=True) == "cudnn"
 
@@ -52,7 +61,7 @@ def test_the_table_decides_the_automatic_choice(monkeypatch):
     ("cpu", jnp.float32, 64, {}, "xla"),
 ])
 def test_automatic_choice_per_platform(monkeypatch, platform, dtype, qk, uses, want):
-    monkeypatch.setattr(kernels.choice, "target_platform", lambda *a, **kw: (platform, "this test"))
+    monkeypatch.setattr(kernels.choice, "target", _on(platform))
     assert kernels.resolve_implementation(None, dtype, qk, (1, 4, 256, 256), **uses) == want
 
 

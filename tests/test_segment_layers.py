@@ -262,14 +262,18 @@ def test_bad_segment_input_raises_naming_the_argument():
 
 
 @pytest.mark.parametrize("name", ["goat", _slow("rope")])
-def test_automatic_kernel_never_picks_cudnn_for_segment_ids(monkeypatch, name):
-    """On a GPU in bf16 the automatic choice is cuDNN, but not for a call with segment ids
-    (jax's cuDNN path refuses them); the choice recorded for the compile report
-    (``kernels.record_choices``) is the kernel the layer then runs, in both cases."""
+def test_automatic_kernel_never_picks_cudnn_for_segment_ids_before_hopper(monkeypatch, name):
+    """On a GPU in bf16 the automatic choice is cuDNN, but on an A100 not for a call with segment
+    ids (cuDNN's packed layout needs Hopper: tests/test_cudnn_packed.py); the choice recorded for
+    the compile report (``kernels.record_choices``) is the kernel the layer then runs, in both
+    cases."""
     from goat_jax import kernels
+
+    class A100:
+        device_kind = "NVIDIA A100-SXM4-80GB"
     used = []
     real_attend = kernels.attend
-    monkeypatch.setattr(kernels.choice, "target_platform", lambda *a, **kw: ("gpu", "this test"))
+    monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", A100()))
     # cuDNN needs a GPU to run: the spy notes the kernel and runs XLA in its place.
     monkeypatch.setattr(kernels, "attend", lambda *a, **k: used.append(k["implementation"]) or real_attend(
         *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))

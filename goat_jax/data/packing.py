@@ -41,7 +41,8 @@ Choices, and why:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def num_packing_bins(local_batch: int) -> int:
 
 
 def pack_documents(stream: grain.IterDataset, *, seq_len: int, pad_id: int,
-                   num_bins: int) -> grain.IterDataset:
+                   num_bins: int, max_documents: Optional[int] = None) -> grain.IterDataset:
     """Packs a stream of token arrays (documents) into examples with segment ids and
     positions (module doc); finite streams end with a partial round of windows.
 
@@ -84,6 +85,9 @@ def pack_documents(stream: grain.IterDataset, *, seq_len: int, pad_id: int,
       seq_len: tokens per window.
       pad_id: token id written into the padding.
       num_bins: windows per first-fit round (:func:`num_packing_bins`).
+      max_documents: when given, every window is checked on the host to hold at most this
+        many documents, the padding counting as one (:func:`check_documents_per_row`): the
+        bound of cuDNN's packed layout, ``model.max_documents_per_row``.
     """
     if seq_len < 1 or num_bins < 1:
         raise ValueError(f"seq_len={seq_len} and num_bins={num_bins} must be >= 1.")
@@ -93,7 +97,26 @@ def pack_documents(stream: grain.IterDataset, *, seq_len: int, pad_id: int,
         # Each round is a few whole batches already drawn from a shuffled stream: shuffling the
         # windows within it adds nothing, and the rows of a batch stay in packing order.
         shuffle_bins=False, padding_struct={"inputs": pad_id, "targets": pad_id})
-    return packed.map(_to_example)
+    examples = packed.map(_to_example)
+    if max_documents is not None:
+        examples = examples.map(functools.partial(check_documents_per_row, max_documents=max_documents))
+    return examples
+
+
+def check_documents_per_row(example: dict[str, np.ndarray], max_documents: int) -> dict[str, np.ndarray]:
+    """``example`` unchanged, after checking that its ``segment_ids`` hold at most
+    ``max_documents`` runs (documents, the padding counting as one). Raises ValueError naming
+    ``model.max_documents_per_row`` otherwise: cuDNN's packed layout is sized by it
+    (goat_jax/kernels/cudnn_packed.py), and a row that does not fit would be lost."""
+    ids = np.asarray(example["segment_ids"])
+    runs = int(1 + np.count_nonzero(ids[1:] != ids[:-1])) if ids.size else 0
+    if runs > max_documents:
+        raise ValueError(
+            f"A packed window holds {runs} documents (the padding counting as one), more than "
+            f"model.max_documents_per_row={max_documents}, the static bound of cuDNN's packed layout on "
+            f"GPUs. Raise model.max_documents_per_row to at least {runs} (its memory: "
+            "docs/packing.md), or set model.implementation='flash'.")
+    return example
 
 
 def _to_example(packed: dict[str, Any]) -> dict[str, np.ndarray]:

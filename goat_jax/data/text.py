@@ -327,6 +327,7 @@ def make_lm_datasets(
     seed: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    max_documents: int | None = None,
 ) -> tuple[grain.DatasetIterator, Callable[[], Iterator[Batch]], tokenizers_lib.Tokenizer]:
     """Builds the training iterator, the eval-iterator factory and the tokenizer.
 
@@ -339,6 +340,8 @@ def make_lm_datasets(
       seed: shuffle seed in [0, 2**32); the eval split does not depend on it.
       process_index: this host's index; default ``jax.process_index()``.
       process_count: number of hosts; default ``jax.process_count()``.
+      max_documents: with ``packing='documents'``, the most documents a window may hold
+        (checked on the host: :func:`goat_jax.data.packing.check_documents_per_row`); None: no check.
 
     Returns:
       (train_iter, make_eval_iter, tokenizer): ``train_iter`` yields this host's batches of
@@ -378,7 +381,7 @@ def make_lm_datasets(
     if cfg.packing == "documents":
         pack = functools.partial(
             packing_lib.pack_documents, seq_len=seq_len, pad_id=tokenizer.pad_id,
-            num_bins=packing_lib.num_packing_bins(local_batch))
+            num_bins=packing_lib.num_packing_bins(local_batch), max_documents=max_documents)
         padding = packing_lib.padding_example(seq_len, tokenizer.pad_id)
     else:
         pack = functools.partial(

@@ -18,13 +18,19 @@ import jax.numpy as jnp
 ANY = ("cpu", "gpu", "tpu")
 HALF = ("bfloat16", "float16")
 
-# Why cuDNN never takes segment ids through the public API (said by the automatic choice's log
-# line and by the refusal of an explicit choice).
-CUDNN_SEGMENTS_WHY = ("jax.nn.dot_product_attention (jax 0.10.2) passes cuDNN only per-example query/key "
-                      "lengths (right padding), not its packed-segment offsets")
-FEATURES = ("segment_ids", "bias", "traced_offset", "window", "return_probs")
-FEATURE_NAMES = {"segment_ids": "segment ids", "bias": "an additive bias", "traced_offset": "a traced causal offset",
+# Why cuDNN takes segment ids only on Hopper or newer (said by the automatic choice's log line and
+# by the refusal of an explicit choice), and only as packed self-attention.
+CUDNN_SEGMENTS_WHY = ("segment ids run on cuDNN's packed layout (goat_jax/kernels/cudnn_packed.py), which "
+                      "needs a Hopper or newer GPU (compute capability 9.0: H100, H200)")
+CUDNN_RAGGED_WHY = ("cuDNN's packed layout aligns each query document with the key document of the same index, "
+                    "top-left: it expresses packed self-attention only (with context parallelism, each shard's "
+                    "queries would start inside a document); use 'flash'")
+FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs")
+FEATURE_NAMES = {"segment_ids": "segment ids",
+                 "ragged_segments": "segment ids with key padding, kv lengths, a causal offset or cross-attention",
+                 "bias": "an additive bias", "traced_offset": "a traced causal offset",
                  "window": "a sliding window", "return_probs": "return_probs"}  # as the messages say them
+HOPPER = (9, 0)  # GPU compute capability of H100 / H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +47,8 @@ class Capability:
     features: Tuple[str, ...]  # the FEATURES it takes
     why_not: Dict[str, str]
     summary: str  # one line: what it is (docs/layer.md's kernel table)
+    # feature -> the least GPU compute capability on which the kernel takes it (else why_not)
+    needs_capability: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def takes(self, feature: str) -> bool:
         """Whether the kernel takes ``feature`` (one of :data:`FEATURES`)."""
@@ -52,24 +60,26 @@ _NO_PROBS = "only 'dense' materializes the attention probabilities"
 _NO_WINDOW = "the sliding-window hook (goat_jax.kernels.local_window) is for the materializing kernels 'xla' and 'dense'"
 
 CAPABILITIES: Dict[str, Capability] = {row.name: row for row in (
-    Capability("xla", ANY, None, None, 1, 1, 0, ("segment_ids", "bias", "traced_offset", "window"),
+    Capability("xla", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window"),
                {"return_probs": _NO_PROBS},
                "jax.nn.dot_product_attention's XLA path: materializes the T x S logits"),
-    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "traced_offset"),
+    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset"),
                {"bias": _NO_BIAS, "window": _NO_WINDOW, "return_probs": _NO_PROBS},
                "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
                "masked blocks skipped (goat_jax/kernels/flash.py)"),
-    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("traced_offset",),
-               {"segment_ids": CUDNN_SEGMENTS_WHY, "bias": "an additive bias is not wired to cuDNN here "
-                "(it needs even lengths when training); use 'xla'", "window": _NO_WINDOW,
-                "return_probs": _NO_PROBS},
-               "cuDNN fused flash attention through jax.nn.dot_product_attention (GPU, bf16/fp16)"),
-    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids",),
+    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("segment_ids", "traced_offset"),
+               {"segment_ids": CUDNN_SEGMENTS_WHY, "ragged_segments": CUDNN_RAGGED_WHY,
+                "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); "
+                "use 'xla'", "window": _NO_WINDOW, "return_probs": _NO_PROBS},
+               "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
+               "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
+               needs_capability={"segment_ids": HOPPER}),
+    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
                {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
                 "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
                 "window": _NO_WINDOW, "return_probs": _NO_PROBS},
                "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)"),
-    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids",),
+    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
                {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
                 "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
                 "window": _NO_WINDOW, "return_probs": _NO_PROBS},
@@ -91,15 +101,33 @@ class Request:
     dtype: str
     qk_dim: int
     features: Tuple[str, ...] = ()
+    compute_capability: Optional[Tuple[int, int]] = None  # GPUs, when known
 
     @classmethod
-    def of(cls, target: Tuple[str, str], dtype, qk_dim: int, **uses: bool) -> "Request":
+    def of(cls, target: Tuple[str, str], dtype, qk_dim: int, compute_capability: Optional[Tuple[int, int]] = None,
+           **uses: bool) -> "Request":
         """A request on ``target`` = (platform, where); ``uses``: feature name -> bool."""
         unknown = set(uses) - set(FEATURES)
         if unknown:
             raise TypeError(f"Request.of: unknown features {sorted(unknown)}; known: {FEATURES}.")
         return cls(target[0], target[1], jnp.dtype(dtype).name, int(qk_dim),
-                   tuple(f for f in FEATURES if uses.get(f)))
+                   tuple(f for f in FEATURES if uses.get(f)), compute_capability)
+
+
+def takes(row: Capability, feature: str, req: Request) -> bool:
+    """Whether ``row`` takes ``feature`` for ``req``: in its features, and on a GPU of at least
+    the compute capability the row needs for it (an unknown GPU counts as too old)."""
+    if not row.takes(feature):
+        return False
+    need = row.needs_capability.get(feature)
+    return need is None or (req.compute_capability is not None and tuple(req.compute_capability) >= need)
+
+
+def _seen(req: Request) -> str:
+    if req.platform != "gpu":
+        return ""
+    cc = "unknown" if req.compute_capability is None else ".".join(map(str, req.compute_capability))
+    return f"; this GPU's compute capability: {cc}"
 
 
 def padded_head_dim(row: Capability, qk_dim: int) -> int:
@@ -135,8 +163,8 @@ def refusal(name: str, req: Request) -> Optional[str]:
         return (f"implementation={name!r} supports head dims <= {row.max_head_dim}; the packed q/k dim is "
                 f"{req.qk_dim}. Use fewer heads' dims or implementation='xla'.")
     for feature in req.features:
-        if not row.takes(feature):
-            return f"implementation={name!r} cannot take {FEATURE_NAMES[feature]}: {row.why_not[feature]}."
+        if not takes(row, feature, req):
+            return f"implementation={name!r} cannot take {FEATURE_NAMES[feature]}: {row.why_not[feature]}{_seen(req)}."
     return None
 
 
@@ -151,19 +179,25 @@ def reason_skipped(name: str, req: Request) -> Optional[str]:
     if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
         return f"packed head dim {padded_head_dim(row, req.qk_dim)} > {row.max_head_dim}"
     for feature in req.features:
-        if not row.takes(feature):
-            return f"{FEATURE_NAMES[feature]} ({row.why_not[feature]})"
+        if not takes(row, feature, req):
+            return f"{FEATURE_NAMES[feature]} ({row.why_not[feature]}{_seen(req)})"
     return None
 
 
 def markdown_table() -> str:
-    """The capability table as Markdown (docs/layer.md holds it; a test keeps the two equal)."""
+    """The capability table as Markdown (docs/layer.md holds it; a test keeps the two equal).
+    "segment ids + padding / offset / cross": segment ids together with key padding, kv
+    lengths, a causal offset or keys other than the queries (what cuDNN's packed layout lacks)."""
     head = ["kernel", "platforms", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
-    head += [FEATURE_NAMES[f] for f in FEATURES]
+    short = {"segment_ids": "segment ids", "ragged_segments": "segment ids + padding / offset / cross",
+             "bias": "additive bias", "traced_offset": "traced causal offset", "window": "sliding window",
+             "return_probs": "probabilities"}
+    head += [short[f] for f in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in CAPABILITIES.values():
         cells = [f"`{row.name}`", ", ".join(row.platforms), "any float" if row.dtypes is None else ", ".join(row.dtypes),
                  str(row.max_head_dim or "-"), str(row.head_dim_multiple), str(row.length_multiple)]
-        cells += ["yes" if row.takes(f) else "no" for f in FEATURES]
+        cells += [("from compute capability " + ".".join(map(str, row.needs_capability[f]))
+                   if f in row.needs_capability else "yes") if row.takes(f) else "no" for f in FEATURES]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -69,9 +69,29 @@ def _normal(platform: str) -> str:
     return "gpu" if platform in _GPU_PLATFORMS else platform
 
 
-def _array_platform(x: Any) -> Optional[Tuple[str, str]]:
-    """The platform ``x`` lives on, from its own placement, or None when that is unknown (a
-    tracer without a mesh in its type, a NumPy array)."""
+# GPU compute capability by device kind, for devices that do not report one (the abstract
+# devices of a compile-only GPU target, goat_jax/aot.py); a real GPU reports its own.
+GPU_COMPUTE_CAPABILITY = {"GB200": (10, 0), "B200": (10, 0), "B100": (10, 0), "GH200": (9, 0), "H200": (9, 0),
+                          "H100": (9, 0), "H800": (9, 0), "L40": (8, 9), "L4": (8, 9), "A100": (8, 0),
+                          "A800": (8, 0), "A10": (8, 6), "V100": (7, 0), "T4": (7, 5)}
+
+
+def compute_capability(device: Any) -> Optional[Tuple[int, int]]:
+    """A GPU device's compute capability (major, minor): its own report, else read off its
+    device kind (:data:`GPU_COMPUTE_CAPABILITY`, longest name first); None when unknown."""
+    own = getattr(device, "compute_capability", None)
+    if isinstance(own, str) and "." in own:
+        return tuple(int(x) for x in own.split(".")[:2])  # type: ignore[return-value]
+    kind = str(getattr(device, "device_kind", ""))
+    for name in sorted(GPU_COMPUTE_CAPABILITY, key=len, reverse=True):
+        if name in kind:
+            return GPU_COMPUTE_CAPABILITY[name]
+    return None
+
+
+def _array_target(x: Any) -> Optional[Tuple[str, str, Any]]:
+    """``(platform, where, device)`` of ``x`` from its own placement, or None when that is
+    unknown (a tracer without a mesh in its type, a NumPy array)."""
     if x is None or not hasattr(x, "shape"):
         return None
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -79,7 +99,7 @@ def _array_platform(x: Any) -> Optional[Tuple[str, str]]:
             device = next(iter(x.sharding.device_set))
         except Exception:  # pylint: disable=broad-except  # deleted or unusual arrays
             return None
-        return _normal(device.platform), f"the inputs' devices ({device.device_kind})"
+        return _normal(device.platform), f"the inputs' devices ({device.device_kind})", device
     try:
         mesh = jax.typeof(x).sharding.mesh
     except Exception:  # pylint: disable=broad-except  # no sharding in the type
@@ -87,7 +107,30 @@ def _array_platform(x: Any) -> Optional[Tuple[str, str]]:
     device = getattr(mesh, "abstract_device", None)
     if getattr(mesh, "empty", True) or device is None:
         return None
-    return _normal(device.platform), f"the inputs' mesh ({device.device_kind})"
+    return _normal(device.platform), f"the inputs' mesh ({device.device_kind})", device
+
+
+def target(*like: Any, mesh: Any = None) -> Tuple[str, str, Any]:
+    """``(platform, where that was read, a device of that kind)`` of the computation being
+    traced (:func:`target_platform`); the device tells a GPU's compute capability."""
+    for x in like:
+        found = _array_target(x)
+        if found is not None:
+            return found
+    abstract = mesh_lib.ambient_mesh() if mesh is None else mesh
+    device = getattr(abstract, "abstract_device", None)
+    if not abstract.empty and device is not None:
+        return _normal(device.platform), f"the mesh in context ({device.device_kind})", device
+    try:  # `with mesh:` (deprecated) sets only the physical mesh
+        from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
+        physical = jax_mesh.thread_resources.env.physical_mesh
+        if not physical.empty:
+            device = physical.devices.flat[0]
+            return _normal(device.platform), f"the mesh in context ({device.device_kind})", device
+    except (ImportError, AttributeError):
+        pass
+    return (_normal(jax.default_backend()),
+            "JAX's default backend, as no mesh was set where this attention call was traced", jax.devices()[0])
 
 
 def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
@@ -101,24 +144,16 @@ def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
     (a TPU topology compiled ahead of time on a CPU host, :mod:`goat_jax.aot`); a legacy
     ``with mesh:``; and only then JAX's default backend (the host's).
     """
-    for x in like:
-        found = _array_platform(x)
-        if found is not None:
-            return found
-    abstract = mesh_lib.ambient_mesh() if mesh is None else mesh
-    device = getattr(abstract, "abstract_device", None)
-    if not abstract.empty and device is not None:
-        return _normal(device.platform), f"the mesh in context ({device.device_kind})"
-    try:  # `with mesh:` (deprecated) sets only the physical mesh
-        from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
-        physical = jax_mesh.thread_resources.env.physical_mesh
-        if not physical.empty:
-            device = physical.devices.flat[0]
-            return _normal(device.platform), f"the mesh in context ({device.device_kind})"
-    except (ImportError, AttributeError):
-        pass
-    return (_normal(jax.default_backend()),
-            "JAX's default backend, as no mesh was set where this attention call was traced")
+    return target(*like, mesh=mesh)[:2]
+
+
+def request(implementation_dtype: Any, qk_dim: int, *, like: Tuple[Any, ...] = (), mesh: Any = None,
+            **uses: bool) -> caps.Request:
+    """The :class:`goat_jax.kernels.capabilities.Request` of a call in ``implementation_dtype``
+    with a ``qk_dim``-wide q/k on the target of ``like`` / ``mesh`` (:func:`target`)."""
+    platform, where, device = target(*like, mesh=mesh)
+    cc = compute_capability(device) if platform == "gpu" else None
+    return caps.Request.of((platform, where), implementation_dtype, qk_dim, cc, **uses)
 
 
 def _length_skip(row: caps.Capability, logits_shape, mesh: Any) -> Optional[str]:
@@ -147,7 +182,8 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
         if skip is None:
             if name == "cudnn":
                 padded = caps.padded_head_dim(caps.CAPABILITIES[name], req.qk_dim)
-                return name, f"GPU, {req.dtype}, packed head dim {padded}"
+                packed = ", segment ids on cuDNN's packed layout" if "segment_ids" in req.features else ""
+                return name, f"GPU, {req.dtype}, packed head dim {padded}{packed}"
             return name, req.platform.upper()
         reasons.append(f"{req.platform.upper()}, but {skip}" if name == "splash" else skip)
     logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
@@ -165,8 +201,8 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
 
 def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
                            logits_shape: Optional[Tuple[int, int, int, int]] = None,
-                           *, like: Tuple[Any, ...] = (), segments: bool = False, bias: bool = False,
-                           decoding: bool = False, mesh: Any = None) -> str:
+                           *, like: Tuple[Any, ...] = (), segments: bool = False, ragged_segments: bool = False,
+                           bias: bool = False, decoding: bool = False, mesh: Any = None) -> str:
     """Validates ``implementation`` or picks one automatically (logged once), for the devices
     the computation runs on (:func:`target_platform` of ``like`` and ``mesh``, else the mesh in
     context, else the default backend): a TPU program traced on a CPU host gets TPU kernels.
@@ -175,14 +211,15 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
       implementation: a name of :data:`goat_jax.kernels.IMPLEMENTATIONS`, or None / 'auto'.
       dtype, qk_dim: the kernel's input dtype and packed q/k width.
       logits_shape: (B, N, T, S) when known: the automatic choice's size rule (module doc).
-      segments, bias, decoding: the call has segment ids / an additive bias / a traced causal
+      segments, ragged_segments, bias, decoding: the call has segment ids / segment ids with a
+        key padding mask or keys other than the queries / an additive bias / a traced causal
         offset (a KV cache); kernels that cannot take them are passed over (automatic) or
         refused (explicit), from the capability table.
     Raises:
       ValueError naming the reason when an explicit choice cannot run.
     """
-    req = caps.Request.of(target_platform(*like, mesh=mesh), dtype, qk_dim, segment_ids=segments, bias=bias,
-                          traced_offset=decoding)
+    req = request(dtype, qk_dim, like=like, mesh=mesh, segment_ids=segments, ragged_segments=ragged_segments,
+                  bias=bias, traced_offset=decoding)
     if implementation is None or implementation == "auto":
         choice, why = _automatic(req, logits_shape, mesh_lib.ambient_mesh() if mesh is None else mesh)
         log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")

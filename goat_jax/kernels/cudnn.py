@@ -1,9 +1,15 @@
-"""'cudnn': cuDNN's fused flash attention through ``jax.nn.dot_product_attention`` (GPU,
-bfloat16/float16; its row in :mod:`goat_jax.kernels.capabilities` says what it takes).
+"""'cudnn': cuDNN's fused flash attention (GPU, bfloat16/float16; its row in
+:mod:`goat_jax.kernels.capabilities` says what it takes), and for segment ids cuDNN's packed
+layout on Hopper (:mod:`goat_jax.kernels.cudnn_packed`).
 
-cuDNN wants head dims that are multiples of 8 (GOAT's packed q/k are zero-padded to one, and v
-to the q/k width: ``jax.nn.dot_product_attention`` needs equal widths) and, under
-differentiation in jax 0.10.2, even lengths (:func:`goat_jax.kernels.padding.pad_lengths`).
+cuDNN wants head dims that are multiples of 8 (GOAT's packed q/k, e.g. 66, are zero-padded to
+72) and, under differentiation in jax 0.10.2, even lengths
+(:func:`goat_jax.kernels.padding.pad_lengths`). ``jax.nn.dot_product_attention`` needs v as wide
+as q/k, so v would be zero-padded to the q/k width too: GOAT's few extra q/k channels would then
+cost a whole padded v (64 -> 72, 12.5% more V and output memory). cuDNN itself takes q/k wider
+than v on Hopper from cuDNN 9.10 ("different head dims"); there v keeps its own width and the
+call goes to jax's cuDNN attention directly (:func:`fused`, the arguments
+``jax.nn.dot_product_attention`` would pass), elsewhere through the public function.
 """
 
 from __future__ import annotations
@@ -11,22 +17,62 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 
+from goat_jax.kernels import cudnn_packed
 from goat_jax.kernels.capabilities import CAPABILITIES
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.kernels.padding import pad_lengths
+from goat_jax.kernels.padding import pad_head_dims, pad_lengths
 from goat_jax.kernels.xla import dot_product_attention
 
 Array = jax.Array
 ROW = CAPABILITIES["cudnn"]
+MLA_CUDNN = 91000  # cuDNN 9.10: q/k wider than v on Hopper
+
+
+def narrow_values_supported() -> bool:
+    """Whether the GPU being compiled for takes v narrower than q/k: Hopper or newer with cuDNN
+    >= 9.10, as jax's own cuDNN checks answer (for a compile-only target, goat_jax/aot.py makes
+    them answer for the target)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+        return bool(fa.check_compute_capability("9.0")) and int(fa.check_cudnn_version()) >= MLA_CUDNN
+    except Exception:  # pylint: disable=broad-except  # no CUDA backend or libraries: the padded path
+        return False
+
+
+def fused(q: Array, k: Array, v: Array, scale: float, mask: AttentionMask) -> Array:
+    """jax's cuDNN attention on q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv] with Hv <=
+    Hqk allowed: the mask as ``jax.nn.dot_product_attention`` hands it over (native causal mode,
+    lengths as padding, anything else as an explicit mask)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    native = mask.native_causal
+    explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False)
+    q_len = kv_len = None
+    if mask.kv_lengths is not None:
+        q_len, kv_len = jnp.full((b,), t, jnp.int32), mask.kv_lengths.astype(jnp.int32)
+    if kv_len is not None:
+        mask_type = fa.MaskType.PADDING_CAUSAL if native else fa.MaskType.PADDING
+    else:
+        mask_type = fa.MaskType.CAUSAL if native else fa.MaskType.NO_MASK
+    return fa.dot_product_attention(q, k, v, None, explicit, q_len, kv_len, scale=scale, mask_type=mask_type)
 
 
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask, bias: Optional[Array] = None,
               mesh: Any = None) -> Array:
-    """The 'cudnn' kernel (module doc) on q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv];
-    jax's partitioning rule shards it over the batch, so ``mesh`` is unused."""
-    del mesh
-    t_real = q.shape[1]
+    """The 'cudnn' kernel (module doc) on q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv].
+    Segment ids go to cuDNN's packed layout (:mod:`goat_jax.kernels.cudnn_packed`, under
+    ``jax.shard_map`` on ``mesh``); otherwise jax's partitioning rule shards the call over the
+    batch, so ``mesh`` is unused."""
+    if mask.segments is not None:
+        return cudnn_packed.attention(q, k, v, scale=scale, mask=mask, bias=bias, mesh=mesh)
+    t_real, hv = q.shape[1], v.shape[-1]
     q, k, v, mask = pad_lengths(q, k, v, mask, ROW.length_multiple)
+    if bias is None and hv < q.shape[-1] and narrow_values_supported():
+        q, k, _ = pad_head_dims(q, k, v, ROW.head_dim_multiple, equal=False)
+        v = pad_head_dims(v, v, v, ROW.head_dim_multiple, equal=False)[0]
+        return fused(q, k, v, scale, mask)[:, :t_real, :, :hv]
     out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", ROW.head_dim_multiple)
     return out[:, :t_real]

@@ -16,7 +16,7 @@ from goat_jax.kernels import context as context_lib
 from goat_jax.kernels import cudnn, dense, flash, splash, xla
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels.balance import is_balanced
-from goat_jax.kernels.choice import target_platform
+from goat_jax.kernels import choice
 from goat_jax.kernels.mask import AttentionMask, ambient_window
 
 Array = jax.Array
@@ -121,10 +121,10 @@ def attend(
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     if implementation not in caps.CAPABILITIES:
         raise ValueError(f"Unknown implementation={implementation!r}; choose one of {caps.IMPLEMENTATIONS}.")
-    request = caps.Request.of(target_platform(q, mesh=mesh), q.dtype, q.shape[-1],
-                              segment_ids=mask.segments is not None, bias=bias is not None,
-                              traced_offset=not mask.static_offset, window=mask.window is not None,
-                              return_probs=return_probs)
+    request = choice.request(q.dtype, q.shape[-1], like=(q,), mesh=mesh, segment_ids=mask.segments is not None,
+                             ragged_segments=mask.ragged_segments, bias=bias is not None,
+                             traced_offset=not mask.static_offset, window=mask.window is not None,
+                             return_probs=return_probs)
     refusal = caps.refusal(implementation, request)
     if refusal is not None:
         raise ValueError(refusal)

@@ -92,6 +92,9 @@ def check_segment_ids(b: int, t: int, s: int, segment_ids: Optional[Array] = Non
     out = []
     for name, ids, shape in (("q_segment_ids", q_segment_ids, (b, t)),
                              ("kv_segment_ids", kv_segment_ids, (b, s))):
+        if name == "kv_segment_ids" and ids is q_segment_ids and t == s:  # self-attention: one array
+            out.append(out[0])
+            break
         ids = jnp.asarray(ids) if not isinstance(ids, jax.Array) else ids
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer ids (int32), got dtype {ids.dtype}; "
@@ -115,6 +118,8 @@ class AttentionMask:
       kv_lengths: [B] int32 or None.
       q_segment_ids, kv_segment_ids: [B, T] and [B, S] int32, both or neither.
       window: static int or None (sliding window, module doc).
+      max_documents: static bound on the documents (runs of equal ids) per row, or None (the
+        kernel's default): what cuDNN's packed layout is sized by (goat_jax/kernels/cudnn_packed.py).
     """
 
     causal: bool = False
@@ -124,12 +129,14 @@ class AttentionMask:
     q_segment_ids: Optional[Array] = None
     kv_segment_ids: Optional[Array] = None
     window: Optional[int] = None
+    max_documents: Optional[int] = None
 
     @classmethod
     def build(cls, b: int, t: int, s: int, *, is_causal: bool = False, causal_offset: Any = 0,
               key_padding_mask: Optional[Array] = None, kv_lengths: Optional[Array] = None,
               segment_ids: Optional[Array] = None, q_segment_ids: Optional[Array] = None,
-              kv_segment_ids: Optional[Array] = None, window: Optional[int] = None) -> "AttentionMask":
+              kv_segment_ids: Optional[Array] = None, window: Optional[int] = None,
+              max_documents: Optional[int] = None) -> "AttentionMask":
         """The mask of ``b`` rows of ``t`` queries and ``s`` keys from the keyword form of
         :func:`goat_jax.kernels.attend`, every argument checked (ValueError naming it)."""
         if key_padding_mask is not None and key_padding_mask.shape != (b, s):
@@ -139,7 +146,7 @@ class AttentionMask:
         segments = check_segment_ids(b, t, s, segment_ids, q_segment_ids, kv_segment_ids)
         q_ids, kv_ids = segments if segments is not None else (None, None)
         return cls(bool(is_causal), causal_offset, key_padding_mask,
-                   None if kv_lengths is None else kv_lengths.astype(jnp.int32), q_ids, kv_ids, window)
+                   None if kv_lengths is None else kv_lengths.astype(jnp.int32), q_ids, kv_ids, window, max_documents)
 
     def check(self, b: int, t: int, s: int) -> None:
         """Raises ValueError when an array of the mask does not fit ``b`` rows, ``t`` queries
@@ -162,6 +169,16 @@ class AttentionMask:
     def segments(self) -> Optional[Tuple[Array, Array]]:
         """``(q_segment_ids, kv_segment_ids)`` or None."""
         return None if self.q_segment_ids is None else (self.q_segment_ids, self.kv_segment_ids)
+
+    @property
+    def ragged_segments(self) -> bool:
+        """Segment ids with anything beyond plain packed self-attention: a key padding mask, kv
+        lengths, a causal offset other than a static 0, a window, or different query and key
+        ids (what cuDNN's packed layout cannot express)."""
+        if self.segments is None:
+            return False
+        return (self.key_padding is not None or self.kv_lengths is not None or self.window is not None
+                or (self.causal and not self.native_causal) or self.q_segment_ids is not self.kv_segment_ids)
 
     @property
     def static_offset(self) -> bool:

@@ -34,6 +34,7 @@ from goat_jax import segments
 from goat_jax.attention import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.kernels.cudnn_packed import DEFAULT_MAX_DOCUMENTS
 from goat_jax.attention_call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.positional import layer as positional_layer
@@ -112,6 +113,9 @@ class LMConfig:
     remat: bool = declare(False, Bool(doc="rematerialize each block in the backward pass (saves activation memory)"))
     scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
     implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
+    max_documents_per_row: int = declare(DEFAULT_MAX_DOCUMENTS, Int(
+        min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
+                   "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)"))
     init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
     attention_init_std: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
                                                               doc="q/k/v/out kernels N(0, std); None: Xavier-uniform (C4: 0.02)"))
@@ -287,7 +291,8 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                   param_dtype=cfg.weight_dtype, implementation=cfg.implementation, decode=decode,
-                  kernel_init_std=cfg.attention_init_std, logn_scaling=cfg.logn_scaling, name=name)
+                  kernel_init_std=cfg.attention_init_std, logn_scaling=cfg.logn_scaling,
+                  max_documents_per_row=cfg.max_documents_per_row, name=name)
     if cfg.position_encoding == "goat":
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.

@@ -174,7 +174,8 @@ class PositionalLogic(attention_core.AttentionLogic):
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
         return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape,
-                                                      call.q_segment_ids is not None), enc, channels,
+                                                      call.q_segment_ids is not None,
+                                                      attention_call.ragged_segments(call)), enc, channels,
                      settings)
 
     def _check_call(self, enc: PositionEncoding, call: attention_call.AttentionCall) -> None:
@@ -199,8 +200,9 @@ class PositionalLogic(attention_core.AttentionLogic):
             raise ValueError(f"position_encoding={name!r} needs is_causal=True: {enc.causal_only}")
 
     def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape,
-                        segments: bool) -> str:
-        """Kernel choice (``segments``: the call has segment ids): bias-based encodings need a
+                        segments: bool, ragged: bool = False) -> str:
+        """Kernel choice (``segments``: the call has segment ids; ``ragged``: with key padding or
+        cross-attention, :func:`goat_jax.attention_call.ragged_segments`): bias-based encodings need a
         kernel that takes an additive bias, which the capability table says ('xla', 'dense');
         naming another is refused with the encoding's alternative, whatever else it lacks."""
         bias = bool(enc.materialized_bias)
@@ -212,7 +214,8 @@ class PositionalLogic(attention_core.AttentionLogic):
                 f"implementation={self.implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
                 f"'dense'{alternative}.")
         return kernels.resolve_implementation(self.implementation, dtype, qk_dim, logits_shape,
-                                              segments=segments, bias=bias, decoding=bool(self.decode))
+                                              segments=segments, ragged_segments=ragged, bias=bias,
+                                              decoding=bool(self.decode))
 
     def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, plan: _Plan, q: Array, k: Array,
                 q_pos, k_pos, cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:

@@ -58,10 +58,14 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
     ``inputs``, ``targets`` ``[B, seq_len]`` int32 and ``weights`` ``[B, seq_len]`` float32."""
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
+    extra = {}
+    if not is_synthetic(config) and model_config(config).implementation in (None, "cudnn"):
+        # cuDNN's packed layout may run these rows (GPUs): check its bound on the host.
+        extra["max_documents"] = model_config(config).max_documents_per_row
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets
     train, make_eval, tokenizer = make(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
-        process_index=process_index, process_count=process_count)
+        process_index=process_index, process_count=process_count, **extra)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -168,7 +172,7 @@ TASK = tasks.Task(
     # Reading threads and eval size change nothing the checkpoint depends on; remat and the
     # attention kernel change memory and speed, not the function computed.
     resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
-                        "model.implementation"),
+                        "model.implementation", "model.max_documents_per_row"),
     no_decay_names=NO_DECAY_NAMES,
     decay_groupings={"official_c4": official_c4_decay_mask},
 )
