@@ -7,4 +7,4 @@
 # and this hard limit stops anything that hangs (sections already written stay in the file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec timeout 475 python -m experiments.device_check "$@"
+exec timeout 475 "${PYTHON:-python3}" -m experiments.device_check "$@"
