@@ -114,6 +114,13 @@ def correctness(kernel_names: List[str], length: int) -> List[List]:
     return rows
 
 
+SECTIONS = ("1", "2", "2b", "3", "4")
+
+
+class _Skipped(Exception):
+    """A section left out with ``--sections``."""
+
+
 GPU_TESTS = ["tests/test_attention.py::test_cudnn_matches_reference_in_bf16",
              "tests/test_attention.py::test_cudnn_packed_documents_match_reference_in_bf16",
              "tests/test_attention.py::test_error_cudnn_float32_or_no_gpu", "tests/test_flash.py"]
@@ -125,7 +132,7 @@ def gpu_pytest(wheel_dir: Optional[str], budget_s: float, nodes: List[str]) -> L
     if wheel_dir:
         env["PYTHONPATH"] = os.pathsep.join(sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
                                             + [env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"] + nodes
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider"] + nodes
     probe = subprocess.run([sys.executable, "-c", "import pytest"], env=env, cwd=ROOT, capture_output=True)
     if probe.returncode:
         return ["pytest is not importable: pass `--wheel_dir` with pytest's wheels (pytest, pluggy, "
@@ -134,7 +141,8 @@ def gpu_pytest(wheel_dir: Optional[str], budget_s: float, nodes: List[str]) -> L
         res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=budget_s)
     except subprocess.TimeoutExpired:
         return [f"`{' '.join(cmd[2:])}` timed out after {budget_s:.0f} s."]
-    tail = [line for line in res.stdout.splitlines() if line.strip()][-6:]
+    lines = [line for line in res.stdout.splitlines() if line.strip()]
+    tail = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:12] + lines[-3:]
     return [f"`{' '.join(cmd[2:])}`: exit code {res.returncode}", "", "```"] + tail + ["```"]
 
 
@@ -308,11 +316,16 @@ def packed_rows(length: int, timing_lengths: List[int], repeats: int, deadline: 
                 try:
                     got = jax.jit(run)(q, k, v, ct)
                 except Exception as err:  # noqa: BLE001 -- an unchecked machine: record, go on
-                    rows.append(label + [None] * 4 + [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:200]}"])
+                    rows.append(label + [None] * 5 + [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:200]}"])
                     continue
-                errs = [float(np.abs(np.asarray(g.astype(jnp.float32), np.float64) - w).max() / np.abs(w).max())
-                        for g, w in zip(got, want)]
-                rows.append(label + errs + ["ok" if max(errs) <= 2e-2 else "**FAIL**"])
+                rel = lambda g, w: float(np.abs(np.asarray(g.astype(jnp.float32), np.float64) - w).max()
+                                         / np.abs(w).max())
+                sink = 3 if encoding == "goat" else 0  # bf16: u(j) split over 3 channels (prior/packing.py)
+                main = [got[0], got[1][..., :got[1].shape[-1] - sink]] + list(got[2:])
+                main_want = [want[0], want[1][..., :want[1].shape[-1] - sink]] + list(want[2:])
+                errs = [rel(g, w) for g, w in zip(main, main_want)]
+                sink_err = rel(got[1][..., -sink:], want[1][..., -sink:]) if sink else None
+                rows.append(label + errs[:2] + [sink_err] + errs[2:] + ["ok" if max(errs) <= 2e-2 else "**FAIL**"])
     timing = []
     for t in timing_lengths:
         ids_t = _documents(rng, 1, t, max(2, t // 1024))
@@ -420,7 +433,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 1024..16384 (dry: 64)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; dry 1)")
     parser.add_argument("--budget_s", type=float, default=420.0, help="skip what starts after this many seconds")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                        help="run only these sections (a rerun after a fix; default all)")
     args = parser.parse_args(argv)
+    run = set(args.sections)
     start = time.time()
     deadline = start + args.budget_s
     if args.dry_run:
@@ -448,38 +464,57 @@ def main(argv=None) -> int:
     kernels_checked = [("flash", "float32", 1e-5), ("flash", "bfloat16", 2e-2), ("xla", "bfloat16", 2e-2)]
     if cudnn:
         kernels_checked.insert(0, ("cudnn", "bfloat16", 2e-2))
-    rows = correctness(kernels_checked, 16 if args.dry_run else 256)
-    report.section("1. Kernels vs the float64 reference (value and gradients, relative max error)", skip_note + [""] + table(
-        ["kernel", "dtype", "mask", "L", "out", "dq", "dk", "dv", "tolerance", "result"], rows))
+    if "1" in run:
+        rows = correctness(kernels_checked, 16 if args.dry_run else 256)
+        report.section("1. Kernels vs the float64 reference (value and gradients, relative max error)", skip_note + [""] + table(
+            ["kernel", "dtype", "mask", "L", "out", "dq", "dk", "dv", "tolerance", "result"], rows))
 
-    rows = attention_rows(lengths, cudnn, repeats, deadline - 150)
-    report.section("2. Attention forward+backward (B=1, N=8, H=64, causal)", skip_note + [""] + table(
-        ["L", "variant", "dtype", "median wall ms", "compiled MiB", "note"], rows))
+    if "2" in run:
+        rows = attention_rows(lengths, cudnn, repeats, deadline - 150)
+        report.section("2. Attention forward+backward (B=1, N=8, H=64, causal)", skip_note + [""] + table(
+            ["L", "variant", "dtype", "median wall ms", "compiled MiB", "note"], rows))
 
     try:
+        if "2b" not in run:
+            raise _Skipped
         rows, timing = packed_rows(64 if args.dry_run else 1024, [64] if args.dry_run else [2048, 8192],
                                    repeats, deadline - 90, args.dry_run)
         report.section("2b. Packed documents: cuDNN's packed layout vs the float64 reference (causal, per-document; "
                        "relative max error of value and gradients), B=2, N=8, H=64, 6 documents per row",
-                       skip_note + [""] + table(["encoding", "heads", "kernel", "L", "out", "dq", "dk", "dv", "result"],
-                                                rows))
+                       skip_note + [
+                           "GOAT's dq is split: the content and Fourier channels (tolerance 2e-2), and the 3 bf16 "
+                           "sink channels, reported alone: their keys carry u(j), which grows with the position, "
+                           "and every bf16 flash kernel (cuDNN and ours alike) rounds the softmax gradient to bf16 "
+                           "before multiplying it by the keys, so dq there is a small difference of large terms. "
+                           "Their gradient reaches a parameter only through prior_gate='query_norm' (the queries' "
+                           "sink channels are the constant 1 otherwise).", ""]
+                       + table(["encoding", "heads", "kernel", "L", "out", "dq", "dq sink channels", "dk", "dv",
+                                "result"], rows))
         report.section("2c. Packed documents: forward+backward wall time, cuDNN packed vs flash (bf16, B=1, N=8, "
                        "GQA 4:1, one document per 1024 tokens)", table(
                            ["L", "encoding", "kernel", "median wall ms", "compiled MiB", "note"], timing))
+    except _Skipped:
+        pass
     except Exception as err:  # noqa: BLE001 -- keep the sections above
         report.section("2b. Packed documents", [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:300]}"])
 
     try:
+        if "3" not in run:
+            raise _Skipped
         rows = train_step_rows(args.dry_run, 2 if args.dry_run else 30, deadline + 30)
+        report.section("3. LM train step (measured, beside the compile-time estimate: step time at 100% of the "
+                       "peak, and XLA's memory plan)", table(
+                           ["model", "compute dtype", "batch", "seq", "steps timed", "ms/step", "est. ms/step at peak",
+                            "tokens/s", "MFU", "planned GiB", "device", "note"], rows))
+    except _Skipped:
+        pass
     except Exception as err:  # noqa: BLE001 -- keep the sections above
-        rows = [["**ERROR**", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"] + [None] * 10]
-    report.section("3. LM train step (measured, beside the compile-time estimate: step time at 100% of the "
-                   "peak, and XLA's memory plan)", table(
-        ["model", "compute dtype", "batch", "seq", "steps timed", "ms/step", "est. ms/step at peak", "tokens/s",
-         "MFU", "planned GiB", "device", "note"], rows))
+        report.section("3. LM train step", [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:300]}"])
 
     # Last, with what is left of the 8 minutes: the pytest suite repeats section 1 more broadly.
-    if cudnn:
+    if "4" not in run:
+        pass
+    elif cudnn:
         report.section("4. GPU-only pytest tests", gpu_pytest(args.wheel_dir, max(30.0, start + 440 - time.time()),
                                                              GPU_TESTS))
     else:  # the same machinery on one quick test

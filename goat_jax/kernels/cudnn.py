@@ -50,6 +50,8 @@ def fused(q: Array, k: Array, v: Array, scale: float, mask: AttentionMask) -> Ar
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     native = mask.native_causal
     explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False)
+    if explicit is not None:  # its query axis whole (goat_jax/kernels/xla.py says why)
+        explicit = jnp.broadcast_to(explicit, explicit.shape[:2] + (t, s))
     q_len = kv_len = None
     if mask.kv_lengths is not None:
         q_len, kv_len = jnp.full((b,), t, jnp.int32), mask.kv_lengths.astype(jnp.int32)
