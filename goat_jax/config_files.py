@@ -56,7 +56,9 @@ def resolve_path(path: str) -> str:
     in_repo = os.path.join(REPO_ROOT, path)
     if os.path.exists(in_repo):
         return in_repo
-    raise FileNotFoundError(f"config file {path} not found (looked in {os.getcwd()} and {REPO_ROOT}).")
+    here = os.getcwd()
+    places = REPO_ROOT if os.path.realpath(here) == os.path.realpath(REPO_ROOT) else f"{here} and {REPO_ROOT}"
+    raise FileNotFoundError(f"config file {path} not found (looked in {places}).")
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Optional[Mapping[str, Any]],
