@@ -384,3 +384,25 @@ def test_an_input_of_another_width_names_in_features():
         cross(jnp.zeros((B, T, E)), jnp.zeros((B, T, 24)))
     with pytest.raises(ValueError, match=r"^GoatAttention was built with kv_features=16, but value has width 24"):
         cross(jnp.zeros((B, T, E)), jnp.zeros((B, T, 16)), jnp.zeros((B, T, 24)))
+
+
+def test_init_cache_and_load_linen_params_that_raise_change_nothing(rng):
+    """The other NNX methods that change a layer: a refused init_cache keeps the cache it had,
+    refused Linen params keep the parameters."""
+    layer = gnnx.PositionalAttention(4, in_features=E, rngs=nnx.Rngs(0), position_encoding="naive_prior",
+                                     max_len=16, decode=True)
+    layer.init_cache(B, 8)
+    layer(jnp.asarray(rng.normal(size=(B, 3, E)), jnp.float32), is_causal=True)
+    before = _cache(layer)
+    with pytest.raises(ValueError, match="max_len"):
+        layer.init_cache(B, 32)  # past the bias table
+    after = _cache(layer)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    params = nnx.state(layer, nnx.Param).to_pure_dict()
+    bad = jax.tree.map(np.asarray, params)
+    bad["q_proj"]["kernel"] = np.zeros((E + 1, 4, 8), np.float32)
+    bad["out_proj"]["kernel"] = bad["out_proj"]["kernel"] + 1.0
+    with pytest.raises(ValueError, match="shapes"):
+        gnnx.load_linen_params(layer, bad)
+    now = nnx.state(layer, nnx.Param).to_pure_dict()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(params)))
