@@ -58,7 +58,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.optimizer.decay_grouping = "official_genome"  # official: decay on every parameter
 
     c.model = dna_task.official_model_config(encoding)  # 25.2M GPT, d 512, 8 layers, 8 heads
-    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization = L
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # GOAT sink normalization = L (seq_len unless set)
     c.model.dtype = "bfloat16"  # official bf16 autocast
     c.model.remat = False  # 8 x 1024 fits easily
 

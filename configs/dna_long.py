@@ -67,7 +67,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.mesh.context = -1  # the window over all devices (8 chips: 16,384 bases each)
     c.mesh.tensor = 1  # 8 heads of 64: no head split
 
-    c.model.max_len = c.get_ref("seq_len")  # table size for 'learned' / 'naive_prior': the window
+    c.model.max_len = c.get_oneway_ref("seq_len")  # 'learned' / 'naive_prior' table size: the window unless set
     c.model.dtype = "bfloat16"  # bf16 compute, as the recipe
     c.model.remat = True  # activations of 131k bases: recompute each block in the backward pass
 

@@ -47,7 +47,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.num_heads = 4  # head dim 32 (GOAT: 5 prior dims, 27 content)
     c.model.mlp_dim = 512  # MLP 4x
     c.model.max_len = 4096  # table size for 'learned' / 'naive_prior' (up to 16x)
-    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization = L
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # GOAT sink normalization = L (seq_len unless set)
 
     c.data = dna.default_dna_data_config()  # E. coli MG1655, last 10% held out
     c.data.num_eval_batches = 16  # 16 x 16 x 256 = 65k held-out bases per eval

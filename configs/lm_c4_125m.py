@@ -68,7 +68,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.position_encoding = encoding  # the config argument
     c.model.tie_embeddings = True  # output projection = input embedding
     c.model.max_len = 32_768  # table size for 'learned' / 'naive_prior' (16x extrapolation)
-    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # GOAT sink normalization / PI scale (seq_len unless set)
     c.model.rope_base = 10_000.0  # RoPE base
     c.model.prior_init = "seeded"  # ALiBi-like start (the official module's default)
     c.model.prior_gate = "none"  # no query-norm gate (the official module's default)

@@ -54,7 +54,7 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.model.position_encoding = encoding  # 'goat' | 'rope' | 'nope' | ... (the config argument)
     c.model.tie_embeddings = True  # output projection = input embedding
     c.model.max_len = 1024  # table size for 'learned' / 'naive_prior'
-    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / PI scale
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # GOAT sink normalization / PI scale (seq_len unless set)
     c.model.rope_base = 10_000.0  # RoPE frequency base
     c.model.pos_rank = 4  # GOAT relative Fourier rank R (2R of the 32 head dims)
     c.model.abs_rank = 4  # GOAT absolute rank M of the sink MLP

@@ -70,7 +70,7 @@ def get_config(arg: str = "passkey") -> ml_collections.ConfigDict:
     c.model.position_encoding = encoding  # the config argument
     c.model.tie_embeddings = True  # output projection = input embedding
     c.model.max_len = 2048  # 'learned' / 'naive_prior' tables cover 32x the training length
-    c.model.training_seq_len = c.get_ref("seq_len")  # GOAT sink normalization / RoPE-PI scale
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # sink normalization / RoPE-PI scale (seq_len unless set)
     c.model.rope_base = 10_000.0  # RoPE frequency base
     c.model.pos_rank = 4  # GOAT R (2R of the 32 head dims)
     c.model.abs_rank = 4  # GOAT M of the sink MLP

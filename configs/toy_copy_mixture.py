@@ -51,7 +51,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.position_encoding = "goat"  # the learned prior is the object of study
     c.model.tie_embeddings = True  # output projection = input embedding
     c.model.max_len = 1024  # unused by GOAT (table encodings only)
-    c.model.training_seq_len = c.get_ref("seq_len")  # sink MLP position normalization
+    c.model.training_seq_len = c.get_oneway_ref("seq_len")  # sink MLP position normalization (seq_len unless set)
     c.model.rope_base = 10_000.0  # unused by GOAT
     c.model.pos_rank = 8  # R: enough Fourier terms for a sharp lag-1 peak over 64 lags
     c.model.abs_rank = 4  # M: sink MLP features

@@ -16,7 +16,9 @@ per-device bytes (arguments, outputs, temporaries, aliased, total), the chip's H
 step fits, parameters, analytic model FLOPs per step and the step time / tokens per second per
 chip at peak (estimates), the attention kernel and packed head dim, compile seconds. A step
 that does not fit is reported (``fits: false`` with the compiler's numbers), not a traceback.
-See docs/aot.md and goat_jax/aot.py.
+Every flag and ``--out`` are checked before the compile: an ``--out`` that holds an earlier
+compile's or search's results is refused unless ``--overwrite``, which replaces all of them (a
+folder never mixes two runs' files). See docs/aot.md and goat_jax/aot.py.
 """
 
 import json
@@ -43,7 +45,8 @@ _TARGET = flags.DEFINE_string(
     "target", None, "TPU slice as Cloud names it: v5e-N or v6e-N (N = chips), v4-N or v5p-N "
     "(N = TensorCores, 2 per chip); e.g. v5e-16, v6e-8, v4-8, v5p-32. Or a GPU node: h100xN or "
     "h200xN (N = GPUs: 1, 2, 4, 8; multiples of 8 are nodes of 8); e.g. h100x8, h200x1, h200x8.")
-_OUT = flags.DEFINE_string("out", None, "Folder for compile.json and compile.md (created).")
+_OUT = flags.DEFINE_string("out", None, "Folder for compile.json and compile.md (created); one that holds "
+                           "an earlier compile's or search's results is refused unless --overwrite.")
 _SEARCH = flags.DEFINE_bool(
     "search_batch", False, "Instead of one compile: find the largest per-device batch (one microbatch, "
     "grad_accum_steps 1) whose train step fits the target, for each --search_remat setting, by doubling "
@@ -55,7 +58,16 @@ _SEARCH_START = flags.DEFINE_integer("search_start", 1, "With --search_batch: th
                                      "(start near the expected answer to spend fewer compiles).")
 _MAX_COMPILES = flags.DEFINE_integer("max_compiles", 8, "With --search_batch: compiles per remat setting at most; "
                                      "a search that runs out reports its bracket.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results of an earlier compile or search in --out "
+                                "(without it such an --out is refused before any work).")
 flags.mark_flags_as_required(["config", "target", "out"])
+
+# Everything a compile or a search writes into --out: an --out holding any of them is refused
+# unless --overwrite, which removes them all before the new ones are written, so a folder never
+# holds one run's compile.json beside another search's search.md.
+RESULT_FILES = ("compile.json", "compile.md", "search.json", "search.md")
+# The flags only --search_batch reads.
+_SEARCH_FLAGS = ("search_remat", "search_start", "max_compiles")
 
 
 def _config_arguments(argv):
@@ -70,16 +82,67 @@ def _config_arguments(argv):
     return " ".join(kept)
 
 
+def check_out(out: str, overwrite: bool) -> None:
+    """Refuses, before any compile, an ``--out`` that cannot be written (a file, a read-only
+    place) or that holds a previous compile's or search's results (:data:`RESULT_FILES`)
+    unless ``overwrite``. Nothing is removed here: with ``overwrite`` the old results stay
+    until the new ones are ready (:func:`_replace_results`)."""
+    files.check_writable(out, "--out")
+    held = sorted(n for n in RESULT_FILES if os.path.exists(os.path.join(out, n)))
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds results ({', '.join(held)}); give another --out, or add "
+                         "--overwrite to replace them (every compile.* and search.* file there is removed).")
+
+
+def _replace_results(out: str) -> None:
+    """Clears the previous results out of ``out`` (created if missing) for the new ones."""
+    os.makedirs(out, exist_ok=True)
+    for name in RESULT_FILES:
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            os.remove(path)
+
+
+def _search_options():
+    """``(remat settings, start, max_compiles)`` of the --search_* flags, checked; ValueError
+    (one line, no usage text) naming the flag. Without --search_batch, a --search_* flag
+    would be ignored, so it is refused."""
+    given = [f"--{n}" for n in _SEARCH_FLAGS if flags.FLAGS[n].present]
+    if not _SEARCH.value:
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --search_batch only; add --search_batch, or drop them.")
+        return None
+    remats = []
+    for v in _SEARCH_REMAT.value:
+        if v not in ("off", "on"):
+            raise ValueError(f"--search_remat={','.join(_SEARCH_REMAT.value)}: {v!r} is neither off nor on; "
+                             "give off, on or off,on.")
+        remats.append(v == "on")
+    if not remats:
+        raise ValueError("--search_remat is empty; give off, on or off,on.")
+    bad = [f"--{n}={flags.FLAGS[n].value}" for n in ("search_start", "max_compiles") if flags.FLAGS[n].value < 1]
+    if bad:
+        raise ValueError(f"{' and '.join(bad)}: must be >= 1 (--search_start: the first per-device batch "
+                         "tried; --max_compiles: compiles per remat setting).")
+    if "remat" not in _CONFIG.value.get("model", {}):
+        raise ValueError("--search_batch: the config has no model.remat field to search over; search "
+                         "a config whose model has one (the LM, DNA and ViT configs do).")
+    return remats, _SEARCH_START.value, _MAX_COMPILES.value
+
+
 def main(argv):
     """Entry point: compiles ``--config``'s train step for ``--target`` and writes ``--out``."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    target = aot.parse_target(_TARGET.value)  # before any work: a bad name is one line
-    if _SEARCH.value:
-        return _search(target)
+    # Before any work (a real compile takes minutes): the target, the flags and --out.
+    target = aot.parse_target(_TARGET.value)
+    search = _search_options()
+    check_out(_OUT.value, _OVERWRITE.value)
+    if search is not None:
+        return _search(target, *search)
     report = aot.compile_train_step(_CONFIG.value, target)
     report["config"] = _config_arguments(sys.argv[1:])
-    os.makedirs(_OUT.value, exist_ok=True)
+    _replace_results(_OUT.value)
     files.write_whole(os.path.join(_OUT.value, "compile.json"), json.dumps(report, indent=2) + "\n")
     files.write_whole(os.path.join(_OUT.value, "compile.md"), aot.markdown(report))
     mem = report["per_device_bytes"] or {}
@@ -91,23 +154,14 @@ def main(argv):
             f"-> {os.path.join(_OUT.value, 'compile.json')}")
 
 
-def _search(target):
+def _search(target, remats, start, max_compiles):
     """--search_batch: :func:`goat_jax.aot.largest_batch`, written to OUT/search.{json,md}."""
-    remats = []
-    for v in _SEARCH_REMAT.value:
-        if v not in ("off", "on"):
-            raise app.UsageError(f"--search_remat {','.join(_SEARCH_REMAT.value)}: give off and/or on.")
-        remats.append(v == "on")
-    if "remat" not in _CONFIG.value.get("model", {}):
-        raise app.UsageError("--search_batch: the config has no model.remat field to search over; search "
-                             "a config whose model has one (the LM, DNA and ViT configs do).")
-    files.check_writable(_OUT.value, "--out")
     text = _config_arguments(sys.argv[1:])
     cli.log(f"searching the largest per-device batch of `{text}` on {target.name} (remat {','.join(_SEARCH_REMAT.value)})")
-    search = aot.largest_batch(_CONFIG.value, target, remat_options=remats, start=_SEARCH_START.value,
-                               max_compiles=_MAX_COMPILES.value, log=cli.log)
+    search = aot.largest_batch(_CONFIG.value, target, remat_options=remats, start=start,
+                               max_compiles=max_compiles, log=cli.log)
     search["config"] = text
-    os.makedirs(_OUT.value, exist_ok=True)
+    _replace_results(_OUT.value)
     best = [r for r in search["per_remat"] if r["report"] is not None]
     if best:
         win = max(best, key=lambda r: r["largest"])

@@ -304,4 +304,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from goat_jax import platforms  # pylint: disable=g-import-not-at-top
+    platforms.avoid_libtpu_without_tpu()  # before any JAX backend starts (goat_jax/platforms.py)
     cli.run(main)  # config and input errors: one line (GOAT_DEBUG=1: traceback)

@@ -47,6 +47,8 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    from goat_jax import platforms  # pylint: disable=g-import-not-at-top
+    platforms.avoid_libtpu_without_tpu()  # before any JAX backend starts (goat_jax/platforms.py)
     from absl import flags, logging  # pylint: disable=g-import-not-at-top
 
     from goat_jax import cli, config_files  # pylint: disable=g-import-not-at-top

@@ -85,6 +85,18 @@ def check_decode_call(*, query: Array, key: Array, is_causal: bool, positions_gi
         raise ValueError("key_padding_mask is not supported while decoding.")
 
 
+def check_cache_batch(cache_batch: int, call_batch: int, resize: str) -> None:
+    """Raises ValueError, before anything is written, when a decoding call's batch is not the
+    cache's: a smaller batch would be written into the cache's first rows (moving its index)
+    before the kernel refused it, a larger one fails inside ``dynamic_update_slice``. ``resize``
+    says how this shell sizes its cache for a batch ("layer.init_cache({b}, max_length)")."""
+    if call_batch != cache_batch:
+        raise ValueError(
+            f"decode=True: this call has batch {call_batch}, but the KV cache holds batch "
+            f"{cache_batch} (sized when it was made); call with {cache_batch} rows, or size the "
+            f"cache for {call_batch} with {resize.format(b=call_batch)} (which empties it).")
+
+
 def append_to_cache(cache: DecodeCache, k: Array, v: Array):
     """Writes the new keys/values at the cache index and returns what to attend over.
 

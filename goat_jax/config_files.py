@@ -29,6 +29,7 @@ from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     from absl import flags
+    from ml_collections import config_dict
     from ml_collections import config_flags
     from ml_collections.config_flags import config_path
 
@@ -55,7 +56,9 @@ def resolve_path(path: str) -> str:
     in_repo = os.path.join(REPO_ROOT, path)
     if os.path.exists(in_repo):
         return in_repo
-    raise FileNotFoundError(f"config file {path} not found (looked in {os.getcwd()} and {REPO_ROOT}).")
+    here = os.getcwd()
+    places = REPO_ROOT if os.path.realpath(here) == os.path.realpath(REPO_ROOT) else f"{here} and {REPO_ROOT}"
+    raise FileNotFoundError(f"config file {path} not found (looked in {places}).")
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Optional[Mapping[str, Any]],
@@ -76,6 +79,36 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Optional[Mappi
     return config
 
 
+def _references(config: ml_collections.ConfigDict, prefix: str = "") -> List[Tuple[str, Any]]:
+    """``[(dotted path, FieldReference)]`` of every field of ``config`` stored as a reference."""
+    out = []
+    for key, value in config.items(preserve_field_references=True):
+        if isinstance(value, ml_collections.ConfigDict):
+            out += _references(value, f"{prefix}{key}.")
+        elif isinstance(value, config_dict.FieldReference):
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def check_links(config: ml_collections.ConfigDict, path: str) -> None:
+    """Refuses two fields that hold one ``FieldReference`` (``c.b = c.get_ref('a')``): a value
+    given for either, on the command line or in an override, would set both, and the run would
+    silently differ from the one asked for. A field that defaults to another's value is linked
+    one way, ``c.b = c.get_oneway_ref('a')``: setting ``b`` leaves ``a`` alone, setting only
+    ``a`` still moves ``b`` (configs/lm_tiny.py's ``model.training_seq_len``)."""
+    seen: Dict[int, str] = {}
+    for name, ref in _references(config):
+        first = seen.setdefault(id(ref), name)
+        if first != name:
+            # Which field follows which is not recorded; the shallower one reads as the source.
+            source, follower = sorted((first, name), key=lambda n: n.count("."))
+            raise ValueError(
+                f"config file {path}: {source} and {follower} are one FieldReference (get_ref), so "
+                f"a value given for either would set both; link the field that follows the other "
+                f"one way, e.g. c.{follower} = c.get_oneway_ref({source.rsplit('.', 1)[-1]!r}) "
+                "(docs/training.md, 'Configs').")
+
+
 def load_config(spec: str, overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
     """``get_config(arg)`` of ``'path/file.py[:arg]'`` (``get_config()`` without an argument),
     completed with every engine field it leaves out at its declared default
@@ -91,6 +124,7 @@ def load_config(spec: str, overrides: Optional[Mapping[str, Any]] = None) -> ml_
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path} defines no get_config(arg); every configs/*.py does.")
     config = module.get_config(arg) if arg else module.get_config()
+    check_links(config, path)
     # Every engine and model field is settable, not only those the file lists.
     from goat_jax.train import tasks as tasks_lib  # pylint: disable=g-import-not-at-top  # imports the task's model
     from goat_jax.train import validation  # pylint: disable=g-import-not-at-top

@@ -45,6 +45,26 @@ from goat_jax.attention import GoatAttention
 from goat_jax.prior import PriorSettings
 
 _PRIOR_VECTORS = ("lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias")
+
+# What :func:`to_official` does with each field of ``GoatAttention`` and of its ``prior``
+# (docs/layer.md, "Weights from and to the official package"). 'copied': the official module
+# takes it. 'how, not what': it changes how the layer computes (kernel, precision, cache,
+# initialisation), not the function of the weights; the official module computes in float32.
+# 'refused': the official package has no counterpart, so the exported module would be another
+# function; to_official raises naming the field (for head_dim and out_features: unless they are
+# the official module's embed_dim / num_heads and embed_dim). A field added to the layer or the
+# settings must be placed here (tests/test_interop.py checks that every field is).
+EXPORT_SETTINGS = {
+    "num_heads": "copied", "kv_num_heads": "copied", "use_bias": "copied", "pos_encoding": "copied",
+    "has_cls_token_default": "copied",
+    "pos_rank": "copied", "abs_rank": "copied", "pos_base": "copied", "abs_base": "copied",
+    "enable_key_bias": "copied", "training_seq_len": "copied", "prior_gate": "copied",
+    "prior_init": "copied", "init_scale_prior": "copied",
+    "dtype": "how, not what", "param_dtype": "how, not what", "implementation": "how, not what",
+    "decode": "how, not what", "kernel_init_std": "how, not what", "sink_channels": "how, not what",
+    "head_dim": "refused", "out_features": "refused", "logn_scaling": "refused",
+    "sink_extrapolation": "refused", "learn_frequencies": "refused", "qk_layout": "refused",
+}
 _SINK_VECTORS = ("sink_gain", "sink_bump", "recency_slope_raw")
 
 
@@ -146,6 +166,39 @@ def from_official(m: Any, **overrides: Any) -> Tuple[GoatAttention, dict]:
     return module, {"params": jax.tree_util.tree_map_with_path(cast, params)}
 
 
+def _check_exportable(module: GoatAttention) -> None:
+    """Raises ValueError naming the first setting of ``module`` that the official package cannot
+    represent (:data:`EXPORT_SETTINGS`' 'refused' ones that need only the module)."""
+    pr = module.prior
+    if pr.learn_frequencies:
+        raise ValueError(
+            "to_official: prior.learn_frequencies=True (learned relative frequencies, parameter "
+            "prior.pos_freqs) has no counterpart in the official package, whose frequencies are "
+            "the fixed ladder of pos_base; its outputs would differ. Export a module trained with "
+            "learn_frequencies=False (model.learn_frequencies=False), or keep this run in goat_jax.")
+    if pr.sink_extrapolation != "official":
+        raise ValueError(
+            f"to_official: prior.sink_extrapolation={pr.sink_extrapolation!r} has no counterpart in "
+            "the official package, whose sink MLP would give other outputs past training_seq_len. "
+            "Export a module with sink_extrapolation='official' (same parameters, official "
+            "behaviour) if that is what you want.")
+    if pr.qk_layout != "official" and pr.enable_key_bias:
+        # Without the sink both layouts are one function; with it, 'lane_aligned' gives the
+        # content two (bf16) or one (fp16) dims fewer than the official layout does.
+        raise ValueError(
+            f"to_official: prior.qk_layout={pr.qk_layout!r} has no counterpart in the official "
+            "package: its sink channels are carved from the content dims, so the official module "
+            "(qk_layout='official') would be another function of these weights (docs/layer.md, "
+            "'Packed width'). Keep this run in goat_jax, or export a module trained with "
+            "qk_layout='official'.")
+    if module.logn_scaling is not None:
+        raise ValueError(
+            f"to_official: logn_scaling={module.logn_scaling!r} has no counterpart in the official "
+            "package, which never scales the logits by log n; the exported module would give "
+            "other outputs past training_seq_len. Export the module with logn_scaling=None "
+            "(module.clone(logn_scaling=None)) if that is what you want.")
+
+
 def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None) -> Any:
     """Builds a ``goat.GoatAttention`` (batch_first=True, float32) holding ``params``.
 
@@ -154,16 +207,18 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
       params: its variables (``{'params': ...}``, boxed or unboxed).
       embed_dim: model width; inferred from ``q_proj`` when omitted.
     Raises:
-      ValueError: for settings the official package lacks (``learn_frequencies=True``, or
-        ``params`` holding ``prior.pos_freqs`` under any module; ``sink_extrapolation='linear'``)
-        or shapes it cannot hold.
+      ValueError: for settings the official package lacks, so that the exported module would
+        be another function (:data:`EXPORT_SETTINGS`: ``learn_frequencies=True``, or ``params``
+        holding ``prior.pos_freqs`` under any module; ``sink_extrapolation='linear'``;
+        ``qk_layout='lane_aligned'`` with the sink; ``logn_scaling``) or shapes it cannot hold
+        (``head_dim`` other than ``embed_dim / num_heads``, ``out_features`` other than
+        ``embed_dim``); TypeError for a module other than a Linen ``GoatAttention``.
     """
-    if module.prior.learn_frequencies:  # before importing torch: nothing to convert
-        raise ValueError(
-            "to_official: prior.learn_frequencies=True (learned relative frequencies, parameter "
-            "prior.pos_freqs) has no counterpart in the official package, whose frequencies are "
-            "the fixed ladder of pos_base; its outputs would differ. Export a module trained with "
-            "learn_frequencies=False (model.learn_frequencies=False), or keep this run in goat_jax.")
+    if not isinstance(module, GoatAttention):
+        raise TypeError(
+            f"to_official takes a goat_jax.GoatAttention (Linen), got {type(module).__name__}; for an "
+            "NNX layer, convert it first: module, variables = goat_jax.nnx.to_linen(layer).")
+    _check_exportable(module)  # before importing torch: nothing to convert
     p = flax.core.meta.unbox(params)
     p = p.get("params", p)
     if "pos_freqs" in p.get("prior", {}):  # learned frequencies in the weights, whatever the module says
@@ -186,19 +241,15 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
         raise ValueError("to_official: out_features must equal embed_dim for the official module.")
     kv = module.kv_num_heads or module.num_heads
     pr = module.prior
-    if pr.sink_extrapolation != "official":
-        raise ValueError(
-            f"to_official: prior.sink_extrapolation={pr.sink_extrapolation!r} has no counterpart in "
-            "the official package, whose sink MLP would give other outputs past training_seq_len. "
-            "Export a module with sink_extrapolation='official' (same parameters, official "
-            "behaviour) if that is what you want.")
+    # Cross-attention from another width: the official module's kdim / vdim.
+    kdim, vdim = (int(np.shape(p[name]["kernel"])[0]) for name in ("k_proj", "v_proj"))
     m = goat.GoatAttention(
         embed_dim=e, num_heads=n, kv_num_heads=kv, batch_first=True, bias=module.use_bias,
         pos_rank=pr.pos_rank, abs_rank=pr.abs_rank, pos_base=pr.pos_base, abs_base=pr.abs_base,
         enable_key_bias=pr.enable_key_bias, init_scale_prior=pr.init_scale_prior,
         training_seq_len=pr.training_seq_len, prior_init=pr.prior_init, prior_gate=pr.prior_gate,
         pos_encoding=module.pos_encoding, has_cls_token_default=module.has_cls_token_default,
-        fuse_qkv=False)
+        fuse_qkv=False, kdim=None if kdim == e else kdim, vdim=None if vdim == e else vdim)
     t = lambda x: torch.tensor(np.asarray(x, np.float32))
     state = {}
     for name in ("q_proj", "k_proj", "v_proj"):

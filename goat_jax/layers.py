@@ -160,7 +160,11 @@ def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal:
     keys = module.variable("cache", "cached_key", jnp.zeros, key_shape, dtype)
     values = module.variable("cache", "cached_value", jnp.zeros, value_shape, dtype)
     index = module.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-    return None if is_init else DecodeCache(keys, values, index, index.value)
+    if is_init:
+        return None
+    attention_core.check_cache_batch(keys.value.shape[0], key_shape[0],
+                                     "init (its 'cache' collection) on an input of batch {b} and the full length")
+    return DecodeCache(keys, values, index, index.value)
 
 
 # ----------------------------------------------------------------------------------------------

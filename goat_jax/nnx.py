@@ -26,9 +26,15 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
 * KV cache: build with ``decode=True``, call :meth:`AttentionShell.init_cache` ``(batch_size,
   max_length)`` (the Linen ``init`` with a full-length input), then call the layer chunk by
   chunk or token by token (inside ``nnx.jit`` the cache updates propagate); equal to the full
-  forward, with the Linen layer's checks and its NaN on overflow.
-* Not yet (issue #35): sowing of attention maps (``implementation='dense'`` runs, but sows
-  nothing).
+  forward, with the Linen layer's checks and its NaN on overflow. A call of another batch than
+  the cache's is refused naming both and ``init_cache``.
+* Attention maps: with ``implementation='dense'`` each call sows them as ``nnx.Intermediate``
+  (read with ``nnx.pop(layer, nnx.Intermediate)``), as the Linen layer's ``intermediates``.
+* State changes only when a call returns: the cache writes and sown maps of a call wait until it
+  has returned, so a call that raises (a wrong input, a kernel's refusal) leaves the layer as it
+  was, as a failed Linen ``apply`` leaves its variables. ``init_cache`` and
+  :func:`load_linen_params` likewise check everything before they change anything. An input of
+  another width than ``in_features`` / ``kv_features`` is refused naming them.
 
 Initial values are drawn from ``rngs`` with the Linen initializers, but not the Linen module's
 random streams: equal weights come from :func:`from_linen`, not from equal seeds.
@@ -56,6 +62,29 @@ Array = jax.Array
 
 # The layer being constructed and its key source, while its dry call makes the parameters.
 _BUILD = threading.local()
+# While a layer is called: {id(layer): _Pending}, what the call writes (cache values, sown maps),
+# applied to the layer only when the call returns, so a call that raises changes nothing.
+_CALLS = threading.local()
+
+
+class _Pending:
+    """What one call of a layer will write: cache variable -> new value, and the maps to sow."""
+
+    def __init__(self):
+        self.values: dict = {}  # nnx.Cache -> value (keyed by identity: variables do not hash by value)
+        self.sows: list = []
+
+    def read(self, var: nnx.Variable) -> Any:
+        return self.values[id(var)][1] if id(var) in self.values else var.get_value()
+
+    def write(self, var: nnx.Variable, value: Any) -> None:
+        self.values[id(var)] = (var, value)
+
+    def apply(self, layer: "AttentionShell") -> None:
+        for var, value in self.values.values():
+            var.set_value(value)
+        for name, value in self.sows:
+            layer.sow(nnx.Intermediate, name, value)
 
 
 class _Group(nnx.Module):
@@ -88,20 +117,25 @@ def _make(value: Any) -> Any:
 
 
 class _Slot:
-    """A cache variable as the core reads and writes it (``.value``), over an ``nnx.Cache``
-    (``get_value`` / ``set_value``), or a stand-in value while the cache is being sized."""
+    """A cache variable as the core reads and writes it (``.value``): over an ``nnx.Cache``, whose
+    writes wait in the call's :class:`_Pending` until the call returns, or a stand-in value
+    while the cache is being sized."""
 
-    def __init__(self, var: Optional[nnx.Variable], value: Any = None):
-        self.var, self._value = var, value
+    def __init__(self, var: Optional[nnx.Variable], value: Any = None, pending: Optional[_Pending] = None):
+        self.var, self._value, self._pending = var, value, pending
 
     @property
     def value(self) -> Any:
-        return self._value if self.var is None else self.var.get_value()
+        if self.var is None:
+            return self._value
+        return self._pending.read(self.var) if self._pending is not None else self.var.get_value()
 
     @value.setter
     def value(self, value: Any) -> None:
         if self.var is None:
             self._value = value
+        elif self._pending is not None:
+            self._pending.write(self.var, value)
         else:
             self.var.set_value(value)
 
@@ -158,12 +192,29 @@ class AttentionShell(nnx.Module):
                  position_offset_q: Any = None, position_offset_k: Any = None,
                  q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
                  segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None) -> Array:
-        """The Linen module's call (:class:`goat_jax.layers.AttentionBase`); [B, T, out_features or E]."""
-        return attention_core.run(
-            self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-            spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
-            position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
-            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+        """The Linen module's call (:class:`goat_jax.layers.AttentionBase`); [B, T, out_features or E].
+        The cache and the sown maps change only if the call returns: one that raises (a cache of
+        another batch, a kernel's refusal) leaves the layer as it was."""
+        for name, x, width, field in (("query", query, self.in_features, "in_features"),
+                                      ("key", key, self.kv_features, "kv_features"),
+                                      ("value", value, self.kv_features, "kv_features")):
+            if x is not None and jnp.ndim(x) >= 1 and jnp.shape(x)[-1] != width:
+                raise ValueError(
+                    f"{type(self).__name__} was built with {field}={width}, but {name} has width "
+                    f"{jnp.shape(x)[-1]} (shape {tuple(jnp.shape(x))}); give inputs [batch, length, "
+                    f"{width}], or build the layer with {field}={jnp.shape(x)[-1]}.")
+        calls = vars(_CALLS).setdefault("pending", {})
+        pending = calls[id(self)] = _Pending()
+        try:
+            out = attention_core.run(
+                self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
+                position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
+                segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+        finally:
+            del calls[id(self)]
+        pending.apply(self)
+        return out
 
     # The shell contract of attention_core.run.
 
@@ -206,8 +257,9 @@ class AttentionShell(nnx.Module):
             jax.eval_shape(lambda: attention_core.run(self, query, is_causal=True, skip_kernel=True))
         finally:
             records, _BUILD.sizing, _BUILD.records = _BUILD.records, None, {}
-        for name, (init, args) in records.items():
-            setattr(self, name, nnx.Cache(init(*args)))
+        caches = {name: nnx.Cache(init(*args)) for name, (init, args) in records.items()}
+        for name, cache in caches.items():  # all made first: a failure leaves the old cache whole
+            setattr(self, name, cache)
 
     def variable(self, collection: str, name: str, init, *args) -> "_Slot":
         """Linen's ``Module.variable`` for the 'cache' collection: recorded while
@@ -220,7 +272,7 @@ class AttentionShell(nnx.Module):
         if collection != "cache" or not isinstance(vars(self).get(name), nnx.Cache):
             raise ValueError(f"{type(self).__name__} is decoding without a KV cache: call "
                              "layer.init_cache(batch_size, max_length) first.")
-        return _Slot(vars(self)[name])
+        return _Slot(vars(self)[name], pending=getattr(_CALLS, "pending", {}).get(id(self)))
 
     def _attended_length(self, key_len: int) -> int:
         cache = vars(self).get("cached_key")
@@ -234,6 +286,8 @@ class AttentionShell(nnx.Module):
                  self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))]
         if slots[0].var is None:  # constructing or sizing: an ordinary forward
             return None
+        attention_core.check_cache_batch(slots[0].value.shape[0], kwargs["key_shape"][0],
+                                         "layer.init_cache({b}, max_length)")
         return attention_core.DecodeCache(*slots, slots[2].value)
 
     def _wants_attention_maps(self, implementation: str) -> bool:
@@ -246,13 +300,16 @@ class AttentionShell(nnx.Module):
     def _sow_maps(self, probs: Array, keys: Array, values: Array) -> None:
         """``attention_probs`` [B, N, T, S] float32, ``attention_keys`` and ``attention_values``
         (the content keys and values, as the Linen layer sows them) as ``nnx.Intermediate``."""
-        self.sow(nnx.Intermediate, "attention_probs", probs)
-        self.sow(nnx.Intermediate, "attention_keys", keys)
-        self.sow(nnx.Intermediate, "attention_values", values)
+        self._pending_sows().extend([("attention_probs", probs), ("attention_keys", keys),
+                                     ("attention_values", values)])
 
     def _sow_probs(self, probs: Array) -> None:
         """While decoding only the probabilities are sown (the cache holds packed keys)."""
-        self.sow(nnx.Intermediate, "attention_probs", probs)
+        self._pending_sows().append(("attention_probs", probs))
+
+    def _pending_sows(self) -> list:
+        """The sows of the call in progress (applied when it returns, see :meth:`__call__`)."""
+        return _CALLS.pending[id(self)].sows
 
     def linen_fields(self) -> dict:
         """``{field: value}`` of the equivalent Linen module."""

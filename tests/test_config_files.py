@@ -84,3 +84,15 @@ def test_config_flag_loads_through_the_loader_with_typed_overrides(tmp_path, mon
     config_files.define_config_flag("config", None, "test", flag_values=missing)
     with pytest.raises(flags.IllegalFlagValueError, match="not found"):
         missing(["prog", f"--config={tmp_path / 'absent.py'}"])
+
+
+def test_a_missing_config_names_each_folder_it_looked_in_once(tmp_path, monkeypatch):
+    """From the repository root the working directory is the repository: the message named the
+    same folder twice ("looked in X and X")."""
+    monkeypatch.chdir(config_files.REPO_ROOT)
+    with pytest.raises(FileNotFoundError) as info:
+        config_files.load_config("configs/nope.py")
+    assert str(info.value) == f"config file configs/nope.py not found (looked in {config_files.REPO_ROOT})."
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"\(looked in {tmp_path} and {config_files.REPO_ROOT}\)"):
+        config_files.load_config("configs/nope.py")

@@ -8,6 +8,7 @@ import os
 import types
 
 import ml_collections
+import numpy as np
 import pytest
 
 from experiments import evaluate
@@ -134,3 +135,46 @@ def test_rope_scaling_factor_flag_is_checked_before_any_work(tmp_path, flags, ma
     with pytest.raises(ValueError, match=match):
         evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--out", str(tmp_path / "o"), *flags])
     assert not (tmp_path / "o").exists()
+
+
+def test_a_passkey_request_whose_every_length_is_too_short_is_refused_before_any_work(tmp_path):
+    """A text run of seq_len 64 at --multipliers 1,2,3 (64-192 tokens, all shorter than the 248
+    of the standard prompt) exited 0 with an empty, malformed table and an empty figure."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps({"task": "lm", "seq_len": 64, "data": {"source": "text"},
+                                                     "model": {"position_encoding": "goat"}}))
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=rf"^--evals passkey on {workdir}: every length \(64, 128, 192 tokens: "
+                                         r"--multipliers x seq_len 64\) is shorter than the 248 tokens the standard "
+                                         r"passkey prompt needs .*give --multipliers of at least 4\.$"):
+        evaluate.main(["--workdir", str(workdir), "--evals", "passkey", "--multipliers", "1,2,3", "--out", str(out)])
+    assert not out.exists()
+
+
+def test_passkey_skips_short_lengths_saying_so_and_refuses_when_nothing_is_left(tmp_path, capsys):
+    """In the library: the lengths that cannot hold the prompt are logged as skipped, and
+    evaluate_run refuses a request where all are (eval_passkey alone returned {'standard': {}})."""
+    from configs import lm_tiny
+    from tests.config_helpers import random_lm_run
+
+    run = random_lm_run(tmp_path, lm_tiny.get_config("goat,smoke"))  # seq_len 64
+    with pytest.raises(ValueError, match=r"every length \(64, 128 tokens"):
+        runs.evaluate_run(run, ["passkey"], [1, 2])
+    out = runs.eval_passkey(run, [2, 4], variants=("standard",), num_trials=1)
+    assert list(out["standard"]) == [256]
+    assert "passkey (standard): length(s) 128 skipped, shorter than the 248 tokens the prompt needs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["extrapolation", "diagnostics"])
+def test_an_evaluation_whose_every_length_is_skipped_is_an_error_not_an_empty_table(tmp_path, monkeypatch, name):
+    """The same class as passkey's: a held-out stream shorter than every window gave an empty
+    table (the per-length 'skipped' lines aside) and exit status 0."""
+    from configs import lm_tiny
+    from tests.config_helpers import random_lm_run
+
+    run = random_lm_run(tmp_path, lm_tiny.get_config("goat,smoke"))  # seq_len 64
+    monkeypatch.setattr(runs, "heldout_stream", lambda *a, **k: runs.HeldoutStream(np.arange(100) % 7, None))
+    with pytest.raises(ValueError, match=rf"^--evals {name} on .*: the held-out stream \(100 tokens\) holds no full "
+                                         r"window of any length asked for \(128, 256 tokens"):
+        runs.evaluate_run(run, [name], [2, 4])

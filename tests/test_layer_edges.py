@@ -270,3 +270,18 @@ def test_docs_capability_table_is_the_codes():
         text = f.read()
     inside = text.split("<!-- capability-table -->\n")[1].split("\n<!-- /capability-table -->")[0]
     assert inside == capabilities.markdown_table(), "regenerate the table in docs/layer.md"
+
+
+@pytest.mark.parametrize("layer", ["goat", "rope"])
+def test_a_decoding_call_of_another_batch_than_the_cache_names_both(layer, rng):
+    """A Linen cache made by init on batch 2, called with batch 1 or 3: the error named JAX
+    internals (``Incompatible q ... k ...``, ``dynamic_update_slice ...``) and never the cache."""
+    module = (ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, training_seq_len=16, decode=True)
+              if layer == "goat" else PositionalAttention(num_heads=4, position_encoding="rope", decode=True))
+    x = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
+    variables = module.init(jax.random.key(0), x, is_causal=True)
+    for batch in (1, 3):
+        with pytest.raises(ValueError, match=rf"^decode=True: this call has batch {batch}, but the KV cache holds "
+                                             rf"batch 2 .*init \(its 'cache' collection\) on an input of batch {batch}"):
+            module.apply(variables, jnp.zeros((batch, 1, 32)), is_causal=True, mutable=["cache"])
+    module.apply(variables, x[:, :1], is_causal=True, mutable=["cache"])  # the cache's batch decodes

@@ -303,3 +303,106 @@ def test_the_dense_kernel_sows_the_linen_layers_attention_maps():
     plain = gnnx.like_linen(_goat(implementation="xla"), E, rngs=nnx.Rngs(0))
     plain(x, is_causal=True)
     assert not nnx.pop(plain, nnx.Intermediate).to_pure_dict()
+
+
+def _cache(layer):
+    return {k: np.asarray(v) for k, v in nnx.state(layer, nnx.Cache).to_pure_dict().items()}
+
+
+def test_a_call_with_another_batch_than_the_cache_is_refused_and_changes_nothing(rng):
+    """After init_cache(2, 16), a call of batch 1 wrote the cache and moved its index before the
+    kernel refused it (``Incompatible q ... k``), and the next correct call was wrong by O(1)
+    with no error; batch 3 failed inside dynamic_update_slice. Now both are refused before any
+    write, naming the cache's batch, the call's and init_cache; the next call is exact."""
+    module = _goat(implementation="xla")
+    _, variables = gnnx.to_linen(gnnx.like_linen(module, E, rngs=nnx.Rngs(0)))
+    layer = gnnx.from_linen(module.clone(decode=True), variables)
+    layer.init_cache(2, 16)
+    x = jnp.asarray(rng.normal(size=(2, 4, E)), jnp.float32)
+    before = _cache(layer)
+    for bad in (x[:1], jnp.concatenate([x, x[:1]])):
+        with pytest.raises(ValueError, match=rf"decode=True: this call has batch {bad.shape[0]}, but the KV cache "
+                                             r"holds batch 2 .*init_cache\(" + str(bad.shape[0])) as err:
+            layer(bad, is_causal=True)
+        assert "\n" not in str(err.value)
+        after = _cache(layer)
+        assert all(np.array_equal(after[k], before[k]) for k in before)
+    np.testing.assert_allclose(np.asarray(layer(x, is_causal=True)),
+                               np.asarray(module.apply(variables, x, is_causal=True)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["goat", "fox"])
+def test_a_call_that_fails_after_writing_leaves_the_cache_untouched(name, rng, monkeypatch):
+    """The class of item 3: whatever fails during a decoding call (here the kernel, after the
+    cache write and fox's running forget sum), the layer's cache is as before the call, eager
+    and under nnx.jit."""
+    from goat_jax import attention_core
+
+    module = CASES[name][0]("xla")
+    layer = gnnx.like_linen(module.clone(decode=True), E, rngs=nnx.Rngs(0))
+    layer.init_cache(B, T)
+    x = jnp.asarray(rng.normal(size=(B, 3, E)), jnp.float32)
+    layer(x, is_causal=True)
+    before = _cache(layer)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(attention_core.kernels, "attend", broken)
+    for call in (lambda m, x: m(x, is_causal=True), nnx.jit(lambda m, x: m(x, is_causal=True))):
+        with pytest.raises(RuntimeError, match="the kernel failed"):
+            call(layer, x[:, :1])
+        after = _cache(layer)
+        assert set(after) == set(before) and all(np.array_equal(after[k], before[k]) for k in before)
+
+
+def test_a_call_that_fails_after_attending_sows_nothing(rng, monkeypatch):
+    """Sown attention maps ('dense') are kept only from calls that return: an error in the
+    output projection, after the kernel, leaves no Intermediate behind."""
+    layer = gnnx.like_linen(_goat(implementation="dense"), E, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
+    project = gnnx.AttentionShell._projection
+
+    def broken(self, name, *args):
+        if name == "out_proj":
+            raise RuntimeError("the projection failed")
+        return project(self, name, *args)
+
+    monkeypatch.setattr(gnnx.AttentionShell, "_projection", broken)
+    with pytest.raises(RuntimeError, match="the projection failed"):
+        layer(x, is_causal=True)
+    assert not nnx.pop(layer, nnx.Intermediate).to_pure_dict()
+
+
+def test_an_input_of_another_width_names_in_features():
+    """in_features=32 called on width 24 failed inside opt_einsum ("Size of label 'e' ...")."""
+    layer = gnnx.GoatAttention(4, in_features=E, rngs=nnx.Rngs(0), prior=_goat().prior)
+    with pytest.raises(ValueError, match=rf"^GoatAttention was built with in_features={E}, but query has width 24"):
+        layer(jnp.zeros((B, T, 24)), is_causal=True)
+    cross = gnnx.GoatAttention(4, in_features=E, kv_features=16, rngs=nnx.Rngs(0), prior=_goat().prior)
+    with pytest.raises(ValueError, match=r"^GoatAttention was built with kv_features=16, but key has width 24"):
+        cross(jnp.zeros((B, T, E)), jnp.zeros((B, T, 24)))
+    with pytest.raises(ValueError, match=r"^GoatAttention was built with kv_features=16, but value has width 24"):
+        cross(jnp.zeros((B, T, E)), jnp.zeros((B, T, 16)), jnp.zeros((B, T, 24)))
+
+
+def test_init_cache_and_load_linen_params_that_raise_change_nothing(rng):
+    """The other NNX methods that change a layer: a refused init_cache keeps the cache it had,
+    refused Linen params keep the parameters."""
+    layer = gnnx.PositionalAttention(4, in_features=E, rngs=nnx.Rngs(0), position_encoding="naive_prior",
+                                     max_len=16, decode=True)
+    layer.init_cache(B, 8)
+    layer(jnp.asarray(rng.normal(size=(B, 3, E)), jnp.float32), is_causal=True)
+    before = _cache(layer)
+    with pytest.raises(ValueError, match="max_len"):
+        layer.init_cache(B, 32)  # past the bias table
+    after = _cache(layer)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    params = nnx.state(layer, nnx.Param).to_pure_dict()
+    bad = jax.tree.map(np.asarray, params)
+    bad["q_proj"]["kernel"] = np.zeros((E + 1, 4, 8), np.float32)
+    bad["out_proj"]["kernel"] = bad["out_proj"]["kernel"] + 1.0
+    with pytest.raises(ValueError, match="shapes"):
+        gnnx.load_linen_params(layer, bad)
+    now = nnx.state(layer, nnx.Param).to_pure_dict()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(params)))

@@ -283,6 +283,19 @@ class PasskeyPrompt:
     depth: float
 
 
+# The largest key of the standard passkey prompt (keys are drawn from [1, PASSKEY_MAX_KEY]).
+PASSKEY_MAX_KEY = 50000
+
+
+def passkey_prompt_length(key: int = PASSKEY_MAX_KEY, tokenizer: Optional[tokenizers_lib.Tokenizer] = None,
+                          add_bos: bool = True) -> int:
+    """The shortest :func:`passkey_prompt` with ``key``: the task, needle and question without
+    filler (the evaluations skip shorter lengths)."""
+    tok = tokenizer or _BYTES
+    pieces = (PASSKEY_TASK, "\n", "\n", PASSKEY_INFO.format(key=key), "\n", "\n", PASSKEY_QUESTION)
+    return int(add_bos) + sum(len(tok.encode(p)) for p in pieces)
+
+
 def passkey_prompt(length: int, depth: float, key: int,
                    tokenizer: Optional[tokenizers_lib.Tokenizer] = None,
                    add_bos: bool = True) -> PasskeyPrompt:
@@ -318,7 +331,7 @@ def passkey_prompts(rng: np.random.Generator, num: int, length: int, *,
                     tokenizer: Optional[tokenizers_lib.Tokenizer] = None) -> list[PasskeyPrompt]:
     """``num`` standard prompts of ``length`` tokens; keys uniform in [1, 50000] (Landmark);
     depths given ([num]) or U[0, 1]."""
-    keys = rng.integers(1, 50001, num)
+    keys = rng.integers(1, PASSKEY_MAX_KEY + 1, num)
     depths = rng.uniform(0.0, 1.0, num) if depths is None else np.asarray(depths, np.float64)
     return [passkey_prompt(length, float(d), int(k), tokenizer) for k, d in zip(keys, depths)]
 

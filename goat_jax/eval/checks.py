@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import Optional
 
 from goat_jax import files
 from goat_jax.train import run as run_lib
@@ -47,6 +48,40 @@ def check_evals_fit(workdirs: Sequence[str], evals: Sequence[str]) -> None:
                 f"--evals {','.join(wrong)} does not apply to {workdir}, a run of "
                 f"config.task={task!r}; the evaluations for it are: "
                 f"{', '.join(fits) if fits else 'none (no evaluation knows this task)'}.")
+
+
+def passkey_lengths(config, multipliers: Sequence[int],
+                    variant: Optional[str] = None) -> tuple[str, list[int], list[int], int]:
+    """``(variant, lengths evaluated, lengths skipped, shortest length it takes)`` of the passkey
+    evaluation of a run with ``config`` at ``m x seq_len`` for each multiplier. ``variant``
+    (default: the run's, as experiments.evaluate scores it): 'synthetic' (a synthetic run's own
+    task), which needs the needle and the query, or 'standard' (the Landmark prompt), which needs
+    the fixed task text, needle and question (~280 bytes). Shorter lengths cannot hold the
+    prompt and are skipped."""
+    from goat_jax.data import synthetic  # pylint: disable=g-import-not-at-top  # on use
+
+    if variant is None:
+        variant = "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+    lengths = [int(m * int(config.seq_len)) for m in multipliers]
+    if variant == "synthetic":
+        key_len = int(config.data.get("key_len", 8))
+        shortest = 1 + len(synthetic.PASSKEY_NEEDLE) + len(synthetic.PASSKEY_QUERY) + 2 * key_len
+    else:
+        shortest = synthetic.passkey_prompt_length(key=synthetic.PASSKEY_MAX_KEY)
+    return variant, [n for n in lengths if n >= shortest], [n for n in lengths if n < shortest], shortest
+
+
+def check_passkey_lengths(config, workdir: str, multipliers: Sequence[int]) -> None:
+    """Refuses, before any work, a passkey request none of whose lengths can hold the prompt
+    (it gave an empty table and figure, and exit status 0)."""
+    variant, ok, skipped, shortest = passkey_lengths(config, multipliers)
+    if not ok:
+        need = -(-shortest // int(config.seq_len))
+        raise ValueError(
+            f"--evals passkey on {workdir}: every length ({', '.join(map(str, skipped))} tokens: "
+            f"--multipliers x seq_len {int(config.seq_len)}) is shorter than the {shortest} tokens "
+            f"the {variant} passkey prompt needs (task, needle and question), so nothing would be "
+            f"evaluated; give --multipliers of at least {need}.")
 
 
 def _is_run_dir(path: str) -> bool:

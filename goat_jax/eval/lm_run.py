@@ -12,6 +12,7 @@ from typing import Optional
 
 import ml_collections
 
+from goat_jax.eval import checks
 from goat_jax.models.lm import TransformerLM
 from goat_jax.positional import rope_scaling
 from goat_jax.train import run as run_lib
@@ -94,11 +95,14 @@ def check_request(config: ml_collections.ConfigDict, workdir: str, evals: Sequen
                   multipliers: Sequence[int], position_encoding: Optional[str] = None,
                   logn_scaling: Optional[str] = None, rope_scaling_factor: Optional[float] = None) -> None:
     """Every check of one run's evaluation request that its config.json can answer, before any
-    work: the swap (:func:`check_swap`), and packed documents (``'documents'`` in ``evals``)
-    longer than the training length with a factor that follows the window ('yarn' / 'ntk'
+    work: the swap (:func:`check_swap`), a passkey request whose every length is too short for
+    the prompt (:func:`goat_jax.eval.checks.check_passkey_lengths`), and packed documents
+    (``'documents'`` in ``evals``) longer than the training length with a factor that follows the window ('yarn' / 'ntk'
     without a fixed factor), refused naming ``--rope_scaling_factor``: the layer would refuse
     it only after every evaluation before it had run."""
     check_swap(config, workdir, position_encoding, logn_scaling, rope_scaling_factor)
+    if "passkey" in evals:
+        checks.check_passkey_lengths(config, workdir, multipliers)
     encoding = position_encoding or str(config.model.get("position_encoding", "goat"))
     factor = rope_scaling_factor if rope_scaling_factor is not None else config.model.get("rope_scaling_factor")
     longest = max(multipliers, default=1)

@@ -40,7 +40,7 @@ import numpy as np
 
 from goat_jax.cli import log
 from goat_jax.data import synthetic, text
-from goat_jax.eval import chunked, diagnostics, documents, extrapolation, retrieval, sinks
+from goat_jax.eval import checks, chunked, diagnostics, documents, extrapolation, retrieval, sinks
 from goat_jax.eval.checks import EVAL_TASKS, evals_for_task
 from goat_jax.eval.lm_run import LMRun
 from goat_jax.train import run as run_lib
@@ -195,7 +195,18 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
         apply_fn, run.params, stream.tokens, run.train_len, multipliers, stride=stride,
         tokens_per_batch=8192, nll_fn=nll_fn, bos_id=stream.bos_id,
         progress=lambda msg: log(f"    {run.label} {msg}"))
+    if not res:  # every length skipped: an empty table would read as a result
+        _no_full_window("extrapolation", run, multipliers, len(stream.tokens))
     return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
+
+
+def _no_full_window(name: str, run: LMRun, multipliers: Sequence[int], num_tokens: int) -> None:
+    """Raises: no length of the request has one full window in the held-out stream."""
+    lengths = [int(m * run.train_len) for m in multipliers]
+    raise ValueError(f"--evals {name} on {run.workdir}: the held-out stream ({num_tokens} tokens) holds no "
+                     f"full window of any length asked for ({', '.join(map(str, lengths))} tokens: --multipliers "
+                     f"x seq_len {run.train_len}), so nothing was evaluated; give smaller --multipliers, or more "
+                     "held-out data (data.eval_paths or data.eval_fraction).")
 
 
 def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
@@ -203,34 +214,27 @@ def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *
                  num_trials: int = 8, seed: int = 0) -> dict[str, dict[int, float]]:
     """``{variant: {length: accuracy}}`` at ``m * train_len``.
 
-    'synthetic': teacher-forced exact match of the key span (lengths too short for the needle
-    are skipped); 'standard': the Landmark prompt decoded greedily with the KV cache (prompts
-    shorter than the fixed task text and needle are skipped).
+    'synthetic': teacher-forced exact match of the key span; 'standard': the Landmark prompt
+    decoded greedily with the KV cache. Lengths too short for a variant's fixed part (needle and
+    query; task text, needle and question: :func:`goat_jax.eval.checks.passkey_lengths`) are
+    skipped, and logged; experiments.evaluate refuses a request where every length would be
+    (:func:`goat_jax.eval.checks.check_passkey_lengths`, before any work).
     """
     out: dict[str, dict[int, float]] = {}
-    lengths = [int(m * run.train_len) for m in multipliers]
-    if "synthetic" in variants:
-        key_len = int(run.config.data.get("key_len", 8))
-        ok = [n for n in lengths if n >= 1 + len(synthetic.PASSKEY_NEEDLE) + len(synthetic.PASSKEY_QUERY) + 2 * key_len]
-        out["synthetic"] = retrieval.passkey_accuracy_synthetic(
-            extrapolation.model_apply_fn(run.model), run.params, ok, num_examples=num_examples,
-            key_len=key_len, seed=seed)
-    if "standard" in variants:
-        # The fixed part of the prompt (task, needle, question) is ~280 bytes: lengths too short
-        # to hold it are skipped rather than failing the whole run.
-        ok = [n for n in lengths if _standard_prompt_fits(n)]
-        gen = retrieval.greedy_generator(run.model, run.params)
-        out["standard"] = retrieval.passkey_accuracy_standard(gen, ok, num_trials=num_trials,
-                                                              batch_size=min(4, num_trials), seed=seed)
+    for variant in variants:
+        ok, skipped, shortest = checks.passkey_lengths(run.config, multipliers, variant)[1:]
+        if skipped:
+            log(f"    {run.label} passkey ({variant}): length(s) {', '.join(map(str, skipped))} skipped, "
+                f"shorter than the {shortest} tokens the prompt needs")
+        if variant == "synthetic":
+            out[variant] = retrieval.passkey_accuracy_synthetic(
+                extrapolation.model_apply_fn(run.model), run.params, ok, num_examples=num_examples,
+                key_len=int(run.config.data.get("key_len", 8)), seed=seed)
+        else:
+            gen = retrieval.greedy_generator(run.model, run.params)
+            out[variant] = retrieval.passkey_accuracy_standard(gen, ok, num_trials=num_trials,
+                                                               batch_size=min(4, num_trials), seed=seed)
     return out
-
-
-def _standard_prompt_fits(length: int) -> bool:
-    try:
-        synthetic.passkey_prompt(length, 0.0, 50000)
-    except ValueError:
-        return False
-    return True
 
 
 def eval_niah(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
@@ -273,6 +277,10 @@ def eval_diagnostics(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIER
     stream = None if run.is_synthetic else heldout_stream(
         run, max_tokens=num_windows * (max(lengths) + 1) + 1)
     out: dict[str, Any] = {"recent_keys": recent, "chunk_size": chunk_size, "by_length": {}}
+    if stream is not None and not any(
+            len(extrapolation.window_starts(len(stream.tokens), n, bos=stream.bos_id is not None)) for n in lengths):
+        # Before the sink curves, which run at the longest length.
+        _no_full_window("diagnostics", run, multipliers, len(stream.tokens))
     for length in lengths:
         tokens = _eval_windows(run, length, num_windows, stream)
         if not len(tokens):
@@ -499,6 +507,8 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                          f"{', '.join(evals_for_task(task)) or 'none'}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
+    if "passkey" in evals:  # a length too short for every prompt: nothing to score is an error
+        checks.check_passkey_lengths(run.config, run.workdir, multipliers)
     if "lm_eval" in evals:
         from goat_jax.eval import harness  # pylint: disable=g-import-not-at-top  # the [eval] extra
         harness.require()  # before any evaluation runs
@@ -509,7 +519,7 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
             out[name] = eval_extrapolation(run, multipliers, stride=stride, num_examples=num_examples,
                                            text_file=text_file, chunk_size=chunk_size)
         elif name == "passkey":
-            variants = ("synthetic",) if run.is_synthetic else ("standard",)
+            variants = (checks.passkey_lengths(run.config, multipliers)[0],)
             out[name] = eval_passkey(run, multipliers, variants=variants, num_examples=num_examples,
                                      num_trials=num_trials)
         elif name == "niah":
