@@ -47,6 +47,8 @@ import jax
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax.targets import chips as chips_lib
+from goat_jax.targets.chips import Chip
 from goat_jax.train import memory as memory_lib
 
 GiB = float(1 << 30)
@@ -60,44 +62,10 @@ GPU_INSTALL_HINT = ("pip install 'goat-jax[aot-gpu]' (the CUDA plugin for jax 0.
 GPUS_PER_NODE = 8  # HGX / DGX H100 and H200 nodes
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One TPU generation or GPU model: per-chip peak dense bf16 FLOP/s, HBM and its bandwidth,
-    and what the number in its target name counts. GPUs also name their target description
-    (a file in goat_jax/targets/) and compute capability."""
-
-    family: str
-    device_kind: str  # as JAX reports it
-    peak_bf16_flops: float  # per chip
-    hbm_bytes: int  # per chip
-    hbm_bytes_per_s: float  # per chip
-    name_counts: str  # 'chips' | 'TensorCores'
-    topology_dims: int  # 2 (v5e, v6e: 2D torus) or 3 (v4, v5p); 0 for GPUs
-    source: str
-    platform: str = "tpu"  # 'tpu' | 'cuda'
-    target_config: Optional[str] = None  # GPUs: the GpuTargetConfig text file in goat_jax/targets/
-    compute_capability: Optional[Tuple[int, int]] = None  # GPUs
-
-
-# Google Cloud's system-architecture pages (numbers per chip; checked 2026-12).
-CHIPS = {
-    "v4": Chip("v4", "TPU v4", 275e12, 32 << 30, 1200e9, "TensorCores", 3,
-               "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip("v5e", "TPU v5 lite", 197e12, 16 << 30, 819e9, "chips", 2,
-                "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("v5p", "TPU v5", 459e12, 95 << 30, 2765e9, "TensorCores", 3,
-                "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("v6e", "TPU v6 lite", 918e12, 32 << 30, 1640e9, "chips", 2,
-                "https://cloud.google.com/tpu/docs/v6e"),
-    # NVIDIA's datasheets (SXM parts; BF16 Tensor Core peak without sparsity, i.e. half the
-    # datasheet's "with sparsity" 1,979 TFLOP/s; HBM as GiB, as the TPU rows).
-    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 << 30, 3.35e12, "GPUs", 0,
-                 "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 989 TFLOP/s dense BF16, 80 GB HBM3, "
-                 "3.35 TB/s", platform="cuda", target_config="h100_sxm.txtpb", compute_capability=(9, 0)),
-    "h200": Chip("h200", "NVIDIA H200", 989e12, 141 << 30, 4.8e12, "GPUs", 0,
-                 "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 989 TFLOP/s dense BF16, 141 GB HBM3e, "
-                 "4.8 TB/s", platform="cuda", target_config="h200_sxm.txtpb", compute_capability=(9, 0)),
-}
+# The chips one can compile for, in the order the error messages list them: rows of the one chip
+# table (goat_jax/targets/chips.py, where every chip's peak FLOP/s, HBM and bandwidth are stated).
+TARGET_FAMILIES = ("v4", "v5e", "v5p", "v6e", "h100", "h200")
+CHIPS = {family: chips_lib.CHIPS[family] for family in TARGET_FAMILIES}
 
 
 @dataclasses.dataclass(frozen=True)
