@@ -357,6 +357,25 @@ class Section:
         what a config that leaves the field out computes with."""
         return {name: default for name, (default, _) in self._declared.items() if default is not REQUIRED}
 
+    def default(self, name: str) -> Any:
+        """The declared default of field ``name`` (None stays None). KeyError for a field the
+        section does not declare or declares ``REQUIRED`` (it has no default to fall back on)."""
+        if name not in self._declared:
+            raise KeyError(f"the section declares no field {name!r} (it has {sorted(self._declared)})")
+        default = self._declared[name][0]
+        if default is REQUIRED:
+            raise KeyError(f"field {name!r} is REQUIRED: it has no default")
+        return default
+
+    def value(self, node: Optional[Mapping[str, Any]], name: str) -> Any:
+        """Field ``name`` of the config section ``node`` (a ConfigDict or dict; None: the config
+        has no such section), or the declared default where ``node`` leaves it out: how code
+        that may get a config without the defaults filled in (an old run's config, a test's)
+        reads a field without restating its default (``node.get(name, <default again>)``)."""
+        if node is not None and name in node:
+            return node[name]
+        return self.default(name)
+
     def placeholder(self, name: str) -> Any:
         """The value :meth:`defaults` gives field ``name``: its default, or a typed placeholder
         for a None default of a plain kind (so the command line can still set it)."""

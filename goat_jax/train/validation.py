@@ -61,12 +61,7 @@ ENGINE: Dict[str, Section] = {
         grad_clip=(1.0, Float(min=0.0, doc="global-norm clip; 0: off")),
         decay_grouping=("default", Str(nonempty=True, doc="'default' or one of the task's decay_groupings")),
     ),
-    "wandb": Section(
-        project=(None, Str(optional=True, doc="W&B project; None: W&B's default")),
-        name=(None, Str(optional=True, doc="run name; None: the workdir's name")),
-        entity=(None, Str(optional=True, doc="user or team; None: the login's default")),
-        mode=("disabled", Str(choices=wandb_logger.MODES, doc="'disabled' = off")),
-    ),
+    "wandb": wandb_logger.FIELDS,  # declared next to the code that reads it
 }
 
 ENGINE_SECTIONS = tuple(s for s in ENGINE if s)  # the engine's own sub-sections
