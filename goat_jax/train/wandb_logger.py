@@ -32,16 +32,17 @@ import urllib.request
 from typing import Any, Callable, Dict, Optional
 
 from goat_jax import _extras, files
-from goat_jax.config.fields import Section, Str
+from goat_jax.config.fields import RESUME_SAFE, Section, Str
 
 MODES = ("disabled", "online", "offline")
 # The ``wandb`` section of every run's config, declared once (the engine's schema includes it:
 # goat_jax/train/validation.py); the code below reads its defaults from here.
+# Logging changes nothing computed: every field may change on resume.
 FIELDS = Section(
-    project=(None, Str(optional=True, doc="W&B project; None: W&B's default")),
-    name=(None, Str(optional=True, doc="run name; None: the workdir's name")),
-    entity=(None, Str(optional=True, doc="user or team; None: the login's default")),
-    mode=("disabled", Str(choices=MODES, doc="'disabled' = off")),
+    project=(None, Str(optional=True, resume=RESUME_SAFE, doc="W&B project; None: W&B's default")),
+    name=(None, Str(optional=True, resume=RESUME_SAFE, doc="run name; None: the workdir's name")),
+    entity=(None, Str(optional=True, resume=RESUME_SAFE, doc="user or team; None: the login's default")),
+    mode=("disabled", Str(choices=MODES, resume=RESUME_SAFE, doc="'disabled' = off")),
 )
 RUN_ID_FILE = "wandb_run_id"
 # How long :func:`preflight` waits for the W&B server to answer before refusing an online run.
