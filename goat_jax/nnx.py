@@ -27,8 +27,11 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
   max_length)`` (the Linen ``init`` with a full-length input), then call the layer chunk by
   chunk or token by token (inside ``nnx.jit`` the cache updates propagate); equal to the full
   forward, with the Linen layer's checks and its NaN on overflow.
-* Not yet (issue #35): sowing of attention maps (``implementation='dense'`` runs, but sows
-  nothing).
+* Attention maps are sown as in Linen: with ``implementation='dense'`` (the only kernel that
+  materializes the probabilities) every call sows ``attention_probs`` [B, N, T, S] float32 and
+  the content ``attention_keys`` / ``attention_values`` as ``nnx.Intermediate`` (while decoding,
+  the probabilities only); read them with ``nnx.pop(layer, nnx.Intermediate)``. Other kernels
+  sow nothing.
 
 Initial values are drawn from ``rngs`` with the Linen initializers, but not the Linen module's
 random streams: equal weights come from :func:`from_linen`, not from equal seeds.
