@@ -43,7 +43,6 @@ from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ("tensorflow", "grain", "ml_collections")  # absent from the GPU image
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, per GPU
 
 
 class Report:
@@ -408,7 +407,9 @@ def train_step_rows(dry_run: bool, steps: int, deadline: float) -> List[List]:
     dt = (time.perf_counter() - t0) / max(done, 1)
     tok_s = batch * seq / dt
     kind = jax.devices()[0].device_kind
-    peak = next((v for key, v in PEAK_BF16_TFLOPS.items() if key in kind), None)
+    from goat_jax.targets import chips  # the one chip table (dense bf16 peak per device)
+    peak = chips.peak_flops_per_device(kind)
+    peak = None if peak is None else peak / 1e12  # TFLOP/s
     mfu = None if peak is None or jax.default_backend() != "gpu" else lm_flops_per_token(cfg, seq) * tok_s / (peak * 1e12)
     est_ms = None if peak is None else 1e3 * lm_flops_per_token(cfg, seq) * batch * seq / (peak * 1e12)
     name = "tiny (dry run)" if dry_run else "125M (12 x 768, 12 heads, GOAT)"

@@ -28,8 +28,11 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
   chunk or token by token (inside ``nnx.jit`` the cache updates propagate); equal to the full
   forward, with the Linen layer's checks and its NaN on overflow. A call of another batch than
   the cache's is refused naming both and ``init_cache``.
-* Attention maps: with ``implementation='dense'`` each call sows them as ``nnx.Intermediate``
-  (read with ``nnx.pop(layer, nnx.Intermediate)``), as the Linen layer's ``intermediates``.
+* Attention maps are sown as in Linen: with ``implementation='dense'`` (the only kernel that
+  materializes the probabilities) every call sows ``attention_probs`` [B, N, T, S] float32 and
+  the content ``attention_keys`` / ``attention_values`` as ``nnx.Intermediate`` (while decoding,
+  the probabilities only); read them with ``nnx.pop(layer, nnx.Intermediate)``. Other kernels
+  sow nothing.
 * State changes only when a call returns: the cache writes and sown maps of a call wait until it
   has returned, so a call that raises (a wrong input, a kernel's refusal) leaves the layer as it
   was, as a failed Linen ``apply`` leaves its variables. ``init_cache`` and

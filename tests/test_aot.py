@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPU slices on this host (goat_jax/aot.py, experiments/compile.py).
+"""Ahead-of-time compilation for TPU slices on this host (goat_jax/aot/, experiments/compile.py).
 
 Without libtpu: target names, the compiler's out-of-memory message, and the one line that names
 the extra. With libtpu (the ``aot`` extra; skipped with the reason otherwise): the real TPU
@@ -54,7 +54,7 @@ def test_out_of_memory_is_read_from_the_compilers_message():
 
 def test_missing_libtpu_is_one_line_naming_the_extra(tmp_path):
     # The command with the TPU compiler hidden: one 'error:' line naming the extra, no traceback.
-    script = ("import runpy, sys\nimport goat_jax.aot as a\na.libtpu_installed = lambda: False\n"
+    script = ("import runpy, sys\nimport goat_jax.aot.target as a\na.libtpu_installed = lambda: False\n"
               f"sys.argv = ['compile', '--config', 'configs/lm_tiny.py:goat,smoke', '--target', 'v5e-4', "
               f"'--out', {str(tmp_path / 'out')!r}]\n"
               "runpy.run_module('experiments.compile', run_name='__main__')\n")

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for GPU nodes on this host (goat_jax/aot.py, goat_jax/targets/).
+"""Ahead-of-time compilation for GPU nodes on this host (goat_jax/aot/, goat_jax/targets/).
 
 Without JAX's CUDA plugin: GPU target names, the committed H100/H200 target descriptions against
 the chip table, the one line that names the ``aot-gpu`` extra, and the cuDNN compute-capability
@@ -60,12 +60,12 @@ def test_target_descriptions_agree_with_the_chip_table(family):
     assert re.search(r"cuda_compute_capability \{ major: 9 minor: 0 \}", text)
     assert (int(_field(text, "core_count")), int(_field(text, "shared_memory_per_block_optin"))) == (132, 227 << 10)
     assert chip.peak_bf16_flops == 989e12  # dense BF16 (the datasheets' 1,979 is with sparsity)
-    assert aot._dnn_version(aot.parse_target(f"{family}x8")) == 92800  # cuDNN 9.28.0
+    assert aot.target._dnn_version(aot.parse_target(f"{family}x8")) == 92800  # cuDNN 9.28.0
 
 
 def test_missing_cuda_plugin_is_one_line_naming_the_extra(tmp_path):
     # The command with the CUDA plugin hidden: one 'error:' line naming the extra, no traceback.
-    script = ("import runpy, sys\nimport goat_jax.aot as a\na.cuda_plugin_installed = lambda: False\n"
+    script = ("import runpy, sys\nimport goat_jax.aot.target as a\na.cuda_plugin_installed = lambda: False\n"
               f"sys.argv = ['compile', '--config', 'configs/lm_tiny.py:goat,smoke', '--target', 'h200x8', "
               f"'--out', {str(tmp_path / 'out')!r}]\n"
               "runpy.run_module('experiments.compile', run_name='__main__')\n")

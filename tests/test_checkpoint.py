@@ -116,6 +116,76 @@ def test_task_defaults_are_the_model_dataclass_defaults():
     assert vit.TASK.fields.defaults()["model.position_encoding"] == "goat"
 
 
+def _engine_config():
+    """Every engine field at its default, the required ones set, as a resolved config dict."""
+    from goat_jax.train import validation
+    config = {"task": "lm", "num_train_steps": 10, "optimizer": {"learning_rate": 1e-3}}
+    for dotted, value in validation.engine_defaults().items():
+        section, _, name = dotted.rpartition(".")
+        (config.setdefault(section, {}) if section else config)[name] = value
+    return json.loads(json.dumps(config, default=str))
+
+
+def _another(value):
+    """A different value of the same field (its kind does not matter to the fingerprint)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 17  # above num_train_steps' 10: a longer run, as a resume may ask for
+    return "changed" if value is None or isinstance(value, str) else [["changed"]]
+
+
+def test_the_resume_lists_are_the_fields_declarations():
+    """Every engine field declares its resume behaviour, the checkpoint's lists are those
+    declarations (the same lists as when they were written out in checkpoint.py), and the
+    checkpoint acts on each: a 'safe' field changes no fingerprint, an 'adjustable' one resumes
+    with --resume_with_changes only, a 'fixed' one is refused."""
+    from goat_jax.config.fields import RESUME_BEHAVIOURS
+    from goat_jax.train import validation
+    declared = {(f"{section}.{name}" if section else name): r
+                for section, s in validation.ENGINE.items() for name, r in s.resume.items()}
+    assert {k: r for k, r in declared.items() if r not in RESUME_BEHAVIOURS} == {}
+    assert checkpoint.RESUME_SAFE_FIELDS == {
+        "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
+        "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
+        "per_device_batch_size", "profile_steps", "wandb", "context_load_balance"}
+    assert checkpoint.RESUME_ADJUSTABLE_FIELDS == {
+        "num_train_steps", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.min_lr_ratio",
+        "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip"}
+    with pytest.raises(ValueError, match="resume='later'"):
+        from goat_jax.config.fields import Int
+        Int(resume="later")
+
+
+def test_the_checkpoint_acts_on_each_fields_resume_declaration(tmp_path):
+    from goat_jax.train import validation
+    saved = _engine_config()
+    ckpt = checkpoint.Checkpointer(str(tmp_path), saved)
+    ckpt.save(1, _state(), {"i": 1}, wait=True)
+    ckpt.close()
+    for section, s in validation.ENGINE.items():
+        for name, behaviour in s.resume.items():
+            config = json.loads(json.dumps(saved))
+            node = config[section] if section else config
+            node[name] = _another(node[name])
+            dotted = f"{section}.{name}" if section else name
+            ckpt = checkpoint.Checkpointer(str(tmp_path), config)
+            try:
+                if behaviour == "safe":
+                    assert ckpt.fingerprint == checkpoint.config_fingerprint(saved), dotted
+                    continue
+                assert ckpt.fingerprint != checkpoint.config_fingerprint(saved), dotted
+                with pytest.raises(checkpoint.IncompatibleCheckpointError, match=dotted.replace(".", r"\.")):
+                    ckpt.check_compatible()
+                if behaviour == "adjustable":
+                    assert set(ckpt.check_compatible(allow_changes=True)) == {dotted}
+                else:
+                    with pytest.raises(checkpoint.IncompatibleCheckpointError, match="fresh --workdir"):
+                        ckpt.check_compatible(allow_changes=True)
+            finally:
+                ckpt.close()
+
+
 def test_leftover_temporary_directory_is_ignored(tmp_path):
     """A save interrupted by SIGKILL leaves a tmp directory; it is not a checkpoint."""
     ckpt = checkpoint.Checkpointer(str(tmp_path), CONFIG)

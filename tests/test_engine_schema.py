@@ -11,7 +11,7 @@ import pytest
 from goat_jax.config.fields import Int, Section
 from goat_jax.config_files import apply_overrides, load_config
 from goat_jax.train import run as run_lib
-from goat_jax.train import tasks, trainer, validation
+from goat_jax.train import tasks, trainer, validation, wandb_logger
 
 
 def _minimal_lm_config():
@@ -85,3 +85,49 @@ def test_a_section_declares_required_fields_without_a_default():
     assert s.required == ("a",) and s.default_values() == {"b": 2} and dict(s.defaults()) == {"b": 2}
     with pytest.raises(ValueError, match="Section field 'c': the default 0"):
         Section(c=(0, Int(min=1)))
+
+
+def test_a_sections_default_is_read_from_its_declaration():
+    from goat_jax.config.fields import REQUIRED
+    s = Section(a=(REQUIRED, Int(min=1)), b=(2, Int(min=1)), c=(None, Int(min=1, optional=True)))
+    assert s.default("b") == 2 and s.default("c") is None
+    assert s.value({"b": 5}, "b") == 5 and s.value({}, "b") == 2 and s.value(None, "b") == 2
+    assert s.value(ml_collections.ConfigDict({"b": 7}), "b") == 7
+    with pytest.raises(KeyError, match="REQUIRED"):
+        s.default("a")
+    with pytest.raises(KeyError, match="declares no field 'd'"):
+        s.value({}, "d")
+    assert validation.ENGINE["wandb"] is wandb_logger.FIELDS  # declared beside the code reading it
+    assert not wandb_logger.enabled(ml_collections.ConfigDict({"project": "p"}))  # mode: its default
+    assert run_lib.DEFAULT_DECAY_GROUPING == validation.ENGINE["optimizer"].default("decay_grouping")
+
+
+def _engine_field_names():
+    names = set(validation.ENGINE_SECTIONS)
+    for section in validation.ENGINE.values():
+        names |= set(section.specs)
+    return names
+
+
+def test_no_engine_default_is_restated_where_a_config_is_read():
+    """The engine and the tasks read an engine field of a config as the field (the trainer fills
+    in the schema's defaults first) or through its Section (``Section.value``), never as
+    ``config.get(field, <the default again>)``, a second statement that could drift from the
+    schema (goat_jax/train/validation.py)."""
+    import ast
+    import glob
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fields = _engine_field_names()
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "goat_jax", "train", "*.py"))
+                       + glob.glob(os.path.join(root, "goat_jax", "tasks", "*.py"))):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
+                    and node.args[0].value in fields and "config" in ast.unparse(node.func.value)):
+                found.append(f"{os.path.relpath(path, root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -45,6 +45,10 @@ if TYPE_CHECKING:  # annotations only: ml_collections is imported where it is us
 # float32 is what the device computes with: a larger "finite" value is inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
+# What a change of a field between a run and its resumption is (``Field.resume``).
+RESUME_FIXED, RESUME_SAFE, RESUME_ADJUSTABLE = "fixed", "safe", "adjustable"
+RESUME_BEHAVIOURS = (RESUME_FIXED, RESUME_SAFE, RESUME_ADJUSTABLE)
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -64,6 +68,12 @@ class Field:
       nonempty: a 'str' / 'strs' field must not be empty ('strs': no empty element either).
       lengths: the allowed lengths of an 'ints' tuple (None: any).
       doc: what the field means, shown in the error.
+      resume: what a checkpoint makes of a change of the field between a run and its
+        resumption (:data:`RESUME_BEHAVIOURS`): 'fixed' (fingerprinted: a change is another run,
+        refused), 'safe' (left out of the fingerprint: cadences, device layout; it changes
+        nothing computed) or 'adjustable' (may change when asked for, ``--resume_with_changes``:
+        the optimization from the resumed step on). None: not declared (the engine declares
+        every one of its fields; :mod:`goat_jax.train.checkpoint` reads them).
     """
 
     kind: str
@@ -77,6 +87,11 @@ class Field:
     nonempty: bool = False
     lengths: Optional[Tuple[int, ...]] = None
     doc: str = ""
+    resume: Optional[str] = None
+
+    def __post_init__(self):
+        if self.resume is not None and self.resume not in RESUME_BEHAVIOURS:
+            raise ValueError(f"Field(resume={self.resume!r}): allowed is one of {list(RESUME_BEHAVIOURS)} or None.")
 
     def allowed(self) -> str:
         """A phrase saying what is allowed, e.g. 'an integer >= 1 (decoder blocks)'."""
@@ -348,6 +363,12 @@ class Section:
         return {name: spec for name, (_, spec) in self._declared.items()}
 
     @property
+    def resume(self) -> Dict[str, Optional[str]]:
+        """``{name: Field.resume}`` in declaration order: what a checkpoint makes of a change of
+        each field on resume (None where the declaration says nothing)."""
+        return {name: spec.resume for name, (_, spec) in self._declared.items()}
+
+    @property
     def required(self) -> Tuple[str, ...]:
         """The fields declared ``REQUIRED``: no default, every config sets them."""
         return tuple(name for name, (default, _) in self._declared.items() if default is REQUIRED)
@@ -356,6 +377,25 @@ class Section:
         """``{name: default}`` of every field with a default (None stays None, no placeholder):
         what a config that leaves the field out computes with."""
         return {name: default for name, (default, _) in self._declared.items() if default is not REQUIRED}
+
+    def default(self, name: str) -> Any:
+        """The declared default of field ``name`` (None stays None). KeyError for a field the
+        section does not declare or declares ``REQUIRED`` (it has no default to fall back on)."""
+        if name not in self._declared:
+            raise KeyError(f"the section declares no field {name!r} (it has {sorted(self._declared)})")
+        default = self._declared[name][0]
+        if default is REQUIRED:
+            raise KeyError(f"field {name!r} is REQUIRED: it has no default")
+        return default
+
+    def value(self, node: Optional[Mapping[str, Any]], name: str) -> Any:
+        """Field ``name`` of the config section ``node`` (a ConfigDict or dict; None: the config
+        has no such section), or the declared default where ``node`` leaves it out: how code
+        that may get a config without the defaults filled in (an old run's config, a test's)
+        reads a field without restating its default (``node.get(name, <default again>)``)."""
+        if node is not None and name in node:
+            return node[name]
+        return self.default(name)
 
     def placeholder(self, name: str) -> Any:
         """The value :meth:`defaults` gives field ``name``: its default, or a typed placeholder

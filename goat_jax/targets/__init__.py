@@ -1,4 +1,6 @@
-"""GPU target descriptions for ahead-of-time compiles (:mod:`goat_jax.aot`, docs/aot.md).
+"""The accelerators the repository knows: the chip table (:mod:`goat_jax.targets.chips`: peak
+FLOP/s, HBM and bandwidth per chip, read by the compiles, the trainer's MFU and the one-GPU check)
+and the GPU target descriptions for ahead-of-time compiles (:mod:`goat_jax.aot`, docs/aot.md).
 
 Each ``*.txtpb`` file is an XLA ``stream_executor.GpuTargetConfigProto`` in text format: what
 the CUDA compiler would otherwise read from an attached GPU (compute capability, SM count,

@@ -96,7 +96,7 @@ def dummy_batch(config, batch_size: int) -> Batch:
     shape = (batch_size, config.seq_len)
     batch = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
              "weights": np.ones(shape, np.float32)}
-    if not is_synthetic(config) and config.data.get("packing", "concat") == "documents":
+    if not is_synthetic(config) and text.DATA.value(config.data, "packing") == "documents":
         batch["segment_ids"] = np.ones(shape, np.int32)
         batch["positions"] = np.broadcast_to(np.arange(config.seq_len, dtype=np.int32), shape).copy()
     return batch

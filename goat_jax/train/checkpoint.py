@@ -27,31 +27,20 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import jax
 
 from goat_jax import _extras
+from goat_jax.config.fields import RESUME_ADJUSTABLE, RESUME_SAFE
+from goat_jax.train import validation
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import orbax.checkpoint as ocp
     from etils import epath
 
 # Engine fields that may change between a run and its resumption without changing what is
-# computed: cadences, the device layout (the state is resharded on restore; load balancing of the
-# context axis reorders tokens, not results) and the batch split
-# over devices (the resolved global_batch_size is what is fingerprinted). A task adds its own
-# (``Task.resume_safe_fields``, e.g. kernels and rematerialization).
-RESUME_SAFE_FIELDS = frozenset({
-    "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
-    "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
-    "per_device_batch_size", "profile_steps", "wandb", "context_load_balance",
-})
-
-
-# Fields that may change on resume only when asked for (``--resume_with_changes``, i.e.
-# ``train_and_evaluate(..., resume_with_changes=True)``): they change the optimization from the
-# resumed step on, not the model or the data, so the restored state still fits. The change is
-# logged and appended to WORKDIR/config_changes.jsonl. This is how a run stopped by a
-# non-finite loss continues from its last finite checkpoint with a lower learning rate.
-RESUME_ADJUSTABLE_FIELDS = frozenset({
-    "num_train_steps", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.min_lr_ratio",
-    "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip",
-})
+# computed, and those that may change only when asked for (``--resume_with_changes``, i.e.
+# ``train_and_evaluate(..., resume_with_changes=True)``; the change is logged and appended to
+# WORKDIR/config_changes.jsonl): each engine field declares which, where it is declared
+# (``resume=`` in goat_jax/train/validation.py, whose comment says why each kind is safe). A task
+# adds its own safe fields (``Task.resume_safe_fields``, e.g. kernels and rematerialization).
+RESUME_SAFE_FIELDS = validation.resume_fields(RESUME_SAFE)
+RESUME_ADJUSTABLE_FIELDS = validation.resume_fields(RESUME_ADJUSTABLE)
 
 
 class IncompatibleCheckpointError(ValueError):

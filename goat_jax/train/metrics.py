@@ -20,25 +20,17 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from goat_jax import _extras, files
+from goat_jax.targets import chips
 from goat_jax.train import run as run_lib
-
-# Peak dense bfloat16 FLOP/s per JAX device, matched by substring of ``device.device_kind``
-# (vendor datasheets). First match wins, so more specific names come first.
-PEAK_FLOPS = (
-    ("v6 lite", 918e12), ("v6e", 918e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
-    ("v5", 459e12), ("v4", 275e12), ("v3", 61.5e12),  # v3: per core (one JAX device per core)
-    ("B200", 2250e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12),
-)
 
 
 def peak_flops_per_device(device_kind: str, override: Optional[float] = None) -> Optional[float]:
-    """Peak FLOP/s of one device: ``override`` if positive, else the table, else None."""
+    """Peak FLOP/s of one device: ``override`` if positive, else the chip table's dense bf16
+    peak (:func:`goat_jax.targets.chips.peak_flops_per_device`, matched by ``device_kind``),
+    else None."""
     if override:
         return float(override)
-    for key, flops in PEAK_FLOPS:
-        if key.lower() in device_kind.lower():
-            return flops
-    return None
+    return chips.peak_flops_per_device(device_kind)
 
 
 def _clean(value: Any) -> Any:

@@ -40,6 +40,7 @@ from flax import struct
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import optim
 from goat_jax.train import tasks as tasks_lib
+from goat_jax.train import validation
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -81,15 +82,16 @@ class TrainState:
     opt_state: Any
 
 
-# ``config.optimizer.decay_grouping`` meaning "the task's no_decay_names rule" (also when absent).
-DEFAULT_DECAY_GROUPING = "default"
+# ``config.optimizer.decay_grouping`` meaning "the task's no_decay_names rule": the schema's
+# default (goat_jax/train/validation.py), so also what a config without the field means.
+DEFAULT_DECAY_GROUPING = validation.ENGINE["optimizer"].default("decay_grouping")
 
 
 def make_optimizer(task: tasks_lib.Task, config: Any) -> Tuple[optax.GradientTransformation, optax.Schedule]:
     """``(tx, schedule)`` of ``config.optimizer`` over ``config.num_train_steps``, with the
     task's weight-decay exclusions, or the task's grouping named by the optional
     ``config.optimizer.decay_grouping``."""
-    grouping = config.optimizer.get("decay_grouping", DEFAULT_DECAY_GROUPING)
+    grouping = validation.ENGINE["optimizer"].value(config.optimizer, "decay_grouping")
     mask = None if grouping == DEFAULT_DECAY_GROUPING else task.decay_groupings[grouping]
     return optim.make_optimizer(config.optimizer, config.num_train_steps, task.no_decay_names,
                                 mask=mask)

@@ -36,7 +36,8 @@ The contract, in one place:
 ``resume_safe_fields``
     dotted config fields of the task's sections (``'data.read_threads'``, ``'model.remat'``)
     that may change between a run and its resumption without changing what is computed; the
-    engine's own are in :data:`goat_jax.train.checkpoint.RESUME_SAFE_FIELDS`.
+    engine's own are declared per field (``resume=`` in :data:`goat_jax.train.validation.ENGINE`)
+    and collected in :data:`goat_jax.train.checkpoint.RESUME_SAFE_FIELDS`.
 ``no_decay_names``
     parameter (or module) names whose leaves get no weight decay, besides every array with fewer
     than two dimensions (the rule is :func:`goat_jax.train.optim.decay_mask`).

@@ -86,7 +86,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     fields, mesh vs device count, batch divisibility, sequence length vs model limits).
     """
     task = tasks_lib.get_task(config.get("task"))
-    # Engine fields the config leaves out take their declared defaults (goat_jax/train/validation.py).
+    # Engine fields left out take the schema's defaults (train/validation.py): read below without fallbacks.
     config = validation.with_engine_defaults(config)
     engine = validation.ENGINE
     top_allowed = set(engine[""].specs) | set(validation.ENGINE_SECTIONS) | set(task.fields.top_level) | {"model", "data"}
@@ -100,8 +100,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     # Type and range of every field the engine and the task declare.
     check_config(config, validation.engine_specs())
     check_config(config, task.fields.specs(config))
-    profiling.check_profile_steps(config.get("profile_steps", ()), config.num_train_steps)
-    wandb_logger.check_config(config.get("wandb"))
+    profiling.check_profile_steps(config.profile_steps, config.num_train_steps)
+    wandb_logger.check_config(config.wandb)
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
@@ -127,7 +127,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     if global_batch % feeding:
         raise ValueError(f"{field}: global batch {global_batch} must be divisible by the "
                          f"{feeding} processes that feed distinct rows.")
-    grouping = config.optimizer.get("decay_grouping", run_lib.DEFAULT_DECAY_GROUPING)
+    grouping = config.optimizer.decay_grouping
     if grouping != run_lib.DEFAULT_DECAY_GROUPING and grouping not in task.decay_groupings:
         allowed = (run_lib.DEFAULT_DECAY_GROUPING, *sorted(task.decay_groupings))
         raise ValueError(f"optimizer.decay_grouping={grouping!r} is not a grouping of the "
@@ -385,7 +385,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     # A config written before a field existed (e.g. data.packing) gets the field's default.
     config = tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task))
     if jax.process_index() == 0:  # the process that logs: W&B online needs credentials, network
-        wandb_logger.preflight(config.get("wandb"))
+        wandb_logger.preflight(config.wandb)
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
     with lock_lib.hold(workdir, jax.process_index()):
@@ -499,8 +499,8 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     # Step s uses the s-th batch and the params after s - 1 updates; a checkpoint at s holds
     # the state after s updates and the iterator state after the s-th batch. Metrics are read
     # back one step late, so the host never waits for the device except at checkpoints.
-    wandb_run = wandb_logger.WandbLogger(config.get("wandb"), config_dict, workdir, primary=is_primary)
-    profiler = profiling.StepProfiler(config.get("profile_steps", ()), workdir, start_step)
+    wandb_run = wandb_logger.WandbLogger(config.wandb, config_dict, workdir, primary=is_primary)
+    profiler = profiling.StepProfiler(config.profile_steps, workdir, start_step)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=config.num_train_steps, initial_step=start_step,
                                        enabled=is_primary, progress_bar=config.progress_bar,
                                        sinks=[wandb_run.sink])

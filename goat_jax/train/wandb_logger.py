@@ -2,9 +2,10 @@
 
     --config.wandb.mode=online --config.wandb.project=goat --config.wandb.name=tiny_goat
 
-Fields (declared with the engine's, goat_jax/train/validation.py; a config leaves the section
-out for W&B off): ``project``, ``name`` (default: the workdir's name), ``entity`` (default: the
-user's default), ``mode`` ('disabled' | 'online' | 'offline'). When on, the primary process logs
+Fields (declared here, :data:`FIELDS`, a section of the engine's schema in
+goat_jax/train/validation.py; a config leaves the section out for W&B off): ``project``,
+``name`` (default: the workdir's name), ``entity`` (default: the user's default), ``mode``
+('disabled' | 'online' | 'offline'). When on, the primary process logs
 every row that ``metrics.jsonl`` gets (train and eval rows, at their step) and the resolved
 config. The W&B run id is stored in ``WORKDIR/wandb_run_id``, so a resumed training continues
 the same W&B run (``resume='allow'``); rows the resumed run logs again are ones W&B already
@@ -31,8 +32,18 @@ import urllib.request
 from typing import Any, Callable, Dict, Optional
 
 from goat_jax import _extras, files
+from goat_jax.config.fields import RESUME_SAFE, Section, Str
 
 MODES = ("disabled", "online", "offline")
+# The ``wandb`` section of every run's config, declared once (the engine's schema includes it:
+# goat_jax/train/validation.py); the code below reads its defaults from here.
+# Logging changes nothing computed: every field may change on resume.
+FIELDS = Section(
+    project=(None, Str(optional=True, resume=RESUME_SAFE, doc="W&B project; None: W&B's default")),
+    name=(None, Str(optional=True, resume=RESUME_SAFE, doc="run name; None: the workdir's name")),
+    entity=(None, Str(optional=True, resume=RESUME_SAFE, doc="user or team; None: the login's default")),
+    mode=("disabled", Str(choices=MODES, resume=RESUME_SAFE, doc="'disabled' = off")),
+)
 RUN_ID_FILE = "wandb_run_id"
 # How long :func:`preflight` waits for the W&B server to answer before refusing an online run.
 REACH_TIMEOUT_S = 5.0
@@ -48,7 +59,7 @@ def require() -> None:
 
 def enabled(wandb_config: Optional[Any]) -> bool:
     """Whether ``config.wandb`` asks for logging."""
-    return wandb_config is not None and wandb_config.get("mode", "disabled") != "disabled"
+    return wandb_config is not None and FIELDS.value(wandb_config, "mode") != "disabled"
 
 
 def check_config(wandb_config: Optional[Any]) -> None:
@@ -179,8 +190,8 @@ class WandbLogger:
         os.makedirs(directory, exist_ok=True)
         try:
             self.run = wandb.init(
-                project=wandb_config.get("project"), entity=wandb_config.get("entity"),
-                name=wandb_config.get("name") or os.path.basename(os.path.normpath(workdir)),
+                project=FIELDS.value(wandb_config, "project"), entity=FIELDS.value(wandb_config, "entity"),
+                name=FIELDS.value(wandb_config, "name") or os.path.basename(os.path.normpath(workdir)),
                 mode=wandb_config.mode, id=run_id, resume="allow", dir=directory,
                 config=config_dict)
         except wandb.errors.Error as e:  # UsageError, CommError, AuthenticationError
