@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from goat_jax import flash as flash_lib  # noqa: E402
+from goat_jax.kernels import flash as flash_lib  # noqa: E402
 from goat_jax import kernels  # noqa: E402
 from goat_jax.benchmarking import Variant, jax_variant, measure  # noqa: E402
 

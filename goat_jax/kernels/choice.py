@@ -28,6 +28,7 @@ import jax
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels.balance import is_balanced
+from goat_jax.targets import chips
 
 FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
 PREFERRED = {"gpu": ("cudnn",), "tpu": ("splash",)}  # tried first, in order, on each platform
@@ -69,24 +70,15 @@ def _normal(platform: str) -> str:
     return "gpu" if platform in _GPU_PLATFORMS else platform
 
 
-# GPU compute capability by device kind, for devices that do not report one (the abstract
-# devices of a compile-only GPU target, goat_jax/aot.py); a real GPU reports its own.
-GPU_COMPUTE_CAPABILITY = {"GB200": (10, 0), "B200": (10, 0), "B100": (10, 0), "GH200": (9, 0), "H200": (9, 0),
-                          "H100": (9, 0), "H800": (9, 0), "L40": (8, 9), "L4": (8, 9), "A100": (8, 0),
-                          "A800": (8, 0), "A10": (8, 6), "V100": (7, 0), "T4": (7, 5)}
-
-
 def compute_capability(device: Any) -> Optional[Tuple[int, int]]:
-    """A GPU device's compute capability (major, minor): its own report, else read off its
-    device kind (:data:`GPU_COMPUTE_CAPABILITY`, longest name first); None when unknown."""
+    """A GPU device's compute capability (major, minor): its own report, else its chip's row
+    (:func:`goat_jax.targets.chips.chip_for`, e.g. the abstract devices of a compile-only GPU
+    target, goat_jax/aot/); None when unknown."""
     own = getattr(device, "compute_capability", None)
     if isinstance(own, str) and "." in own:
         return tuple(int(x) for x in own.split(".")[:2])  # type: ignore[return-value]
-    kind = str(getattr(device, "device_kind", ""))
-    for name in sorted(GPU_COMPUTE_CAPABILITY, key=len, reverse=True):
-        if name in kind:
-            return GPU_COMPUTE_CAPABILITY[name]
-    return None
+    chip = chips.chip_for(str(getattr(device, "device_kind", "")))
+    return None if chip is None else chip.compute_capability
 
 
 def _array_target(x: Any) -> Optional[Tuple[str, str, Any]]:

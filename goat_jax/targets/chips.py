@@ -74,11 +74,14 @@ CHIPS = {
     "v3": Chip("v3", "TPU v3", 123e12, 32 << 30, 900e9, "TensorCores", 2,
                "https://cloud.google.com/tpu/docs/v3", matches=("v3",), devices_per_chip=2),
     "b200": Chip("b200", "NVIDIA B200", 2250e12, None, None, "GPUs", 0,
-                 "NVIDIA datasheet: 2,250 TFLOP/s dense BF16", platform="cuda", matches=("B200",)),
+                 "NVIDIA datasheet: 2,250 TFLOP/s dense BF16", platform="cuda", compute_capability=(10, 0),
+                 matches=("B200",)),
     "a100": Chip("a100", "NVIDIA A100", 312e12, None, None, "GPUs", 0,
-                 "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16", platform="cuda", matches=("A100",)),
+                 "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16", platform="cuda", compute_capability=(8, 0),
+                 matches=("A100",)),
     "l4": Chip("l4", "NVIDIA L4", 121e12, None, None, "GPUs", 0,
-               "NVIDIA L4 datasheet: 121 TFLOP/s dense BF16", platform="cuda", matches=("L4",)),
+               "NVIDIA L4 datasheet: 121 TFLOP/s dense BF16", platform="cuda", compute_capability=(8, 9),
+               matches=("L4",)),
 }
 
 
