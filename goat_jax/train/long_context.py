@@ -11,13 +11,14 @@ from typing import Any, Callable, Optional
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.balance import BALANCE_FIELD, balanced_step, check_length
 from goat_jax.kernels.mesh import CONTEXT_AXIS
+from goat_jax.train import validation
 
 
 def balanced_if_asked(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[..., Any]:
     """:func:`goat_jax.kernels.balance.balanced_step` of ``step`` when the run's ``config`` asks
     for load balancing and ``mesh`` has a ``context`` axis of more than one device; else ``step``."""
     num_shards = dict(mesh.shape).get(CONTEXT_AXIS, 1)
-    if num_shards <= 1 or not bool(config.get(BALANCE_FIELD, False)):
+    if num_shards <= 1 or not bool(validation.ENGINE[""].value(config, BALANCE_FIELD)):
         return step
     return balanced_step(step, int(config.seq_len), num_shards)
 
@@ -37,7 +38,7 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
                 row, caps.Request(platform, "the devices this run uses", "float32", 0)))
     if num_shards <= 1:
         return  # one shard: nothing is split, and the balanced order is the identity
-    balanced = bool(config.get(BALANCE_FIELD, False))
+    balanced = bool(validation.ENGINE[""].value(config, BALANCE_FIELD))
     if "seq_len" not in config:
         raise ValueError(
             f"mesh.context={num_shards} splits each sequence over devices, but the {task_name!r} task "
