@@ -76,8 +76,9 @@ def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.001  # ~0.1% of row groups held out (by content hash)
     c.data.text_key = "text"  # FineWeb text column
     # Our choice (no official FineWeb script exists): whole pages packed with segment ids, since
-    # most pages are shorter than the 2048-token context (docs/packing.md, Which to use). The
-    # automatic kernel is then 'flash' on GPU: cuDNN's fused attention cannot take segment ids.
+    # most pages are shorter than the 2048-token context (docs/packing.md, Which to use). On
+    # H100/H200 the automatic kernel runs them on cuDNN's packed layout (goat_jax/kernels/
+    # cudnn_packed.py; benchmarks/aot.md); older GPUs run 'flash'; TPUs splash.
     c.data.packing = "documents"  # our choice (above); "concat" is the alternative
     c.data.tokenizer = "sentencepiece"  # see the module docstring
     c.data.spm_model_path = "runs/tokenizers/fineweb_128k.model"  # trained here on first use
