@@ -33,9 +33,32 @@ from goat_jax.kernels.capabilities import CAPABILITIES
 Array = jax.Array
 
 BALANCE_FIELD = "context_load_balance"  # the config field (top level) that turns balancing on
+STRATEGY_FIELD = "context_strategy"  # the config field (top level): how attention crosses the shards
+STRATEGIES = ("all_gather", "ring")  # goat_jax/kernels/context.py, goat_jax/kernels/ring.py
 _SPLASH = ("splash", "splash_interpret")  # the kernels with static masks and whole-block chunks
 
 _balanced: contextvars.ContextVar = contextvars.ContextVar("goat_jax_context_balanced", default=False)
+_strategy: contextvars.ContextVar = contextvars.ContextVar("goat_jax_context_strategy", default="all_gather")
+
+
+@contextlib.contextmanager
+def context_strategy(name: str) -> Iterator[None]:
+    """While tracing inside the ``with``, attention under context parallelism crosses the
+    shards with strategy ``name``: 'all_gather' (every device gathers all keys and values,
+    :mod:`goat_jax.kernels.context`) or 'ring' (keys and values pass around the ring,
+    :mod:`goat_jax.kernels.ring`). The engine enters it from ``config.context_strategy``."""
+    if name not in STRATEGIES:
+        raise ValueError(f"{STRATEGY_FIELD}={name!r} is not a strategy; choose one of {STRATEGIES}.")
+    token = _strategy.set(name)
+    try:
+        yield
+    finally:
+        _strategy.reset(token)
+
+
+def current_strategy() -> str:
+    """The strategy of the innermost :func:`context_strategy` ('all_gather' outside any)."""
+    return _strategy.get()
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import jax
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels.balance import is_balanced
+from goat_jax.kernels.balance import current_strategy, is_balanced
 from goat_jax.targets import chips
 
 FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
@@ -210,8 +210,10 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
     Raises:
       ValueError naming the reason when an explicit choice cannot run.
     """
+    mesh_in = mesh_lib.ambient_mesh() if mesh is None else mesh
+    ring = mesh_lib.context_shards(mesh_in) > 1 and current_strategy() == "ring"
     req = request(dtype, qk_dim, like=like, mesh=mesh, segment_ids=segments, ragged_segments=ragged_segments,
-                  bias=bias, traced_offset=decoding)
+                  bias=bias, traced_offset=decoding, ring=ring)
     if implementation is None or implementation == "auto":
         choice, why = _automatic(req, logits_shape, mesh_lib.ambient_mesh() if mesh is None else mesh)
         log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")

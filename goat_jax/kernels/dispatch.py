@@ -15,7 +15,8 @@ from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import context as context_lib
 from goat_jax.kernels import cudnn, dense, flash, splash, xla
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels.balance import is_balanced
+from goat_jax.kernels import ring
+from goat_jax.kernels.balance import current_strategy, is_balanced
 from goat_jax.kernels import choice
 from goat_jax.kernels.mask import AttentionMask, ambient_window
 
@@ -121,19 +122,23 @@ def attend(
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     if implementation not in caps.CAPABILITIES:
         raise ValueError(f"Unknown implementation={implementation!r}; choose one of {caps.IMPLEMENTATIONS}.")
+    shards = mesh_lib.context_shards(mesh)
+    ring_on = shards > 1 and current_strategy() == "ring"
     request = choice.request(q.dtype, q.shape[-1], like=(q,), mesh=mesh, segment_ids=mask.segments is not None,
                              ragged_segments=mask.ragged_segments, bias=bias is not None,
                              traced_offset=not mask.static_offset, window=mask.window is not None,
-                             return_probs=return_probs)
+                             return_probs=return_probs, ring=ring_on)
     refusal = caps.refusal(implementation, request)
     if refusal is not None:
         raise ValueError(refusal)
-    shards = mesh_lib.context_shards(mesh)
     if shards > 1:  # the sequence is split over the mesh's context axis
         if return_probs:
             raise ValueError(
                 f"return_probs materializes the T x S probabilities, which mesh.context={shards} does "
                 "not shard; read them with mesh.context=1.")
+        if ring_on:
+            return ring.attend(q, k, v, mask=mask, bias=bias, mesh=mesh, balanced=is_balanced(),
+                               implementation=implementation, scale=scale)
 
         def local(q_, k_, v_, mask_, bias_):
             return attend_local(q_, k_, v_, mask_, bias_, implementation=implementation, scale=scale)

@@ -71,6 +71,7 @@ class _Config(NamedTuple):
     bwd_bq: int
     bwd_bk: int
     precision: Any
+    keep_f32: bool = False  # return the output and gradients in float32 (ring attention sums them)
 
 
 def _block(length: int, requested: int) -> int:
@@ -222,7 +223,7 @@ def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array],
         seen = l > 0  # False: every key of the row is masked -> zero output, zero gradient
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        return None, (out.astype(v.dtype), lse)
+        return None, (out.astype(jnp.float32 if cfg.keep_f32 else v.dtype), lse)
 
     _, (out, lse) = lax.scan(one_query_block, None, (q_blocks, jnp.arange(nq)))
     out = jnp.moveaxis(out, 0, 3).reshape(b, kh, g, tp, hv)
@@ -275,13 +276,15 @@ def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do, seg=None):
             full = jnp.clip(full, first, jnp.maximum(first, last))
         carry = lax.fori_loop(first, full, functools.partial(step, cfg.is_causal), init)
         dk, dv, dq = lax.fori_loop(full, last, functools.partial(step, False), carry)
+        if cfg.keep_f32:
+            return dq, (dk, dv)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq0 = jnp.zeros((b, kh, g, tp, hqk), jnp.float32)
     dq, (dk, dv) = lax.scan(one_key_block, dq0, (k_blocks, v_blocks, jnp.arange(nk)))
     dk = jnp.moveaxis(dk, 0, 2).reshape(b, kh, sp, hqk)
     dv = jnp.moveaxis(dv, 0, 2).reshape(b, kh, sp, hv)
-    return dq.astype(q.dtype), dk, dv
+    return (dq if cfg.keep_f32 else dq.astype(q.dtype)), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -301,6 +304,13 @@ def _flash_bwd(cfg, res, do):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+# The block-level pieces ring attention (goat_jax/kernels/ring.py) runs on each pair of query
+# and key blocks: the online-softmax forward with its log-sum-exp, and the recomputing backward.
+Config = _Config
+block_forward = _forward
+block_backward = _backward
+block_segments = _segments
 
 
 def _pad_to(x: Array, length: int, axis: int) -> Array:
