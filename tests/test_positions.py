@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from goat_jax import prior as prior_lib
-from goat_jax.positional import (PositionalAttention, apply_rope, apply_rope_2d, rope_frequencies,
+from goat_jax.positional import (PositionalAttention, apply_rope, apply_rope_2d,
                                  sinusoidal_embedding)
 from goat_jax.positional.rope_mixed import apply_rope_mixed
 from goat_jax.positional.rope_scaling import ntk_frequencies, yarn_frequencies
@@ -29,6 +29,11 @@ F32_TOL = 5e-7  # float32 round-off of an angle below pi (~2 ulp), then of cos/s
 # Features and rotations of magnitude <= 1 (relative to the largest): float32 round-off of a few
 # products, or the bf16 rounding of the result (2**-8 relative), at every position.
 TOL = {"float32": 2 * F32_TOL, "bfloat16": 2.0 ** -8 + 2 * F32_TOL}
+
+
+def _ladder(rank, base):
+    """GOAT's geometric ladder in float64, written out (not goat_jax's, which is under test)."""
+    return base ** (-np.arange(rank, dtype=np.float64) / max(rank - 1, 1))
 
 
 def _pos(start, n=WINDOW):
@@ -69,7 +74,7 @@ def test_goat_channels_are_exact_at_any_position(dtype, learned, rng):
         params["pos_freqs"] = jnp.asarray(w, jnp.float32)
         w = np.asarray(params["pos_freqs"], np.float64)  # the float32 parameter is the truth
     else:
-        w = np.broadcast_to(prior_lib.frequencies(r, 1e4), (k, r))
+        w = np.broadcast_to(_ladder(r, 1e4), (k, r))
     a, b = (np.repeat(np.asarray(params[n], np.float64), 2, axis=0) for n in ("lambda_sym", "lambda_asym"))
     w_q = np.repeat(w, 2, axis=0)  # [N, R]
     run = jax.jit(lambda prm, pos: (prior_lib.query_features(spec, prm, pos)[0],
@@ -90,7 +95,7 @@ def test_goat_channels_are_exact_at_any_position(dtype, learned, rng):
 
 def test_goat_2d_channels_are_exact_at_large_grid_offsets():
     """2D (row, col) features, row and column frequencies from one ladder, offsets up to 2**24."""
-    freqs = prior_lib.frequencies(5, 100.0)
+    freqs = _ladder(5, 100.0)
     errors = {}
     for start in STARTS:
         rows, cols = np.meshgrid(np.arange(8) + start, np.arange(8) + start // 3, indexing="ij")
@@ -98,7 +103,7 @@ def test_goat_2d_channels_are_exact_at_large_grid_offsets():
         pos = prior_lib.Positions(index=jnp.arange(64, dtype=jnp.float32), coords=jnp.asarray(c, jnp.float32))
         ph = np.concatenate([c[:, :1] * freqs[:3], c[:, 1:] * freqs[3:]], -1)
         want = np.concatenate([np.cos(ph), np.sin(ph)], -1)
-        errors[start] = np.abs(_f64(prior_lib.fourier_features(pos, freqs)) - want).max()
+        errors[start] = np.abs(_f64(prior_lib.fourier_features(pos, prior_lib.frequencies(5, 100.0))) - want).max()
     _assert_flat(errors, F32_TOL)
 
 
@@ -114,7 +119,7 @@ def test_sink_inputs_and_sink_are_float32_accurate_at_any_position(rng):
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, 0.5, x.shape), jnp.float32), params)
     p64 = ref.unboxed({"params": params})
     cfg = dict(num_heads=2, kv_num_heads=2, pos_rank=2, abs_rank=4, training_seq_len=2048)
-    wa = prior_lib.frequencies(4, 1e4)
+    wa = _ladder(4, 1e4)
     feat_err, extra_err, sink_err = {}, {}, {}
     for start in STARTS:
         pos, p = _pos(start)
@@ -184,7 +189,7 @@ def test_rope_2d_mixed_and_sinusoidal_are_exact_at_any_position(rng):
     f_mixed = jnp.asarray(rng.normal(0, 0.5, (2, H // 2, 2)), jnp.float32)
     fm = np.asarray(f_mixed, np.float64)
     mixed = jax.jit(apply_rope_mixed)
-    theta2 = rope_frequencies(H // 2, 100.0)
+    theta2 = 100.0 ** (-np.arange(0, H // 2, 2, dtype=np.float64) / (H // 2))
     errors = {}
     for start in STARTS:
         c = np.stack([np.arange(WINDOW) + start, np.arange(WINDOW)[::-1] + start // 7], -1).astype(np.float64)
@@ -197,7 +202,7 @@ def test_rope_2d_mixed_and_sinusoidal_are_exact_at_any_position(rng):
                   for i in (0, 1)]
         err_mixed = np.abs(_f64(mixed(x, cj, f_mixed)) - np.concatenate(halves, -1)).max()
         p = c[:, 0]
-        ph = p[:, None] * rope_frequencies(H, 1e4)
+        ph = p[:, None] * THETA
         want = np.stack([np.sin(ph), np.cos(ph)], -1).reshape(WINDOW, H)
         err_sin = np.abs(_f64(sinusoidal_embedding(jnp.asarray(p, jnp.float32), H)) - want).max()
         errors[start] = max(err_2d / np.abs(x64).max(), err_mixed / np.abs(x64).max(), err_sin)
