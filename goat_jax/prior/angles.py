@@ -12,16 +12,16 @@ The method: an exact integer phase per frequency (not tables and angle addition)
 is only needed modulo 2 pi, i.e. the number of turns ``p * f`` (``f = w / (2 pi)``) modulo 1.
 ``f`` is held as a 60-bit binary fraction in five 12-bit limbs ``L_1 .. L_5`` (int32), the
 integer position as two 12-bit limbs ``p = P_0 + 2**12 P_1`` (``|p| < 2**24``). Every product
-``L_i P_j`` is below 2**28, exact in int32, and a product whose weight is an integer power of 2
-(``L_1 P_1``) drops out modulo one turn. The rest is summed as a 32-bit fixed-point fraction of a
+``L_i P_j`` is below 2**28, exact in int32, and the product whose weight is a whole turn
+(``L_1 P_1``, weight ``2**-12 2**12``) drops out. The rest is summed as a 32-bit fixed-point fraction of a
 turn, with wrap-around int32 addition doing the "modulo 1" for free::
 
     turns * 2**32 = (L_1 P_0 + L_2 P_1) << 20 + (L_2 P_0 + L_3 P_1) << 8
                     + (L_3 P_0 + L_4 P_1) >> 4 + (L_4 P_0 + L_5 P_1) >> 16       (mod 2**32)
 
 The signed result is turned into an angle in [-pi, pi) by one float32 product. The error is
-float32 round-off of an angle below pi (~2e-7 rad at most) plus 2**-31 turns from the dropped
-bits, whatever the position: the same at 16M as at 1,000.
+float32 round-off of an angle below pi (at most ~3e-7 rad, measured 2.9e-7) plus 2**-31 turns
+from the dropped bits, whatever the position: the same at 16M as at 1,000.
 
 Why this and not float64 tables combined by angle addition (``p = hi 2**k + lo``): tables need
 one row per value of ``hi`` and ``lo`` and frequency (megabytes of constants in the program for
@@ -35,8 +35,8 @@ alike. What differs is only how ``f``'s limbs are made:
   ``1 / (2 pi)``. So float64 frequencies are honoured to float64 precision; a frequency given as
   a JAX array is taken as the float32 value it is.
 * traced frequencies (GOAT's ``learn_frequencies``, RoPE-Mixed's learned thetas; float32): ``w``
-  is cut into two 12-bit halves (bit masks, no rounding) and ``1 / (2 pi)`` into five 12-bit
-  float32 pieces, so each of the ten products is exact in float32; each product's fraction of a
+  is cut into two 12-bit halves (bit masks, no rounding) and ``1 / (2 pi)`` into six 12-bit
+  float32 pieces, so each of the twelve products is exact in float32; each product's fraction of a
   turn is peeled into 12-bit limbs by exact float32 steps (multiply by 4096, floor, subtract).
   The limbs are those of ``w32 / (2 pi)`` to 2**-60: exact for the float32 parameter. Gradients
   with respect to ``w`` (and ``p``) are ``p dw + w dp`` by a custom JVP, since the integer path
