@@ -54,7 +54,7 @@ from goat_jax.prior.sink_term import (alibi_slopes, inverse_softplus, sink, sink
                                       sink_mlp_values)
 
 __all__ = [
-    "MAX_POSITION", "PRIOR_GATES", "angles", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes",
+    "MAX_POSITION", "PRIOR_GATES", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes", "angles",
     "check_grid", "concrete_range", "fourier_features", "frequencies", "inverse_softplus", "kappa",
     "key_features", "log_prior", "positions_1d", "positions_2d", "query_features", "query_gate", "relative_frequencies",
     "real_dtype", "sink", "sink_mlp", "sink_mlp_inputs", "sink_mlp_values", "validate_positions",
