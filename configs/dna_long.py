@@ -15,8 +15,9 @@ so the source is always a FASTA: hg38 with its ``.fai``, or any FASTA with
 ``--config.data.paths=... --config.data.train_records=... --config.data.valid_records=...``).
 What long context changes, and why:
 
-* ``seq_len`` 131,072 bases, the engine's ceiling (``MAX_POSITION = 2**17``,
-  goat_jax/prior/positions.py); ``model.training_seq_len`` follows it (GOAT's sink normalization
+* ``seq_len`` 131,072 bases, the engine's ceiling when this config was made (``MAX_POSITION``
+  was 2**17; it is 2**24 since the phases became exact, goat_jax/prior/positions.py);
+  ``model.training_seq_len`` follows it (GOAT's sink normalization
   and RoPE's PI scale are the training length), ``model.max_len`` too (the tables of 'learned' /
   'naive_prior' must hold the window).
 * the sequence is split over the devices: ``mesh.context=-1`` (all devices), ``mesh.data=1``;

@@ -50,10 +50,10 @@ def _one_line_error(proc):
     (["--config.model.fox_gate_bias_int=1.0"], "configs/lm_tiny.py:fox,smoke",
      "error: --config.model.fox_gate_bias_int: the config has no field 'fox_gate_bias_int' "
      "(Did you mean \"fox_gate_bias_init\""),
-    # Was "q_positions: offset 0 + 200000 tokens reaches past MAX_POSITION" from the model's init.
-    (["--config.seq_len=200000", "--config.model.max_len=200000"], "configs/lm_tiny.py:goat,smoke",
-     "error: seq_len=200000 is out of range: allowed is an integer >= 1 and <= 131072 (training "
-     "context; positions must stay below MAX_POSITION=131072, goat_jax/prior/positions.py"),
+    # Was "q_positions: offset 0 + 20000000 tokens reaches past MAX_POSITION" from the model's init.
+    (["--config.seq_len=20000000", "--config.model.max_len=20000000"], "configs/lm_tiny.py:goat,smoke",
+     "error: seq_len=20000000 is out of range: allowed is an integer >= 1 and <= 16777216 (training "
+     "context; positions must stay below MAX_POSITION=16777216 (2**24), goat_jax/prior/positions.py"),
 ], ids=["optimizer", "toy_data", "config_token", "data_file", "field_typo", "seq_len_max_position"])
 def test_train_errors_are_one_line_and_leave_no_workdir(tmp_path, overrides, config, expected):
     workdir = tmp_path / "run"

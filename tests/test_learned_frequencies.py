@@ -53,7 +53,8 @@ def test_starts_at_the_ladder_and_equals_the_fixed_prior(rng):
     v_off = flax.core.meta.unbox(jax.jit(off.init)(jax.random.key(0), x))
     assert "pos_freqs" not in v_off["params"]["prior"]  # off: no parameter at all
     freqs = np.asarray(v_on["params"]["prior"].pop("pos_freqs"))
-    np.testing.assert_array_equal(freqs, np.broadcast_to(np.asarray(frequencies(4, 1e4)), (2, 4)))
+    # The ladder is float64 (the fixed prior's exact phases use it so); the parameter is float32.
+    np.testing.assert_array_equal(freqs, np.broadcast_to(np.asarray(frequencies(4, 1e4), np.float32), (2, 4)))
     assert jax.tree_util.tree_all(jax.tree.map(lambda a, b: bool((a == b).all()), v_on, v_off))
     v_on["params"]["prior"]["pos_freqs"] = jnp.asarray(freqs)
     run = lambda m, v: np.asarray(jax.jit(lambda v, x: m.apply(v, x, is_causal=True))(v, x))

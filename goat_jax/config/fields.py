@@ -99,10 +99,12 @@ class Field:
             text = f"one of {list(self.choices)}"
         elif self.kind in ("int", "float"):
             bounds = []
+            # Integer bounds in full: ':g' would print MAX_POSITION = 2**24 as 1.67772e+07.
+            num = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")
             if self.min is not None:
-                bounds.append(f"{'>=' if self.min_inclusive else '>'} {self.min:g}")
+                bounds.append(f"{'>=' if self.min_inclusive else '>'} {num(self.min)}")
             if self.max is not None and self.max != FLOAT32_MAX:
-                bounds.append(f"{'<=' if self.max_inclusive else '<'} {self.max:g}")
+                bounds.append(f"{'<=' if self.max_inclusive else '<'} {num(self.max)}")
             text = ("an integer" if self.kind == "int" else "a number finite in float32") + (
                 " " + " and ".join(bounds) if bounds else "")
             if self.also:

@@ -17,6 +17,7 @@ from goat_jax import layers
 from goat_jax import prior as prior_lib
 from goat_jax.positional.base import check_max_len
 from goat_jax.positional.rope import rope_frequencies
+from goat_jax.prior import angles
 
 Array = jax.Array
 Dtype = Any
@@ -29,9 +30,10 @@ def sinusoidal_embedding(positions: Array, dim: int, base: float = 10_000.0) -> 
     Args:
       positions: [...] integer or float positions.
     Returns:
-      [..., dim] float32, added to the token embeddings (attention then uses 'nope').
+      [..., dim] float32, added to the token embeddings (attention then uses 'nope'). The angles
+      are exact integer phases (:mod:`goat_jax.prior.angles`), as RoPE's.
     """
-    angle = jnp.asarray(positions, jnp.float32)[..., None] * rope_frequencies(dim, base)  # [..., dim/2]
+    angle = angles.angles(jnp.asarray(positions), rope_frequencies(dim, base))  # [..., dim/2]
     return jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(angle.shape[:-1] + (dim,))
 
 

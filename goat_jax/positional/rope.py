@@ -3,6 +3,8 @@ position interpolation (Chen et al. 2023) and axial 2D RoPE for patch grids (Heo
 
 Each rotates q and k by their positions so that ``q . k`` depends on positions only through
 their difference; no bias, so every kernel runs them, and the KV cache stores rotated keys.
+The angles are exact integer phases (:mod:`goat_jax.prior.angles`): as accurate at position 16M
+as at 1,000. Frequencies are float64 NumPy ladders, honoured in float64.
 
 Shape legend: B batch, L/T/S tokens, N heads, H head dim.
 """
@@ -19,18 +21,19 @@ import numpy as np
 
 from goat_jax import prior as prior_lib
 from goat_jax import segments
+from goat_jax.prior import angles
 from goat_jax.config.fields import Float, borrow, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 
 Array = jax.Array
 
 
-def rope_frequencies(dim: int, base: float = 10_000.0) -> Array:
-    """RoPE inverse frequencies ``theta_i = base ** (-2 i / dim)``, i = 0..dim/2-1; [dim/2] f32."""
+def rope_frequencies(dim: int, base: float = 10_000.0) -> np.ndarray:
+    """RoPE inverse frequencies ``theta_i = base ** (-2 i / dim)``, i = 0..dim/2-1; [dim/2] float64
+    NumPy (static, so the exact angles use them in float64, not rounded to float32)."""
     if dim < 2 or dim % 2:
         raise ValueError(f"RoPE needs an even head dim >= 2, got {dim}.")
-    # float64 on the host, so the lowest frequencies are correctly rounded once.
-    return jnp.asarray(base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
+    return base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
 def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float = 1.0,
@@ -42,22 +45,36 @@ def apply_rope(x: Array, positions: Array, base: float = 10_000.0, scale: float 
     apply_rope(k, p_j)`` depends on the positions only through ``p_i - p_j``. ``scale > 1`` is
     position interpolation (positions divided by ``scale``).
 
+    Angles come from :func:`goat_jax.prior.angles.angles` (exact for integer positions). A
+    Python-number ``scale`` is folded into the frequencies, ``p * (theta_i / scale)`` with
+    ``theta_i / scale`` in float64: the same angle, exact at any position (a non-integer
+    ``p / scale`` would carry float32 rounding ``|p / scale| 2**-24``). An array ``scale`` (per
+    token) divides the positions in float32 (``goat_jax/prior/angles.py`` bounds that case).
+
     Args:
       x: [B, T, N, H].
       positions: [T] or [B, T] (integer or float) positions.
       scale: a float, or an array broadcasting to ``positions`` (per-token factors, e.g. one per
         packed document).
       frequencies: None for :func:`rope_frequencies` of ``base``, or [H/2] inverse
-        frequencies to use instead (the rescaled ladders of 'yarn' / 'ntk', ``rope_scaling.py``).
+        frequencies to use instead (the rescaled ladders of 'yarn' / 'ntk', ``rope_scaling.py``;
+        NumPy float64 is used as is, a JAX array as its float32 value).
     Returns:
       [B, T, N, H] in ``x``'s dtype; the rotation is computed in float32 (angles reach
       ``p * theta_0 = p`` radians, too coarse in bfloat16).
     """
     h = x.shape[-1]
-    freqs = rope_frequencies(h, base) if frequencies is None else jnp.asarray(frequencies, jnp.float32)
-    if freqs.shape != (h // 2,):
-        raise ValueError(f"frequencies must be [head_dim / 2] = [{h // 2}], got {freqs.shape}.")
-    angle = (jnp.asarray(positions, jnp.float32) / scale)[..., None] * freqs
+    freqs = rope_frequencies(h, base) if frequencies is None else frequencies
+    if not isinstance(freqs, jax.Array):
+        freqs = np.asarray(freqs, np.float64)
+    if tuple(freqs.shape) != (h // 2,):
+        raise ValueError(f"frequencies must be [head_dim / 2] = [{h // 2}], got {tuple(freqs.shape)}.")
+    positions = jnp.asarray(positions)
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        freqs = freqs / scale  # exactly p / scale * theta in real numbers; float64 if static
+    else:
+        positions = positions.astype(jnp.float32) / scale
+    angle = angles.angles(positions, freqs)  # [(B,) T, H/2]
     cos = jnp.cos(angle)[..., None, :]  # [(B,) T, 1, H/2]
     sin = jnp.sin(angle)[..., None, :]
     xf = x.astype(jnp.float32)

@@ -33,6 +33,7 @@ from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Float, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 from goat_jax.positional.rope import rope_frequencies
+from goat_jax.prior import angles
 
 Array = jax.Array
 
@@ -79,7 +80,9 @@ def apply_rope_mixed(x: Array, coords: Array, freqs: Array) -> Array:
       coords: [L, 2] (row, col) positions; a CLS token at (0, 0) is not rotated.
       freqs: [K, H/2, 2] (row, col) frequencies per pair.
     Returns:
-      [B, L, N, H] in ``x``'s dtype; angles and the rotation are computed in float32.
+      [B, L, N, H] in ``x``'s dtype; angles and the rotation are computed in float32, the angle
+      ``row F_row + col F_col`` as one exact integer phase (:func:`goat_jax.prior.angles.summed_angles`;
+      differentiable in ``freqs``).
     """
     b, l, n, h = x.shape
     _check_head_dim(h)
@@ -88,8 +91,8 @@ def apply_rope_mixed(x: Array, coords: Array, freqs: Array) -> Array:
         raise ValueError(f"rope_mixed frequencies have shape {freqs.shape}; a [B, L, {n}, {h}] input "
                          f"needs [K, {h // 2}, 2] with K dividing {n}.")
     f = jnp.repeat(freqs.astype(jnp.float32), n // k, axis=0)  # [N, H/2, 2]
-    angle = jnp.einsum("lc,npc->lnp", jnp.asarray(coords, jnp.float32), f,
-                       precision=jax.lax.Precision.HIGHEST)  # [L, N, H/2]
+    coords = jnp.asarray(coords, jnp.float32)
+    angle = angles.summed_angles([(coords[:, 0], f[..., 0]), (coords[:, 1], f[..., 1])])  # [L, N, H/2]
     angle = angle.reshape(l, n, 2, h // 4)  # (half, pair within the half)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     xf = x.astype(jnp.float32).reshape(b, l, n, 2, 2, h // 4)  # (half, part, pair)

@@ -25,8 +25,9 @@ One module per idea; every name is re-exported here, so ``from goat_jax import p
 ``settings``       :class:`PriorSettings` (the hyper-parameters, declared once) and
                    :class:`PriorSpec` (plus a layer's head counts)
 ``positions``      :class:`Positions` (1D, or a 2D grid with CLS), validation against
-                   ``MAX_POSITION`` (the measurement behind the bound is in its docstring),
-                   ``real_dtype``
+                   ``MAX_POSITION = 2**24`` (why that bound: its docstring), ``real_dtype``
+``angles``         exact rotation angles ``w * p`` at any position (integer phases; also used
+                   by RoPE and its variants), why this method: its docstring
 ``fourier``        frequencies, Fourier features, ``kappa`` (the relative prior)
 ``sink_term``      ``u(j)``: the sink MLP, its linear extrapolation, bump and recency slope (ALiBi
                    slopes seed it)
@@ -35,13 +36,15 @@ One module per idea; every name is re-exported here, so ``from goat_jax import p
                    sink into channels (``split_exact``), also used by the packed baselines
 =================  =============================================================================
 
-Imports run one way: settings, positions -> fourier -> sink_term -> features; positions -> packing.
+Imports run one way: settings, positions, angles -> fourier -> sink_term -> features; positions ->
+packing.
 
 Shape legend used in docstrings:
   B batch, T query length, S key length, N query heads, K key/value heads, G = N // K,
   R relative rank (``pos_rank``), M absolute rank (``abs_rank``).
 """
 
+from goat_jax.prior import angles
 from goat_jax.prior.features import key_features, log_prior, query_features, query_gate, relative_frequencies
 from goat_jax.prior.fourier import fourier_features, frequencies, kappa
 from goat_jax.prior.positions import (MAX_POSITION, Positions, check_grid, concrete_range, positions_1d,
@@ -51,7 +54,7 @@ from goat_jax.prior.sink_term import (alibi_slopes, inverse_softplus, sink, sink
                                       sink_mlp_values)
 
 __all__ = [
-    "MAX_POSITION", "PRIOR_GATES", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes",
+    "MAX_POSITION", "PRIOR_GATES", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes", "angles",
     "check_grid", "concrete_range", "fourier_features", "frequencies", "inverse_softplus", "kappa",
     "key_features", "log_prior", "positions_1d", "positions_2d", "query_features", "query_gate", "relative_frequencies",
     "real_dtype", "sink", "sink_mlp", "sink_mlp_inputs", "sink_mlp_values", "validate_positions",

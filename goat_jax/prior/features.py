@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from goat_jax.prior import fourier, sink_term
 from goat_jax.prior.positions import Positions, real_dtype
@@ -31,8 +32,9 @@ def _per_query_head(x: Array, spec: PriorSpec) -> Array:
 
 
 def relative_frequencies(spec: PriorSpec, params: Params) -> Array:
-    """The relative prior's frequencies: the fixed ladder [R] (``fourier.frequencies``), or the
-    learned ``pos_freqs`` [K, R] (per KV head) when ``spec.learn_frequencies``; float32."""
+    """The relative prior's frequencies: the fixed ladder [R] (``fourier.frequencies``, float64
+    NumPy), or the learned ``pos_freqs`` [K, R] (per KV head, float32) when
+    ``spec.learn_frequencies``."""
     if spec.learn_frequencies and spec.pos_rank:
         return params["pos_freqs"].astype(real_dtype())
     return fourier.frequencies(spec.pos_rank, spec.pos_base)
@@ -68,7 +70,7 @@ def query_features(
     """
     r = spec.pos_rank
     freqs = relative_frequencies(spec, params)
-    if freqs.ndim == 2:  # learned, per KV head: each query head reads its KV head's frequencies
+    if np.ndim(freqs) == 2:  # learned, per KV head: each query head reads its KV head's frequencies
         feats = fourier.fourier_features(q_pos, _per_query_head(freqs, spec))  # [..., T, N, 2R]
         cos, sin = feats[..., :r], feats[..., r:]  # [..., T, N, R]
     else:
@@ -118,7 +120,7 @@ def log_prior(
     """
     r = spec.pos_rank
     freqs = relative_frequencies(spec, params)
-    if freqs.ndim == 2:
+    if np.ndim(freqs) == 2:
         freqs = _per_query_head(freqs, spec)  # [N, R]
     a = _per_query_head(params["lambda_sym"], spec).astype(real_dtype()) if r else None
     b = _per_query_head(params["lambda_asym"], spec).astype(real_dtype()) if r else None

@@ -2,14 +2,14 @@
 with an optional CLS token whose Fourier features are zero, the official convention), their
 validation, and the dtype the prior is computed in.
 
-Valid positions are integers in ``[0, MAX_POSITION)`` (:func:`validate_positions`). Negative
-positions have no meaning for the sink (``log1p(t)`` is NaN below -1, the official package too
-gives NaN), and the float32 phases ``w * p`` lose accuracy linearly in ``p``: measured against a
-float64 reference with O(1) prior coefficients (R = M = 8), the row-centred logit error is
-6.5e-3 at p ~ 2**16, 1-3e-2 at 2**17, 0.11 at 2**20 and 4.3 at 2**24 (where float32 stops
-holding integers; tests/test_layer_edges.py re-measures the bound). ``MAX_POSITION = 2**17``
-keeps it at the level of bf16 rounding of the content logits (~1e-2) and covers 64x the
-paper's training length.
+Valid positions are integers in ``[0, MAX_POSITION)``, ``MAX_POSITION = 2**24`` (16,777,216;
+:func:`validate_positions`). Negative positions have no meaning for the sink (``log1p(t)`` is NaN
+below -1, the official package too gives NaN). The upper bound is where float32, which holds the
+positions, stops holding every integer, and where :mod:`goat_jax.prior.angles` (two 12-bit
+limbs per position) ends. Below it the phases ``w * p`` are exact integer phases, so the prior's
+error is float32 round-off at every position: the same at 16M as at 1,000 (before, the float32
+product ``w * p`` made it grow linearly, 1-3e-2 logits at 2**17, which was then the bound;
+benchmarks/positions.md has both tables, tests/test_positions.py re-measures them).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class Positions(NamedTuple):
         return self.coords.ndim == self.index.ndim + 1
 
 
-# Positions must lie in [0, MAX_POSITION): the module docstring has the measurement.
-MAX_POSITION = 2 ** 17
+# Positions must lie in [0, MAX_POSITION): float32 holds every integer below it, and the exact
+# phases of goat_jax.prior.angles take positions of two 12-bit limbs (module docstring).
+MAX_POSITION = 2 ** 24
 
 
 def concrete_range(x: Any) -> Optional[Tuple[int, int]]:
@@ -96,8 +97,8 @@ def validate_positions(positions: Any, name: str) -> Array:
             raise ValueError(
                 f"{name} spans [{span[0]}, {span[1]}], outside [0, MAX_POSITION={MAX_POSITION}). "
                 "Positions must be >= 0 (shift them so the first token is 0), and below "
-                "MAX_POSITION, where the float32 prior stays accurate (goat_jax/prior/positions.py "
-                "module docstring).")
+                "MAX_POSITION = 2**24, the last integer float32 positions hold exactly "
+                "(goat_jax/prior/positions.py module docstring): shift or shorten them.")
         return jnp.asarray(np.asarray(positions), real_dtype())
     p = jnp.asarray(positions)
     ok = (p >= 0) & (p < MAX_POSITION)
@@ -118,7 +119,8 @@ def positions_1d(length: int, offset: Any = 0, positions: Optional[Array] = None
         if span is not None and span[1] + length > MAX_POSITION:
             raise ValueError(
                 f"{name}: offset {span[1]} + {length} tokens reaches past MAX_POSITION="
-                f"{MAX_POSITION} (goat_jax/prior/positions.py module docstring).")
+                f"{MAX_POSITION} = 2**24, the last integer float32 positions hold exactly "
+                "(goat_jax/prior/positions.py module docstring): lower the offset or the length.")
         pos = jnp.arange(length, dtype=real_dtype()) + off
         if span is None:  # traced offset: the last position may pass the bound
             pos = jnp.where(pos < MAX_POSITION, pos, jnp.nan)
@@ -156,7 +158,8 @@ def positions_2d(
     for axis, (o, size) in enumerate(zip(offset, (h, w))):
         validate_positions(o, f"2D offset[{axis}]")
         if o + size > MAX_POSITION:
-            raise ValueError(f"2D offset[{axis}]={o} + {size} reaches past MAX_POSITION={MAX_POSITION}.")
+            raise ValueError(f"2D offset[{axis}]={o} + {size} reaches past MAX_POSITION={MAX_POSITION} "
+                             "(= 2**24, goat_jax/prior/positions.py): lower the offset.")
     rows, cols = np.meshgrid(np.arange(h) + offset[0], np.arange(w) + offset[1], indexing="ij")
     coords = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1).astype(np.float32)
     is_cls = np.zeros(h * w, bool)

@@ -112,12 +112,12 @@ def _synthetic_data_fields() -> set:
 
 
 def seq_len_spec(doc: str = "training context") -> Field:
-    """``seq_len``: at least 1, at most ``MAX_POSITION``, the positions every attention layer
-    accepts (beyond, the float32 prior loses accuracy; goat_jax/prior/positions.py), so that a
-    longer one is refused naming the field instead of deep inside the model's init."""
+    """``seq_len``: at least 1, at most ``MAX_POSITION`` (2**24), the positions every attention
+    layer accepts (beyond, float32 positions stop being integers; goat_jax/prior/positions.py),
+    so that a longer one is refused naming the field instead of deep inside the model's init."""
     return Int(min=1, max=prior_lib.MAX_POSITION,
-               doc=f"{doc}; positions must stay below MAX_POSITION={prior_lib.MAX_POSITION}, "
-                   "goat_jax/prior/positions.py: train shorter and extrapolate at evaluation")
+               doc=f"{doc}; positions must stay below MAX_POSITION={prior_lib.MAX_POSITION} (2**24), "
+                   "goat_jax/prior/positions.py: use a shorter seq_len")
 
 
 # The LM task's config fields: the model dataclass, the two data pipelines (text files / TFDS,
