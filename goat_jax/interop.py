@@ -62,6 +62,7 @@ EXPORT_SETTINGS = {
     "prior_init": "copied", "init_scale_prior": "copied",
     "dtype": "how, not what", "param_dtype": "how, not what", "implementation": "how, not what",
     "decode": "how, not what", "kernel_init_std": "how, not what", "sink_channels": "how, not what",
+    "max_documents_per_row": "how, not what",
     "head_dim": "refused", "out_features": "refused", "logn_scaling": "refused",
     "sink_extrapolation": "refused", "learn_frequencies": "refused", "qk_layout": "refused",
 }

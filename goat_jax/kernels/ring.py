@@ -213,7 +213,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     """Attention of q [B, T, N, H] over k/v [B, T, K, H*] with the sequence sharded over
     ``mesh``'s ``context`` axis, keys and values passing around the ring (module doc). The
     mask's key padding and kv lengths travel with their keys as one validity mask; segment ids
-    travel too. Returns [B, T, N, Hv]; rows with no visible key are zeros."""
+    travel too. Returns [B, T, N, Hv]; rows with no visible key are zeros (no gradient)."""
     c = mesh_lib.context_shards(mesh)
     b, t, n, hqk = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -253,8 +253,10 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     fn = lambda *xs: local(*_fill(xs, present))
     out = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(sp for sp, p in zip(specs, present) if p),
                         out_specs=P(bx, AXIS, hx, None), check_vma=False)(*[a for a in args if a is not None])
-    rows = mask.rows_with_keys(t, s)  # zeros for rows with no visible key, as every kernel
-    return out if rows is None else jnp.where(rows[:, :, None, None], out, jnp.zeros((), out.dtype))
+    # A row that saw no key in any block is already zero with zero gradient (its weights in the
+    # merge are 0, and its log-sum-exp is +inf in the backward): the kernels' contract holds
+    # without a T x S look, which the load-balanced order would also make wrong here.
+    return out
 
 
 def _fill(xs, present):

@@ -47,7 +47,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import failures as failures_lib
 from goat_jax.train import lock as lock_lib
-from goat_jax.train import long_context
+from goat_jax import long_context
 from goat_jax.train import memory as memory_lib
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import optim
@@ -235,8 +235,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn):  # load balancing of the context axis, if on (goat_jax/kernels/balance.py)
-        return sharding_lib.with_mesh_and_rules(long_context.balanced_if_asked(fn, config, mesh), mesh, rules)
+    def under_mesh(fn):  # the context axis' strategy and load balancing (goat_jax/long_context.py)
+        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh), mesh, rules)
 
     accum = config.grad_accum_steps
     return ShardedSteps(

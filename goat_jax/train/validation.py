@@ -20,6 +20,7 @@ from typing import Any, Dict, FrozenSet, Tuple
 from goat_jax.config.fields import (REQUIRED, RESUME_ADJUSTABLE as ADJUSTABLE, RESUME_BEHAVIOURS,
                                     RESUME_FIXED as FIXED, RESUME_SAFE as SAFE, Bool, Field, Float, Int, Ints,
                                     Opaque, Section, Str)
+from goat_jax.kernels.balance import STRATEGIES
 from goat_jax.train import sharding, wandb_logger
 
 __all__ = ["ENGINE", "ENGINE_FIELDS", "ENGINE_REQUIRED", "ENGINE_SECTIONS", "engine_defaults", "engine_specs",
@@ -62,6 +63,11 @@ ENGINE: Dict[str, Section] = {
                                           doc="with mesh.context > 1: reorder each causal sequence once "
                                               "(dual-chunk swap) so every context shard does the same "
                                               "attention work; same results (goat_jax/kernels/balance.py)")),
+        context_strategy=("all_gather", Str(choices=STRATEGIES, resume=SAFE,
+                                            doc="with mesh.context > 1, how attention crosses the shards: "
+                                                "'all_gather' (every device gathers all keys: K/V memory O(T)) "
+                                                "or 'ring' (keys pass around the ring: O(T / c); "
+                                                "goat_jax/kernels/ring.py); same results")),
     ),
     "mesh": Section(**{axis: (-1 if axis == "data" else 1, _MESH_AXIS) for axis in sharding.MESH_AXES}),
     "optimizer": Section(

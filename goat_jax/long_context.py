@@ -6,21 +6,37 @@ wrapper. The attention itself is :mod:`goat_jax.kernels.context`; the sequence o
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 from goat_jax.kernels import capabilities as caps
-from goat_jax.kernels.balance import BALANCE_FIELD, balanced_step, check_length
+from goat_jax.kernels.balance import (BALANCE_FIELD, STRATEGY_FIELD, balanced_step, check_length,
+                                      context_strategy)
 from goat_jax.kernels.mesh import CONTEXT_AXIS
+from goat_jax.positional import ENCODINGS
 from goat_jax.train import validation
 
+BIAS_ENCODINGS = frozenset(e.name for e in ENCODINGS if e.materialized_bias)  # xla/dense only
 
-def balanced_if_asked(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[..., Any]:
-    """:func:`goat_jax.kernels.balance.balanced_step` of ``step`` when the run's ``config`` asks
-    for load balancing and ``mesh`` has a ``context`` axis of more than one device; else ``step``."""
+
+def context_step(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[..., Any]:
+    """``step`` (a train or eval step) as the run's context settings ask, when ``mesh`` has a
+    ``context`` axis of more than one device: traced under ``config.context_strategy``
+    (:func:`goat_jax.kernels.balance.context_strategy`) and, with ``context_load_balance``, on
+    the batch in load-balanced order (:func:`goat_jax.kernels.balance.balanced_step`); else
+    ``step`` itself."""
     num_shards = dict(mesh.shape).get(CONTEXT_AXIS, 1)
-    if num_shards <= 1 or not bool(validation.ENGINE[""].value(config, BALANCE_FIELD)):
+    if num_shards <= 1:
         return step
-    return balanced_step(step, int(config.seq_len), num_shards)
+    if bool(validation.ENGINE[""].value(config, BALANCE_FIELD)):
+        step = balanced_step(step, int(config.seq_len), num_shards)
+    strategy = validation.ENGINE[""].value(config, STRATEGY_FIELD)
+
+    @functools.wraps(step)
+    def with_strategy(*args, **kwargs):
+        with context_strategy(strategy):
+            return step(*args, **kwargs)
+    return with_strategy
 
 
 def check_config(config: Any, num_shards: int, task_name: str, platform: Optional[str] = None) -> None:
@@ -28,7 +44,8 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
     of a run's config, before any work: an explicit kernel that cannot run on the run's
     ``platform`` at all (said first: it is the decisive reason, whatever the lengths), a task
     with a ``seq_len``, which the shards (and their chunks, and splash's blocks) divide, and no
-    encoding that cannot run reordered. Raises ValueError naming the field and the fix."""
+    encoding that cannot run reordered, and with ``context_strategy='ring'`` a kernel and an
+    encoding that can run in a ring. Raises ValueError naming the field and the fix."""
     model = config.get("model") or {}
     implementation = model.get("implementation")
     if platform is not None and implementation in caps.CAPABILITIES:
@@ -43,6 +60,17 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
         raise ValueError(
             f"mesh.context={num_shards} splits each sequence over devices, but the {task_name!r} task "
             "has no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
+    if validation.ENGINE[""].value(config, STRATEGY_FIELD) == "ring":
+        row = caps.CAPABILITIES.get(implementation)
+        if row is not None and not row.takes("ring"):
+            raise ValueError(f"{STRATEGY_FIELD}='ring' with model.implementation={implementation!r}: "
+                             f"{row.why_not['ring']}.")
+        if model.get("position_encoding") in BIAS_ENCODINGS:
+            raise ValueError(
+                f"{STRATEGY_FIELD}='ring' with model.position_encoding={model.get('position_encoding')!r}: "
+                "the encoding adds a materialized [N, T, S] bias, which would travel around the ring whole. "
+                f"Use {STRATEGY_FIELD}='all_gather', or an encoding packed into q/k ('alibi_packed', 'goat', "
+                "'rope').")
     check_length(int(config.seq_len), num_shards, balanced, implementation, field="seq_len")
     if balanced and model.get("position_encoding") == "fox":
         raise ValueError(
