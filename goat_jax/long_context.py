@@ -14,23 +14,21 @@ from goat_jax.kernels.balance import (BALANCE_FIELD, STRATEGY_FIELD, balanced_st
                                       context_strategy)
 from goat_jax.kernels.mesh import CONTEXT_AXIS
 from goat_jax.positional import ENCODINGS
-from goat_jax.train import validation
 
 BIAS_ENCODINGS = frozenset(e.name for e in ENCODINGS if e.materialized_bias)  # xla/dense only
 
 
-def context_step(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[..., Any]:
-    """``step`` (a train or eval step) as the run's context settings ask, when ``mesh`` has a
-    ``context`` axis of more than one device: traced under ``config.context_strategy``
-    (:func:`goat_jax.kernels.balance.context_strategy`) and, with ``context_load_balance``, on
-    the batch in load-balanced order (:func:`goat_jax.kernels.balance.balanced_step`); else
-    ``step`` itself."""
+def context_step(step: Callable[..., Any], config: Any, mesh: Any, balanced: bool, strategy: str) -> Callable[..., Any]:
+    """``step`` (a train or eval step) as the run's context settings ask (``balanced``,
+    ``strategy``: its ``context_load_balance`` and ``context_strategy``), when ``mesh`` has a
+    ``context`` axis of more than one device: traced under the strategy
+    (:func:`goat_jax.kernels.balance.context_strategy`) and, balanced, on the batch in
+    load-balanced order (:func:`goat_jax.kernels.balance.balanced_step`); else ``step`` itself."""
     num_shards = dict(mesh.shape).get(CONTEXT_AXIS, 1)
     if num_shards <= 1:
         return step
-    if bool(validation.ENGINE[""].value(config, BALANCE_FIELD)):
+    if balanced:
         step = balanced_step(step, int(config.seq_len), num_shards)
-    strategy = validation.ENGINE[""].value(config, STRATEGY_FIELD)
 
     @functools.wraps(step)
     def with_strategy(*args, **kwargs):
@@ -39,13 +37,15 @@ def context_step(step: Callable[..., Any], config: Any, mesh: Any) -> Callable[.
     return with_strategy
 
 
-def check_config(config: Any, num_shards: int, task_name: str, platform: Optional[str] = None) -> None:
+def check_config(config: Any, num_shards: int, task_name: str, platform: Optional[str] = None,
+                 balanced: bool = False, strategy: str = "all_gather") -> None:
     """The checks of ``mesh.context`` (resolved to ``num_shards``) and ``context_load_balance``
     of a run's config, before any work: an explicit kernel that cannot run on the run's
     ``platform`` at all (said first: it is the decisive reason, whatever the lengths), a task
     with a ``seq_len``, which the shards (and their chunks, and splash's blocks) divide, and no
-    encoding that cannot run reordered, and with ``context_strategy='ring'`` a kernel and an
-    encoding that can run in a ring. Raises ValueError naming the field and the fix."""
+    encoding that cannot run reordered, and with ``strategy='ring'`` a kernel and an encoding that
+    can run in a ring (``balanced``, ``strategy``: the run's ``context_load_balance`` and
+    ``context_strategy``). Raises ValueError naming the field and the fix."""
     model = config.get("model") or {}
     implementation = model.get("implementation")
     if platform is not None and implementation in caps.CAPABILITIES:
@@ -55,12 +55,11 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
                 row, caps.Request(platform, "the devices this run uses", "float32", 0)))
     if num_shards <= 1:
         return  # one shard: nothing is split, and the balanced order is the identity
-    balanced = bool(validation.ENGINE[""].value(config, BALANCE_FIELD))
     if "seq_len" not in config:
         raise ValueError(
             f"mesh.context={num_shards} splits each sequence over devices, but the {task_name!r} task "
             "has no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
-    if validation.ENGINE[""].value(config, STRATEGY_FIELD) == "ring":
+    if strategy == "ring":
         row = caps.CAPABILITIES.get(implementation)
         if row is not None and not row.takes("ring"):
             raise ValueError(f"{STRATEGY_FIELD}='ring' with model.implementation={implementation!r}: "

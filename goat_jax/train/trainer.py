@@ -5,14 +5,13 @@
 
 What is trained is chosen by ``config.task`` (:mod:`goat_jax.train.tasks`, e.g.
 ``goat_jax/tasks/lm.py``): the task supplies the model, the data, the loss, its eval metrics and
-its config schema; this file never imports a model or a dataset. Helpers live in their own
-modules: :mod:`~goat_jax.train.sharding` (mesh, logical rules), :mod:`~goat_jax.train.optim`
-(AdamW, schedule, accumulation), :mod:`~goat_jax.train.checkpoint`,
-:mod:`~goat_jax.train.metrics`, :mod:`~goat_jax.train.run` (workdir layout, train state).
+its config schema; this file never imports a model or a dataset. Helpers live in their own modules:
+:mod:`~goat_jax.train.sharding` (mesh, logical rules), :mod:`~goat_jax.train.optim` (AdamW, schedule,
+accumulation), checkpoint, metrics, :mod:`~goat_jax.train.run` (workdir layout, train state).
 
-Re-running the same command resumes from the latest checkpoint and reproduces the
-uninterrupted run's per-step losses (data-iterator state is checkpointed, and the step's PRNG
-key is ``fold_in(key(config.seed), step)``, so dropout masks repeat too).
+Re-running the same command resumes from the latest checkpoint and reproduces the uninterrupted
+run's per-step losses (the data iterator's state is checkpointed; the step's PRNG key is
+``fold_in(key(config.seed), step)``, so dropout masks repeat too).
 
 The engine's config fields, each with its default, type, range and meaning, are declared once
 in :data:`goat_jax.train.validation.ENGINE`; a config leaves out any it does not change (the
@@ -105,7 +104,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
-    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(CONTEXT_AXIS)], task.name, platform)
+    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(CONTEXT_AXIS)], task.name, platform,
+                              *validation.context_settings(config))
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
     gbs, pdbs = config.global_batch_size, config.per_device_batch_size
@@ -235,8 +235,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn):  # the context axis' strategy and load balancing (goat_jax/long_context.py)
-        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh), mesh, rules)
+    def under_mesh(fn, ctx=validation.context_settings(config)):  # context strategy, balancing (long_context.py)
+        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, *ctx), mesh, rules)
 
     accum = config.grad_accum_steps
     return ShardedSteps(

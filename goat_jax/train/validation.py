@@ -145,3 +145,10 @@ def add_engine_defaults(config: Any) -> Any:
 def with_engine_defaults(config: Any) -> Any:
     """A copy of ``config`` with :func:`add_engine_defaults` applied (``config`` is unchanged)."""
     return add_engine_defaults(type(config)(config.to_dict()))
+
+
+def context_settings(config: Any) -> Tuple[bool, str]:
+    """``(context_load_balance, context_strategy)`` of a run's config, the declared defaults where
+    it leaves them out: what the engine hands to :mod:`goat_jax.long_context`."""
+    top = ENGINE[""]
+    return bool(top.value(config, "context_load_balance")), str(top.value(config, "context_strategy"))
