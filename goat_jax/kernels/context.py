@@ -44,6 +44,24 @@ AXIS = mesh_lib.CONTEXT_AXIS
 _SPLASH = ("splash", "splash_interpret")
 
 
+def check_shardable(t: int, s: int, mask: AttentionMask, c: int, balanced: bool, implementation: str,
+                    strategy: str = "all_gather") -> None:
+    """Raises ValueError naming the fix when attention of ``t`` queries and ``s`` keys under
+    ``mask`` cannot be split over ``c`` context shards (either strategy): keys of another length
+    than the queries (decoding against a cache, cross-attention), a traced causal offset, or a
+    length the shards (and their chunks) do not divide."""
+    how = f"mesh.context={c}" + ("" if strategy == "all_gather" else f" with context_strategy={strategy!r}")
+    if t != s:
+        raise ValueError(
+            f"{how} shards self-attention over one sequence, but the queries have {t} positions and the "
+            f"keys {s} (decoding against a cache, or cross-attention). Run decoding and cross-attention "
+            "with mesh.context=1.")
+    if not mask.static_offset:
+        raise ValueError(f"{how} needs a static causal offset (got a traced one, as while decoding); "
+                         "decode with mesh.context=1.")
+    check_length(t, c, balanced, implementation, field="sequence length")
+
+
 def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[Array], mesh: Any,
            balanced: bool, implementation: str, local: Callable[..., Array]) -> Array:
     """Attention with the sequence sharded over ``mesh``'s ``context`` axis (module doc):
@@ -54,15 +72,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     c = mesh_lib.context_shards(mesh)
     b, t, n, _ = q.shape
     s, kh = k.shape[1], k.shape[2]
-    if t != s:
-        raise ValueError(
-            f"mesh.context={c} shards self-attention over one sequence, but the queries have {t} "
-            f"positions and the keys {s} (decoding against a cache, or cross-attention). Run "
-            "decoding and cross-attention with mesh.context=1.")
-    if not mask.static_offset:
-        raise ValueError(f"mesh.context={c} needs a static causal offset (got a traced one, as "
-                         "while decoding); decode with mesh.context=1.")
-    check_length(t, c, balanced, implementation, field="sequence length")
+    check_shardable(t, s, mask, c, balanced, implementation)
     # The batch and head axes as splash splits them (never the context axis); c > 1, so a layout.
     layout = mesh_lib.partition(mesh, b, n, kh)
     bx, hx = mesh_lib.spec_axes(layout.batch_axes), mesh_lib.spec_axes(layout.head_axes)

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import flash
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels.balance import check_length
+from goat_jax.kernels.context import check_shardable
 from goat_jax.kernels.mask import AttentionMask
 
 Array = jax.Array
@@ -217,18 +217,13 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     c = mesh_lib.context_shards(mesh)
     b, t, n, hqk = q.shape
     s, kh = k.shape[1], k.shape[2]
-    if t != s:
-        raise ValueError(
-            f"mesh.context={c} with context_strategy='ring' shards self-attention over one sequence, but "
-            f"the queries have {t} positions and the keys {s} (decoding or cross-attention); run them with "
-            "mesh.context=1.")
+    check_shardable(t, s, mask, c, balanced, implementation, strategy="ring")
     if bias is not None:
         raise ValueError("context_strategy='ring' cannot take an additive bias (ALiBi as a bias, FIRE, Kerple): "
                          "the bias would travel as a T x T tensor. Use context_strategy='all_gather' or an "
                          "encoding packed into q/k ('alibi_packed', GOAT, RoPE).")
-    if not mask.static_offset or mask.window is not None:
-        raise ValueError("context_strategy='ring' needs a static causal offset and no sliding window.")
-    check_length(t, c, balanced, implementation, field="sequence length")
+    if mask.window is not None:
+        raise ValueError("context_strategy='ring' takes no sliding window (goat_jax.kernels.local_window).")
     runs = 2 if balanced and mask.causal else 1
     run = t // c // runs
     precision = lax.Precision.HIGHEST if jnp.result_type(q, k, v) == jnp.float32 else None
