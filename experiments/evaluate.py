@@ -56,8 +56,11 @@ run with log-n scaling (``--logn_scaling content|all``), on its own parameters
 then read e.g. 'rope as yarn+logn_content'. ``--rope_scaling_factor F`` fixes YaRN's / NTK's
 factor (default: dynamic, max(1, length / training length)); ``--evals documents`` past 1x needs
 it, since the dynamic factor would follow the packed window's length, not each document's.
-Every check of the request runs on every run before any evaluation; if an evaluation fails
-anyway, the ones that finished before it are written to OUT before the error is raised.
+``--mesh_context N`` splits each window over N devices (the ``context`` mesh axis, for runs trained
+with ``mesh.context > 1`` whose windows one device cannot hold; goat_jax.eval.context): extrapolation,
+niah, the synthetic passkey and dna; evaluations that decode or read attention probabilities are
+refused with it. Every check of the request runs on every run before any evaluation; if an
+evaluation fails anyway, the ones that finished before it are written to OUT before the error is raised.
 
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
@@ -73,7 +76,7 @@ from typing import Any, Optional
 
 from goat_jax import cli
 from goat_jax.attention_call import LOGN_MODES
-from goat_jax.eval import checks, lm_run, runs
+from goat_jax.eval import checks, context, lm_run, runs
 from goat_jax.models.lm import POSITION_ENCODINGS
 from goat_jax.train import run as run_lib
 from goat_jax.eval.runs import EVALS
@@ -245,6 +248,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--rope_scaling_factor", type=float, default=None, help="'yarn' / 'ntk': a fixed "
                    "frequency-scaling factor instead of the dynamic max(1, length / training length); "
                    "needed for --evals documents past 1x")
+    p.add_argument("--mesh_context", type=int, default=1, help="split each window over this many devices "
+                   "(the context mesh axis, as mesh.context in training) for windows one device cannot "
+                   "hold: extrapolation, niah, passkey of synthetic runs, dna; the evaluations that decode "
+                   "or read attention probabilities are refused (default 1: one device)")
     args = p.parse_args(argv)
     evals = [e for e in args.evals.split(",") if e]
     swap = {"position_encoding": args.position_encoding, "logn_scaling": args.logn_scaling,
@@ -256,12 +263,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     checks.check_evals_fit(args.workdir, evals)
     checks.check_output_dir(out)
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
-    if any(v is not None for v in swap.values()) and "resolution" in evals:
-        raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor apply to language "
-                         "runs, not --evals resolution.")
+    if (any(v is not None for v in swap.values()) or args.mesh_context != 1) and "resolution" in evals:
+        raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor / --mesh_context apply "
+                         "to language runs, not --evals resolution.")
+    dna_lengths = [int(n) for n in args.lengths.split(",") if n] or None
     if "resolution" not in evals:
         for workdir in args.workdir:  # the whole request, on every run, before any work
-            lm_run.check_request(run_lib.read_config(workdir), workdir, evals, mults, **swap)
+            config = run_lib.read_config(workdir)
+            lm_run.check_request(config, workdir, evals, mults, **swap)
+            context.check_request(config, workdir, evals, mults, args.mesh_context, chunk_size=args.chunk_size,
+                                  lengths=dna_lengths)
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 
@@ -283,10 +294,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     check_previous_results(out, args.overwrite)
     results, train_lens = {}, {}
     for workdir, label in zip(args.workdir, labels):
-        run = lm_run.swap_encoding(lm_run.load_lm_run(workdir), **swap)
+        # Each window split over --mesh_context devices (1: the run on one device, unchanged).
+        run = context.on_mesh(lm_run.swap_encoding(lm_run.load_lm_run(workdir), **swap), args.mesh_context)
         cli.log(f"evaluating {label} ({workdir}, step {run.step}): {', '.join(evals)}")
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
-                       "lengths": [int(n) for n in args.lengths.split(",") if n] or None}
+                       "lengths": dna_lengths}
         train_lens[label] = run.train_len
         results[label] = {}  # filled as each evaluation finishes
         try:

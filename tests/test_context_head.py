@@ -8,7 +8,7 @@ gradient; with the length sharded the TPU compiler lowers that scatter through f
 bf16 copies of the local logits (3 more logits-sized buffers per device), where it makes an
 elementwise one-hot of the unsharded one. :func:`goat_jax.train.tasks.softmax_cross_entropy`
 picks the logit by compare-and-sum, so the gradient is elementwise under any sharding
-(benchmarks/context.md, "The LM head under context").
+(benchmarks/context.md, "The LM head and the loss under context").
 
 * the loss equals optax's (values and gradients) and is NaN for a target with no class;
 * on 8 fake CPU devices, the smoke LM's compiled train step at ``context=4`` holds no

@@ -330,16 +330,19 @@ def evaluate_records(model, params: Any, records: Sequence[np.ndarray], train_le
                      lengths: Optional[Sequence[int]] = None, gc_records: Optional[Sequence[np.ndarray]] = None,
                      gc_num_windows: int = 256, gc_prompt_len: int = 200, gc_sample_len: int = 200,
                      seed: int = 0, tokens_per_batch: int = 16384,
-                     where: str = "the records") -> dict[str, Any]:
+                     where: str = "the records", apply_fn: Optional[ApplyFn] = None) -> dict[str, Any]:
     """Likelihood at ``m * train_len`` (or at ``lengths`` bases) of a Linen LM on ``records``,
     and GC agreement on ``gc_records`` (default: ``records``).
 
     Returns a JSON-able dict: ``{'by_length': {W: DnaScores as dict}, 'gc': GCAgreement as dict
     (or {'error': reason} when the sequence is too short)}``. Lengths longer than every record
     are left out. ``gc_num_windows=0`` skips the GC metric. ``where`` names the records in
-    errors (nothing to score: every target N).
+    errors (nothing to score: every target N). ``apply_fn``: how the likelihoods call the model
+    (default ``model.apply`` on ``params``; each window split over devices:
+    :func:`goat_jax.eval.context.apply_fn`); the GC samples always run ``model`` unsplit.
     """
-    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    if apply_fn is None:
+        apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     if lengths:
         scores = score_by_length(apply_fn, params, records, 1, list(lengths),
                                  tokens_per_batch=tokens_per_batch, where=where)

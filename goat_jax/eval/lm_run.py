@@ -8,19 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import ml_collections
 
-from goat_jax.eval import checks
+from goat_jax.eval import checks, context, extrapolation
 from goat_jax.models.lm import TransformerLM
 from goat_jax.positional import rope_scaling
 from goat_jax.train import run as run_lib
 
 
+@dataclasses.dataclass
 class LMRun(run_lib.Run):
     """A run of the 'lm' task (:func:`goat_jax.train.run.load_run`) with the properties the
-    language evaluations compare runs by."""
+    language evaluations compare runs by. ``mesh``: None (one device), or the mesh whose
+    ``context`` axis each window is split over (:func:`goat_jax.eval.context.on_mesh`)."""
+
+    mesh: Any = None
+
+    @property
+    def apply_fn(self):
+        """``(params, tokens [B, T]) -> logits [B, T, V]`` of the run's model, each window split
+        over :attr:`mesh`'s ``context`` axis when there is one (:func:`goat_jax.eval.context.apply_fn`)."""
+        if self.mesh is None:
+            return extrapolation.model_apply_fn(self.model)
+        return context.apply_fn(self.model, self.mesh, self.config.sharding_rules)
 
     @property
     def label(self) -> str:

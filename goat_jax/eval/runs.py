@@ -40,9 +40,10 @@ import numpy as np
 
 from goat_jax.cli import log
 from goat_jax.data import synthetic, text
-from goat_jax.eval import checks, chunked, diagnostics, documents, extrapolation, retrieval, sinks
+from goat_jax.eval import checks, chunked, context, diagnostics, documents, extrapolation, retrieval, sinks
 from goat_jax.eval.checks import EVAL_TASKS, evals_for_task
 from goat_jax.eval.lm_run import LMRun
+from goat_jax.kernels.mesh import context_shards
 from goat_jax.train import run as run_lib
 
 
@@ -168,7 +169,7 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
     cache in chunks of that many queries (:mod:`goat_jax.eval.chunked`; same numbers, memory
     bounded by chunk x length instead of length^2).
     """
-    apply_fn = extrapolation.model_apply_fn(run.model)
+    apply_fn = run.apply_fn
     nll_fn = None
     if chunk_size is not None:
         nll_fn = chunked.make_chunked_nll_fn(run.model, chunk_size)
@@ -228,7 +229,7 @@ def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *
                 f"shorter than the {shortest} tokens the prompt needs")
         if variant == "synthetic":
             out[variant] = retrieval.passkey_accuracy_synthetic(
-                extrapolation.model_apply_fn(run.model), run.params, ok, num_examples=num_examples,
+                run.apply_fn, run.params, ok, num_examples=num_examples,
                 key_len=int(run.config.data.get("key_len", 8)), seed=seed)
         else:
             gen = retrieval.greedy_generator(run.model, run.params)
@@ -243,7 +244,7 @@ def eval_niah(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
     """The synthetic NIAH grid at ``m * train_len`` x ``depths``: ``{'lengths', 'depths',
     'token_accuracy' [nL][nD], 'exact_match' [nL][nD]}`` (lists, JSON-able)."""
     lengths = [int(m * run.train_len) for m in multipliers]
-    grid = retrieval.niah_accuracy_grid(extrapolation.model_apply_fn(run.model), run.params, lengths,
+    grid = retrieval.niah_accuracy_grid(run.apply_fn, run.params, lengths,
                                         depths, num_examples=num_examples, seed=seed,
                                         key_len=int(run.config.data.get("niah_key_len", 5)),
                                         value_len=int(run.config.data.get("niah_value_len", 6)))
@@ -415,7 +416,8 @@ def eval_dna(run: LMRun, fasta: Sequence[str], multipliers: Sequence[int] = DEFA
         raise ValueError("--evals dna needs --fasta FILE (a FASTA of held-out sequence).")
     return dna_eval.evaluate_fasta(run.model, run.params, fasta, run.train_len,
                                    multipliers=multipliers, lengths=lengths, max_bases=max_bases,
-                                   gc_num_windows=gc_windows, seed=int(run.config.seed))
+                                   gc_num_windows=gc_windows, seed=int(run.config.seed),
+                                   apply_fn=run.apply_fn)
 
 
 def _diagnostics_markdown(diag: dict[str, dict[str, Any]], out: str,
@@ -507,6 +509,9 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
                          f"{', '.join(evals_for_task(task)) or 'none'}.")
     if chunk_size is not None:
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
+    if getattr(run, "mesh", None) is not None:  # windows split over devices: what can split, before any work
+        context.check_request(run.config, run.workdir, evals, multipliers, context_shards(run.mesh),
+                              chunk_size=chunk_size, lengths=(dna_options or {}).get("lengths"))
     if "passkey" in evals:  # a length too short for every prompt: nothing to score is an error
         checks.check_passkey_lengths(run.config, run.workdir, multipliers)
     if "lm_eval" in evals:

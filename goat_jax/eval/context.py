@@ -1,0 +1,120 @@
+"""Evaluation with each window split over devices: ``experiments.evaluate --mesh_context N``
+(docs/training.md, Long context; docs/experiments.md).
+
+A run that needed ``mesh.context > 1`` to train holds windows too long for one device, and the
+first thing its user checks, the perplexity at 1x, 2x, ... its training length
+(``--evals extrapolation``), needs the same split. :func:`on_mesh` puts a run on a mesh of N
+devices whose one axis of more than one device is ``context`` (data, fsdp and tensor are 1: the
+batch of windows is not split, and the host's other devices idle), its parameters replicated.
+:func:`apply_fn` runs the model under that mesh and the run's own logical rules, as the trainer's
+steps run (:func:`goat_jax.train.sharding.with_mesh_and_rules`): every activation is split over
+its length, the LM head and loss included, and attention crosses the shards as the kernel layer
+does it under a ``context`` axis (goat_jax/kernels/context.py); nothing here chooses how. Windows
+are scored in their natural order: load balancing (``context_load_balance``) changes which
+device does which work, not the numbers.
+
+What runs split: the evaluations that score whole windows in one forward pass (:data:`SPLIT`).
+The others are refused before any work (:func:`check_request`), naming the flag and the fix
+(:data:`UNSPLIT`): decoding feeds the KV cache queries that are not the whole window, which
+cannot be split over the sequence (the standard passkey prompt, ``--chunk_size``, diagnostics);
+sinks, documents and diagnostics read attention probabilities, which split attention never forms;
+lm_eval batches and decodes its own requests. DNA's GC agreement is the one decoding that runs:
+it samples 200 bases after 200-base prompts, with the replicated parameters and no split (each
+device repeats that short work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from goat_jax.kernels import balance
+from goat_jax.train import sharding
+
+FLAG = "--mesh_context"
+
+# The evaluations that score whole windows with one forward pass (passkey: its synthetic,
+# teacher-forced variant, the one synthetic-task runs get).
+SPLIT = ("extrapolation", "niah", "passkey", "dna")
+# Why each other evaluation cannot split a window (completes "--evals NAME ...").
+UNSPLIT = {
+    "passkey": "decodes the standard prompt's answer with the KV cache, one token at a time",
+    "sinks": "reads attention probabilities, which attention split over the context axis never forms",
+    "documents": "reads attention probabilities (the mass on each document's first token), which "
+                 "attention split over the context axis never forms",
+    "diagnostics": "runs the KV cache in query chunks and reads attention probabilities",
+    "lm_eval": "batches and decodes lm-eval's requests itself",
+}
+
+
+def _passkey_variant(config: Any) -> str:
+    return "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+
+
+def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: Sequence[int], context: int, *,
+                  chunk_size: Optional[int] = None, lengths: Optional[Sequence[int]] = None,
+                  num_devices: Optional[int] = None) -> None:
+    """Raises ValueError naming ``--mesh_context`` (or the flag in its way) and the fix unless
+    every evaluation of the request can run with each window split over ``context`` devices:
+    an evaluation that decodes or reads probabilities (:data:`UNSPLIT`), ``--chunk_size``, more
+    devices than there are (``num_devices``, default ``jax.device_count()``), or a window
+    (``m x seq_len`` for each of ``multipliers``, or dna's ``lengths`` in bases) that the shards
+    do not divide. Reads only ``config`` (a run's config.json), so it runs before any work."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"{FLAG} must be an integer >= 1 (the devices each window is split over), got {context!r}.")
+    if context == 1:
+        return
+    split = f"{FLAG} {context} splits each window over {context} devices"
+    for name in evals:
+        if name not in SPLIT or (name == "passkey" and _passkey_variant(config) == "standard"):
+            raise ValueError(f"{split}, but --evals {name} {UNSPLIT.get(name, 'does not score whole windows')} "
+                             f"(run {workdir}); evaluate it in a command of its own with {FLAG} 1.")
+    if chunk_size is not None:
+        raise ValueError(f"{split}, but --chunk_size {chunk_size} runs each window through the KV cache in "
+                         f"chunks of queries; drop --chunk_size (the whole window is split over the devices "
+                         f"instead) or use {FLAG} 1.")
+    implementation = (config.get("model") or {}).get("implementation")
+    multiple = balance.length_multiple(context, False, implementation)
+    by_bases = bool(lengths) and "dna" in evals
+    windows = list(lengths) if by_bases else [int(m) * int(config.seq_len) for m in multipliers]
+    bad = [n for n in windows if n % multiple]
+    if bad:
+        kernel = f" x model.implementation={implementation!r}'s 128-token blocks" if multiple != context else ""
+        given = "--lengths" if by_bases else f"--multipliers x seq_len {int(config.seq_len)}"
+        raise ValueError(f"{split}, but a window of {bad[0]} tokens ({given}) cannot be split: windows must be "
+                         f"multiples of {multiple} ({FLAG}{kernel}). Change {given.split()[0]} or {FLAG}.")
+    # Last: the request itself first (what cannot split a window cannot on any host).
+    available = jax.device_count() if num_devices is None else num_devices
+    if context > available:
+        raise ValueError(f"{split}, but this host has {available}; give at most {FLAG} {available}.")
+
+
+def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> Any:
+    """``run`` (an :class:`goat_jax.eval.lm_run.LMRun`) with each window split over ``context``
+    devices (the first of ``devices``, default all): its ``mesh`` set and its parameters
+    replicated on that mesh. ``context == 1`` returns ``run`` unchanged (one device)."""
+    if context == 1:
+        return run
+    devices = list(jax.devices() if devices is None else devices)[:context]
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "tensor": 1}, devices)
+    params = jax.device_put(run.params, NamedSharding(mesh, P()))
+    return dataclasses.replace(run, params=params, mesh=mesh)
+
+
+def apply_fn(model: Any, mesh: Any, rules: Any) -> Callable[[Any, jax.Array], jax.Array]:
+    """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
+    ``mesh``'s ``context`` axis by the logical ``rules`` (a run's ``sharding_rules``); call it
+    inside ``jax.jit`` with the parameters of :func:`on_mesh`, as the evaluations do."""
+    rules = sharding.rules_from_config(rules)
+
+    def apply(params, tokens):
+        # The window enters split over its length, as every activation after it.
+        tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
+        return model.apply({"params": params}, tokens)
+
+    return sharding.with_mesh_and_rules(apply, mesh, rules)
