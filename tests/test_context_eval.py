@@ -6,8 +6,9 @@ goat_jax/eval/context.py; issue #49).
   ``--mesh_context 1`` (float32 round-off), and the program it runs all-gathers over the
   ``context`` axis (not one device's program on replicated inputs); the logits NIAH and the
   synthetic passkey score are one device's to float32 round-off; a DNA model's likelihoods
-  split and its GC agreement (sampled unsplit) equal one device's. Decoding under a context
-  mesh is refused in one line naming mesh.context and the fix, before any work.
+  split and its GC agreement (sampled unsplit) equal one device's. KV-cache decoding under a
+  context mesh is refused in one line naming mesh.context and the fixes, before any work; the
+  uncached path runs split and gives the cached path's tokens.
 * Before any work, one line naming the flag and the fix: an evaluation that decodes or reads
   attention probabilities, ``--chunk_size``, a window the shards do not divide, more devices
   than the host has, ``--mesh_context`` with ViT runs.
@@ -56,13 +57,18 @@ split = np.asarray(jax.jit(run.apply_fn)(run.params, tokens))
 whole = np.asarray(jax.jit(one.apply_fn)(one.params, tokens))
 out["logits_error"] = float(np.abs(split - whole).max() / np.abs(whole).max())
 
-# Decoding under a context mesh: one line, before any work.
+# Decoding under a context mesh: the KV cache is refused in one line, before any work; the
+# uncached path (each step a whole window, split) gives the tokens of the cached one unsplit.
+prompt = tokens[:, :8]
 try:
     with jax.set_mesh(run.mesh):
-        sampling.generate(run.model, run.params, np.zeros((1, 8), np.int32), 4)
+        sampling.generate(run.model, run.params, prompt, 8)
     out["decode"] = None
 except ValueError as e:
     out["decode"] = str(e)
+with jax.set_mesh(run.mesh):
+    uncached = sampling.generate(run.model, run.params, prompt, 8, use_cache=False)
+out["uncached_equal"] = bool((np.asarray(uncached) == np.asarray(sampling.generate(one.model, one.params, prompt, 8))).all())
 print("RESULT " + json.dumps(out))
 '''
 
@@ -76,8 +82,11 @@ def test_evaluate_with_windows_split_over_context_gives_the_unsplit_perplexities
     assert out["gathers"] >= 1 and out["devices"] == [0, 1, 2, 3], out
     assert out["logits_error"] <= 1e-5, out["logits_error"]
     assert out["decode"] and out["decode"].startswith("generate: the mesh in context splits each sequence over "
-                                                      "mesh.context=4 devices"), out["decode"]
-    assert "call generate outside that mesh (mesh.context=1; experiments.evaluate: --mesh_context 1)" in out["decode"]
+                                                      "mesh.context=4 devices, but the KV cache"), out["decode"]
+    assert out["decode"].endswith("call generate outside that mesh (mesh.context=1; experiments.evaluate: "
+                                  "--mesh_context 1), or pass use_cache=False (each step recomputes the whole "
+                                  "window, split over the devices).")
+    assert out["uncached_equal"]
 
 
 _DNA_SCRIPT = r'''

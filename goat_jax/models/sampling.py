@@ -53,16 +53,17 @@ def _check_args(prompt, max_new_tokens, rng, temperature, top_k):
         raise ValueError("Sampling with temperature > 0 needs an rng key.")
 
 
-def _check_no_context_axis():
-    """Refuses, before any work, to decode under a mesh that splits sequences over ``context``:
-    each step feeds the cache fewer queries than it holds keys (and the uncached path grows the
-    sequence one token at a time), which the split attention cannot take
-    (goat_jax/kernels/context.py); the kernel would say so only once tracing reached it."""
+def _check_cache_unsplit(use_cache: bool) -> None:
+    """Refuses, before any work, KV-cache decoding under a mesh that splits sequences over
+    ``context``: each step feeds the cache fewer queries than it holds keys, which attention
+    split over the sequence cannot take (goat_jax/kernels/context.py, which would say so only
+    once tracing reached it). The uncached path runs there: each step is a whole window."""
     shards = mesh_lib.context_shards(mesh_lib.ambient_mesh())
-    if shards > 1:
+    if use_cache and shards > 1:
         raise ValueError(f"generate: the mesh in context splits each sequence over mesh.context={shards} devices, "
-                         "but decoding adds one token at a time, which cannot be split over the sequence; "
-                         "call generate outside that mesh (mesh.context=1; experiments.evaluate: --mesh_context 1).")
+                         "but the KV cache adds one token at a time, which cannot be split over the sequence; "
+                         "call generate outside that mesh (mesh.context=1; experiments.evaluate: --mesh_context 1), "
+                         "or pass use_cache=False (each step recomputes the whole window, split over the devices).")
 
 
 def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new_tokens: int,
@@ -94,7 +95,7 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
       [B, P + max_new_tokens] int32, the prompt followed by the generated tokens.
     """
     _check_args(prompt, max_new_tokens, rng, temperature, top_k)
-    _check_no_context_axis()
+    _check_cache_unsplit(use_cache)
     prompt = jnp.asarray(prompt, jnp.int32)
     if prefill_multiple is not None:
         if isinstance(prefill_multiple, bool) or not isinstance(prefill_multiple, int) or prefill_multiple < 1:
