@@ -10,6 +10,8 @@
   the learned GOAT prior (sink ``u(j)``, ``kappa``) and the checks on it.
 * :mod:`goat_jax.eval.diagnostics` -- the official C4 run's last-layer attention statistics
   (mass on token 0, max weight, mass on the last 128 keys) at any length, and GOAT's u(j) curves.
+* :mod:`goat_jax.eval.context` -- the whole-window evaluations with each window split over
+  devices (the ``context`` mesh axis; ``experiments.evaluate --mesh_context N``).
 * :mod:`goat_jax.eval.plots` -- the figures (imported lazily: it pulls in matplotlib).
 * :mod:`goat_jax.eval.harness` -- EleutherAI's lm-evaluation-harness on a run (``GoatLM``;
   imported on use: it needs the ``[eval]`` extra).
