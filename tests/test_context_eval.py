@@ -1,17 +1,19 @@
 """Evaluation with each window split over devices (``experiments.evaluate --mesh_context N``,
-goat_jax/eval/context.py; issue #49).
+goat_jax/eval/context.py; issue #49). On 8 fake CPU devices:
 
-* On 8 fake CPU devices: a smoke LM trained for two steps, evaluated by the command line at 1x
-  and 4x its training length with ``--mesh_context 4`` gives the perplexities of
-  ``--mesh_context 1`` (float32 round-off), and the program it runs all-gathers over the
-  ``context`` axis (not one device's program on replicated inputs); the logits NIAH and the
-  synthetic passkey score are one device's to float32 round-off; a DNA model's likelihoods
-  split and its GC agreement (sampled unsplit) equal one device's. KV-cache decoding under a
-  context mesh is refused in one line naming mesh.context and the fixes, before any work; the
-  uncached path runs split and gives the cached path's tokens.
-* Before any work, one line naming the flag and the fix: an evaluation that decodes or reads
-  attention probabilities, ``--chunk_size``, a window the shards do not divide, more devices
-  than the host has, ``--mesh_context`` with ViT runs.
+* a smoke LM trained for two steps, evaluated by the command line at 1x and 4x its training
+  length with ``--mesh_context 4``, gives the perplexities of ``--mesh_context 1`` (float32
+  round-off), and the program it runs all-gathers over the ``context`` axis (not one device's
+  program on replicated inputs); the logits NIAH and the synthetic passkey score are one
+  device's;
+* a run of ``context_strategy='ring'`` is evaluated in a ring (no gather) with the same logits;
+  a DNA model's likelihoods split and its GC agreement (sampled unsplit) equal one device's;
+  KV-cache decoding under a context mesh is refused in one line naming mesh.context and the
+  fixes, before any work, while the uncached path runs split and gives the cached path's tokens.
+
+And before any work, one line naming the flag and the fix: an evaluation that decodes or reads
+attention probabilities, ``--chunk_size``, a window the shards do not divide, more devices than
+the host has, ``--mesh_context`` with ViT runs.
 """
 
 import json
@@ -21,12 +23,11 @@ import pytest
 from experiments import evaluate
 from tests.config_helpers import run_on_fake_devices
 
-_SCRIPT = r'''
+_CLI_SCRIPT = r'''
 import json, sys
 import jax, numpy as np
 from experiments import evaluate
 from goat_jax.eval import context, extrapolation, lm_run
-from goat_jax.models import sampling
 from goat_jax.train import trainer
 from tests.config_helpers import lm_smoke_config
 
@@ -56,43 +57,26 @@ one = lm_run.load_lm_run(workdir)
 split = np.asarray(jax.jit(run.apply_fn)(run.params, tokens))
 whole = np.asarray(jax.jit(one.apply_fn)(one.params, tokens))
 out["logits_error"] = float(np.abs(split - whole).max() / np.abs(whole).max())
-
-# Decoding under a context mesh: the KV cache is refused in one line, before any work; the
-# uncached path (each step a whole window, split) gives the tokens of the cached one unsplit.
-prompt = tokens[:, :8]
-try:
-    with jax.set_mesh(run.mesh):
-        sampling.generate(run.model, run.params, prompt, 8)
-    out["decode"] = None
-except ValueError as e:
-    out["decode"] = str(e)
-with jax.set_mesh(run.mesh):
-    uncached = sampling.generate(run.model, run.params, prompt, 8, use_cache=False)
-out["uncached_equal"] = bool((np.asarray(uncached) == np.asarray(sampling.generate(one.model, one.params, prompt, 8))).all())
 print("RESULT " + json.dumps(out))
 '''
 
 
 def test_evaluate_with_windows_split_over_context_gives_the_unsplit_perplexities(tmp_path):
-    out = json.loads(run_on_fake_devices(_SCRIPT, str(tmp_path), timeout=900).split("RESULT ")[-1])
+    out = json.loads(run_on_fake_devices(_CLI_SCRIPT, str(tmp_path), timeout=900).split("RESULT ")[-1])
     one, four = out["1"], out["4"]
     assert sorted(one, key=int) == sorted(four, key=int) == ["64", "256"]
     for n in one:
         assert four[n] == pytest.approx(one[n], rel=1e-5), (n, one[n], four[n])
     assert out["gathers"] >= 1 and out["devices"] == [0, 1, 2, 3], out
     assert out["logits_error"] <= 1e-5, out["logits_error"]
-    assert out["decode"] and out["decode"].startswith("generate: the mesh in context splits each sequence over "
-                                                      "mesh.context=4 devices, but the KV cache"), out["decode"]
-    assert out["decode"].endswith("call generate outside that mesh (mesh.context=1; experiments.evaluate: "
-                                  "--mesh_context 1), or pass use_cache=False (each step recomputes the whole "
-                                  "window, split over the devices).")
-    assert out["uncached_equal"]
 
 
-_DNA_SCRIPT = r'''
-import json
+# A small model over the 5 DNA tokens, no training: the other paths a split run takes.
+_PATHS_SCRIPT = r'''
+import dataclasses, json
 import jax, numpy as np
 from goat_jax.eval import context, dna, lm_run
+from goat_jax.models import sampling
 from goat_jax.models.lm import LMConfig, TransformerLM
 from goat_jax.train import tasks
 from tests.config_helpers import lm_smoke_config
@@ -100,25 +84,59 @@ from tests.config_helpers import lm_smoke_config
 model = TransformerLM(LMConfig(vocab_size=5, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
                                abs_rank=2, training_seq_len=16))
 params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 16), np.int32))["params"]
-records = [np.array([0, 1, 2, 4], np.int32)[np.random.default_rng(0).integers(0, 4, 600)]]  # A C G T, no N
 task = tasks.get_task("lm")
-config = tasks.with_field_defaults(lm_smoke_config(), task)  # the engine's sharding_rules
+config = tasks.with_field_defaults(lm_smoke_config(), task)  # the engine's sharding_rules, context_strategy
 run = context.on_mesh(lm_run.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0), 4)
+out = {}
+
+# DNA: likelihoods split (the apply_fn experiments.evaluate passes), GC agreement sampled with
+# the KV cache on the replicated parameters, unsplit.
+records = [np.array([0, 1, 2, 4], np.int32)[np.random.default_rng(0).integers(0, 4, 600)]]  # A C G T, no N
 kw = dict(multipliers=(1, 4), gc_num_windows=4, gc_prompt_len=8, gc_sample_len=8)
-split = dna.evaluate_records(model, run.params, records, 16, apply_fn=run.apply_fn, **kw)
-print("RESULT " + json.dumps([dna.evaluate_records(model, params, records, 16, **kw), split]))
+out["dna"] = [dna.evaluate_records(model, params, records, 16, **kw),
+              dna.evaluate_records(model, run.params, records, 16, apply_fn=run.apply_fn, **kw)]
+
+# A run of context_strategy='ring' is evaluated in a ring: no gather, ppermutes, the same logits.
+tokens = np.random.default_rng(1).integers(0, 5, (2, 64)).astype(np.int32)
+whole = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x))(params, tokens))
+ring = dataclasses.replace(run, config=config.copy_and_resolve_references())
+ring.config.context_strategy = "ring"
+ring_apply = jax.jit(ring.apply_fn)
+text = ring_apply.lower(ring.params, tokens).as_text()
+out["ring"] = {"gathers": text.count("all_gather"), "permutes": text.count("collective_permute"),
+               "error": float(np.abs(np.asarray(ring_apply(ring.params, tokens)) - whole).max() / np.abs(whole).max())}
+
+# Decoding under a context mesh: the KV cache is refused in one line, before any work; the
+# uncached path (each step a whole window, split) gives the tokens of the cached one unsplit.
+prompt = tokens[:, :8]
+try:
+    with jax.set_mesh(run.mesh):
+        sampling.generate(model, run.params, prompt, 8)
+    out["decode"] = None
+except ValueError as e:
+    out["decode"] = str(e)
+with jax.set_mesh(run.mesh):
+    uncached = sampling.generate(model, run.params, prompt, 8, use_cache=False)
+out["uncached_equal"] = bool((np.asarray(uncached) == np.asarray(sampling.generate(model, params, prompt, 8))).all())
+print("RESULT " + json.dumps(out))
 '''
 
 
-def test_dna_likelihoods_split_and_gc_sampling_runs_unsplit():
-    """The DNA evaluation with each window split over 4 devices: its likelihoods (the
-    ``apply_fn`` experiments.evaluate passes) equal one device's, and its GC agreement, sampled
-    with the KV cache on the replicated parameters without the split, is the same."""
-    unsplit, split = json.loads(run_on_fake_devices(_DNA_SCRIPT, timeout=900).split("RESULT ")[-1])
+def test_ring_runs_dna_and_decoding_under_a_context_mesh():
+    out = json.loads(run_on_fake_devices(_PATHS_SCRIPT, timeout=900).split("RESULT ")[-1])
+    unsplit, split = out["dna"]
     assert sorted(split["by_length"]) == sorted(unsplit["by_length"]) == ["16", "64"]
     for n, row in unsplit["by_length"].items():
         assert split["by_length"][n] == pytest.approx(row, rel=1e-5), n
     assert split["gc"] == unsplit["gc"] and unsplit["gc"]["num_windows"] == 4
+    ring = out["ring"]
+    assert ring["gathers"] == 0 and ring["permutes"] >= 1 and ring["error"] <= 1e-5, ring
+    assert out["decode"] and out["decode"].startswith("generate: the mesh in context splits each sequence over "
+                                                      "mesh.context=4 devices, but the KV cache"), out["decode"]
+    assert out["decode"].endswith("call generate outside that mesh (mesh.context=1; experiments.evaluate: "
+                                  "--mesh_context 1), or pass use_cache=False (each step recomputes the whole "
+                                  "window, split over the devices).")
+    assert out["uncached_equal"]
 
 
 def _run_dir(path, task="lm", **data):

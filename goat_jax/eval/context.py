@@ -8,10 +8,11 @@ devices whose one axis of more than one device is ``context`` (data, fsdp and te
 batch of windows is not split, and the host's other devices idle), its parameters replicated.
 :func:`apply_fn` runs the model under that mesh and the run's own logical rules, as the trainer's
 steps run (:func:`goat_jax.train.sharding.with_mesh_and_rules`): every activation is split over
-its length, the LM head and loss included, and attention crosses the shards as the kernel layer
-does it under a ``context`` axis (goat_jax/kernels/context.py); nothing here chooses how. Windows
-are scored in their natural order: load balancing (``context_load_balance``) changes which
-device does which work, not the numbers.
+its length, the LM head included, and attention crosses the shards with the run's own
+``context_strategy`` ('all_gather' or 'ring', goat_jax/kernels/balance.py), traced as the
+trainer traces it; this module chooses nothing about attention. Windows are scored in their
+natural order: load balancing (``context_load_balance``) changes which device does which work,
+not the numbers.
 
 What runs split: the evaluations that score whole windows in one forward pass (:data:`SPLIT`).
 The others are refused before any work (:func:`check_request`), naming the flag and the fix
@@ -34,7 +35,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax.kernels import balance
-from goat_jax.train import sharding
+from goat_jax.train import sharding, validation
 
 FLAG = "--mesh_context"
 
@@ -106,15 +107,18 @@ def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> 
     return dataclasses.replace(run, params=params, mesh=mesh)
 
 
-def apply_fn(model: Any, mesh: Any, rules: Any) -> Callable[[Any, jax.Array], jax.Array]:
+def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], jax.Array]:
     """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
-    ``mesh``'s ``context`` axis by the logical ``rules`` (a run's ``sharding_rules``); call it
+    ``mesh``'s ``context`` axis by the logical rules of ``config`` (a run's: its
+    ``sharding_rules``) and attention crossing the shards with its ``context_strategy``; call it
     inside ``jax.jit`` with the parameters of :func:`on_mesh`, as the evaluations do."""
-    rules = sharding.rules_from_config(rules)
+    rules = sharding.rules_from_config(config.sharding_rules)
+    strategy = validation.context_settings(config)[1]
 
     def apply(params, tokens):
         # The window enters split over its length, as every activation after it.
         tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
-        return model.apply({"params": params}, tokens)
+        with balance.context_strategy(strategy):
+            return model.apply({"params": params}, tokens)
 
     return sharding.with_mesh_and_rules(apply, mesh, rules)

@@ -29,10 +29,11 @@ class LMRun(run_lib.Run):
     @property
     def apply_fn(self):
         """``(params, tokens [B, T]) -> logits [B, T, V]`` of the run's model, each window split
-        over :attr:`mesh`'s ``context`` axis when there is one (:func:`goat_jax.eval.context.apply_fn`)."""
+        over :attr:`mesh`'s ``context`` axis (with the run's ``context_strategy``) when there is one
+        (:func:`goat_jax.eval.context.apply_fn`)."""
         if self.mesh is None:
             return extrapolation.model_apply_fn(self.model)
-        return context.apply_fn(self.model, self.mesh, self.config.sharding_rules)
+        return context.apply_fn(self.model, self.mesh, self.config)
 
     @property
     def label(self) -> str:
