@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The variant arguments that change which list-like fields a config has (every config file must
 # be listed: a new one fails test_every_config_file_is_covered until it is).
 VARIANTS = {
+    "dna_1m": ["goat", "rope"],
     "dna_hg38": ["goat", "rope,fasta"],
     "dna_long": ["goat", "rope"],
     "dna_tiny": ["goat", "rope,smoke"],

@@ -30,6 +30,7 @@ LINKS = {
     "configs/dna_tiny.py": [("model.training_seq_len", "seq_len")],
     "configs/dna_hg38.py": [("model.training_seq_len", "seq_len")],
     "configs/dna_long.py": [("model.training_seq_len", "seq_len"), ("model.max_len", "seq_len")],
+    "configs/dna_1m.py": [("model.training_seq_len", "seq_len"), ("model.max_len", "seq_len")],  # dna_long's
 }
 CASES = [(spec, follower, source) for spec, links in LINKS.items() for follower, source in links]
 
