@@ -14,7 +14,6 @@ import sys
 
 import pytest
 from absl import flags
-from ml_collections import config_dict
 
 from goat_jax import config_files
 
@@ -35,22 +34,11 @@ LINKS = {
 CASES = [(spec, follower, source) for spec, links in LINKS.items() for follower, source in links]
 
 
-def _references(config, prefix=""):
-    """``[(dotted path, FieldReference)]`` of every field stored as a reference."""
-    out = []
-    for key, value in config.items(preserve_field_references=True):
-        if isinstance(value, config_dict.ConfigDict):
-            out += _references(value, f"{prefix}{key}.")
-        elif isinstance(value, config_dict.FieldReference):
-            out.append((f"{prefix}{key}", value))
-    return out
-
-
 def _linked_pairs(config):
     """``{frozenset({a, b})}`` of the fields linked to each other, either by one shared
     reference (``get_ref``) or by a reference computed from another field's
     (``get_oneway_ref``), whatever the direction."""
-    refs = _references(config)
+    refs = config_files._references(config)  # pylint: disable=protected-access
     pairs = set()
     for i, (path, ref) in enumerate(refs):
         for other, other_ref in refs[i + 1:]:

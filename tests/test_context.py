@@ -343,7 +343,8 @@ _TPU_SCRIPT = r'''
 import json
 import flax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from goat_jax import GoatAttention, PriorSettings, aot, context
+from goat_jax import GoatAttention, PriorSettings, aot
+from goat_jax.kernels import balance
 
 devices = aot.target_devices(aot.parse_target("v5e-4"))
 B, T, E = 2, 2048, 256
@@ -415,7 +416,8 @@ _GPU_SCRIPT = r'''
 import json
 import flax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from goat_jax import GoatAttention, PriorSettings, aot, context
+from goat_jax import GoatAttention, PriorSettings, aot
+from goat_jax.kernels import balance
 target = aot.parse_target("h200x8")
 devices = aot.target_devices(target)
 B, T, E = 2, 2048, 256

@@ -139,6 +139,14 @@ def padded_head_dim(row: Capability, qk_dim: int) -> int:
     return -(-qk_dim // row.head_dim_multiple) * row.head_dim_multiple
 
 
+def check_name(name: str, automatic: bool = False) -> None:
+    """Raises ValueError for a kernel name that is not a row of :data:`CAPABILITIES`
+    (``automatic``: None is also a valid choice where this is checked)."""
+    if name not in CAPABILITIES:
+        also = " or None (automatic)" if automatic else ""
+        raise ValueError(f"Unknown implementation={name!r}; choose one of {IMPLEMENTATIONS}{also}.")
+
+
 def platform_refusal(row: Capability, req: Request) -> str:
     """The refusal of ``row`` for a call on another platform than its own (with the fix)."""
     name = row.name

@@ -139,6 +139,12 @@ def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
     return target(*like, mesh=mesh)[:2]
 
 
+def ring_active(mesh: Any) -> bool:
+    """Whether attention on ``mesh`` runs as a ring: its ``context`` axis splits the sequence and
+    the strategy in context is 'ring' (:func:`goat_jax.kernels.balance.context_strategy`)."""
+    return mesh_lib.context_shards(mesh) > 1 and current_strategy() == "ring"
+
+
 def request(implementation_dtype: Any, qk_dim: int, *, like: Tuple[Any, ...] = (), mesh: Any = None,
             **uses: bool) -> caps.Request:
     """The :class:`goat_jax.kernels.capabilities.Request` of a call in ``implementation_dtype``
@@ -210,17 +216,14 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
     Raises:
       ValueError naming the reason when an explicit choice cannot run.
     """
-    mesh_in = mesh_lib.ambient_mesh() if mesh is None else mesh
-    ring = mesh_lib.context_shards(mesh_in) > 1 and current_strategy() == "ring"
+    mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     req = request(dtype, qk_dim, like=like, mesh=mesh, segment_ids=segments, ragged_segments=ragged_segments,
-                  bias=bias, traced_offset=decoding, ring=ring)
+                  bias=bias, traced_offset=decoding, ring=ring_active(mesh))
     if implementation is None or implementation == "auto":
-        choice, why = _automatic(req, logits_shape, mesh_lib.ambient_mesh() if mesh is None else mesh)
+        choice, why = _automatic(req, logits_shape, mesh)
         log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")
         return _record(choice, req)
-    if implementation not in caps.CAPABILITIES:
-        raise ValueError(f"Unknown implementation={implementation!r}; choose one of {caps.IMPLEMENTATIONS} "
-                         "or None (automatic).")
+    caps.check_name(implementation, automatic=True)
     why = caps.refusal(implementation, req)
     if why is not None:
         raise ValueError(why)

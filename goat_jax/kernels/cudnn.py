@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from goat_jax.kernels import cudnn_packed
 from goat_jax.kernels.capabilities import CAPABILITIES
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.kernels.padding import pad_head_dims, pad_lengths
+from goat_jax.kernels.padding import pad_head_dims, pad_lengths, pad_width
 from goat_jax.kernels.xla import dot_product_attention
 
 Array = jax.Array
@@ -49,9 +49,7 @@ def fused(q: Array, k: Array, v: Array, scale: float, mask: AttentionMask) -> Ar
 
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     native = mask.native_causal
-    explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False)
-    if explicit is not None:  # its query axis whole (goat_jax/kernels/xla.py says why)
-        explicit = jnp.broadcast_to(explicit, explicit.shape[:2] + (t, s))
+    explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False, full=True)
     q_len = kv_len = None
     if mask.kv_lengths is not None:
         q_len, kv_len = jnp.full((b,), t, jnp.int32), mask.kv_lengths.astype(jnp.int32)
@@ -74,7 +72,7 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     q, k, v, mask = pad_lengths(q, k, v, mask, ROW.length_multiple)
     if bias is None and hv < q.shape[-1] and narrow_values_supported():
         q, k, _ = pad_head_dims(q, k, v, ROW.head_dim_multiple, equal=False)
-        v = pad_head_dims(v, v, v, ROW.head_dim_multiple, equal=False)[0]
+        v = pad_width(v, -(-hv // ROW.head_dim_multiple) * ROW.head_dim_multiple)
         return fused(q, k, v, scale, mask)[:, :t_real, :, :hv]
     out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", ROW.head_dim_multiple)
     return out[:, :t_real]

@@ -16,7 +16,7 @@ from goat_jax.kernels import context as context_lib
 from goat_jax.kernels import cudnn, dense, flash, splash, xla
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import ring
-from goat_jax.kernels.balance import current_strategy, is_balanced
+from goat_jax.kernels.balance import is_balanced
 from goat_jax.kernels import choice
 from goat_jax.kernels.mask import AttentionMask, ambient_window
 
@@ -120,10 +120,9 @@ def attend(
     if mask.window is None and ambient_window() is not None:
         mask = mask.replace(window=ambient_window())
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
-    if implementation not in caps.CAPABILITIES:
-        raise ValueError(f"Unknown implementation={implementation!r}; choose one of {caps.IMPLEMENTATIONS}.")
+    caps.check_name(implementation)
     shards = mesh_lib.context_shards(mesh)
-    ring_on = shards > 1 and current_strategy() == "ring"
+    ring_on = choice.ring_active(mesh)
     request = choice.request(q.dtype, q.shape[-1], like=(q,), mesh=mesh, segment_ids=mask.segments is not None,
                              ragged_segments=mask.ragged_segments, bias=bias is not None,
                              traced_offset=not mask.static_offset, window=mask.window is not None,

@@ -210,9 +210,11 @@ class AttentionMask:
             keep = within if keep is None else keep & within
         return keep
 
-    def explicit(self, t: int, s: int, lengths: bool = True) -> Optional[Array]:
-        """Boolean [B or 1, 1, T, S] (True = attend), or None when every pair is visible.
-        ``lengths=False`` leaves ``kv_lengths`` out (a kernel that takes them natively)."""
+    def explicit(self, t: int, s: int, lengths: bool = True, full: bool = False) -> Optional[Array]:
+        """Boolean [B or 1, 1, T or 1, S] (True = attend), or None when every pair is visible.
+        ``lengths=False`` leaves ``kv_lengths`` out (a kernel that takes them natively); ``full``
+        broadcasts the query axis to T (cuDNN turns the mask into a bias and needs it whole: a
+        key-only [B, 1, 1, S] mask fails "Bias must have same seq length as QKV", seen on an H200)."""
         mask = None
         if self.segments is not None:
             mask = (self.q_segment_ids[:, :, None] == self.kv_segment_ids[:, None, :])[:, None]
@@ -227,6 +229,8 @@ class AttentionMask:
         if keep is not None:
             keep = keep[:, None, None, :]
             mask = keep if mask is None else mask & keep
+        if full and mask is not None:
+            mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
         return mask
 
     def rows_with_keys(self, t: int, s: int) -> Optional[Array]:

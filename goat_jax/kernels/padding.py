@@ -45,10 +45,14 @@ def pad_head_dims(q: Array, k: Array, v: Array, multiple: int = 1, equal: bool =
     ``equal``, the narrower of q/k and v to the wider width (``jax.nn.dot_product_attention``
     needs equal widths; GOAT's packed q/k are wider than v). The caller slices the output back
     to v's width. Zero channels add nothing to ``q . k`` and nothing to the output."""
-    pad_to = lambda x, width: x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
     hqk = -(-q.shape[-1] // multiple) * multiple
-    q, k = pad_to(q, hqk), pad_to(k, hqk)
+    q, k = pad_width(q, hqk), pad_width(k, hqk)
     if equal:
         width = max(hqk, v.shape[-1])
-        q, k, v = pad_to(q, width), pad_to(k, width), pad_to(v, width)
+        q, k, v = pad_width(q, width), pad_width(k, width), pad_width(v, width)
     return q, k, v
+
+
+def pad_width(x: Array, width: int) -> Array:
+    """``x`` [..., H] with zero channels appended up to ``width`` (unchanged if already that wide)."""
+    return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims
@@ -27,11 +26,8 @@ def dot_product_attention(q: Array, k: Array, v: Array, scale: float, mask: Atte
     hv, t, s = v.shape[-1], q.shape[1], k.shape[1]
     q, k, v = pad_head_dims(q, k, v, head_dim_multiple)
     native = mask.native_causal
-    explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False)
-    if explicit is not None and implementation == "cudnn":
-        # cuDNN turns the mask into a bias and needs its query axis whole: a key-only mask
-        # [B, 1, 1, S] fails ("Bias must have same seq length as QKV, got 1 and S"; seen on an H200).
-        explicit = jnp.broadcast_to(explicit, explicit.shape[:2] + (t, s))
+    explicit = mask.replace(causal=mask.causal and not native).explicit(t, s, lengths=False,
+                                                                        full=implementation == "cudnn")
     out = jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=explicit, scale=scale, is_causal=native,
         key_value_seq_lengths=mask.kv_lengths, implementation=implementation)

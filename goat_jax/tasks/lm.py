@@ -77,7 +77,7 @@ def document_inputs(batch) -> Dict[str, Any]:
     """The model's keyword inputs of a batch: ``segment_ids`` and ``positions`` of a
     ``data.packing='documents'`` batch (attention stays inside each document, positions restart
     per document), none for ``'concat'``; ``positions`` also when a batch carries them alone
-    (the engine's load-balanced order, goat_jax/context.py)."""
+    (the engine's load-balanced order, goat_jax/kernels/balance.py)."""
     return {key: batch[key] for key in ("segment_ids", "positions") if key in batch}
 
 
