@@ -18,6 +18,12 @@ from jax import lax
 Array = jax.Array
 
 
+def run_starts(segment_ids: Array) -> Array:
+    """[B, T] bool: True where a run of equal ids starts (index 0 and wherever the id changes)."""
+    return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                           axis=1)
+
+
 def segment_positions(segment_ids: Array) -> Array:
     """[B, T] int32 positions restarting at 0 wherever the id changes along the sequence.
 
@@ -34,8 +40,7 @@ def segment_positions(segment_ids: Array) -> Array:
                          "with .astype(jnp.int32).")
     t = segment_ids.shape[1]
     index = jnp.arange(t, dtype=jnp.int32)[None, :]
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = run_starts(segment_ids)
     # The latest run start at or before each index, by a running max: O(T), no T x T matrix.
     run_start = lax.cummax(jnp.where(starts, index, 0), axis=1)
     return (index - run_start).astype(jnp.int32)

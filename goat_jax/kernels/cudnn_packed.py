@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.segments import run_starts
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims
 
@@ -61,15 +62,9 @@ DEFAULT_MAX_DOCUMENTS = 64  # documents per row when a layer does not say (max_d
 FIELD = "max_documents_per_row"  # the layer / model field that sets M
 
 
-def document_starts(ids: Array) -> Array:
-    """[B, T] bool: True where a run of equal ids starts (index 0 and wherever the id changes)."""
-    first = jnp.ones(ids.shape[:1] + (1,), bool)
-    return jnp.concatenate([first, ids[:, 1:] != ids[:, :-1]], axis=1)
-
-
 def documents_per_row(ids: Array) -> Array:
     """[B] int32: the number of documents (runs of equal ids) in each row."""
-    return jnp.sum(document_starts(ids), axis=1).astype(jnp.int32)
+    return jnp.sum(run_starts(ids), axis=1).astype(jnp.int32)
 
 
 def packed_layout(ids: Array, max_documents: int) -> Tuple[Array, Array]:
@@ -78,7 +73,7 @@ def packed_layout(ids: Array, max_documents: int) -> Tuple[Array, Array]:
     each document's length, then -1. Documents past M are dropped (the caller poisons those
     rows: module doc)."""
     b, t = ids.shape
-    starts = document_starts(ids)
+    starts = run_starts(ids)
     offsets = jax.vmap(lambda row: jnp.nonzero(row, size=max_documents, fill_value=-1)[0])(starts)
     offsets = offsets.astype(jnp.int32)
     following = jnp.concatenate([offsets[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)

@@ -33,8 +33,7 @@ every device does the same work.
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +199,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def block_length(run: int) -> int:
-    """The flash tile of a ring run: the largest divisor of ``run`` up to 512 among powers of
-    two times an odd factor of ``run`` (so tiles cut the run exactly; no padding inside a ring)."""
+    """The flash tile of a ring run: the largest divisor of ``run`` up to 512 that is a multiple
+    of 8, else the whole run (tiles cut the run exactly: no padding inside a ring)."""
     for size in range(min(_BLOCK, run), 0, -1):
         if run % size == 0 and (size % 8 == 0 or size == run):
             return size
@@ -258,11 +257,3 @@ def _fill(xs, present):
     """The positional arguments with None where an optional one was left out."""
     it = iter(xs)
     return [next(it) if p else None for p in present]
-
-
-def peak_kv_bytes(t: int, c: int, kv_heads: int, head_dim: int, itemsize: int = 2) -> int:
-    """Per-device K/V bytes the ring keeps per layer in its backward (the block held and the one
-    arriving, with their dK/dV accumulators in float32): ``2 * 2 * (T / c) * K * H`` elements of
-    the input dtype plus twice that in float32. A planning aid for benchmarks/context.md."""
-    local = math.ceil(t / c) * kv_heads * head_dim
-    return 2 * 2 * local * itemsize + 2 * 2 * local * 4
