@@ -162,38 +162,48 @@ def platform_refusal(row: Capability, req: Request) -> str:
     return msg
 
 
+def _gap(row: Capability, req: Request) -> Optional[str]:
+    """What ``row`` lacks for ``req``, the decisive first: 'platform', 'dtype', 'head_dim', a
+    feature of :data:`FEATURES`, or None when it can serve it."""
+    if req.platform not in row.platforms:
+        return "platform"
+    if row.dtypes is not None and req.dtype not in row.dtypes:
+        return "dtype"
+    if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
+        return "head_dim"
+    return next((f for f in req.features if not takes(row, f, req)), None)
+
+
 def refusal(name: str, req: Request) -> Optional[str]:
     """Why kernel ``name`` cannot serve ``req``, or None: the platform first (the decisive
     reason), then the dtype, the head dim, and the masking features, from :data:`CAPABILITIES`."""
     row = CAPABILITIES[name]
-    if req.platform not in row.platforms:
+    gap = _gap(row, req)
+    if gap is None:
+        return None
+    if gap == "platform":
         return platform_refusal(row, req)
-    if row.dtypes is not None and req.dtype not in row.dtypes:
+    if gap == "dtype":
         return (f"implementation={name!r} needs {' or '.join(row.dtypes)} inputs, got {req.dtype}. Set the "
                 "module's dtype=jnp.bfloat16, or use implementation='xla'.")
-    if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
+    if gap == "head_dim":
         return (f"implementation={name!r} supports head dims <= {row.max_head_dim}; the packed q/k dim is "
                 f"{req.qk_dim}. Use fewer heads' dims or implementation='xla'.")
-    for feature in req.features:
-        if not takes(row, feature, req):
-            return f"implementation={name!r} cannot take {FEATURE_NAMES[feature]}: {row.why_not[feature]}{_seen(req)}."
-    return None
+    return f"implementation={name!r} cannot take {FEATURE_NAMES[gap]}: {row.why_not[gap]}{_seen(req)}."
 
 
 def reason_skipped(name: str, req: Request) -> Optional[str]:
     """The short form of :func:`refusal` for the automatic choice's log line (why a preferred
-    kernel was passed over), or None when it can serve ``req``."""
+    kernel was passed over), or None when it can serve ``req`` or is no candidate on its platform."""
     row = CAPABILITIES[name]
-    if req.platform not in row.platforms:
-        return None  # not a candidate on this platform at all
-    if row.dtypes is not None and req.dtype not in row.dtypes:
+    gap = _gap(row, req)
+    if gap in (None, "platform"):
+        return None
+    if gap == "dtype":
         return f"{req.dtype} ({name} needs {'/'.join(row.dtypes)})"
-    if row.max_head_dim is not None and padded_head_dim(row, req.qk_dim) > row.max_head_dim:
+    if gap == "head_dim":
         return f"packed head dim {padded_head_dim(row, req.qk_dim)} > {row.max_head_dim}"
-    for feature in req.features:
-        if not takes(row, feature, req):
-            return f"{FEATURE_NAMES[feature]} ({row.why_not[feature]}{_seen(req)})"
-    return None
+    return f"{FEATURE_NAMES[gap]} ({row.why_not[gap]}{_seen(req)})"
 
 
 def markdown_table() -> str:
