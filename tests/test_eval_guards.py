@@ -92,7 +92,60 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
     assert (out / "results.json").read_text() == "first evaluation"  # untouched
     with pytest.raises(Exception):  # the bare run has no checkpoint: the evaluation itself fails
         evaluate.main(argv + ["--overwrite"])
-    assert sorted(os.listdir(out)) == ["notes.txt"]  # the first evaluation's files, and only those, are gone
+    # Nothing new was written, so the first evaluation's results stay whole; no sibling is left.
+    assert sorted(os.listdir(out)) == ["notes.txt", "perplexity.png", "results.json", "results.md"]
+    assert (out / "results.json").read_text() == "first evaluation"
+    assert sorted(os.listdir(tmp_path)) == ["o", "run"]
+
+
+class _FakeRun:
+    step, train_len = 3, 32
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, monkeypatch, interrupt):
+    """--overwrite: while the new evaluation runs (and if it is interrupted), --out still holds
+    the previous results; once it finishes they are replaced, the user's other files stay, and
+    no temporary folder is left beside --out."""
+    workdir = _run_dir(tmp_path / "run", "lm")
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("results.json", "results.md", "old_figure.png"):
+        (out / name).write_text("first evaluation")
+    (out / "notes.txt").write_text("the user's")
+    seen = []
+
+    def evaluate_run(run, evals, mults, into, **kwargs):
+        seen.append(sorted(os.listdir(out)))
+        if interrupt:
+            raise KeyboardInterrupt
+        into["sinks"] = {"mass": 0.5}
+
+    def write_outputs(results, folder, train_lens):
+        os.makedirs(folder, exist_ok=True)
+        (open(os.path.join(folder, "results.json"), "w")).write(json.dumps(results))
+        (open(os.path.join(folder, "results.md"), "w")).write("second evaluation")
+        return "second evaluation"
+
+    monkeypatch.setattr(evaluate.lm_run, "check_request", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate.context, "check_request", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate.lm_run, "load_lm_run", lambda w: _FakeRun())
+    monkeypatch.setattr(evaluate.runs, "evaluate_run", evaluate_run)
+    monkeypatch.setattr(evaluate.runs, "write_outputs", write_outputs)
+    argv = ["--workdir", workdir, "--evals", "sinks", "--out", str(out), "--overwrite"]
+    if interrupt:
+        with pytest.raises(KeyboardInterrupt):
+            evaluate.main(argv)
+    else:
+        evaluate.main(argv)
+    assert seen == [["notes.txt", "old_figure.png", "results.json", "results.md"]]
+    if interrupt:
+        assert (out / "results.json").read_text() == "first evaluation"
+        assert sorted(os.listdir(out)) == ["notes.txt", "old_figure.png", "results.json", "results.md"]
+    else:
+        assert json.loads((out / "results.json").read_text()) == {"goat": {"sinks": {"mass": 0.5}}}
+        assert sorted(os.listdir(out)) == ["notes.txt", "results.json", "results.md"]
+    assert sorted(os.listdir(tmp_path)) == ["o", "run"]
 
 
 def _rope_run(path, **model):
