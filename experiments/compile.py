@@ -18,7 +18,8 @@ chip at peak (estimates), the attention kernel and packed head dim, compile seco
 that does not fit is reported (``fits: false`` with the compiler's numbers), not a traceback.
 Every flag and ``--out`` are checked before the compile: an ``--out`` that holds an earlier
 compile's or search's results is refused unless ``--overwrite``, which replaces all of them (a
-folder never mixes two runs' files). See docs/aot.md and goat_jax/aot.py.
+folder never mixes two runs' files). Ctrl-C stops a compile at once (one line, exit status
+130), as SIGTERM does. See docs/aot.md and goat_jax/aot.py.
 """
 
 import json
@@ -134,6 +135,7 @@ def main(argv):
     """Entry point: compiles ``--config``'s train step for ``--target`` and writes ``--out``."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    cli.interrupt_exits_now("the compile")  # at once, not after the compile
     # Before any work (a real compile takes minutes): the target, the flags and --out.
     target = aot.parse_target(_TARGET.value)
     search = _search_options()

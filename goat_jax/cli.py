@@ -19,7 +19,9 @@ import contextlib
 import functools
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -129,3 +131,34 @@ def workdir_cleanup(workdir: str) -> Iterator[None]:
                 and not getattr(e, "keeps_workdir", False) and not _has_checkpoint(workdir):
             shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def interrupt_exits_now(what: str) -> None:
+    """Makes Ctrl-C (SIGINT) end the process at once, as SIGTERM does, with one line naming
+    ``what`` was stopped and exit status 130, no traceback.
+
+    Why: Python runs its SIGINT handler (the ``KeyboardInterrupt``) only when the main thread
+    returns to Python bytecode, and an XLA compile runs for minutes in C++ without returning, so
+    Ctrl-C used to wait for the compile to end and then print a traceback. The C-level handler
+    does run at once and writes the signal's number to the wakeup fd; a daemon thread waiting on
+    that fd then ends the process (the compile releases the GIL while it runs). For commands with
+    nothing to save on the way out (``experiments.compile``); the trainer keeps its own handling."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A Python-level handler (any) makes the C-level one write to the wakeup fd; the exit itself
+    # happens in the thread, since this handler would run only after the compile.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+
+    def watch():
+        while True:
+            data = os.read(read_fd, 64)
+            if signal.SIGINT in data or not data:
+                break
+        print(f"interrupted (Ctrl-C): stopped {what}", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access  # at once, as SIGTERM
+
+    threading.Thread(target=watch, name="sigint-exit", daemon=True).start()
