@@ -40,6 +40,7 @@ from goat_jax import aot  # pylint: disable=wrong-import-position
 from goat_jax import cli  # pylint: disable=wrong-import-position
 from goat_jax import config_files  # pylint: disable=wrong-import-position
 from goat_jax import files  # pylint: disable=wrong-import-position
+from goat_jax.train import run as run_lib  # pylint: disable=wrong-import-position
 
 _CONFIG = config_files.define_config_flag("config", None, "Config file, e.g. configs/lm_tiny.py:rope.")
 _TARGET = flags.DEFINE_string(
@@ -85,10 +86,10 @@ def _config_arguments(argv):
 
 def check_out(out: str, overwrite: bool) -> None:
     """Refuses, before any compile, an ``--out`` that cannot be written (a file, a read-only
-    place) or that holds a previous compile's or search's results (:data:`RESULT_FILES`)
+    place), one inside a run's workdir (the check evaluate makes), or one that holds a previous compile's or search's results (:data:`RESULT_FILES`)
     unless ``overwrite``. Nothing is removed here: with ``overwrite`` the old results stay
     until the new ones are ready (:func:`_replace_results`)."""
-    files.check_writable(out, "--out")
+    run_lib.check_output_dir(out, "the compile", "_compile")
     held = sorted(n for n in RESULT_FILES if os.path.exists(os.path.join(out, n)))
     if held and not overwrite:
         raise ValueError(f"--out {out} already holds results ({', '.join(held)}); give another --out, or add "

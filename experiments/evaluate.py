@@ -285,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     lm_eval_options = _lm_eval_options(args, evals, out)
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     checks.check_evals_fit(args.workdir, evals)
-    checks.check_output_dir(out)
+    run_lib.check_output_dir(out, "evaluation", "_eval")
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
     if (any(v is not None for v in swap.values()) or args.mesh_context != 1) and "resolution" in evals:
         raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor / --mesh_context apply "

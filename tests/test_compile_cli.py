@@ -146,3 +146,17 @@ def test_ctrl_c_stops_a_compile_at_once_with_one_line(tmp_path):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C): stopped the compile", stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["workdir", "checkpoints", "below"])
+def test_an_out_inside_a_run_workdir_is_refused_as_evaluate_refuses_it(tmp_path, where):
+    """--out was accepted inside a run's workdir (and wrote beside its checkpoints); evaluate
+    refused such an --out. One check now serves both."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"task": "lm"}))
+    out = {"workdir": run, "checkpoints": run / "checkpoints", "below": run / "aot" / "v5e"}[where]
+    line = _one_error(_compile("--out", str(out)))
+    assert f"--out {out} is inside the run workdir {run}; the compile never writes into a run" in line, line
+    assert f"--out {run}_compile" in line
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.json"] and not (run / "aot").exists()

@@ -13,6 +13,7 @@ import pytest
 
 from experiments import evaluate
 from goat_jax.eval import checks, runs
+from goat_jax.train import run as run_lib
 
 
 def _run_dir(path, task):
@@ -60,13 +61,13 @@ def test_out_is_checked_before_any_evaluation(tmp_path):
             evaluate.main(["--workdir", workdir, "--evals", "sinks", "--out", out])
     assert file_out.read_text() == "keep me"
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]
-    checks.check_output_dir(str(tmp_path / "new" / "deeper"))  # a fresh place is fine
-    checks.check_output_dir(str(tmp_path))  # and so is the folder that holds runs
+    run_lib.check_output_dir(str(tmp_path / "new" / "deeper"), "evaluation", "_eval")  # a fresh place is fine
+    run_lib.check_output_dir(str(tmp_path), "evaluation", "_eval")  # and so is the folder that holds runs
 
 
 def test_a_stray_config_json_is_not_a_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"editor": "vim"}))
-    checks.check_output_dir(str(tmp_path / "eval"))
+    run_lib.check_output_dir(str(tmp_path / "eval"), "evaluation", "_eval")
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "1,x", ","])
@@ -231,3 +232,19 @@ def test_an_evaluation_whose_every_length_is_skipped_is_an_error_not_an_empty_ta
     with pytest.raises(ValueError, match=rf"^--evals {name} on .*: the held-out stream \(100 tokens\) holds no full "
                                          r"window of any length asked for \(128, 256 tokens"):
         runs.evaluate_run(run, [name], [2, 4])
+
+
+def test_probe_extrapolation_refuses_an_out_inside_the_run_before_any_work(tmp_path, monkeypatch):
+    """experiments.probe_extrapolation wrote probe.json wherever --out pointed, a run's workdir
+    included, and found an --out that is a file only after the probe's work."""
+    from experiments import probe_extrapolation
+    workdir = _run_dir(tmp_path / "run", "lm")
+    monkeypatch.setattr(probe_extrapolation.lm_run, "load_lm_run",
+                        lambda w: pytest.fail("the run was loaded before --out was checked"))
+    for out in (os.path.join(workdir, "probe"), workdir):
+        with pytest.raises(ValueError, match=rf"--out {out} is inside the run workdir {workdir}; the probe never"):
+            probe_extrapolation.main(["--workdir", workdir, "--out", out])
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        probe_extrapolation.main(["--workdir", workdir, "--out", str(tmp_path / "file")])
+    assert sorted(os.listdir(workdir)) == ["config.json"]
