@@ -4,9 +4,10 @@ Shared by train, evaluate, reproduce, toy_prior and the library code they run.
 A config or input error (a bad value, a missing file, an incompatible workdir, a non-finite
 loss) is the user's to fix, so it is printed as one line, ``error: <message>``, and the command
 exits with status 1; the traceback appears only with ``GOAT_DEBUG=1`` in the environment.
-Programming errors (anything else) keep their traceback. A workdir that the command created
-and that holds no checkpoint is removed again when the command fails that way, so a rejected
-config leaves nothing behind.
+Programming errors (anything else) keep their traceback. When the command fails that way before
+saving a checkpoint, what it created is removed again (a new workdir with the parents made for
+it, or the new entries of an existing one: :func:`workdir_cleanup`), so a rejected config leaves
+nothing behind.
 
     if __name__ == "__main__":
         cli.run_absl(main)                 # absl.app entry points (config flags)
@@ -112,26 +113,55 @@ def run(main: Callable[[], Any]) -> Any:
     return report_errors(main)()
 
 
-def _has_checkpoint(workdir: str) -> bool:
+def _checkpoint_steps(workdir: str) -> set:
     directory = run_lib.checkpoint_dir(workdir)
-    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+    return {d for d in os.listdir(directory) if d.isdigit()} if os.path.isdir(directory) else set()
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 @contextlib.contextmanager
 def workdir_cleanup(workdir: str) -> Iterator[None]:
-    """Removes ``workdir`` if it did not exist before, the block fails with a config or input
-    error (not a non-finite loss: its metrics say what happened), and no checkpoint was saved.
-    An error that says the workdir belongs to another process (``keeps_workdir``, e.g. the
-    workdir lock's) never removes it."""
-    existed = os.path.exists(workdir)
+    """Removes what the block created for ``workdir`` when it fails with a config or input error
+    (not a non-finite loss: its metrics say what happened) and saved no new checkpoint: a
+    workdir that did not exist, with the parent folders created for it; in a workdir that
+    existed, exactly the entries that were not there before (``config.json``, ``.lock``, an
+    empty ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ...), never one that was. So a
+    refused run leaves the disk as it found it (docs/training.md). An error that says the
+    workdir belongs to another process (``keeps_workdir``, e.g. the workdir lock's) removes
+    nothing."""
+    full = os.path.abspath(workdir)
+    existed = os.path.isdir(full)
+    before = set(os.listdir(full)) if existed else set()
+    anchor = _nearest_existing(full)  # the folders below it, up to the workdir, are this run's
+    steps = _checkpoint_steps(full)
     try:
         yield
     except USER_ERRORS as e:
-        if not existed and not isinstance(e, FloatingPointError) and os.path.isdir(workdir) \
-                and not getattr(e, "keeps_workdir", False) and not _has_checkpoint(workdir):
-            shutil.rmtree(workdir, ignore_errors=True)
+        if not isinstance(e, FloatingPointError) and not getattr(e, "keeps_workdir", False) \
+                and os.path.isdir(full) and _checkpoint_steps(full) <= steps:
+            if existed:
+                for name in set(os.listdir(full)) - before:
+                    path = os.path.join(full, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+                parent = os.path.dirname(full)
+                while parent != anchor and parent.startswith(anchor + os.sep):
+                    try:
+                        os.rmdir(parent)  # only while empty: another process may use it now
+                    except OSError:
+                        break
+                    parent = os.path.dirname(parent)
         raise
-
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
