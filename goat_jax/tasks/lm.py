@@ -12,8 +12,10 @@ Config sections: ``seq_len`` (top level), ``model.*`` (the fields of
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
@@ -53,15 +55,41 @@ def is_synthetic(config) -> bool:
     return config.data.get("source") == "synthetic"
 
 
+# cuDNN takes half-precision inputs only: a float32 model runs 'flash' even on a GPU.
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def document_bound(config, platform: str, context: int) -> Optional[int]:
+    """``model.max_documents_per_row`` where cuDNN's packed layout may attend this run's packed
+    documents, else None: the most documents (the padding counting as one) a packed row may
+    hold there, which the packers honour by starting a new row (goat_jax/data/packing.py).
+
+    The layout may run only for ``data.packing='documents'`` rows of a text run, with
+    ``model.implementation`` None or 'cudnn', on a GPU (``platform``), in bfloat16 / float16,
+    and with the sequence whole on each device (``context`` 1: context parallelism gives each
+    device queries that start inside a document, which cuDNN's layout cannot express, so
+    flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
+    where flash runs costs only fuller rows. The one place this is decided until the attention
+    plan (goat_jax/kernels) says which kernel runs; training and evaluation both ask here."""
+    if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
+        return None
+    model = model_config(config)
+    if model.implementation not in (None, "cudnn") or platform != "gpu" or context > 1:
+        return None
+    if np.dtype(jnp.dtype(model.dtype)).name not in _CUDNN_DTYPES:
+        return None
+    return int(model.max_documents_per_row)
+
+
 def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
     """This host's train iterator and eval factory, text or synthetic, in one batch format:
     ``inputs``, ``targets`` ``[B, seq_len]`` int32 and ``weights`` ``[B, seq_len]`` float32."""
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
     extra = {}
-    if not is_synthetic(config) and model_config(config).implementation in (None, "cudnn"):
-        # cuDNN's packed layout may run these rows (GPUs): check its bound on the host.
-        extra["max_documents"] = model_config(config).max_documents_per_row
+    bound = document_bound(config, jax.devices()[0].platform, int(config.mesh.get("context", 1) or 1))
+    if bound is not None:  # the packer starts a new row rather than exceed it
+        extra["max_documents"] = bound
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets
     train, make_eval, tokenizer = make(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
