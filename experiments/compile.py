@@ -153,8 +153,19 @@ def main(argv):
     cli.log(f"{report['target']}: {report['num_devices']} devices, "
             f"{'n/a' if total is None else f'{total / aot.GiB:.3f} GiB'} per device of "
             f"{report['device_memory_bytes'] / aot.GiB:.0f} GiB, fits={report['fits']}, "
-            f"attention {report['attention_implementation']}, compiled in {report['compile_seconds']:.1f} s "
+            f"attention {_attention(report)}, compiled in {report['compile_seconds']:.1f} s "
             f"-> {os.path.join(_OUT.value, 'compile.json')}")
+
+
+def _attention(report) -> str:
+    """The report's kernel, and under context parallelism its strategy (a ring's blocks are
+    computed by ``ring_blocks``' block math, whatever kernel the layers name)."""
+    text = str(report["attention_implementation"])
+    if report.get("context_strategy"):
+        blocks = f", blocks by {report['ring_blocks']}'s block math" if report.get("ring_blocks") else ""
+        text += (f" (context strategy {report['context_strategy']}{blocks}, "
+                 f"load-balanced {report.get('load_balanced')})")
+    return text
 
 
 def _search(target, remats, start, max_compiles):

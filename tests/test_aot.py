@@ -298,3 +298,18 @@ def test_building_tpu_devices_prints_no_libtpu_error_and_writes_no_tpu_logs():
     logs = "/tmp/tpu_logs"  # libtpu's own default, not under TMPDIR; its files end in the pid
     mine = [n for n in (os.listdir(logs) if os.path.isdir(logs) else []) if n.endswith(f".{out['pid']}")]
     assert not mine, mine
+
+
+@needs_libtpu
+def test_a_ring_run_is_reported_with_its_strategy_and_the_kernel_of_its_blocks(tmp_path):
+    """compile.json said only attention_implementation 'xla' for a ring run, whose blocks run
+    flash's block math; it now names the strategy, the balancing and the blocks' kernel."""
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke", "--config.seq_len=128",
+                 "--config.global_batch_size=2", "--config.mesh.data=1", "--config.mesh.context=4",
+                 "--config.context_strategy=ring", "--target", "v5e-4", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert (report["context_strategy"], report["load_balanced"], report["ring_blocks"]) == ("ring", False, "flash")
+    assert "context strategy ring, blocks by flash's block math" in proc.stdout
+    assert "| context parallelism | strategy ring, load-balanced False, each block computed by flash's block math |" \
+        in (tmp_path / "compile.md").read_text()
