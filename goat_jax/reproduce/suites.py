@@ -50,6 +50,9 @@ class LMVariant:
     # fields changed at evaluation time (e.g. RoPE evaluated with a frequency rescaling).
     trained_as: str = ""
     eval_overrides: dict = dataclasses.field(default_factory=dict)
+    # False: an LM row only, with no retrieval models of its own (e.g. a comparison that the
+    # protocol judges on perplexity alone, where retrieval runs would be compute for no check).
+    retrieval: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +181,15 @@ _DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples
 
 
 def _layout_rows() -> tuple[LMVariant, ...]:
-    """GOAT trained in bf16 compute with each q/k layout, at head dim 32 and 64."""
+    """GOAT trained in bf16 compute with each q/k layout, at head dim 32 and 64: LM rows only
+    (the protocol judges perplexity)."""
     bf16 = {"model.dtype": "bfloat16"}
     h64 = {"model.num_heads": 2, "model.kv_num_heads": 2}
     lane = {"model.qk_layout": "lane_aligned"}
-    return (LMVariant("goat+bf16", "goat", bf16),
-            LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}),
-            LMVariant("goat+bf16+h64", "goat", {**bf16, **h64}),
-            LMVariant("goat+bf16+h64+lane_aligned", "goat", {**bf16, **h64, **lane}))
+    return (LMVariant("goat+bf16", "goat", bf16, retrieval=False),
+            LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}, retrieval=False),
+            LMVariant("goat+bf16+h64", "goat", {**bf16, **h64}, retrieval=False),
+            LMVariant("goat+bf16+h64+lane_aligned", "goat", {**bf16, **h64, **lane}, retrieval=False))
 
 
 SUITES = {
@@ -385,6 +389,8 @@ def _retrieval_variant_rows(suite: Suite, root: str, task: str, encodings: list[
     trained = set(encodings) | {v.label for v in rows if not v.trained_as and not v.spec}
     jobs = []
     for v in rows:
+        if not v.retrieval:
+            continue
         if v.spec and v in suite.retrieval_rows:
             raise ValueError(f"retrieval_rows {v.label!r}: spec={v.spec!r}; a retrieval row is the suite's "
                              "retrieval config with overrides (or an evaluated-with row), not a config of its own.")
