@@ -155,7 +155,8 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     # The LM variants' rows of the default retrieval tables: each variant made of model
     # overrides (trained) or evaluated on a trained row, per task; one with its own LM config has none.
     # Then the retrieval-only rows (FoX with gate bias 5, GOAT evaluated with the linear sink).
-    variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.trained_as or not v.spec)
+    # The bf16 layout rows are LM rows only (LMVariant.retrieval=False).
+    variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.retrieval and (v.trained_as or not v.spec))
                                            + len(tiny.retrieval_rows))
     assert variant_retrieval == 2 * 8
     one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
