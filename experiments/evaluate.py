@@ -7,7 +7,8 @@
 Each ``--workdir`` is a run of ``experiments.train`` (its ``config.json`` and checkpoints); the
 label of a run is its position encoding unless ``--label`` names them (labels are unique: two
 runs of one encoding are told apart by their workdir names; repeated ``--label`` is an error). Results go to
-``OUT/results.json`` (default OUT: ``WORKDIR_eval``; all numbers), ``OUT/results.md`` (one table per evaluation, runs side by
+``OUT/results.json`` (default OUT: ``WORKDIR_eval``; all numbers, and per run its ``setup``: ``--mesh_context``
+and the context strategy the windows were split with), ``OUT/results.md`` (one table per evaluation, runs side by
 side) and one PNG per evaluation, runs as lines (NIAH: one heatmap per run).
 
 Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
@@ -206,14 +207,15 @@ def replace_results(staging: str, out: str) -> None:
     os.rmdir(staging)
 
 
-def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> None:
+def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int],
+                  setups: Optional[dict[str, dict[str, Any]]] = None) -> None:
     """After an evaluation failed: writes the evaluations that finished before it (``results``,
     ``{label: {eval: result}}``, the failed one absent) to ``out`` as a full run would, and logs
     what was kept, so an hour of finished work is not lost to the last evaluation's error."""
     finished = {label: r for label, r in results.items() if r}
     if not finished:
         return
-    runs.write_outputs(finished, out, {k: train_lens[k] for k in finished})
+    runs.write_outputs(finished, out, {k: train_lens[k] for k in finished}, setups)
     cli.log(f"kept the evaluations that finished before the error in {out}/results.json: "
             + "; ".join(f"{label}: {', '.join(r)}" for label, r in finished.items()))
 
@@ -334,7 +336,7 @@ def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, di
                       lm_eval_options) -> dict[str, Any]:
     """Evaluates each ``--workdir`` (language, DNA runs) and writes the results into ``dest``;
     after an error, writes the evaluations that finished (:func:`keep_finished`) and raises."""
-    results, train_lens = {}, {}
+    results, train_lens, setups = {}, {}, {}
     for workdir, label in zip(args.workdir, labels):
         # Each window split over --mesh_context devices (1: the run on one device, unchanged).
         run = context.on_mesh(lm_run.swap_encoding(lm_run.load_lm_run(workdir), **swap), args.mesh_context)
@@ -342,6 +344,7 @@ def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, di
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": dna_lengths}
         train_lens[label] = run.train_len
+        setups[label] = context.setup(run.config, args.mesh_context)
         results[label] = {}  # filled as each evaluation finishes
         try:
             runs.evaluate_run(run, evals, mults, stride=args.stride, num_examples=args.num_examples,
@@ -350,9 +353,9 @@ def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, di
                               lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label},
                               into=results[label])
         except Exception:
-            keep_finished(results, dest, train_lens)
+            keep_finished(results, dest, train_lens, setups)
             raise
-    print(runs.write_outputs(results, dest, train_lens))
+    print(runs.write_outputs(results, dest, train_lens, setups))
     return results
 
 

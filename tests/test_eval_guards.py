@@ -101,6 +101,7 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
 
 class _FakeRun:
     step, train_len = 3, 32
+    config = ml_collections.ConfigDict({"context_strategy": "all_gather"})
 
 
 @pytest.mark.parametrize("interrupt", [False, True])
@@ -122,7 +123,7 @@ def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, monk
             raise KeyboardInterrupt
         into["sinks"] = {"mass": 0.5}
 
-    def write_outputs(results, folder, train_lens):
+    def write_outputs(results, folder, train_lens, setups=None):
         os.makedirs(folder, exist_ok=True)
         (open(os.path.join(folder, "results.json"), "w")).write(json.dumps(results))
         (open(os.path.join(folder, "results.md"), "w")).write("second evaluation")

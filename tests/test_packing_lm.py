@@ -146,7 +146,8 @@ def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_
     with pytest.raises(RuntimeError, match="documents evaluation failed"):
         evaluate.main([*flags, "--evals", "extrapolation,documents", "--out", str(kept)])
     saved = json.load(open(kept / "results.json"))
-    assert list(saved) == [label] and list(saved[label]) == ["extrapolation"]
+    assert list(saved) == [label] and list(saved[label]) == ["setup", "extrapolation"]
+    assert saved[label]["setup"] == {"mesh_context": 1, "context_strategy": None}
     assert "Perplexity by evaluation length" in open(kept / "results.md").read()
 
 

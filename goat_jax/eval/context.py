@@ -107,6 +107,14 @@ def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> 
     return dataclasses.replace(run, params=params, mesh=mesh)
 
 
+def setup(config: Any, context: int) -> dict:
+    """What results.json records of how a run was evaluated: ``mesh_context`` (``--mesh_context``)
+    and the ``context_strategy`` attention crossed the shards with (the run's own; None when each
+    window is on one device). Windows are scored in natural order, never load-balanced."""
+    return {"mesh_context": int(context),
+            "context_strategy": validation.context_settings(config)[1] if context > 1 else None}
+
+
 def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], jax.Array]:
     """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
     ``mesh``'s ``context`` axis by the logical rules of ``config`` (a run's: its

@@ -346,13 +346,17 @@ def table(rows: dict[str, dict[int, Optional[float]]], *, pct: bool = False,
     return "\n".join(lines)
 
 
-def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> str:
+def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int],
+                  setups: Optional[dict[str, dict[str, Any]]] = None) -> str:
     """Writes ``results.json``, ``results.md`` and the PNGs of ``{label: {eval: result}}``
-    into ``out``; returns the markdown."""
+    into ``out``; returns the markdown. ``setups``: per label, how it was evaluated
+    (:func:`goat_jax.eval.context.setup`), written as the label's ``setup`` entry in results.json."""
     from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top  # matplotlib: on use
     os.makedirs(out, exist_ok=True)
+    setups = setups or {}
+    written = {k: ({"setup": setups[k], **r} if k in setups else r) for k, r in results.items()}
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=float)
+        json.dump(written, f, indent=1, default=float)
     md = []
     train_len = next(iter(train_lens.values()), None)
     ext = {k: r["extrapolation"] for k, r in results.items() if "extrapolation" in r}
