@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+from goat_jax.data import synthetic
 from goat_jax.train import run as run_lib
 
 # Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
@@ -56,13 +57,11 @@ def passkey_lengths(config, multipliers: Sequence[int],
     task), which needs the needle and the query, or 'standard' (the Landmark prompt), which needs
     the fixed task text, needle and question (~280 bytes). Shorter lengths cannot hold the
     prompt and are skipped."""
-    from goat_jax.data import synthetic  # pylint: disable=g-import-not-at-top  # on use
-
     if variant is None:
-        variant = "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+        variant = "synthetic" if synthetic.is_synthetic(config) else "standard"
     lengths = [int(m * int(config.seq_len)) for m in multipliers]
     if variant == "synthetic":
-        key_len = int(config.data.get("key_len", 8))
+        key_len = int(synthetic.SYNTHETIC.value(config.data, "key_len"))
         shortest = 1 + len(synthetic.PASSKEY_NEEDLE) + len(synthetic.PASSKEY_QUERY) + 2 * key_len
     else:
         shortest = synthetic.passkey_prompt_length(key=synthetic.PASSKEY_MAX_KEY)

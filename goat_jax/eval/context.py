@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from goat_jax.data import synthetic
 from goat_jax.kernels import balance
 from goat_jax.train import sharding, validation
 
@@ -54,7 +55,7 @@ UNSPLIT = {
 
 
 def _passkey_variant(config: Any) -> str:
-    return "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+    return "synthetic" if synthetic.is_synthetic(config) else "standard"
 
 
 def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: Sequence[int], context: int, *,

@@ -21,10 +21,12 @@ import numpy as np
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Field, Int
 from goat_jax.data import synthetic, text
+from goat_jax.data.synthetic import is_synthetic
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
 from goat_jax.train import tasks
+from goat_jax.train import validation
 
 Batch = tasks.Batch
 
@@ -48,11 +50,6 @@ def model_config(config, task: str = "lm") -> lm.LMConfig:
 def build_model(config):
     """The ``config.model`` LM (``decode=False``)."""
     return lm.TransformerLM(model_config(config))
-
-
-def is_synthetic(config) -> bool:
-    """Whether ``config.data`` selects the synthetic generators rather than text."""
-    return config.data.get("source") == "synthetic"
 
 
 # cuDNN takes half-precision inputs only: a float32 model runs 'flash' even on a GPU.
@@ -87,7 +84,8 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
     extra = {}
-    bound = document_bound(config, jax.devices()[0].platform, int(config.mesh.get("context", 1) or 1))
+    context = int(validation.ENGINE["mesh"].value(config.get("mesh"), "context"))
+    bound = document_bound(config, jax.devices()[0].platform, context)
     if bound is not None:  # the packer starts a new row rather than exceed it
         extra["max_documents"] = bound
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets
