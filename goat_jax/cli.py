@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from goat_jax import _extras
+from goat_jax.train import lock as lock_lib
 from goat_jax.train import run as run_lib
 
 DEBUG_ENV = "GOAT_DEBUG"
@@ -130,9 +131,11 @@ def workdir_cleanup(workdir: str) -> Iterator[None]:
     """Removes what the block created for ``workdir`` when it fails with a config or input error
     (not a non-finite loss: its metrics say what happened) and saved no new checkpoint: a
     workdir that did not exist, with the parent folders created for it; in a workdir that
-    existed, exactly the entries that were not there before (``config.json``, ``.lock``, an
-    empty ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ...), never one that was. So a
-    refused run leaves the disk as it found it (docs/training.md). An error that says the
+    existed, exactly the entries that were not there before (``config.json``, an empty
+    ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ...), never one that was, and never
+    the lock files (``.lock``, ``.lock.<i>``): goat_jax/train/lock.py keeps them, since a lock
+    file deleted after its lock is released lets two later trainers lock two different files. So
+    a refused run leaves the disk as it found it but for the lock (docs/training.md). An error that says the
     workdir belongs to another process (``keeps_workdir``, e.g. the workdir lock's) removes
     nothing."""
     full = os.path.abspath(workdir)
@@ -147,6 +150,8 @@ def workdir_cleanup(workdir: str) -> Iterator[None]:
                 and os.path.isdir(full) and _checkpoint_steps(full) <= steps:
             if existed:
                 for name in set(os.listdir(full)) - before:
+                    if name == lock_lib.LOCK_FILE or name.startswith(lock_lib.LOCK_FILE + "."):
+                        continue
                     path = os.path.join(full, name)
                     if os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path, ignore_errors=True)

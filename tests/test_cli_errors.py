@@ -241,5 +241,5 @@ def test_a_refused_run_removes_what_it_created_and_only_that(tmp_path):
     for workdir in (existing, nested):
         line = _one_line_error(_train(workdir, "--config.data.paths=/nonexistent/corpus.txt"))
         assert "matches no files" in line
-    assert sorted(os.listdir(existing)) == ["notes.txt", "tensorboard"]
+    assert sorted(os.listdir(existing)) == [".lock", "notes.txt", "tensorboard"]  # the lock stays (lock.py)
     assert sorted(os.listdir(tmp_path)) == ["existing"]

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.config_helpers import run_compile_only
+from tests.marks import SLOW_CASE
 
 _SCRIPT = """
 import runpy, sys
@@ -148,7 +149,7 @@ def test_ctrl_c_stops_a_compile_at_once_with_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("where", ["workdir", "checkpoints", "below"])
+@pytest.mark.parametrize("where", ["workdir", pytest.param("checkpoints", marks=SLOW_CASE), "below"])
 def test_an_out_inside_a_run_workdir_is_refused_as_evaluate_refuses_it(tmp_path, where):
     """--out was accepted inside a run's workdir (and wrote beside its checkpoints); evaluate
     refused such an --out. One check now serves both."""

@@ -114,7 +114,8 @@ def test_the_cleanup_removes_the_entries_a_refused_run_added_and_the_parents_it_
                 raise error
 
     refused(old)
-    assert sorted(os.listdir(old)) == ["checkpoints", "notes.txt"] and os.listdir(old / "checkpoints") == ["5"]
+    # The lock file stays (goat_jax/train/lock.py: deleting it would let two trainers lock two files).
+    assert sorted(os.listdir(old)) == [".lock", "checkpoints", "notes.txt"] and os.listdir(old / "checkpoints") == ["5"]
     refused(tmp_path / "a" / "b" / "run")
     assert sorted(os.listdir(tmp_path)) == ["old"]
     refused(old, checkpoint="10")
