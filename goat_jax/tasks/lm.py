@@ -22,6 +22,7 @@ from goat_jax.data import synthetic, text
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 
 Batch = tasks.Batch
@@ -45,7 +46,7 @@ def model_config(config, task: str = "lm") -> lm.LMConfig:
 
 def build_model(config):
     """The ``config.model`` LM (``decode=False``)."""
-    return lm.TransformerLM(model_config(config))
+    return lm.TransformerLM(model_config(config), plan=AttentionPlan.from_config(config))
 
 
 def is_synthetic(config) -> bool:
@@ -59,9 +60,10 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
     extra = {}
-    if not is_synthetic(config) and model_config(config).implementation in (None, "cudnn"):
+    bound = AttentionPlan.from_config(config).document_bound()
+    if not is_synthetic(config) and bound is not None:
         # cuDNN's packed layout may run these rows (GPUs): check its bound on the host.
-        extra["max_documents"] = model_config(config).max_documents_per_row
+        extra["max_documents"] = bound
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets
     train, make_eval, tokenizer = make(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,
