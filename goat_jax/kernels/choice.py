@@ -28,7 +28,7 @@ import jax
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels import strategies
+from goat_jax.kernels import ring, strategies
 from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.targets import chips
 
@@ -53,10 +53,36 @@ def record_choices() -> Iterator[list]:
         _choices.remove(found)
 
 
-def _record(choice: str, req: caps.Request) -> str:
+def context_plan(implementation: str, mesh: Any, plan: AttentionPlan) -> dict:
+    """How attention with ``implementation`` on ``mesh`` under ``plan`` crosses the context axis,
+    for the log line and the compile report: ``{}`` when the sequence is not split; else
+    ``context_strategy``, ``context_shards``, ``load_balanced`` and, for a ring, ``ring_blocks``:
+    the kernel whose block math computes its blocks (a ring under 'xla' runs flash's)."""
+    shards = mesh_lib.context_shards(mesh, plan.context_axis)
+    if shards <= 1:
+        return {}
+    found = {"context_strategy": plan.context_strategy, "context_shards": shards,
+             "load_balanced": plan.load_balanced}
+    if plan.context_strategy == ring.NAME:
+        found["ring_blocks"] = ring.block_kernel(implementation)
+    return found
+
+
+def describe_context(plan: dict) -> str:
+    """One phrase naming the strategy of :func:`context_plan` (``''`` without one)."""
+    if not plan:
+        return ""
+    text = (f"context strategy '{plan['context_strategy']}' over {plan['context_shards']} devices, "
+            f"{'load-balanced' if plan['load_balanced'] else 'not load-balanced'}")
+    if "ring_blocks" in plan:
+        text += f", each block computed by {plan['ring_blocks']}'s block math"
+    return text
+
+
+def _record(choice: str, req: caps.Request, plan: dict) -> str:
     for found in _choices:
         found.append({"implementation": choice, "qk_dim": req.qk_dim, "dtype": req.dtype,
-                      "platform": req.platform, "devices_from": req.where})
+                      "platform": req.platform, "devices_from": req.where, **plan})
     return choice
 
 
@@ -221,13 +247,20 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **strategy_features(mesh, plan))
     if implementation is None or implementation == "auto":
         name, why = _automatic(req, logits_shape, mesh, plan)
-        log_once(f"goat_jax: attention implementation '{name}' ({why}; devices from {req.where}).")
-        return Choice(_record(name, req), req, mesh)
+        context = context_plan(name, mesh, plan)
+        # A ring leads the line: its blocks, not the named kernel, are what runs.
+        lead = f"{describe_context(context)}; implementation" if "ring_blocks" in context else "implementation"
+        tail = f"; {describe_context(context)}" if context and "ring_blocks" not in context else ""
+        log_once(f"goat_jax: attention {lead} '{name}' ({why}; devices from {req.where}){tail}.")
+        return Choice(_record(name, req, context), req, mesh)
     caps.check_name(implementation, automatic=True)
     why = caps.refusal(implementation, req)
     if why is not None:
         raise ValueError(why)
-    return Choice(_record(implementation, req), req, mesh)
+    context = context_plan(implementation, mesh, plan)
+    if context:  # an explicit kernel needs no reason, but how it crosses the shards is news
+        log_once(f"goat_jax: attention implementation '{implementation}' (explicit); {describe_context(context)}.")
+    return Choice(_record(implementation, req, context), req, mesh)
 
 
 def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
