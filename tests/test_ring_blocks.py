@@ -104,3 +104,47 @@ def test_splash_ring_blocks_every_combination():
              for seg in (False, True) for pad in (False, True) for kh in ((2,) if seg == pad else (1, 4))]
     cases += [["splash_interpret", 4, False, True, True, 4, 2, False], ["cudnn_stand_in", 8, True, False, False, 4, 2, True]]
     _run(cases, timeout=3000)
+
+
+class _Device:
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+def _context_mesh(platform: str, kind: str):
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType  # pylint: disable=g-import-not-at-top
+    return AbstractMesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2,
+                        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform=platform))
+
+
+def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatch, caplog):
+    """Under context_strategy='ring' on a compile-only TPU mesh the automatic choice is splash; on
+    a GPU (an H200 here) cuDNN, except with packed documents, which go to flash with cuDNN's reason
+    logged; an explicit cuDNN with segment ids is refused in one line; 'dense' is refused."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    from goat_jax import kernels
+    from goat_jax.kernels import balance
+
+    shape = (1, 8, 4096, 4096)
+    tpu = _context_mesh("tpu", "TPU v5p")
+    with balance.context_strategy("ring"), jax.sharding.use_abstract_mesh(tpu):
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape, segments=True) == "splash"
+        assert kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape, segments=True) == "splash"
+        with pytest.raises(ValueError, match=r"^implementation='dense' cannot take context_strategy='ring'[^\n]*$"):
+            kernels.resolve_implementation("dense", jnp.float32, 66, shape)
+    gpu = _context_mesh("gpu", "NVIDIA H200")
+    monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", _Device("NVIDIA H200")))
+    caplog.set_level(logging.INFO, logger="goat_jax")
+    with balance.context_strategy("ring"):
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu) == "cudnn"
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "flash"
+        assert any("cuDNN ring blocks run the plain causal" in r.getMessage() for r in caplog.records)
+        with pytest.raises(ValueError, match=r"^implementation='cudnn' cannot take segment ids or key padding under "
+                                             r"context_strategy='ring': [^\n]*$"):
+            kernels.resolve_implementation("cudnn", jnp.bfloat16, 72, shape, mesh=gpu, segments=True)
+    # Without ring, nothing changed: cuDNN's packed layout on Hopper.
+    assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "cudnn"

@@ -25,12 +25,14 @@ CUDNN_SEGMENTS_WHY = ("segment ids run on cuDNN's packed layout (goat_jax/kernel
 CUDNN_RAGGED_WHY = ("cuDNN's packed layout aligns each query document with the key document of the same index, "
                     "top-left: it expresses packed self-attention only (with context parallelism, each shard's "
                     "queries would start inside a document); use 'flash'")
-FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring")
+FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring",
+            "ring_masks")
 FEATURE_NAMES = {"segment_ids": "segment ids",
                  "ragged_segments": "segment ids with key padding, kv lengths, a causal offset or cross-attention",
                  "bias": "an additive bias", "traced_offset": "a traced causal offset",
                  "window": "a sliding window", "return_probs": "return_probs",
-                 "ring": "context_strategy='ring'"}  # as the messages say them
+                 "ring": "context_strategy='ring'",
+                 "ring_masks": "segment ids or key padding under context_strategy='ring'"}  # as the messages say them
 HOPPER = (9, 0)  # GPU compute capability of H100 / H200
 
 
@@ -58,35 +60,43 @@ class Capability:
 
 _NO_BIAS = "flash kernels take packed q/k instead of an additive bias"
 _NO_PROBS = "only 'dense' materializes the attention probabilities"
-_NO_RING = ("ring attention merges blocks by their log-sum-exp and runs the flash kernel's block math for "
-            "'flash' and 'xla' (goat_jax/kernels/ring.py); use implementation='flash' or context_strategy='all_gather'")
+_NO_RING = ("ring attention merges blocks by their log-sum-exp, which 'dense' does not return (ring blocks run on "
+            "flash, splash or cuDNN: goat_jax/kernels/ring_blocks.py); use implementation='flash' or "
+            "context_strategy='all_gather'")
+# Why cuDNN ring blocks take no segment ids or key padding (said by the automatic choice's log line).
+CUDNN_RING_MASKS_WHY = ("cuDNN ring blocks run the plain causal / unmasked calls per block pair; the packed layout "
+                        "would be exact only on the diagonal pair (a document's query and key ranges coincide there) "
+                        "and key padding has no per-pair form here, so packed documents and padding run the ring on "
+                        "'flash' blocks")
 _NO_WINDOW = "the sliding-window hook (goat_jax.kernels.local_window) is for the materializing kernels 'xla' and 'dense'"
 
 CAPABILITIES: Dict[str, Capability] = {row.name: row for row in (
     Capability("xla", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window",
-                                                 "ring"),
+                                                 "ring", "ring_masks"),
                {"return_probs": _NO_PROBS},
                "jax.nn.dot_product_attention's XLA path: materializes the T x S logits"),
-    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring"),
+    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring",
+                                                   "ring_masks"),
                {"bias": _NO_BIAS, "window": _NO_WINDOW, "return_probs": _NO_PROBS},
                "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
                "masked blocks skipped (goat_jax/kernels/flash.py)"),
-    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("segment_ids", "traced_offset"),
+    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("segment_ids", "traced_offset", "ring"),
                {"segment_ids": CUDNN_SEGMENTS_WHY, "ragged_segments": CUDNN_RAGGED_WHY,
                 "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); "
-                "use 'xla'", "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
+                "use 'xla'", "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring_masks": CUDNN_RING_MASKS_WHY},
                "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
                "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
                needs_capability={"segment_ids": HOPPER}),
-    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
+    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids", "ragged_segments", "ring", "ring_masks"),
                {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
                 "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
-                "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
+                "window": _NO_WINDOW, "return_probs": _NO_PROBS},
                "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)"),
-    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
+    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids", "ragged_segments", "ring",
+                                                                 "ring_masks"),
                {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
                 "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
-                "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
+                "window": _NO_WINDOW, "return_probs": _NO_PROBS},
                "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)"),
     Capability("dense", ANY, None, None, 1, 1, 0, tuple(f for f in FEATURES if f != "ring"), {"ring": _NO_RING},
                "the materialized float32 reference (and the only kernel returning probabilities)"),
@@ -213,7 +223,8 @@ def markdown_table() -> str:
     head = ["kernel", "platforms", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
     short = {"segment_ids": "segment ids", "ragged_segments": "segment ids + padding / offset / cross",
              "bias": "additive bias", "traced_offset": "traced causal offset", "window": "sliding window",
-             "return_probs": "probabilities", "ring": "ring context parallelism"}
+             "return_probs": "probabilities", "ring": "ring context parallelism",
+             "ring_masks": "ring with segment ids / padding"}
     head += [short[f] for f in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in CAPABILITIES.values():

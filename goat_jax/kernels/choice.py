@@ -181,8 +181,9 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
             if name == "cudnn":
                 padded = caps.padded_head_dim(caps.CAPABILITIES[name], req.qk_dim)
                 packed = ", segment ids on cuDNN's packed layout" if "segment_ids" in req.features else ""
-                return name, f"GPU, {req.dtype}, packed head dim {padded}{packed}"
-            return name, req.platform.upper()
+                ring = ", ring blocks on cuDNN" if "ring" in req.features else ""
+                return name, f"GPU, {req.dtype}, packed head dim {padded}{packed}{ring}"
+            return name, req.platform.upper() + (", ring blocks on splash" if "ring" in req.features else "")
         reasons.append(f"{req.platform.upper()}, but {skip}" if name == "splash" else skip)
     logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
     big = logits_bytes > FLASH_THRESHOLD_BYTES
@@ -217,8 +218,9 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
       ValueError naming the reason when an explicit choice cannot run.
     """
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
+    ring_on = ring_active(mesh)
     req = request(dtype, qk_dim, like=like, mesh=mesh, segment_ids=segments, ragged_segments=ragged_segments,
-                  bias=bias, traced_offset=decoding, ring=ring_active(mesh))
+                  bias=bias, traced_offset=decoding, ring=ring_on, ring_masks=ring_on and (segments or ragged_segments))
     if implementation is None or implementation == "auto":
         choice, why = _automatic(req, logits_shape, mesh)
         log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")

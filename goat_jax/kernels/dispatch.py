@@ -126,7 +126,9 @@ def attend(
     request = choice.request(q.dtype, q.shape[-1], like=(q,), mesh=mesh, segment_ids=mask.segments is not None,
                              ragged_segments=mask.ragged_segments, bias=bias is not None,
                              traced_offset=not mask.static_offset, window=mask.window is not None,
-                             return_probs=return_probs, ring=ring_on)
+                             return_probs=return_probs, ring=ring_on,
+                             ring_masks=ring_on and (mask.segments is not None or mask.key_padding is not None
+                                                     or mask.kv_lengths is not None))
     refusal = caps.refusal(implementation, request)
     if refusal is not None:
         raise ValueError(refusal)

@@ -18,16 +18,14 @@ dK/dV accumulators, each device adds its queries' contribution to the block it h
 ``c`` hops every accumulator is back at its owner; dQ stays local. Only the local q/k/v, the
 output and its log-sum-exp are saved: nothing of size T.
 
-Per-block attention is the flash kernel's block math (:mod:`goat_jax.kernels.flash`:
-``block_forward`` / ``block_backward``, which return and take the log-sum-exp), for
-``implementation='flash'`` and ``'xla'`` alike: the merge needs each block's log-sum-exp and its
-backward needs the global one, which ``jax.nn.dot_product_attention`` (XLA or cuDNN) does not
-give with gradients, and splash's residuals would need its backward kernels driven by a global
-log-sum-exp (not done: splash and cuDNN are refused under ring, from the capability table; on
-TPU and GPU the ring runs the flash block math, compiled by XLA). Under load balancing
-(:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk pairs;
-a pair whose keys all lie after its queries is skipped by the flash loops' causal trip counts, so
-every device does the same work.
+Per-block attention is one of the block kernels of :mod:`goat_jax.kernels.ring_blocks`, chosen
+by ``implementation``: splash kernels ('splash', 'splash_interpret'), cuDNN's fused calls
+('cudnn'), else the flash kernel's block loops ('flash', 'xla'). Each returns its block's
+log-sum-exp for the merge, and its backward takes the global output and log-sum-exp. Under load
+balancing (:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk
+pairs: a device's late chunk against another's early chunk is always full, its early chunk against
+a late one always empty (skipped), and the other two depend on the step (the flash loops' causal
+trip counts, or a switch over the fused kernels' static masks), so every device does the same work.
 """
 
 from __future__ import annotations
