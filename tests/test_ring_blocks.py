@@ -4,7 +4,9 @@ the float64 reference, values and gradients: splash kernels in interpret mode
 the global output and log-sum-exp), and the cuDNN blocks' arithmetic through a pure-JAX stand-in
 of jax's private cuDNN calls (tests/cudnn_stand_in.py). Cases: context shards c = 2, 4, 8,
 load-balanced or not, segment ids, key padding, GQA / MQA, v narrower than q/k, causal or not.
-Splash runs whole 128-token blocks, so every run here is one block (interpret mode is slow)."""
+Splash runs whole 128-token blocks, so every run here is one block (interpret mode is slow).
+Also: the automatic choice under ring on TPU / GPU targets, and (slow) the tiny LM with packed
+documents trained under ring on splash blocks with the losses of one device."""
 
 import json
 
