@@ -18,8 +18,9 @@ L queries over 2L keys with the causal offset L.
 Numerics (bf16 inputs) of the merged output and dq, dk, dv against the float64 reference
 (tests/goat_reference.py) at a small L; timings (forward + backward, median wall ms) at local
 blocks of 16k, 64k and 128k tokens, each row skipped when the time budget is spent. ``--dry_run``
-(CPU) runs the same code at tiny sizes with the cuDNN calls replaced by the pure-JAX stand-in of
-tests/cudnn_stand_in.py, so only the plumbing is rehearsed there.
+(CPU) runs the same code at tiny sizes with the cuDNN calls replaced by a pure-JAX stand-in
+(tests/cudnn_stand_in.py, handed in by the command as ``stand_in``, as is the float64 reference),
+so only the plumbing is rehearsed there.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ N, H = 8, 64  # heads, head dim
 NUMERIC_TOLERANCE = 2e-2  # bf16, relative to the largest entry (device_check's bar)
 
 
-def _blocks(name: str, dry_run: bool, length: int):
+def _blocks(name: str, stand_in, length: int):
+    """The ring blocks ``name`` ('flash' or 'cudnn'; cuDNN through ``stand_in`` when given)."""
     from goat_jax.kernels import cudnn, ring_blocks  # pylint: disable=g-import-not-at-top
 
     if name == "flash":
         return ring_blocks.FlashBlocks(min(512, length))
-    if dry_run:
-        from tests import cudnn_stand_in  # pylint: disable=g-import-not-at-top
-        return ring_blocks.CudnnBlocks(cudnn_stand_in.calls, narrow_values=True)
+    if stand_in is not None:
+        return ring_blocks.CudnnBlocks(stand_in, narrow_values=True)
     return ring_blocks.CudnnBlocks(None, narrow_values=cudnn.narrow_values_supported())
 
 
@@ -98,29 +99,28 @@ def _inputs(length: int, dtype, seed: int):
     return tuple(jnp.asarray(rng.normal(size=(1, length, N, H)), dtype) for _ in range(6))
 
 
-def numerics_rows(length: int, dry_run: bool) -> List[List]:
-    """Each ring step's merged output and gradients (bf16) against the float64 reference."""
+def numerics_rows(length: int, reference, stand_in=None) -> List[List]:
+    """Each ring step's merged output and gradients (bf16) against the float64 reference
+    (``reference.attention_and_grads``, tests/goat_reference.py)."""
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    from tests import goat_reference as ref  # pylint: disable=g-import-not-at-top
-
     scale = H ** -0.5
     q, k0, v0, k1, v1, do = _inputs(length, jnp.bfloat16, 0)
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
-    want = ref.attention_and_grads(f64(q), np.concatenate([f64(k0), f64(k1)], 1), np.concatenate([f64(v0), f64(v1)], 1),
+    want = reference.attention_and_grads(f64(q), np.concatenate([f64(k0), f64(k1)], 1), np.concatenate([f64(v0), f64(v1)], 1),
                                    f64(do), scale=scale, is_causal=True, causal_offset=length)
     w_out, w_dq, w_dk, w_dv = want
     rows = []
     for name in ("cudnn", "flash"):
         try:
-            got = jax.jit(ring_step(_blocks(name, dry_run, length), length, scale))(q, k0, v0, k1, v1, do)
+            got = jax.jit(ring_step(_blocks(name, stand_in, length), length, scale))(q, k0, v0, k1, v1, do)
             out, dq, dk0, dv0, dk1, dv1 = (f64(x) for x in got)
             pairs = [(out, w_out), (dq, w_dq), (np.concatenate([dk0, dk1], 1), w_dk), (np.concatenate([dv0, dv1], 1), w_dv)]
             errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in pairs]
             ok = "ok" if max(errs) <= NUMERIC_TOLERANCE else "**FAIL**"
-            label = f"ring:{name}" + (" (pure-JAX stand-in)" if dry_run and name == "cudnn" else "")
+            label = f"ring:{name}" + (" (pure-JAX stand-in)" if stand_in is not None and name == "cudnn" else "")
             rows.append([label, length] + errs + [NUMERIC_TOLERANCE, ok])
         except Exception as err:  # noqa: BLE001 -- an unchecked machine: record, go on
             rows.append([f"ring:{name}", length] + [None] * 4
@@ -128,7 +128,7 @@ def numerics_rows(length: int, dry_run: bool) -> List[List]:
     return rows
 
 
-def timing_rows(lengths: List[int], repeats: int, deadline: float, dry_run: bool) -> List[List]:
+def timing_rows(lengths: List[int], repeats: int, deadline: float, stand_in=None) -> List[List]:
     """Forward + backward wall time of the ring step on cuDNN blocks, flash blocks and plain cuDNN."""
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -142,8 +142,8 @@ def timing_rows(lengths: List[int], repeats: int, deadline: float, dry_run: bool
             if time.time() > deadline:
                 rows.append([length, name, None, None, None, "skipped: time budget"])
                 continue
-            fn = (plain_step(length, scale, dry_run) if name == "plain:cudnn"
-                  else ring_step(_blocks(name.split(":")[1], dry_run, length), length, scale))
+            fn = (plain_step(length, scale, stand_in is not None) if name == "plain:cudnn"
+                  else ring_step(_blocks(name.split(":")[1], stand_in, length), length, scale))
             try:
                 compiled = jax.jit(fn).lower(*args).compile()
                 mem = compiled.memory_analysis()
@@ -164,17 +164,20 @@ def timing_rows(lengths: List[int], repeats: int, deadline: float, dry_run: bool
             ms = 1e3 * statistics.median(times)
             plain_ms = ms if name == "plain:cudnn" else plain_ms
             ratio = None if plain_ms is None else ms / plain_ms
-            note = "pure-JAX stand-in / XLA on CPU (dry run)" if dry_run and "cudnn" in name else ""
+            note = "pure-JAX stand-in / XLA on CPU (dry run)" if stand_in is not None and "cudnn" in name else ""
             rows.append([length, name, ms, ratio, mib, note])
     return rows
 
 
-def section(dry_run: bool, repeats: int, deadline: float) -> Tuple[List[str], List[str]]:
-    """The ring section's (numerics lines, timing lines) as markdown (device_check's tables)."""
-    from experiments.device_check import table  # pylint: disable=g-import-not-at-top
+NUMERICS_HEAD = ["step", "L", "out", "dq", "dk", "dv", "tolerance", "result"]
+TIMING_HEAD = ["local block L", "variant", "median wall ms", "x plain cuDNN", "compiled MiB", "note"]
 
-    numerics = numerics_rows(128 if dry_run else 2048, dry_run)
+
+def section(dry_run: bool, repeats: int, deadline: float, reference, stand_in=None) -> Tuple[List[List], List[List]]:
+    """The ring section's (numerics rows, timing rows) (columns :data:`NUMERICS_HEAD`,
+    :data:`TIMING_HEAD`): numerics at L = 2048 (dry: 128), timings at 16k, 64k, 128k (dry: 128,
+    256). ``reference``: tests/goat_reference.py; ``stand_in``: the cuDNN calls' stand-in
+    (``CudnnBlocks``'s ``calls``), required on CPU, None on a GPU (jax's private calls)."""
+    numerics = numerics_rows(128 if dry_run else 2048, reference, stand_in)
     lengths = [128, 256] if dry_run else [16384, 65536, 131072]
-    timing = timing_rows(lengths, repeats, deadline, dry_run)
-    return (table(["step", "L", "out", "dq", "dk", "dv", "tolerance", "result"], numerics),
-            table(["local block L", "variant", "median wall ms", "x plain cuDNN", "compiled MiB", "note"], timing))
+    return numerics, timing_rows(lengths, repeats, deadline, stand_in)
