@@ -158,13 +158,8 @@ class SplashBlocks:
         sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
         base = sm.CausalMask((run, run), offset=kind[1]) if kind[0] == "causal" else sm.FullMask((run, run))
-        return sk.make_splash_mqa_single_device(sm.MultiHeadMask([base] * heads), block_sizes=sizes,
+        return sk.make_splash_mha_single_device(sm.MultiHeadMask([base] * heads), block_sizes=sizes,
                                                 save_residuals=True, interpret=self.interpret)
-
-    def _each(self, fn, q, *rest, ids):
-        """``fn(q [G, R, H], *per-KV-head args, ids)`` mapped over the batch and the KV heads."""
-        per_head = jax.vmap(fn, in_axes=(0,) * (1 + len(rest)) + (None,))
-        return jax.vmap(per_head)(q, *rest, ids)
 
     def forward(self, scale, pair: Pair, q, k, v, valid, offset, q_ids, kv_ids):
         """The pair's (out float32, lse with -inf for rows that saw no key) (module doc)."""
@@ -172,21 +167,24 @@ class SplashBlocks:
 
         b, kh, g, r, _ = q.shape
         ids = _splash_ids(q_ids, kv_ids, valid)
-        qs = q * jnp.asarray(scale, q.dtype)  # splash does not scale q
+        # Splash does not scale q. Its MHA kernel takes K key heads for K * G query heads (query
+        # head n reads key head n // G, the ring's grouping), so [B, K, G, R, H] is only reshaped.
+        qs = (q * jnp.asarray(scale, q.dtype)).reshape(b, kh * g, r, -1)
 
         def branch(kind):
             def run_kind(qs, k, v, ids):
                 if kind[0] == "empty":
                     return (jnp.zeros(q.shape[:-1] + v.shape[-1:], jnp.float32),
                             jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
-                kernel = self._kernel(kind, g, r)
+                kernel = self._kernel(kind, kh * g, r)
 
                 def one(qh, kh_, vh, seg):
                     seg = None if seg is None else sk.SegmentIds(q=seg[0], kv=seg[1])
                     out, (lse,) = kernel(qh, kh_, vh, segment_ids=seg)
                     return out.astype(jnp.float32), lse
 
-                return self._each(one, qs, k, v, ids=ids)
+                out, lse = jax.vmap(one)(qs, k, v, ids)
+                return out.reshape(b, kh, g, r, -1), lse.reshape(b, kh, g, r)
             return run_kind
 
         options = kinds(pair)
@@ -205,29 +203,29 @@ class SplashBlocks:
 
         b, kh, g, r, _ = q.shape
         ids = _splash_ids(q_ids, kv_ids, valid)
-        qs = q * jnp.asarray(scale, q.dtype)
-        out = out.astype(v.dtype)
-        do = do.astype(v.dtype)
+        heads = lambda x: x.reshape((b, kh * g) + x.shape[3:])  # [B, K, G, R, ...] -> [B, N, R, ...]
+        qs = heads(q * jnp.asarray(scale, q.dtype))
+        out, lse, do = heads(out.astype(v.dtype)), heads(lse), heads(do.astype(v.dtype))
 
         def branch(kind):
             def run_kind(qs, k, v, out, lse, do, ids):
                 if kind[0] == "empty":
                     return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
                             jnp.zeros(v.shape, jnp.float32))
-                kernel = self._kernel(kind, g, r)
+                kernel = self._kernel(kind, kh * g, r)
                 kw = kernel.kwargs
 
                 def one(qh, kh_, vh, oh, lh, doh, seg):
                     seg = None if seg is None else sk.SegmentIds(q=seg[0], kv=seg[1])
                     res = (qh, kh_, vh, seg, None, oh, lh, kernel.dq_mask_info, kernel.dkv_mask_info)
                     grads = sk._splash_attention_bwd(  # pylint: disable=protected-access
-                        False, kw["mask_value"], True, kw["block_sizes"], None, kw["mask_function"],
+                        False, kw["mask_value"], False, kw["block_sizes"], None, kw["mask_function"],
                         kw["attn_logits_soft_cap"], self.interpret, res, doh)
                     dq, dk, dv = grads[3:6]
                     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
-                per_head = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None))
-                return jax.vmap(per_head)(qs, k, v, out, lse, do, ids)
+                dq, dk, dv = jax.vmap(one)(qs, k, v, out, lse, do, ids)
+                return dq.reshape(q.shape), dk, dv
             return run_kind
 
         options = kinds(pair)
