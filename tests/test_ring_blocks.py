@@ -134,17 +134,19 @@ def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatc
 
     shape = (1, 8, 4096, 4096)
     tpu = _context_mesh("tpu", "TPU v5p")
-    with balance.context_strategy("ring"), jax.sharding.use_abstract_mesh(tpu):
+    with balance.context_strategy("ring"), jax.sharding.use_abstract_mesh(tpu), kernels.record_choices() as found:
         assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape, segments=True) == "splash"
+        assert found[0]["ring_blocks"] == "splash"  # what compile.json reports
         assert kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape, segments=True) == "splash"
         with pytest.raises(ValueError, match=r"^implementation='dense' cannot take context_strategy='ring'[^\n]*$"):
             kernels.resolve_implementation("dense", jnp.float32, 66, shape)
     gpu = _context_mesh("gpu", "NVIDIA H200")
     monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", _Device("NVIDIA H200")))
     caplog.set_level(logging.INFO, logger="goat_jax")
-    with balance.context_strategy("ring"):
+    with balance.context_strategy("ring"), kernels.record_choices() as found:
         assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu) == "cudnn"
         assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "flash"
+        assert [c["ring_blocks"] for c in found] == ["cudnn", "flash"]
         assert any("cuDNN ring blocks run the plain causal" in r.getMessage() for r in caplog.records)
         with pytest.raises(ValueError, match=r"^implementation='cudnn' cannot take segment ids or key padding under "
                                              r"context_strategy='ring': [^\n]*$"):

@@ -204,9 +204,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def block_kernel(implementation: str) -> str:
     """The kernel whose block math computes a ring's blocks when the layer asks for
-    ``implementation`` (module doc): flash's for every kernel a ring takes ('flash', 'xla')."""
-    del implementation  # every kernel a ring takes runs flash's block math today
-    return "flash"
+    ``implementation`` (module doc; :func:`goat_jax.kernels.ring_blocks.for_implementation`):
+    'splash' (also for 'splash_interpret'), 'cudnn', else 'flash' (for 'flash' and 'xla')."""
+    return ring_blocks.for_implementation(implementation, 1, None).name
 
 
 def block_length(run: int) -> int:
