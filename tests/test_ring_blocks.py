@@ -196,3 +196,25 @@ def test_engine_ring_on_splash_blocks_trains_packed_documents_like_one_device(tm
     for name in ("ring_c2_balanced", "ring_c4"):
         np.testing.assert_allclose(out[name]["losses"], base["losses"], rtol=1e-4, atol=0, err_msg=name)
         np.testing.assert_allclose(out[name]["eval_loss"], base["eval_loss"], rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow(reason="a smoke LM train step under ring compiled for a TPU slice with its Mosaic kernels (~1 min)")
+def test_ring_on_splash_blocks_compiles_for_a_tpu_slice(tmp_path):
+    """The smoke LM with its sequence over 4 TPU chips and context_strategy='ring': the automatic
+    choice runs the blocks on splash, so the compiled step holds Mosaic calls and the report names
+    splash as the ring's block kernel (configs/dna_1m.py on v5p-128 does the same:
+    benchmarks/context.md)."""
+    from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    from tests.config_helpers import run_compile_only  # pylint: disable=g-import-not-at-top
+
+    if not aot.libtpu_installed():
+        pytest.skip("libtpu (the TPU compiler) is not installed: pip install 'goat-jax[aot]'")
+    proc = run_compile_only(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                             "--config.seq_len=1024", "--config.global_batch_size=1", "--config.mesh.data=1",
+                             "--config.mesh.context=4", "--config.context_strategy=ring",
+                             "--config.context_load_balance=True", "--target", "v5e-4", "--out", str(tmp_path)],
+                            timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert (report["attention_implementation"], report["ring_blocks"]) == ("splash", "splash"), report
+    assert report["custom_calls"].get("tpu_custom_call", 0) >= 4 and report["fits"] is True, report["custom_calls"]
