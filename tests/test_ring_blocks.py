@@ -20,6 +20,7 @@ import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from goat_jax.kernels import balance, ring, ring_blocks
 from goat_jax.kernels.mask import AttentionMask
+from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests import cudnn_stand_in
 
@@ -54,7 +55,8 @@ for backend, c, balanced, seg, pad, n, kh, causal in cases:
 
     def f(q_, k_, v_, ct_, ids_, kpm_):
         mask = AttentionMask(causal=causal, key_padding=kpm_, q_segment_ids=ids_, kv_segment_ids=ids_)
-        fn = lambda a, b_, d: ring.attend(a, b_, d, mask=mask, bias=None, mesh=mesh, balanced=balanced,
+        plan = AttentionPlan(context_strategy="ring", load_balanced=balanced)
+        fn = lambda a, b_, d: ring.attend(a, b_, d, mask=mask, bias=None, mesh=mesh, plan=plan,
                                           implementation=impl, scale=0.3, blocks=blocks)
         res, vjp = jax.vjp(fn, q_, k_, v_)
         return (res,) + vjp(ct_)
@@ -130,27 +132,29 @@ def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatc
     import jax.numpy as jnp
 
     from goat_jax import kernels
-    from goat_jax.kernels import balance
+    from goat_jax.plan import AttentionPlan
 
     shape = (1, 8, 4096, 4096)
+    ring = AttentionPlan(context_strategy="ring")
     tpu = _context_mesh("tpu", "TPU v5p")
-    with balance.context_strategy("ring"), jax.sharding.use_abstract_mesh(tpu), kernels.record_choices() as found:
-        assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape, segments=True) == "splash"
+    with jax.sharding.use_abstract_mesh(tpu), kernels.record_choices() as found:
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 66, shape, segments=True, plan=ring) == "splash"
         assert found[0]["ring_blocks"] == "splash"  # what compile.json reports
-        assert kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape, segments=True) == "splash"
+        assert kernels.resolve_implementation("splash", jnp.bfloat16, 66, shape, segments=True, plan=ring) == "splash"
         with pytest.raises(ValueError, match=r"^implementation='dense' cannot take context_strategy='ring'[^\n]*$"):
-            kernels.resolve_implementation("dense", jnp.float32, 66, shape)
+            kernels.resolve_implementation("dense", jnp.float32, 66, shape, plan=ring)
     gpu = _context_mesh("gpu", "NVIDIA H200")
     monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", _Device("NVIDIA H200")))
     caplog.set_level(logging.INFO, logger="goat_jax")
-    with balance.context_strategy("ring"), kernels.record_choices() as found:
-        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu) == "cudnn"
-        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "flash"
+    with kernels.record_choices() as found:
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, plan=ring) == "cudnn"
+        assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True,
+                                              plan=ring) == "flash"
         assert [c["ring_blocks"] for c in found] == ["cudnn", "flash"]
         assert any("cuDNN ring blocks run the plain causal" in r.getMessage() for r in caplog.records)
         with pytest.raises(ValueError, match=r"^implementation='cudnn' cannot take segment ids or key padding under "
                                              r"context_strategy='ring': [^\n]*$"):
-            kernels.resolve_implementation("cudnn", jnp.bfloat16, 72, shape, mesh=gpu, segments=True)
+            kernels.resolve_implementation("cudnn", jnp.bfloat16, 72, shape, mesh=gpu, segments=True, plan=ring)
     # Without ring, nothing changed: cuDNN's packed layout on Hopper.
     assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "cudnn"
 

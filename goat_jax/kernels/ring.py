@@ -36,16 +36,17 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import cudnn
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import ring_blocks
+from goat_jax.kernels import strategies
 from goat_jax.kernels.context import check_shardable
 from goat_jax.kernels.mask import AttentionMask
+from goat_jax.plan import AttentionPlan
 
 Array = jax.Array
-AXIS = mesh_lib.CONTEXT_AXIS
+NAME = "ring"
 _BLOCK = 512  # the largest flash tile a run is cut into (flash.DEFAULT_BLOCK_Q)
 
 
@@ -61,6 +62,7 @@ class _Ring(NamedTuple):
     runs: int  # runs per device (2 balanced and causal, else 1)
     block: int  # flash tile length (divides run)
     precision: Any
+    axis: str  # the context mesh axis the ring runs along
     blocks: Any = None  # the block kernels (goat_jax/kernels/ring_blocks.py); None: flash's loops
 
 
@@ -99,7 +101,7 @@ def _pair(cfg: _Ring, q_ids, k_cur, v_cur, keep, kv_ids, me, src, qr: int, kr: i
 
 def _rotate(cfg: _Ring, tree):
     """Each device's arrays to the next device of the ring."""
-    return lax.ppermute(tree, AXIS, perm=[(j, (j + 1) % cfg.c) for j in range(cfg.c)])
+    return lax.ppermute(tree, cfg.axis, perm=[(j, (j + 1) % cfg.c) for j in range(cfg.c)])
 
 
 def _merge(acc, part):
@@ -117,7 +119,7 @@ def _merge(acc, part):
 def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
     """q [B, K, G, Tl, H], k/v [B, K, Tl, H*] (local): (out float32, lse with -inf for rows
     that saw no key)."""
-    me = lax.axis_index(AXIS)
+    me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
     q_runs = [_cut(q, r, cfg.run, 3) for r in range(cfg.runs)]
     b, kh, g, _, _ = q.shape
@@ -147,7 +149,7 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
 
 def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
     """(dq, dk, dv) float32 of the local arrays; ``lse`` uses +inf for empty rows (flash's)."""
-    me = lax.axis_index(AXIS)
+    me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
     cut_q = lambda x: [_cut(x, r, cfg.run, 3) for r in range(cfg.runs)]
     q_runs, out_runs, lse_runs, do_runs = cut_q(q), cut_q(out), cut_q(lse), cut_q(do)
@@ -219,23 +221,25 @@ def block_length(run: int) -> int:
 
 
 def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[Array], mesh: Any,
-           balanced: bool, implementation: str, scale: float, blocks: Any = None) -> Array:
+           plan: AttentionPlan, implementation: str, scale: float, blocks: Any = None) -> Array:
     """Attention of q [B, T, N, H] over k/v [B, T, K, H*] with the sequence sharded over
-    ``mesh``'s ``context`` axis, keys and values passing around the ring (module doc). The
-    mask's key padding and kv lengths travel with their keys as one validity mask; segment ids
-    travel too. ``blocks``: the block kernels (:mod:`goat_jax.kernels.ring_blocks`); None picks
-    them for ``implementation`` (splash, cuDNN, else the flash loops). Returns [B, T, N, Hv];
-    rows with no visible key are zeros (no gradient)."""
-    c = mesh_lib.context_shards(mesh)
+    ``mesh``'s context axis, keys and values passing around the ring (module doc; the signature
+    of every strategy, :mod:`goat_jax.kernels.strategies`). The mask's key padding and kv lengths
+    travel with their keys as one validity mask; segment ids travel too. ``blocks``: the block
+    kernels (:mod:`goat_jax.kernels.ring_blocks`); None picks them for ``implementation``
+    (splash, cuDNN, else the flash loops). Returns [B, T, N, Hv]; rows with no visible key are
+    zeros (no gradient)."""
+    axis, balanced = plan.context_axis, plan.load_balanced
+    c = mesh_lib.context_shards(mesh, axis)
     b, t, n, hqk = q.shape
     s, kh = k.shape[1], k.shape[2]
-    check_shardable(t, s, mask, c, balanced, implementation, strategy="ring")
+    check_shardable(t, s, mask, c, balanced, implementation, strategy=NAME)
     if bias is not None:
         raise ValueError("context_strategy='ring' cannot take an additive bias (ALiBi as a bias, FIRE, Kerple): "
                          "the bias would travel as a T x T tensor. Use context_strategy='all_gather' or an "
                          "encoding packed into q/k ('alibi_packed', GOAT, RoPE).")
     if mask.window is not None:
-        raise ValueError("context_strategy='ring' takes no sliding window (goat_jax.kernels.local_window).")
+        raise ValueError("context_strategy='ring' takes no sliding window (AttentionPlan.window).")
     runs = 2 if balanced and mask.causal else 1
     run = t // c // runs
     precision = lax.Precision.HIGHEST if jnp.result_type(q, k, v) == jnp.float32 else None
@@ -243,11 +247,9 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
         narrow = implementation == "cudnn" and cudnn.narrow_values_supported()
         blocks = ring_blocks.for_implementation(implementation, block_length(run), precision, narrow_values=narrow)
     cfg = _Ring(c, balanced, mask.causal, int(mask.offset) if mask.causal else 0, float(scale), run, runs,
-                block_length(run), precision, blocks)
+                block_length(run), precision, axis, blocks)
     keep = mask.key_keep(s)  # [B, S] or None: padding and lengths, as one mask that travels
-    layout = mesh_lib.partition(mesh, b, n, kh)
-    bx, hx = mesh_lib.spec_axes(layout.batch_axes), mesh_lib.spec_axes(layout.head_axes)
-    kvh = hx if layout.shard_kv else None
+    specs = mesh_lib.partition(mesh, b, n, kh, axis).specs(length=axis)
 
     def local(q_, k_, v_, keep_, q_ids_, kv_ids_):
         bl, tl, nl, _ = q_.shape
@@ -257,12 +259,11 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
         return jnp.moveaxis(out, 3, 1).reshape(bl, tl, nl, v_.shape[-1])
 
     args = [q, k, v, keep, mask.q_segment_ids, mask.kv_segment_ids]
-    row = P(bx, AXIS)
-    specs = [P(bx, AXIS, hx, None), P(bx, AXIS, kvh, None), P(bx, AXIS, kvh, None), row, row, row]
+    in_specs = [specs.q, specs.kv, specs.kv, specs.rows, specs.rows, specs.rows]
     present = [a is not None for a in args]
     fn = lambda *xs: local(*_fill(xs, present))
-    out = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(sp for sp, p in zip(specs, present) if p),
-                        out_specs=P(bx, AXIS, hx, None), check_vma=False)(*[a for a in args if a is not None])
+    out = jax.shard_map(fn, mesh=mesh, in_specs=tuple(sp for sp, p in zip(in_specs, present) if p),
+                        out_specs=specs.q, check_vma=False)(*[a for a in args if a is not None])
     # A row that saw no key in any block is already zero with zero gradient (its weights in the
     # merge are 0, and its log-sum-exp is +inf in the backward): the kernels' contract holds
     # without a T x S look, which the load-balanced order would also make wrong here.
@@ -273,3 +274,8 @@ def _fill(xs, present):
     """The positional arguments with None where an optional one was left out."""
     it = iter(xs)
     return [next(it) if p else None for p in present]
+
+
+STRATEGY = strategies.register(strategies.Strategy(
+    NAME, attend, "keys and values pass around the ring (K/V memory O(T / c)); blocks on splash, cuDNN or flash",
+    needs="ring"))
