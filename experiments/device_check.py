@@ -16,6 +16,8 @@ Sections (each written to ``--out`` as soon as it finishes, so a timeout keeps w
    GOAT's packed q/k in float32 vs XLA float32: median wall ms and compiled memory (temp +
    argument + output bytes, ``memory_analysis()``). A variant that would not fit in device memory
    is compiled but not run.
+ring. Ring attention's per-step work on one GPU: cuDNN ring blocks vs flash blocks vs plain cuDNN
+   (``goat_jax/device_check/ring.py``).
 3. The 125M language model (12 layers, d 768, 12 heads, GOAT, bf16, seq 2048) train step:
    tokens/s and MFU (model FLOPs from ``lm_flops_per_token`` over the bf16 dense peak).
 4. With the time left: the GPU-only pytest tests (the cuDNN tests of ``tests/test_attention.py``,
@@ -113,7 +115,7 @@ def correctness(kernel_names: List[str], length: int) -> List[List]:
     return rows
 
 
-SECTIONS = ("1", "2", "2b", "3", "4")
+SECTIONS = ("1", "2", "2b", "ring", "3", "4")
 
 
 class _Skipped(Exception):
@@ -498,6 +500,22 @@ def main(argv=None) -> int:
         pass
     except Exception as err:  # noqa: BLE001 -- keep the sections above
         report.section("2b. Packed documents", [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:300]}"])
+
+    try:
+        if "ring" not in run:
+            raise _Skipped
+        from goat_jax.device_check import ring as device_check_ring  # pylint: disable=g-import-not-at-top
+        from tests import cudnn_stand_in, goat_reference  # pylint: disable=g-import-not-at-top
+        numerics, timing = device_check_ring.section(args.dry_run, repeats, deadline - 60, goat_reference,
+                                                     None if cudnn else cudnn_stand_in.calls)
+        report.section("ring. Ring attention per step on one device (goat_jax/device_check/ring.py): bf16 "
+                       "numerics vs the float64 reference, then forward+backward wall time",
+                       table(device_check_ring.NUMERICS_HEAD, numerics) + [""]
+                       + table(device_check_ring.TIMING_HEAD, timing))
+    except _Skipped:
+        pass
+    except Exception as err:  # noqa: BLE001 -- keep the sections above
+        report.section("ring. Ring attention per step", [f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:300]}"])
 
     try:
         if "3" not in run:

@@ -208,8 +208,8 @@ def _validate(**overrides):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"context_strategy": "rings"}, r"context_strategy.*'all_gather', 'ring'"),
-    ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.implementation": "splash_interpret"},
-     r"context_strategy='ring' with model.implementation='splash_interpret': ring attention merges"),
+    ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.implementation": "dense"},
+     r"context_strategy='ring' with model.implementation='dense': ring attention merges"),
     ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.position_encoding": "alibi"},
      r"context_strategy='ring' with model.position_encoding='alibi': .*materialized"),
     ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "context_load_balance": True, "seq_len": 36},

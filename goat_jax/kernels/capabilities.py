@@ -34,12 +34,14 @@ CUDNN_SEGMENTS_WHY = ("segment ids run on cuDNN's packed layout (goat_jax/kernel
 CUDNN_RAGGED_WHY = ("cuDNN's packed layout aligns each query document with the key document of the same index, "
                     "top-left: it expresses packed self-attention only (with context parallelism, each shard's "
                     "queries would start inside a document); use 'flash'")
-FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring")
+FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring",
+            "ring_masks")
 FEATURE_NAMES = {"segment_ids": "segment ids",
                  "ragged_segments": "segment ids with key padding, kv lengths, a causal offset or cross-attention",
                  "bias": "an additive bias", "traced_offset": "a traced causal offset",
                  "window": "a sliding window", "return_probs": "return_probs",
-                 "ring": "context_strategy='ring'"}  # as the messages say them
+                 "ring": "context_strategy='ring'",
+                 "ring_masks": "segment ids or key padding under context_strategy='ring'"}  # as the messages say them
 HOPPER = (9, 0)  # GPU compute capability of H100 / H200
 
 
@@ -72,8 +74,14 @@ class Capability:
 # Reasons several rows share (each kernel module says the rest of its own).
 NO_BIAS = "flash kernels take packed q/k instead of an additive bias"
 NO_PROBS = "only 'dense' materializes the attention probabilities"
-NO_RING = ("ring attention merges blocks by their log-sum-exp and runs the flash kernel's block math for "
-           "'flash' and 'xla' (goat_jax/kernels/ring.py); use implementation='flash' or context_strategy='all_gather'")
+NO_RING = ("ring attention merges blocks by their log-sum-exp, which 'dense' does not return (ring blocks run on "
+           "flash, splash or cuDNN: goat_jax/kernels/ring_blocks.py); use implementation='flash' or "
+           "context_strategy='all_gather'")
+# Why cuDNN ring blocks take no segment ids or key padding (said by the automatic choice's log line).
+CUDNN_RING_MASKS_WHY = ("cuDNN ring blocks run the plain causal / unmasked calls per block pair; the packed layout "
+                        "would be exact only on the diagonal pair (a document's query and key ranges coincide there) "
+                        "and key padding has no per-pair form here, so packed documents and padding run the ring on "
+                        "'flash' blocks")
 NO_WINDOW = "a sliding window (AttentionPlan.window) is for the materializing kernels 'xla' and 'dense'"
 
 # name -> row, in name order (the order of docs/layer.md's table, of the choices and of preference).
@@ -229,7 +237,8 @@ def markdown_table() -> str:
     head = ["kernel", "platforms", "tried first on", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
     short = {"segment_ids": "segment ids", "ragged_segments": "segment ids + padding / offset / cross",
              "bias": "additive bias", "traced_offset": "traced causal offset", "window": "sliding window",
-             "return_probs": "probabilities", "ring": "ring context parallelism"}
+             "return_probs": "probabilities", "ring": "ring context parallelism",
+             "ring_masks": "ring with segment ids / padding"}
     head += [short[f] for f in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in CAPABILITIES.values():

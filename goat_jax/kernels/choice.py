@@ -211,8 +211,9 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any, plan: AttentionPlan) 
         skip = caps.reason_skipped(name, req) or _length_skip(row, logits_shape, mesh, plan)
         if skip is None:
             segments = ", with segment ids" if "segment_ids" in req.features else ""
+            ring = f", ring blocks on {name}" if "ring" in req.features else ""
             return name, (f"{req.platform.upper()}, {req.dtype}, packed head dim "
-                          f"{caps.padded_head_dim(row, req.qk_dim)}{segments}")
+                          f"{caps.padded_head_dim(row, req.qk_dim)}{segments}{ring}")
         reasons.append(f"{req.platform.upper()}, but {skip}")
     logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
     big = logits_bytes > FLASH_THRESHOLD_BYTES
@@ -244,7 +245,13 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     e.g. ``**mask.features()``), returning the :class:`Choice` (name, request, mesh)."""
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     plan = DEFAULT if plan is None else plan
-    req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **strategy_features(mesh, plan))
+    # Masks that ride a ring with their keys (segment ids, key padding, kv lengths): a feature of
+    # their own only under ring (cuDNN's ring blocks take none of them).
+    key_masks = uses.pop("ring_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
+    context_features = strategy_features(mesh, plan)
+    if context_features.get("ring") and key_masks:
+        context_features["ring_masks"] = True
+    req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **context_features)
     if implementation is None or implementation == "auto":
         name, why = _automatic(req, logits_shape, mesh, plan)
         context = context_plan(name, mesh, plan)

@@ -79,10 +79,10 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
 
 
 ROW = caps.register(caps.Capability(
-    "cudnn", ("gpu",), caps.HALF, 256, HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE, 0, ("segment_ids", "traced_offset"),
+    "cudnn", ("gpu",), caps.HALF, 256, HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE, 0, ("segment_ids", "traced_offset", "ring"),
     {"segment_ids": caps.CUDNN_SEGMENTS_WHY, "ragged_segments": caps.CUDNN_RAGGED_WHY,
      "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); use 'xla'",
-     "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS, "ring": caps.NO_RING},
+     "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS, "ring_masks": caps.CUDNN_RING_MASKS_WHY},
     "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
     "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
     needs_capability={"segment_ids": caps.HOPPER}, attention=attention, preferred_on=("gpu",)))

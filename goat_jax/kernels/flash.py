@@ -417,7 +417,8 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
 
 
 ROW = caps.register(caps.Capability(
-    "flash", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring"),
+    "flash", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring",
+                                                    "ring_masks"),
     {"bias": caps.NO_BIAS, "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
     "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
     "masked blocks skipped (goat_jax/kernels/flash.py)", attention=attention))

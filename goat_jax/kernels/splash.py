@@ -152,14 +152,16 @@ def _splash(q, k, v, scale, mask: AttentionMask, mesh, interpret):
 
 def _why_not() -> dict:
     return {"bias": caps.NO_BIAS, "traced_offset": _TRACED_OFFSET, "window": caps.NO_WINDOW,
-            "return_probs": caps.NO_PROBS, "ring": caps.NO_RING}
+            "return_probs": caps.NO_PROBS}
 
 
 ROW = caps.register(caps.Capability(
-    "splash", ("tpu",), None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments"), _why_not(),
+    "splash", ("tpu",), None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring", "ring_masks"),
+    _why_not(),
     "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)",
     attention=attention, preferred_on=("tpu",), static_masks=True))
 INTERPRET_ROW = caps.register(caps.Capability(
-    "splash_interpret", caps.ANY, None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments"), _why_not(),
+    "splash_interpret", caps.ANY, None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring",
+                                                                "ring_masks"), _why_not(),
     "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)",
     attention=functools.partial(attention, interpret=True), static_masks=True))

@@ -43,6 +43,7 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
 
 
 ROW = caps.register(caps.Capability(
-    "xla", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "ring"),
+    "xla", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "ring",
+                                                  "ring_masks"),
     {"return_probs": caps.NO_PROBS}, "jax.nn.dot_product_attention's XLA path: materializes the T x S logits",
     attention=attention))
