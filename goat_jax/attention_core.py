@@ -187,8 +187,10 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     key = query if key is None else key
     value = key if value is None else value
     check_qkv(query, key, value)
+    # Narrow integer positions and offsets become int32 here, where they enter (prior_lib.widen).
+    w = prior_lib.widen
     call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
-                         position_offset_q, position_offset_k, q_positions, k_positions)
+                         w(position_offset_q), w(position_offset_k), w(q_positions), w(k_positions))
     call = resolve_call_segments(call, segment_ids, kv_segment_ids, layer.decode)
     embed_dim = query.shape[-1]
     kv_heads, head_dim = head_dims(layer.num_heads, layer.kv_num_heads, layer.head_dim, embed_dim)

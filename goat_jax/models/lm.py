@@ -38,7 +38,7 @@ from goat_jax.kernels.cudnn_packed import DEFAULT_MAX_DOCUMENTS
 from goat_jax.attention_call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.positional import layer as positional_layer
-from goat_jax.prior import PriorSettings
+from goat_jax.prior import PriorSettings, widen
 
 Array = jax.Array
 
@@ -378,6 +378,7 @@ class TransformerLM(nn.Module):
         cfg.check_length(t, "tokens.shape[1]")
         if self.decode and positions is not None:
             raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+        positions = widen(positions)  # int8/int16 positions as int32 (goat_jax.prior.widen)
         if segment_ids is not None and positions is None:
             # Per-document positions, computed once here so that the absolute embeddings and
             # every layer read the same ones (the layers would derive the same from the ids).

@@ -69,6 +69,21 @@ def concrete_range(x: Any) -> Optional[Tuple[int, int]]:
     return int(np.min(arr)), int(np.max(arr))
 
 
+def widen(positions: Any) -> Any:
+    """``positions`` (or an offset) with an integer dtype narrower than 32 bits as int32, anything
+    else unchanged. Where positions enter (the layers' call, the LM's ``positions=``, every
+    check here), so that no comparison with ``MAX_POSITION = 2**24``, a weak Python int, is made
+    in a dtype it wraps in (int8 ``p < 2**24`` is ``p < 0``), and no offset difference wraps."""
+    dtype = getattr(positions, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.iinfo(dtype).bits >= 32:
+        return positions
+    if isinstance(positions, jax.Array):  # concrete or traced
+        return positions.astype(jnp.int32)
+    if isinstance(positions, np.integer):  # a NumPy scalar stays a static integer
+        return np.int32(positions)
+    return np.asarray(positions, np.int32)
+
+
 def validate_positions(positions: Any, name: str) -> Array:
     """Integer positions -> float positions (``real_dtype``), checked to lie in
     ``[0, MAX_POSITION)``.
@@ -91,6 +106,7 @@ def validate_positions(positions: Any, name: str) -> Array:
         raise ValueError(
             f"{name} must be integer token positions, got {getattr(positions, 'dtype', type(positions).__name__)}. "
             "Positions index tokens; pass e.g. jnp.arange(T, dtype=jnp.int32) + offset.")
+    positions = widen(positions)
     span = concrete_range(positions)
     if span is not None:
         if span[0] < 0 or span[1] >= MAX_POSITION:
@@ -155,6 +171,7 @@ def positions_2d(
     col + offset_col) (0 for CLS), ``is_cls`` [L].
     """
     h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    offset = tuple(widen(o) for o in offset)
     for axis, (o, size) in enumerate(zip(offset, (h, w))):
         validate_positions(o, f"2D offset[{axis}]")
         if o + size > MAX_POSITION:
