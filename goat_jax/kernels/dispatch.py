@@ -119,6 +119,7 @@ def attend(
         mask.check(b, t, s)
     if mask.window is None and ambient_window() is not None:
         mask = mask.replace(window=ambient_window())
+    mask = mask.bounded(t, s)  # an offset near 2**31 would wrap in int32 (AttentionMask.bounded)
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     caps.check_name(implementation)
     shards = mesh_lib.context_shards(mesh)

@@ -198,6 +198,26 @@ class AttentionMask:
             return self
         return self.replace(offset=self.offset + q_start - kv_start)
 
+    def bounded(self, t: int, s: int) -> "AttentionMask":
+        """The same mask for ``t`` queries and ``s`` keys with its offset clamped to
+        ``[-t, s + window]`` (window 0 without one), computed in int32 (a traced offset is first
+        made int32). The mask reads the offset only through ``j - i <= offset`` and
+        ``j - i > offset - window``, with ``j - i`` in ``[1 - t, s - 1]``, so both are constant
+        past those ends and the clamp changes nothing visible, while ``i + offset`` can no longer
+        wrap in int32 (an offset within ``t`` of 2**31 did, differently per kernel) and a Python
+        int of 2**31 or more is not handed to a kernel (a raw OverflowError)."""
+        if not self.causal and self.window is None:
+            return self
+        lo, hi = -t, s + (self.window or 0)
+        if _is_static(self.offset):
+            return self.replace(offset=min(max(int(self.offset), lo), hi))
+        offset = jnp.asarray(self.offset)
+        if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim:
+            raise ValueError(f"causal_offset must be an integer scalar, got {offset.dtype} of shape {offset.shape}.")
+        if jnp.iinfo(offset.dtype).bits > 32 or offset.dtype == jnp.uint32:
+            offset = jnp.clip(offset, lo, hi)  # in its own wider type, then exact in int32
+        return self.replace(offset=jnp.clip(offset.astype(jnp.int32), lo, hi))
+
     # -- conversions ---------------------------------------------------------------------------
 
     def key_keep(self, s: int) -> Optional[Array]:
