@@ -15,6 +15,13 @@ The contract every kernel honours (query ``i``, key ``j``, sequence indices from
   ``j`` only if the ids are equal. Ids are compared for equality only: no value is reserved.
   The data packer (:mod:`goat_jax.data.packing`) gives trailing padding ``PAD_SEGMENT_ID``
   (int32 max), so padding tokens see only each other and ids stay non-decreasing.
+  **A document is the set of tokens with one id, on every kernel**, also when the id's tokens
+  are not adjacent (``1 1 2 2 1 1``: the two runs of 1 are one document). Equality, not runs,
+  because load-balanced context parallelism (:mod:`goat_jax.kernels.balance`) hands the
+  kernels each document cut into chunks that are not adjacent. cuDNN's packed layout can only
+  express documents that are one run each (offsets and lengths), so a row where an id forms
+  several runs (:meth:`AttentionMask.split_documents`) is refused there: eager calls raise
+  naming ``segment_ids``, under ``jit`` the row's outputs are NaN, never the runs' answer.
 * ``window`` (static int or None): ``i`` sees ``j`` only if ``i + offset - j < window`` (a
   sliding window of the last ``window`` keys; an evaluation hook, :func:`local_window`).
 
@@ -189,6 +196,19 @@ class AttentionMask:
     def native_causal(self) -> bool:
         """Causal with a static offset of 0: the kernels' own causal mode."""
         return self.causal and _is_static(self.offset) and int(self.offset) == 0
+
+    def split_documents(self) -> Optional[Array]:
+        """[B] bool: the rows where some query id forms more than one run of adjacent tokens (a
+        document split by another, module doc), which a kernel that takes documents as runs
+        (cuDNN's packed layout) cannot express; None without segment ids. A row's runs are
+        counted against its distinct ids (one sort): O(T log T), no T x T mask."""
+        if self.segments is None:
+            return None
+        ids = self.q_segment_ids
+        runs = 1 + jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
+        ordered = jnp.sort(ids, axis=1)
+        distinct = 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)
+        return runs != distinct
 
     def shifted(self, q_start: Any, kv_start: Any) -> "AttentionMask":
         """The mask of a block whose queries start at sequence index ``q_start`` and keys at
