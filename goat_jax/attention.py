@@ -211,6 +211,13 @@ class GoatLogic(attention_core.AttentionLogic):
             raise ValueError("segment_ids are for 1D sequences (packed documents); pos_encoding="
                              f"{self.pos_encoding!r} chose 2D (row, col) positions here. Drop "
                              "segment_ids, or use pos_encoding='1d'.")
+        if use_2d and (call.q_positions is not None or call.k_positions is not None):
+            # 1D positions have no place on a grid, and (row, col) ones would need a CLS rule
+            # of their own; the official package has neither. Offsets move the grid instead.
+            raise ValueError(
+                f"pos_encoding={self.pos_encoding!r} chose 2D (row, col) positions here, which come from "
+                "spatial_shape; q_positions/k_positions are 1D and are not supported. Drop them and move "
+                "the grid with position_offset_q/position_offset_k=(row, col), or use pos_encoding='1d'.")
         if (call.q_segment_ids is not None and settings.enable_key_bias
                 and settings.training_seq_len is None):
             raise ValueError(
@@ -240,7 +247,12 @@ class GoatLogic(attention_core.AttentionLogic):
                 if offset != 0:
                     raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
                 offset = (0, 0)
-            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset)))
+            shape = tuple(offset.shape) if hasattr(offset, "shape") else (
+                (len(offset),) if isinstance(offset, (tuple, list)) else None)
+            if shape != (2,):  # a traced scalar, say, has no (row, col) to take
+                raise ValueError(f"{name} must be a (row, col) pair of integers in 2D mode, got "
+                                 f"{'an array of shape ' + str(shape) if hasattr(offset, 'shape') else repr(offset)}.")
+            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset), name=name))
         return tuple(out)
 
     def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,

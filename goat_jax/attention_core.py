@@ -158,16 +158,25 @@ class AttentionLogic:
         """``(q_pos, k_pos)``; subclasses with other position modes (GOAT's 2D) override."""
         return self._positions_1d(call, t, s)
 
-    @staticmethod
-    def _positions_1d(call: AttentionCall, t: int, s: int):
-        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys."""
+    def _positions_1d(self, call: AttentionCall, t: int, s: int):
+        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys. Errors name what
+        the caller passed: the explicit positions, the offset, or, while decoding, the KV cache
+        (its index is the offset; its length is the length init / ``init_cache`` sized it for)."""
         out = []
+        decoding = bool(getattr(self, "decode", False))
         for name, length, offset, explicit in (("q", t, call.position_offset_q, call.q_positions),
                                                ("k", s, call.position_offset_k, call.k_positions)):
             if isinstance(offset, (tuple, list)):
                 raise ValueError(f"position_offset_{name} must be an integer (1D positions), got {offset}.")
+            if decoding:
+                offset_name, length_name = "the KV cache index", (
+                    "the KV cache length (init's input length, or init_cache's max_length)")
+            else:
+                offset_name = f"position_offset_{name}"
+                length_name = f"the {'query' if name == 'q' else 'key'} length"
             out.append(prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
-                                              name=f"{name}_positions"))
+                                              name=f"{name}_positions", offset_name=offset_name,
+                                              length_name=length_name))
         return tuple(out)
 
 

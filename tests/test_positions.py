@@ -318,7 +318,7 @@ def test_max_position_is_two_to_the_24_and_past_it_one_line_names_the_argument()
     x = jnp.ones((1, 8, 64))
     params = module.init(jax.random.key(0), x)
     for kwargs, match in [
-        (dict(position_offset_q=2 ** 24 - 4), r"^q_positions: offset 16777212 \+ 8 tokens reaches past "
+        (dict(position_offset_q=2 ** 24 - 4), r"^position_offset_q=16777212 \+ 8 tokens reaches past "
                                               r"MAX_POSITION=16777216 = 2\*\*24.*lower the offset or the length"),
         (dict(q_positions=jnp.arange(8) + 2 ** 24 - 7, k_positions=jnp.arange(8)),
          r"^q_positions spans \[16777209, 16777216\], outside \[0, MAX_POSITION=16777216\).*shift or shorten"),
