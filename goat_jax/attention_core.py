@@ -34,10 +34,27 @@ import jax.numpy as jnp
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
+from goat_jax.config.fields import Int, check_section
 from goat_jax.attention_call import (
     AttentionCall, Encoded, LayerShape, apply_logn, check_logn, logn_factors, resolve_call_segments)
 
 Array = jax.Array
+
+
+# The layers' fields checked when a layer is built (both shells), before any call; the rest are
+# checked by the call's plan, which needs the inputs.
+FIELD_SPECS = {
+    "max_documents_per_row": Int(min=1, optional=True, doc="documents per row cuDNN's packed layout is sized "
+                                                          "for (goat_jax/kernels/cudnn_packed.py); None: its default"),
+}
+
+
+def check_fields(layer: Any) -> None:
+    """Raises a one-line ValueError naming ``Layer.field`` when a field of :data:`FIELD_SPECS`
+    is invalid (``max_documents_per_row`` of 0, -3, 2.5 or "4": before, 0 became cuDNN's default
+    silently and the others failed later inside the kernel)."""
+    check_section({name: getattr(layer, name) for name in FIELD_SPECS}, FIELD_SPECS, None,
+                  owner=type(layer).__name__)
 
 
 def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:

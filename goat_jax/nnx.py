@@ -163,6 +163,7 @@ class AttentionShell(nnx.Module):
         for name, value in values.items():
             setattr(self, self._RENAMED.get(name, name), value)
         self.in_features, self.kv_features = in_features, kv_features or in_features
+        attention_core.check_fields(self)
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)

@@ -150,6 +150,10 @@ class AttentionMask:
             raise ValueError(f"key_padding_mask must have shape [B, S] = {(b, s)}, got {key_padding_mask.shape}.")
         if kv_lengths is not None and kv_lengths.shape != (b,):
             raise ValueError(f"kv_lengths must have shape [B] = {(b,)}, got {kv_lengths.shape}.")
+        if max_documents is not None and (isinstance(max_documents, (bool, np.bool_))
+                                          or not isinstance(max_documents, (int, np.integer)) or max_documents < 1):
+            raise ValueError(f"max_documents (a layer's max_documents_per_row) must be an integer >= 1 or None, "
+                             f"got {max_documents!r}.")
         segments = check_segment_ids(b, t, s, segment_ids, q_segment_ids, kv_segment_ids)
         q_ids, kv_ids = segments if segments is not None else (None, None)
         return cls(bool(is_causal), causal_offset, key_padding_mask,
