@@ -80,11 +80,11 @@ def prior_declarations(spec: prior_lib.PriorSpec) -> list:
 
 
 def prior_query(spec: prior_lib.PriorSpec, params: dict, q_pos: prior_lib.Positions,
-                q_content: Optional[Array] = None):
+                q_content: Optional[Array] = None, origin: Optional[Array] = None):
     """``(q_rel [.., T, N, 2R], q_sink [.., T, N], gate or None)``, float32, from the prior's
-    ``params`` (:func:`prior_declarations`' names)."""
+    ``params`` (:func:`prior_declarations`' names); ``origin``: :func:`goat_jax.prior.features.relative_to`."""
     gate = prior_lib.query_gate(spec, params, q_content)
-    q_rel, q_sink = prior_lib.query_features(spec, params, q_pos, gate)
+    q_rel, q_sink = prior_lib.query_features(spec, params, q_pos, gate, origin=origin)
     return q_rel, q_sink, gate
 
 
@@ -270,8 +270,12 @@ class GoatLogic(attention_core.AttentionLogic):
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior_log_prior(spec, params, q_pos, k_pos, call.is_causal, q_content)  # [B|1, N, T, S]
             return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
-        q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content)
-        k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal)
+        # The relative features of a window from its first key's position (shift-invariant: the
+        # learned frequencies' gradient keeps float32 precision far out). Not while decoding: the
+        # cache holds keys of earlier calls, encoded from position 0.
+        origin = k_pos.coords[..., :1] if cache is None and not plan.use_2d else None
+        q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content, origin)
+        k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal, origin)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
