@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import kernels
+from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Int, check_section
 from goat_jax.layers.call import (
@@ -213,6 +214,8 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     key = query if key is None else key
     value = key if value is None else value
     check_qkv(query, key, value)
+    # Before any parameter or cache write (decoding on such a mesh failed in the cache update).
+    kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh(), query, key, value)
     # Narrow integer positions and offsets become int32 here, where they enter (prior_lib.widen).
     w = prior_lib.widen
     call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,

@@ -56,6 +56,7 @@ from flax import nnx
 from flax.core import meta
 from flax.nnx.bridge.variables import to_nnx_var
 
+from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax.layers import goat as attention_lib
 from goat_jax.layers import core as attention_core
 from goat_jax.layers import linen
@@ -183,6 +184,7 @@ class AttentionShell(nnx.Module):
             setattr(self, self._RENAMED.get(name, name), value)
         self.in_features, self.kv_features = in_features, kv_features or in_features
         attention_core.check_fields(self)
+        kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh(), always=True)
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
