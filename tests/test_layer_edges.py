@@ -168,6 +168,12 @@ def test_position_errors_name_what_the_caller_passed():
         layer.init_cache(1, prior_lib.MAX_POSITION + 1)
     with pytest.raises(ValueError, match=r"^position_offset_q=16777210 \+ 8 tokens reaches past"):
         module.apply(params, x, position_offset_q=prior_lib.MAX_POSITION - 6)
+    from goat_jax.models import LMConfig, TransformerLM  # the LM's positions= is named positions
+    lm = TransformerLM(LMConfig(vocab_size=11, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, pos_rank=2,
+                                abs_rank=2, training_seq_len=None))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"^positions spans \[-1, 6\], outside \[0, MAX_POSITION"):
+        lm.init(jax.random.key(0), tokens, positions=np.arange(8) - 1)
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))

@@ -121,7 +121,7 @@ def attend(
         mask = mask.replace(window=ambient_window())
     mask = mask.bounded(t, s)  # an offset near 2**31 would wrap in int32 (AttentionMask.bounded)
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
-    mesh_lib.check_axis_types(mesh, q, k, v)
+    mesh_lib.check_axis_types(mesh)
     caps.check_name(implementation)
     shards = mesh_lib.context_shards(mesh)
     ring_on = choice.ring_active(mesh)

@@ -34,34 +34,24 @@ def context_shards(mesh: Any) -> int:
     return int(mesh.shape[CONTEXT_AXIS])
 
 
-def check_axis_types(mesh: Any, *arrays: Any, always: bool = False) -> None:
+def check_axis_types(mesh: Any) -> None:
     """Raises a one-line ValueError naming ``axis_types`` when ``mesh`` (more than one device)
-    has Explicit axes (``jax.make_mesh``'s default in jax 0.10.2) and the call would need them:
-    a ``context`` axis of size > 1, or an input of ``arrays`` sharded over the mesh. On such a
-    mesh an array's sharding is part of its type: shard_map takes only inputs already sharded as
-    its in_specs say, and concatenating sharded content channels with replicated position
-    channels (GOAT's packing) is a ShardingTypeError; both failed with raw JAX errors (Linen,
-    NNX, decoding, generation). Auto axes (this package's meshes) let XLA place the data.
-    ``always``: refuse any Explicit mesh (building NNX parameters, whose sharding constraints
-    assert on such a mesh)."""
+    has Explicit axes (``jax.make_mesh``'s default in jax 0.10.2). On such a mesh an array's
+    sharding is part of its type and nothing reshards implicitly: the shard_maps of context
+    parallelism, splash and cuDNN's packed layout take only inputs already sharded as their
+    in_specs say, GOAT's packing concatenates sharded content channels with replicated position
+    channels (a ShardingTypeError), and NNX's parameter constraints assert; each failed with a
+    raw JAX error (Linen, NNX, decoding, generation). Auto axes (this package's meshes, from
+    :func:`goat_jax.train.sharding.make_mesh`) let XLA place the data."""
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
     if mesh is None or mesh.empty or explicit is None or int(np.prod(list(mesh.shape.values()))) <= 1:
         return
     types = tuple(getattr(mesh, "axis_types", ()) or ())
-    if not any(t == explicit for t in types):
-        return
-    sharded = False
-    for a in arrays:
-        try:
-            spec = jax.typeof(a).sharding.spec
-        except Exception:  # pylint: disable=broad-except  # no sharding in the type: not sharded
-            continue
-        sharded = sharded or any(axis is not None for axis in spec)
-    if always or context_shards(mesh) > 1 or sharded:
+    if any(t == explicit for t in types):
         raise ValueError(
-            f"The mesh in context has axis_types={tuple(str(t).split('.')[-1] for t in types)}: attention runs "
-            "on Explicit axes neither with a context axis of size > 1 nor with sharded inputs; build the mesh "
-            "with axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names) (as goat_jax.train.sharding does).")
+            f"The mesh in context has axis_types={tuple(str(t).split('.')[-1] for t in types)}; goat_jax's "
+            "attention runs on Auto axes only: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
+            "len(axis_names) (as goat_jax.train.sharding.make_mesh does).")
 
 
 class Layout(NamedTuple):

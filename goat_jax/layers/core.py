@@ -215,7 +215,7 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     value = key if value is None else value
     check_qkv(query, key, value)
     # Before any parameter or cache write (decoding on such a mesh failed in the cache update).
-    kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh(), query, key, value)
+    kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh())
     # Narrow integer positions and offsets become int32 here, where they enter (prior_lib.widen).
     w = prior_lib.widen
     call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,

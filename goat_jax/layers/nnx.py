@@ -184,7 +184,7 @@ class AttentionShell(nnx.Module):
             setattr(self, self._RENAMED.get(name, name), value)
         self.in_features, self.kv_features = in_features, kv_features or in_features
         attention_core.check_fields(self)
-        kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh(), always=True)
+        kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh())
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
