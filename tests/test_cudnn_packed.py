@@ -138,3 +138,58 @@ def test_the_mask_says_what_the_packed_layout_cannot_express():
     assert kernels.AttentionMask.build(1, 8, 8, is_causal=True, causal_offset=2, segment_ids=ids).ragged_segments
     cross = kernels.AttentionMask.build(1, 8, 8, q_segment_ids=ids, kv_segment_ids=ids + 0)
     assert cross.ragged_segments
+
+
+def _packed_model(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type, qkv_layout):
+    """cuDNN's packed fused attention as the pure-JAX model of the layout (layout_visibility):
+    what the private call computes, so cudnn_packed.attention runs on CPU."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+    assert qkv_layout == "BTNH"
+    causal = mask_type == fa.MaskType.PADDING_CAUSAL
+    seen = cudnn_packed.layout_visibility(q_offsets, q_seqlen, kv_offsets, kv_seqlen, q.shape[1], k.shape[1], causal)
+    logits = scale * jnp.einsum("btnh,bsnh->bnts", q, k)
+    p = jax.nn.softmax(jnp.where(seen[:, None], logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+def test_split_documents_mean_one_document_on_every_kernel(monkeypatch):
+    """Issue #53, item 10: one meaning of segment ids on every kernel (goat_jax/kernels/mask.py):
+    a document is all tokens of one id. Under jit, ids ``1 1 1 2 2 2 1 1 1 2 2 2`` give the
+    float64 equality reference on 'xla', 'flash' and 'dense'; cuDNN's packed layout (run through
+    the pure-JAX model of its private call) takes documents as runs, so there that row is NaN,
+    never its different answer (1.35 off before), and eagerly it is refused naming segment_ids;
+    the contiguous row is the same everywhere."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(fa, "dot_product_attention", _packed_model)
+    rng = np.random.default_rng(10)
+    ids = np.asarray([[1, 1, 1, 2, 2, 2, 1, 1, 1, 2, 2, 2], [4, 4, 4, 4, 7, 7, 7, 7, 7, 7, 9, 9]], np.int32)
+    q, k, v = (rng.normal(size=(2, 12, 2, 8)).astype(np.float32) for _ in range(3))
+    mask = kernels.AttentionMask.build(2, 12, 12, is_causal=True, segment_ids=jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(mask.split_documents()), [True, False])
+    seen = _reference(ids, True)
+    logits = 0.5 * np.einsum("btnh,bsnh->bnts", q.astype(np.float64), k.astype(np.float64))
+    logits = np.where(seen[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    for implementation in ("xla", "flash", "dense"):
+        got = jax.jit(lambda q, k, v, i: kernels.attend(q, k, v, implementation=implementation, scale=0.5,
+                                                         is_causal=True, segment_ids=i))(q, k, v, ids)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=implementation)
+    cudnn = jax.jit(lambda q, k, v, i: cudnn_packed.attention(
+        q, k, v, scale=0.5, mask=kernels.AttentionMask.build(2, 12, 12, is_causal=True, segment_ids=i)))
+    got = np.asarray(cudnn(q, k, v, ids))
+    assert np.isnan(got[0]).all()
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^segment_ids row 0 has an id in several runs.*implementation='flash'"):
+        cudnn_packed.attention(q, k, v, scale=0.5, mask=mask)
+    np.testing.assert_allclose(np.asarray(cudnn_packed.attention(q[1:], k[1:], v[1:], scale=0.5, mask=kernels.AttentionMask.build(
+        1, 12, 12, is_causal=True, segment_ids=jnp.asarray(ids[1:])))), want[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_past_the_bound_merges_its_last_documents():
+    """What packed_layout's docstring says (issue #53, item 21): past M documents, the M-th
+    document's length runs to the row's end, merging every later document into it; the caller
+    poisons such rows."""
+    offsets, lengths = cudnn_packed.packed_layout(jnp.asarray([[1, 1, 2, 3, 3, 4]], jnp.int32), 2)
+    np.testing.assert_array_equal(np.asarray(offsets), [[0, 2, -1]])
+    np.testing.assert_array_equal(np.asarray(lengths), [[2, 4]])  # documents 2, 3 and 4 as one

@@ -166,3 +166,23 @@ def test_padded_mask_keeps_every_padded_query_row_visible():
     np.testing.assert_array_equal(np.asarray(mask.q_segment_ids), [[1, 1, 2, 2]])
     np.testing.assert_array_equal(np.asarray(mask.kv_lengths), [3])
     assert bool(mask.rows_with_keys(4, 4).all())
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash", "dense"])
+def test_causal_offsets_near_and_past_int32_are_exact(implementation):
+    """A causal offset within T of 2**31 (static, and traced under jit) sees every key, as the
+    float64 reference says, and 2**31 or more is no OverflowError; one below -2**31 + T sees none
+    (zeros). Before, ``i + offset`` wrapped in int32, differently per kernel (issue #53, item 9)."""
+    q, k, v, _, _ = _case(t=8, s=8)
+    want = ref.attention_and_grads(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((2, 8, 4, 8)),
+                                   scale=0.3, is_causal=False)[0]
+    traced = jax.jit(lambda o: kernels.attend(q, k, v, implementation=implementation, scale=0.3, is_causal=True,
+                                              causal_offset=o))
+    for o in (2 ** 31 - 4, 2 ** 31 - 1, 2 ** 31, 2 ** 40):
+        got = kernels.attend(q, k, v, implementation=implementation, scale=0.3, is_causal=True, causal_offset=o)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5, err_msg=str(o))
+        np.testing.assert_allclose(np.asarray(traced(jnp.int32(min(o, 2 ** 31 - 1)))), want, rtol=2e-4, atol=2e-5)
+    for o in (-(2 ** 31) + 3, -(2 ** 40)):
+        got = kernels.attend(q, k, v, implementation=implementation, scale=0.3, is_causal=True, causal_offset=o)
+        assert not np.asarray(got).any(), o
+    assert not np.asarray(traced(jnp.int32(-(2 ** 31) + 3))).any()

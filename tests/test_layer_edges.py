@@ -133,9 +133,9 @@ def test_invalid_positions_raise_naming_the_argument(layer):
         (dict(q_positions=ok, k_positions=ok - 3), r"k_positions spans \[-3, 4\]"),
         (dict(q_positions=ok + prior_lib.MAX_POSITION - 4, k_positions=ok), r"q_positions spans"),
         (dict(q_positions=np.arange(8, dtype=np.int64) + 2 ** 40, k_positions=ok), r"outside \[0, MAX_POSITION"),
-        (dict(position_offset_q=-1), r"q_positions spans \[-1, -1\]"),
+        (dict(position_offset_q=-1), r"^position_offset_q spans \[-1, -1\]"),
         (dict(position_offset_q=1.5), r"must be integer"),
-        (dict(position_offset_k=prior_lib.MAX_POSITION - 2), r"reaches past MAX_POSITION"),
+        (dict(position_offset_k=prior_lib.MAX_POSITION - 2), r"^position_offset_k=16777214 \+ 8 tokens reaches past MAX_POSITION"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -143,6 +143,37 @@ def test_invalid_positions_raise_naming_the_argument(layer):
     # The largest valid positions run and are finite.
     top = ok + prior_lib.MAX_POSITION - 8
     assert np.isfinite(np.asarray(module.apply(params, x, q_positions=top, k_positions=top))).all()
+
+
+def test_position_errors_name_what_the_caller_passed():
+    """Issue #53, item 18: a long input, a long KV cache (Linen init, NNX ``init_cache``) and an
+    offset are named as such, not as ``q_positions`` nobody passed (shapes only: eval_shape)."""
+    from flax import nnx
+    from goat_jax import nnx as gnnx
+
+    module = LAYERS["goat"]()
+    x = jnp.ones((1, 8, 32))
+    params = module.init(jax.random.key(0), x)
+    long = jax.ShapeDtypeStruct((1, prior_lib.MAX_POSITION + 1, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"^the key length: 16777217 tokens reaches past MAX_POSITION=16777216"):
+        jax.eval_shape(lambda k: module.apply(params, x, k), long)
+    with pytest.raises(ValueError, match=r"^the query length: 16777217 tokens reaches past"):
+        jax.eval_shape(lambda q: module.apply(params, q), long)
+    decoding = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, implementation="xla", training_seq_len=16)
+    with pytest.raises(ValueError, match=r"^the KV cache length \(init's input length, or init_cache's max_length\): "
+                                         r"16777217 tokens reaches past"):
+        jax.eval_shape(lambda q: decoding.clone(decode=True).init(jax.random.key(0), q, is_causal=True), long)
+    layer = gnnx.GoatAttention(2, in_features=32, prior=decoding.prior, decode=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^the KV cache length .*init_cache's max_length\): 16777217 tokens"):
+        layer.init_cache(1, prior_lib.MAX_POSITION + 1)
+    with pytest.raises(ValueError, match=r"^position_offset_q=16777210 \+ 8 tokens reaches past"):
+        module.apply(params, x, position_offset_q=prior_lib.MAX_POSITION - 6)
+    from goat_jax.models import LMConfig, TransformerLM  # the LM's positions= is named positions
+    lm = TransformerLM(LMConfig(vocab_size=11, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, pos_rank=2,
+                                abs_rank=2, training_seq_len=None))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"^positions spans \[-1, 6\], outside \[0, MAX_POSITION"):
+        lm.init(jax.random.key(0), tokens, positions=np.arange(8) - 1)
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
@@ -162,10 +193,45 @@ def test_2d_offsets_are_validated():
     module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d")
     x = jnp.ones((1, 6, 32))
     params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
-    with pytest.raises(ValueError, match=r"2D offset\[0\] spans \[-1, -1\]"):
+    with pytest.raises(ValueError, match=r"^position_offset_q\[0\] spans \[-1, -1\]"):
         module.apply(params, x, spatial_shape=(2, 3), position_offset_q=(-1, 0))
-    with pytest.raises(ValueError, match=r"2D offset\[1\] must be integer"):
-        module.apply(params, x, spatial_shape=(2, 3), position_offset_q=(0, 0.5))
+    with pytest.raises(ValueError, match=r"^position_offset_k\[1\] must be integer"):
+        module.apply(params, x, spatial_shape=(2, 3), position_offset_k=(0, 0.5))
+
+
+@pytest.mark.parametrize("pos_encoding", ["2d", "auto"])
+def test_2d_goat_refuses_explicit_positions(pos_encoding):
+    """Issue #53, item 6: a 2D GOAT layer takes its positions from spatial_shape; explicit 1D
+    positions, even out of range, were silently ignored. Refused in one line, as rope2d does."""
+    module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding=pos_encoding)
+    x = jnp.ones((1, 6, 32))
+    params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
+    for kwargs in (dict(q_positions=jnp.arange(6)), dict(k_positions=jnp.arange(6) + 2 ** 30)):
+        with pytest.raises(ValueError, match=rf"^pos_encoding='{pos_encoding}' chose 2D .*q_positions/k_positions "
+                                             r"are 1D and are not supported") as info:
+            module.apply(params, x, spatial_shape=(2, 3), **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_2d_offsets_may_be_traced_and_grids_past_the_bound_are_refused():
+    """Issue #53, items 14 and 8: a traced (row, col) offset gives what the concrete one gives
+    (it raised TracerBoolConversionError), a traced scalar is refused naming the argument; a grid
+    of more than 2**24 tokens is refused like a 1D sequence (its float32 indices repeated)."""
+    module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d", implementation="xla")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 7, 32)), jnp.float32)
+    kw = dict(spatial_shape=(2, 3), has_cls_token=True)
+    params = module.init(jax.random.key(0), x, **kw)
+    want = module.apply(params, x, position_offset_q=(5, 9), position_offset_k=(5, 9), **kw)
+    pair = jax.jit(lambda o: module.apply(params, x, position_offset_q=o, position_offset_k=o, **kw))
+    np.testing.assert_allclose(np.asarray(pair(jnp.asarray([5, 9], jnp.int32))), np.asarray(want), rtol=1e-5, atol=1e-6)
+    row = jax.jit(lambda r: module.apply(params, x, position_offset_q=(r, 9), position_offset_k=(r, 9), **kw))
+    np.testing.assert_allclose(np.asarray(row(jnp.int32(5))), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert np.isnan(np.asarray(row(jnp.int32(prior_lib.MAX_POSITION - 1)))).any()  # past the bound: NaN
+    with pytest.raises(ValueError, match=r"^position_offset_q must be a \(row, col\) pair of integers in 2D mode"):
+        jax.jit(lambda r: module.apply(params, x, position_offset_q=r, **kw))(jnp.int32(5))
+    with pytest.raises(ValueError, match=r"^spatial_shape=\(4097, 4097\) with has_cls_token=True is 16785410 "
+                                         r"tokens, more than MAX_POSITION=16777216"):
+        prior_lib.positions_2d((4097, 4097), True)
 
 
 # ------------------------------------------------------------------------------------------

@@ -141,3 +141,33 @@ def test_model_configs_borrow_the_setting():
     assert ViTConfig(learn_frequencies=True).prior.learn_frequencies
     with pytest.raises((TypeError, ValueError), match="learn_frequencies"):
         PriorSettings(learn_frequencies="yes")
+
+
+def test_frequency_gradients_keep_float32_precision_far_out(rng):
+    """Issue #53, item 7: d <cot, out> / d pos_freqs of a 64-token window at offsets 0, 1M and
+    2**24 - 64, float32 against the same layer in float64. The relative prior is computed from
+    positions relative to the window's first key (goat_jax.prior.features.relative_to): before,
+    ``p_i dw`` and ``p_j dw`` cancelled in float32, 0.21 relative error near 2**24."""
+    t = 64
+    module = ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=6, abs_rank=2, enable_key_bias=False,
+                             learn_frequencies=True, implementation="xla")
+    x = rng.normal(size=(1, t, E))
+    params = flax.core.meta.unbox(jax.jit(module.init)(jax.random.key(0), jnp.asarray(x, jnp.float32)))
+    for name in ("lambda_sym", "lambda_asym"):  # O(1) amplitudes, so the frequencies matter
+        params["params"]["prior"][name] = jnp.asarray(rng.normal(size=params["params"]["prior"][name].shape), jnp.float32)
+    cot = rng.normal(size=(1, t, E))
+
+    def grad(m, p, x, off):
+        loss = lambda p: jnp.sum(m.apply(p, x, is_causal=True, position_offset_q=off, position_offset_k=off)
+                                 * jnp.asarray(cot, x.dtype))
+        return jax.grad(loss)(p)["params"]["prior"]["pos_freqs"]
+
+    for off in (0, 1_000_000, 2 ** 24 - t):
+        got = np.asarray(jax.jit(lambda p, x: grad(module, p, x, off))(params, jnp.asarray(x, jnp.float32)), np.float64)
+        with jax.enable_x64(True):
+            m64 = module.clone(dtype=jnp.float64, param_dtype=jnp.float64)
+            p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+            want = np.asarray(jax.jit(lambda p, x: grad(m64, p, x, off))(p64, jnp.asarray(x, jnp.float64)))
+        assert np.abs(want).max() > 1e-2, off  # the frequencies do move the output
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= 1e-4, (off, err)

@@ -204,6 +204,25 @@ def test_construction_under_a_mesh_shards_by_the_logical_rules():
     assert params["fox_gate"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
+def test_building_in_a_mesh_without_axis_rules_names_the_fix():
+    """Issue #53, item 16: inside a mesh but without logical axis rules, NNX took the parameters'
+    logical names for mesh axes ("Resource axis: embed ... not found"); now one line names the
+    rules to enter. With them the same layer builds."""
+    from goat_jax.train import sharding
+
+    mesh = jax.make_mesh((1, 1, 1, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    build = lambda: gnnx.GoatAttention(4, in_features=E, kv_num_heads=2, prior=_goat().prior, rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"^GoatAttention is built inside a mesh .* logical axis names "
+                                             r"\['embed', 'heads', 'kv', 'kv_heads'\] have no logical axis rule.*"
+                                             r"logical_axis_rules\(goat_jax.train.sharding.DEFAULT_RULES") as info:
+            build()
+        assert "\n" not in str(info.value)
+        with nn.logical_axis_rules(tuple(sharding.DEFAULT_RULES) + (("kv", None),)):
+            assert nnx.state(build(), nnx.Param)["q_proj"]["kernel"].get_value().shape == (E, 4, E // 4)
+    build()  # outside a mesh: no rules needed
+
+
 _SHARDED_STEP = """
 import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from flax import nnx

@@ -318,7 +318,7 @@ def test_max_position_is_two_to_the_24_and_past_it_one_line_names_the_argument()
     x = jnp.ones((1, 8, 64))
     params = module.init(jax.random.key(0), x)
     for kwargs, match in [
-        (dict(position_offset_q=2 ** 24 - 4), r"^q_positions: offset 16777212 \+ 8 tokens reaches past "
+        (dict(position_offset_q=2 ** 24 - 4), r"^position_offset_q=16777212 \+ 8 tokens reaches past "
                                               r"MAX_POSITION=16777216 = 2\*\*24.*lower the offset or the length"),
         (dict(q_positions=jnp.arange(8) + 2 ** 24 - 7, k_positions=jnp.arange(8)),
          r"^q_positions spans \[16777209, 16777216\], outside \[0, MAX_POSITION=16777216\).*shift or shorten"),
@@ -374,3 +374,66 @@ def test_angles_negative_and_non_integer_positions_nan_and_gradients(rng):
     pw = np.asarray(pos, np.float64)[:, None] * np.asarray(wj, np.float64)
     want = -(np.asarray(pos, np.float64)[:, None] * np.sin(pw)).sum(0)
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------------------------------------------------
+# Narrow integer positions (issue #53, item 4)
+# ------------------------------------------------------------------------------------------
+
+NARROW = (jnp.int8, jnp.uint8, jnp.int16, jnp.uint16)
+
+
+def _narrow_cases(rng):
+    """name -> (apply(positions or offset, via), x); every place positions enter a model."""
+    from flax import nnx
+    from goat_jax import nnx as gnnx
+    from goat_jax.models import LMConfig, TransformerLM
+
+    x = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.float32)
+    cases = {}
+    for name, module in (("goat", _goat()), ("rope", LAYERS["rope"]()),
+                         ("alibi_packed", PositionalAttention(num_heads=4, position_encoding="alibi_packed",
+                                                              implementation="xla"))):
+        params = module.init(jax.random.key(0), x, is_causal=True)
+        cases[name] = (lambda p, via, m=module, v=params: m.apply(
+            v, x, is_causal=True, **({"q_positions": p, "k_positions": p} if via == "positions"
+                                     else {"position_offset_q": p, "position_offset_k": p})))
+    layer = gnnx.GoatAttention(4, in_features=64, kv_num_heads=2, prior=_goat().prior, implementation="xla",
+                               rngs=nnx.Rngs(0))
+    cases["nnx_goat"] = lambda p, via: layer(x, is_causal=True, **(
+        {"q_positions": p, "k_positions": p} if via == "positions" else {"position_offset_q": p, "position_offset_k": p}))
+    tokens = jnp.asarray(rng.integers(0, 61, (2, 8)), jnp.int32)
+    lm = TransformerLM(LMConfig(vocab_size=61, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
+                                abs_rank=2, training_seq_len=None))
+    lm_params = lm.init(jax.random.key(1), tokens)
+    cases["lm"] = lambda p, via: lm.apply(lm_params, tokens, positions=p) if via == "positions" else None
+    return cases
+
+
+def test_narrow_integer_positions_and_offsets_give_the_int32_result_under_jit(rng):
+    """int8 positions and offsets (every narrow type in the next test), traced under jit, give
+    what int32 gives in every layer and the LM: they are widened where they enter. Before, ``p < MAX_POSITION`` compared against 2**24 as a weak
+    Python int in the narrow dtype (where it wraps to 0 or -x), so every output was NaN."""
+    base = 100  # fits every narrow dtype
+    for name, apply in _narrow_cases(rng).items():
+        for via in ("positions", "offset"):
+            want_in = jnp.arange(8, dtype=jnp.int32) + base if via == "positions" else jnp.int32(base)
+            if name == "lm" and via == "offset":
+                continue
+            run = jax.jit(lambda p: apply(p, via))
+            want, got = run(want_in), run(want_in.astype(jnp.int8))
+            assert np.isfinite(np.asarray(got)).all(), (name, via)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6, err_msg=f"{name} {via}")
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+def test_narrow_positions_in_the_prior_functions_and_the_bound(dtype):
+    """The prior's own entry points: ``validate_positions`` / ``positions_1d`` / ``positions_2d``
+    give exact float positions for narrow traced and NumPy inputs."""
+    p = jnp.arange(4, dtype=dtype) + 7
+    want = np.arange(4) + 7.0
+    np.testing.assert_array_equal(jax.jit(lambda q: prior_lib.validate_positions(q, "p"))(p), want)
+    np.testing.assert_array_equal(jax.jit(lambda o: prior_lib.positions_1d(4, o).index)(p[0]), want)
+    np.testing.assert_array_equal(prior_lib.positions_1d(4, np.asarray(7, dtype)).index, want)
+    grid = prior_lib.positions_2d((2, 2), False, (np.asarray(120, dtype)[()], np.asarray(3, dtype)[()]))
+    np.testing.assert_array_equal(np.asarray(grid.coords)[:, 0], [120, 120, 121, 121])

@@ -37,6 +37,11 @@ Choices, and why:
   training data path checks every packed row on the host before, naming the same field:
   :func:`goat_jax.data.packing.check_documents_per_row`). The saved softmax statistics are
   ``(B * M, N, T)`` float32, so M costs memory: keep it near the data's real maximum.
+* **Documents are ids, not runs** (the mask's contract, goat_jax/kernels/mask.py): a row
+  where an id forms several runs (``1 1 2 2 1 1``) cannot be laid out as one document per
+  offset, so eager calls raise naming ``segment_ids`` and under ``jit`` the row is NaN
+  (:meth:`AttentionMask.split_documents`), never the runs' answer that differs from every
+  other kernel's.
 * Under a mesh the call runs under ``jax.shard_map`` over the batch (and head) axes
   (:func:`goat_jax.kernels.mesh.partition`), each device on its own rows: jax's partitioning
   of the packed layout refuses sequence sharding, and the offsets are per row anyway.
@@ -69,8 +74,9 @@ def documents_per_row(ids: Array) -> Array:
 def packed_layout(ids: Array, max_documents: int) -> Tuple[Array, Array]:
     """``(offsets [B, M + 1], lengths [B, M])`` int32 of the packed layout for segment ids
     ``ids`` [B, T] with ``M = max_documents``: each row's document starts in order, then -1;
-    each document's length, then -1. Documents past M are dropped (the caller poisons those
-    rows: module doc)."""
+    each document's length, then -1. A row of more than M documents keeps the first M starts, so
+    the M-th document's length runs to the row's end: every later document is merged into it
+    (attending across documents); the caller poisons such rows (NaN, module doc)."""
     b, t = ids.shape
     starts = run_starts(ids)
     offsets = jax.vmap(lambda row: jnp.nonzero(row, size=max_documents, fill_value=-1)[0])(starts)
@@ -124,7 +130,21 @@ def _odd_pad(q: Array, k: Array, v: Array, ids: Array) -> Tuple[Array, Array, Ar
     return pad(q), pad(k), pad(v), ids
 
 
-def _call(q: Array, k: Array, v: Array, ids: Array, scale: float, causal: bool, max_documents: int) -> Array:
+def check_split(split: Optional[Array]) -> None:
+    """Raises ValueError naming ``segment_ids`` when concrete ``split`` ([B] bool,
+    :meth:`AttentionMask.split_documents`) marks a row; traced rows are NaN at run time."""
+    if split is None or isinstance(split, jax.core.Tracer):
+        return
+    rows = np.flatnonzero(np.asarray(split))
+    if rows.size:
+        raise ValueError(
+            f"segment_ids row {int(rows[0])} has an id in several runs (a document split by another); "
+            "cuDNN's packed layout takes each document as one run, while every kernel's document is all "
+            "tokens of one id. Give each document one run of its own id, or use implementation='flash'.")
+
+
+def _call(q: Array, k: Array, v: Array, ids: Array, split: Array, scale: float, causal: bool,
+          max_documents: int) -> Array:
     """The packed cuDNN call on one device's rows: q [b, T, N, Hqk], k/v [b, T, K, H*]."""
     from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
 
@@ -139,7 +159,7 @@ def _call(q: Array, k: Array, v: Array, ids: Array, scale: float, causal: bool, 
     mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
     out = fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
                                    kv_offsets=offsets, scale=scale, mask_type=mask_type, qkv_layout="BTNH")
-    overflow = documents_per_row(ids) > max_documents + extra  # [b]
+    overflow = (documents_per_row(ids) > max_documents + extra) | split  # [b]: rows it cannot lay out
     out = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out[:, :t_real, :, :hv]
 
@@ -153,15 +173,17 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     ids = mask.q_segment_ids
     max_documents = mask.max_documents or DEFAULT.max_documents_per_row  # the keyword form of attend leaves it out
     check_concrete(ids, max_documents)
+    split = mask.split_documents()  # [B]
+    check_split(split)
     b, _, n, _ = q.shape
     kh = k.shape[2]
 
-    def run(q_, k_, v_, ids_):
-        return _call(q_, k_, v_, ids_, scale, mask.causal, max_documents)
+    def run(q_, k_, v_, ids_, split_):
+        return _call(q_, k_, v_, ids_, split_, scale, mask.causal, max_documents)
 
     layout = mesh_lib.partition(mesh, b, n, kh)
     if layout is None:
-        return run(q, k, v, ids)
+        return run(q, k, v, ids, split)
     specs = layout.specs()
-    return jax.shard_map(run, mesh=layout.mesh, in_specs=(specs.q, specs.kv, specs.kv, specs.rows),
-                         out_specs=specs.q, check_vma=False)(q, k, v, ids)
+    return jax.shard_map(run, mesh=layout.mesh, in_specs=(specs.q, specs.kv, specs.kv, specs.rows, specs.batch),
+                         out_specs=specs.q, check_vma=False)(q, k, v, ids, split)

@@ -104,6 +104,7 @@ def attend(
         mask = mask.replace(window=plan.window)
     if mask.max_documents is None:
         mask = mask.replace(max_documents=plan.max_documents_per_row)
+    mask = mask.bounded(t, s)  # an offset near 2**31 would wrap in int32 (AttentionMask.bounded)
     if choice is None:  # the one choice of this call, from its mask
         choice = choice_lib.choose(plan.implementation if implementation is None else implementation, q.dtype,
                                    q.shape[-1], (b, q.shape[2], t, s), like=(q,), mesh=mesh, plan=plan,
@@ -111,6 +112,7 @@ def attend(
     elif implementation is not None or mesh is not None:
         raise ValueError("Pass choice= (a layer's choice, with its mesh) or implementation= and mesh=, not both.")
     implementation, mesh = choice.implementation, choice.mesh
+    mesh_lib.check_axis_types(mesh)
     shards = mesh_lib.context_shards(mesh, plan.context_axis)
     if shards > 1:  # the sequence is split over the mesh's context axis, by the plan's strategy
         if return_probs:

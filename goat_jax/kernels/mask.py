@@ -15,6 +15,13 @@ The contract every kernel honours (query ``i``, key ``j``, sequence indices from
   ``j`` only if the ids are equal. Ids are compared for equality only: no value is reserved.
   The data packer (:mod:`goat_jax.data.packing`) gives trailing padding ``PAD_SEGMENT_ID``
   (int32 max), so padding tokens see only each other and ids stay non-decreasing.
+  **A document is the set of tokens with one id, on every kernel**, also when the id's tokens
+  are not adjacent (``1 1 2 2 1 1``: the two runs of 1 are one document). Equality, not runs,
+  because load-balanced context parallelism (:mod:`goat_jax.kernels.balance`) hands the
+  kernels each document cut into chunks that are not adjacent. cuDNN's packed layout can only
+  express documents that are one run each (offsets and lengths), so a row where an id forms
+  several runs (:meth:`AttentionMask.split_documents`) is refused there: eager calls raise
+  naming ``segment_ids``, under ``jit`` the row's outputs are NaN, never the runs' answer.
 * ``window`` (static int or None): ``i`` sees ``j`` only if ``i + offset - j < window`` (a
   sliding window of the last ``window`` keys; an evaluation's, :attr:`goat_jax.plan.AttentionPlan.window`).
 
@@ -117,6 +124,10 @@ class AttentionMask:
             raise ValueError(f"key_padding_mask must have shape [B, S] = {(b, s)}, got {key_padding_mask.shape}.")
         if kv_lengths is not None and kv_lengths.shape != (b,):
             raise ValueError(f"kv_lengths must have shape [B] = {(b,)}, got {kv_lengths.shape}.")
+        if max_documents is not None and (isinstance(max_documents, (bool, np.bool_))
+                                          or not isinstance(max_documents, (int, np.integer)) or max_documents < 1):
+            raise ValueError(f"max_documents (a layer's max_documents_per_row) must be an integer >= 1 or None, "
+                             f"got {max_documents!r}.")
         segments = check_segment_ids(b, t, s, segment_ids, q_segment_ids, kv_segment_ids)
         q_ids, kv_ids = segments if segments is not None else (None, None)
         return cls(bool(is_causal), causal_offset, key_padding_mask,
@@ -174,6 +185,19 @@ class AttentionMask:
         """Causal with a static offset of 0: the kernels' own causal mode."""
         return self.causal and _is_static(self.offset) and int(self.offset) == 0
 
+    def split_documents(self) -> Optional[Array]:
+        """[B] bool: the rows where some query id forms more than one run of adjacent tokens (a
+        document split by another, module doc), which a kernel that takes documents as runs
+        (cuDNN's packed layout) cannot express; None without segment ids. A row's runs are
+        counted against its distinct ids (one sort): O(T log T), no T x T mask."""
+        if self.segments is None:
+            return None
+        ids = self.q_segment_ids
+        runs = 1 + jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
+        ordered = jnp.sort(ids, axis=1)
+        distinct = 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)
+        return runs != distinct
+
     def shifted(self, q_start: Any, kv_start: Any) -> "AttentionMask":
         """The mask of a block whose queries start at sequence index ``q_start`` and keys at
         ``kv_start`` of the sequence this mask describes (a context shard, a ring block): the
@@ -181,6 +205,26 @@ class AttentionMask:
         if not self.causal and self.window is None:
             return self
         return self.replace(offset=self.offset + q_start - kv_start)
+
+    def bounded(self, t: int, s: int) -> "AttentionMask":
+        """The same mask for ``t`` queries and ``s`` keys with its offset clamped to
+        ``[-t, s + window]`` (window 0 without one), computed in int32 (a traced offset is first
+        made int32). The mask reads the offset only through ``j - i <= offset`` and
+        ``j - i > offset - window``, with ``j - i`` in ``[1 - t, s - 1]``, so both are constant
+        past those ends and the clamp changes nothing visible, while ``i + offset`` can no longer
+        wrap in int32 (an offset within ``t`` of 2**31 did, differently per kernel) and a Python
+        int of 2**31 or more is not handed to a kernel (a raw OverflowError)."""
+        if not self.causal and self.window is None:
+            return self
+        lo, hi = -t, s + (self.window or 0)
+        if _is_static(self.offset):
+            return self.replace(offset=min(max(int(self.offset), lo), hi))
+        offset = jnp.asarray(self.offset)
+        if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim:
+            raise ValueError(f"causal_offset must be an integer scalar, got {offset.dtype} of shape {offset.shape}.")
+        if jnp.iinfo(offset.dtype).bits > 32 or offset.dtype == jnp.uint32:
+            offset = jnp.clip(offset, lo, hi)  # in its own wider type, then exact in int32
+        return self.replace(offset=jnp.clip(offset.astype(jnp.int32), lo, hi))
 
     # -- conversions ---------------------------------------------------------------------------
 

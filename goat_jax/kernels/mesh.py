@@ -37,6 +37,26 @@ def context_shards(mesh: Any, axis: str = CONTEXT_AXIS) -> int:
     return int(mesh.shape[axis])
 
 
+def check_axis_types(mesh: Any) -> None:
+    """Raises a one-line ValueError naming ``axis_types`` when ``mesh`` (more than one device)
+    has Explicit axes (``jax.make_mesh``'s default in jax 0.10.2). On such a mesh an array's
+    sharding is part of its type and nothing reshards implicitly: the shard_maps of context
+    parallelism, splash and cuDNN's packed layout take only inputs already sharded as their
+    in_specs say, GOAT's packing concatenates sharded content channels with replicated position
+    channels (a ShardingTypeError), and NNX's parameter constraints assert; each failed with a
+    raw JAX error (Linen, NNX, decoding, generation). Auto axes (this package's meshes, from
+    :func:`goat_jax.train.sharding.make_mesh`) let XLA place the data."""
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if mesh is None or mesh.empty or explicit is None or int(np.prod(list(mesh.shape.values()))) <= 1:
+        return
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if any(t == explicit for t in types):
+        raise ValueError(
+            f"The mesh in context has axis_types={tuple(str(t).split('.')[-1] for t in types)}; goat_jax's "
+            "attention runs on Auto axes only: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
+            "len(axis_names) (as goat_jax.train.sharding.make_mesh does).")
+
+
 class Layout(NamedTuple):
     """How a kernel that XLA cannot partition (splash; context parallelism's shard_map) splits
     its work over a mesh: the batch over ``batch_axes``, the query heads over ``head_axes``, the

@@ -33,13 +33,31 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import kernels
+from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax import prior as prior_lib
+from goat_jax.config.fields import Int, check_section
 from goat_jax.layers.call import (
     AttentionCall, CallOptions, Encoded, KernelRequest, LayerShape, apply_logn, check_logn, logn_factors,
     resolve_call_segments)
 from goat_jax.plan import AttentionPlan
 
 Array = jax.Array
+
+
+# The layers' fields checked when a layer is built (both shells), before any call; the rest are
+# checked by the call's plan, which needs the inputs.
+FIELD_SPECS = {
+    "max_documents_per_row": Int(min=1, optional=True, doc="documents per row cuDNN's packed layout is sized "
+                                                          "for (goat_jax/kernels/cudnn_packed.py); None: its default"),
+}
+
+
+def check_fields(layer: Any) -> None:
+    """Raises a one-line ValueError naming ``Layer.field`` when a field of :data:`FIELD_SPECS`
+    is invalid (``max_documents_per_row`` of 0, -3, 2.5 or "4": before, 0 became cuDNN's default
+    silently and the others failed later inside the kernel)."""
+    check_section({name: getattr(layer, name) for name in FIELD_SPECS}, FIELD_SPECS, None,
+                  owner=type(layer).__name__)
 
 
 def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:
@@ -162,16 +180,25 @@ class AttentionLogic:
         """``(q_pos, k_pos)``; subclasses with other position modes (GOAT's 2D) override."""
         return self._positions_1d(call, t, s)
 
-    @staticmethod
-    def _positions_1d(call: AttentionCall, t: int, s: int):
-        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys."""
+    def _positions_1d(self, call: AttentionCall, t: int, s: int):
+        """1D :class:`goat_jax.prior.Positions` of the T queries and S keys. Errors name what
+        the caller passed: the explicit positions, the offset, or, while decoding, the KV cache
+        (its index is the offset; its length is the length init / ``init_cache`` sized it for)."""
         out = []
+        decoding = bool(getattr(self, "decode", False))
         for name, length, offset, explicit in (("q", t, call.position_offset_q, call.q_positions),
                                                ("k", s, call.position_offset_k, call.k_positions)):
             if isinstance(offset, (tuple, list)):
                 raise ValueError(f"position_offset_{name} must be an integer (1D positions), got {offset}.")
+            if decoding:
+                offset_name, length_name = "the KV cache index", (
+                    "the KV cache length (init's input length, or init_cache's max_length)")
+            else:
+                offset_name = f"position_offset_{name}"
+                length_name = f"the {'query' if name == 'q' else 'key'} length"
             out.append(prior_lib.positions_1d(length, 0 if offset is None else offset, explicit,
-                                              name=f"{name}_positions"))
+                                              name=f"{name}_positions", offset_name=offset_name,
+                                              length_name=length_name))
         return tuple(out)
 
 
@@ -189,8 +216,12 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     key = query if key is None else key
     value = key if value is None else value
     check_qkv(query, key, value)
+    # Before any parameter or cache write (decoding on such a mesh failed in the cache update).
+    kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh())
+    # Narrow integer positions and offsets become int32 here, where they enter (prior_lib.widen).
+    w = prior_lib.widen
     call = AttentionCall(query, key, value, is_causal, key_padding_mask, spatial_shape, has_cls_token,
-                         position_offset_q, position_offset_k, q_positions, k_positions)
+                         w(position_offset_q), w(position_offset_k), w(q_positions), w(k_positions))
     call = resolve_call_segments(call, segment_ids, kv_segment_ids, layer.decode)
     embed_dim = query.shape[-1]
     kv_heads, head_dim = head_dims(layer.num_heads, layer.kv_num_heads, layer.head_dim, embed_dim)

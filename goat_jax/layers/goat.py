@@ -80,11 +80,11 @@ def prior_declarations(spec: prior_lib.PriorSpec) -> list:
 
 
 def prior_query(spec: prior_lib.PriorSpec, params: dict, q_pos: prior_lib.Positions,
-                q_content: Optional[Array] = None):
+                q_content: Optional[Array] = None, origin: Optional[Array] = None):
     """``(q_rel [.., T, N, 2R], q_sink [.., T, N], gate or None)``, float32, from the prior's
-    ``params`` (:func:`prior_declarations`' names)."""
+    ``params`` (:func:`prior_declarations`' names); ``origin``: :func:`goat_jax.prior.features.relative_to`."""
     gate = prior_lib.query_gate(spec, params, q_content)
-    q_rel, q_sink = prior_lib.query_features(spec, params, q_pos, gate)
+    q_rel, q_sink = prior_lib.query_features(spec, params, q_pos, gate, origin=origin)
     return q_rel, q_sink, gate
 
 
@@ -210,6 +210,13 @@ class GoatLogic(attention_core.AttentionLogic):
             raise ValueError("segment_ids are for 1D sequences (packed documents); pos_encoding="
                              f"{self.pos_encoding!r} chose 2D (row, col) positions here. Drop "
                              "segment_ids, or use pos_encoding='1d'.")
+        if use_2d and (call.q_positions is not None or call.k_positions is not None):
+            # 1D positions have no place on a grid, and (row, col) ones would need a CLS rule
+            # of their own; the official package has neither. Offsets move the grid instead.
+            raise ValueError(
+                f"pos_encoding={self.pos_encoding!r} chose 2D (row, col) positions here, which come from "
+                "spatial_shape; q_positions/k_positions are 1D and are not supported. Drop them and move "
+                "the grid with position_offset_q/position_offset_k=(row, col), or use pos_encoding='1d'.")
         if (call.q_segment_ids is not None and settings.enable_key_bias
                 and settings.training_seq_len is None):
             raise ValueError(
@@ -240,7 +247,12 @@ class GoatLogic(attention_core.AttentionLogic):
                 if offset != 0:
                     raise ValueError(f"{name} must be a (row, col) pair in 2D mode, got {offset}.")
                 offset = (0, 0)
-            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset)))
+            shape = tuple(offset.shape) if hasattr(offset, "shape") else (
+                (len(offset),) if isinstance(offset, (tuple, list)) else None)
+            if shape != (2,):  # a traced scalar, say, has no (row, col) to take
+                raise ValueError(f"{name} must be a (row, col) pair of integers in 2D mode, got "
+                                 f"{'an array of shape ' + str(shape) if hasattr(offset, 'shape') else repr(offset)}.")
+            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset), name=name))
         return tuple(out)
 
     def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
@@ -257,8 +269,12 @@ class GoatLogic(attention_core.AttentionLogic):
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior_log_prior(spec, params, q_pos, k_pos, call.is_causal, q_content)  # [B|1, N, T, S]
             return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
-        q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content)
-        k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal)
+        # The relative features of a window from its first key's position (shift-invariant: the
+        # learned frequencies' gradient keeps float32 precision far out). Not while decoding: the
+        # cache holds keys of earlier calls, encoded from position 0.
+        origin = k_pos.coords[..., :1] if cache is None and not plan.use_2d else None
+        q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content, origin)
+        k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal, origin)
         q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
         k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,

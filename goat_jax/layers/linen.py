@@ -212,6 +212,10 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
     max_documents_per_row: Optional[int] = None
     plan: Optional[AttentionPlan] = None
 
+    def __post_init__(self):
+        attention_core.check_fields(self)  # at construction, as the NNX shell does
+        super().__post_init__()
+
     # The shell contract of attention_core.run: parameters, cache and sowing as Linen variables.
 
     def _projection(self, name: str, spec: str, x: Array, kernel_shape: Tuple[int, ...],

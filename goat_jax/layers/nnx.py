@@ -56,6 +56,7 @@ from flax import nnx
 from flax.core import meta
 from flax.nnx.bridge.variables import to_nnx_var
 
+from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax.layers import goat as attention_lib
 from goat_jax.layers import core as attention_core
 from goat_jax.layers import linen
@@ -104,6 +105,25 @@ def _read(node) -> Any:
     if isinstance(node, nnx.Variable):
         return node.get_value()
     return {n: _read(v) for n, v in _children(node)}
+
+
+def _check_axis_rules(layer: str, boxed: Any) -> None:
+    """Raises a one-line ValueError naming the fix when a mesh is active and a logical axis name
+    of the parameters ``boxed`` (their shapes) has no logical axis rule and is no mesh axis: NNX
+    takes such a name for a mesh axis and fails with "Resource axis: embed ... not found"."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return
+    rules = {name for name, _ in (nn.get_logical_axis_rules() or ())}
+    names = {n for box in jax.tree.leaves(boxed, is_leaf=lambda b: isinstance(b, meta.Partitioned))
+             if isinstance(box, meta.Partitioned) for n in box.names if n is not None}
+    missing = sorted(n for n in names if n not in rules and n not in mesh.axis_names)
+    if missing:
+        raise ValueError(
+            f"{layer} is built inside a mesh with axes {tuple(mesh.axis_names)}, but its parameters' logical "
+            f"axis names {missing} have no logical axis rule (NNX would take them for mesh axes): build it "
+            "inside `with flax.linen.logical_axis_rules(goat_jax.train.sharding.DEFAULT_RULES + (('kv', None),))` "
+            "(or your own rules for those names), or outside the mesh.")
 
 
 def _make(value: Any) -> Any:
@@ -163,6 +183,8 @@ class AttentionShell(nnx.Module):
         for name, value in values.items():
             setattr(self, self._RENAMED.get(name, name), value)
         self.in_features, self.kv_features = in_features, kv_features or in_features
+        attention_core.check_fields(self)
+        kernels_mesh.check_axis_types(kernels_mesh.ambient_mesh())
         length, spatial_shape = self._dummy_call()
         query = jnp.zeros((1, length, in_features), self.param_dtype)
         key = None if self.kv_features == in_features else jnp.zeros((1, length, self.kv_features), self.param_dtype)
@@ -176,7 +198,9 @@ class AttentionShell(nnx.Module):
             records, _BUILD.current, _BUILD.records = _BUILD.records, None, {}
         paths = list(records)
         keys = [rngs.params() for _ in paths]
-        values = jax.jit(lambda ks: [records[p][0](k, *records[p][1]) for p, k in zip(paths, ks)])(keys)
+        make = lambda ks: [records[p][0](k, *records[p][1]) for p, k in zip(paths, ks)]
+        _check_axis_rules(type(self).__name__, jax.eval_shape(make, keys))
+        values = jax.jit(make)(keys)
         for path, value in zip(paths, values):
             node = self
             for part in path[:-1]:

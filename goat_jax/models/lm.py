@@ -39,7 +39,7 @@ from goat_jax.layers.call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.layers import positional as positional_layer
 from goat_jax.positional import registry
-from goat_jax.prior import PriorSettings
+from goat_jax.prior import PriorSettings, validate_positions, widen
 
 Array = jax.Array
 
@@ -391,6 +391,9 @@ class TransformerLM(nn.Module):
         cfg.check_length(t, "tokens.shape[1]")
         if self.decode and positions is not None:
             raise ValueError("decode=True takes positions from the cache index; do not pass positions.")
+        positions = widen(positions)  # int8/int16 positions as int32 (goat_jax.prior.widen)
+        if positions is not None:  # named as the caller passed them (the layers' say q_positions)
+            validate_positions(positions, "positions")
         if segment_ids is not None and positions is None:
             # Per-document positions, computed once here so that the absolute embeddings and
             # every layer read the same ones (the layers would derive the same from the ids).

@@ -48,7 +48,7 @@ from goat_jax.prior import angles
 from goat_jax.prior.features import key_features, log_prior, query_features, query_gate, relative_frequencies
 from goat_jax.prior.fourier import fourier_features, frequencies, kappa
 from goat_jax.prior.positions import (MAX_POSITION, Positions, check_grid, concrete_range, positions_1d,
-                                      positions_2d, real_dtype, validate_positions)
+                                      positions_2d, real_dtype, validate_positions, widen)
 from goat_jax.prior.settings import PRIOR_GATES, PRIOR_INITS, SINK_EXTRAPOLATIONS, PriorSettings, PriorSpec
 from goat_jax.prior.sink_term import (alibi_slopes, inverse_softplus, sink, sink_mlp, sink_mlp_inputs,
                                       sink_mlp_values)
@@ -57,5 +57,5 @@ __all__ = [
     "MAX_POSITION", "PRIOR_GATES", "PRIOR_INITS", "Positions", "PriorSettings", "PriorSpec", "SINK_EXTRAPOLATIONS", "alibi_slopes", "angles",
     "check_grid", "concrete_range", "fourier_features", "frequencies", "inverse_softplus", "kappa",
     "key_features", "log_prior", "positions_1d", "positions_2d", "query_features", "query_gate", "relative_frequencies",
-    "real_dtype", "sink", "sink_mlp", "sink_mlp_inputs", "sink_mlp_values", "validate_positions",
+    "real_dtype", "sink", "sink_mlp", "sink_mlp_inputs", "sink_mlp_values", "validate_positions", "widen",
 ]

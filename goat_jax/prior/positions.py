@@ -69,6 +69,21 @@ def concrete_range(x: Any) -> Optional[Tuple[int, int]]:
     return int(np.min(arr)), int(np.max(arr))
 
 
+def widen(positions: Any) -> Any:
+    """``positions`` (or an offset) with an integer dtype narrower than 32 bits as int32, anything
+    else unchanged. Where positions enter (the layers' call, the LM's ``positions=``, every
+    check here), so that no comparison with ``MAX_POSITION = 2**24``, a weak Python int, is made
+    in a dtype it wraps in (int8 ``p < 2**24`` is ``p < 0``), and no offset difference wraps."""
+    dtype = getattr(positions, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.iinfo(dtype).bits >= 32:
+        return positions
+    if isinstance(positions, jax.Array):  # concrete or traced
+        return positions.astype(jnp.int32)
+    if isinstance(positions, np.integer):  # a NumPy scalar stays a static integer
+        return np.int32(positions)
+    return np.asarray(positions, np.int32)
+
+
 def validate_positions(positions: Any, name: str) -> Array:
     """Integer positions -> float positions (``real_dtype``), checked to lie in
     ``[0, MAX_POSITION)``.
@@ -91,6 +106,7 @@ def validate_positions(positions: Any, name: str) -> Array:
         raise ValueError(
             f"{name} must be integer token positions, got {getattr(positions, 'dtype', type(positions).__name__)}. "
             "Positions index tokens; pass e.g. jnp.arange(T, dtype=jnp.int32) + offset.")
+    positions = widen(positions)
     span = concrete_range(positions)
     if span is not None:
         if span[0] < 0 or span[1] >= MAX_POSITION:
@@ -106,21 +122,25 @@ def validate_positions(positions: Any, name: str) -> Array:
 
 
 def positions_1d(length: int, offset: Any = 0, positions: Optional[Array] = None,
-                 name: str = "positions") -> Positions:
+                 name: str = "positions", offset_name: Optional[str] = None,
+                 length_name: Optional[str] = None) -> Positions:
     """1D positions ``offset + arange(length)``, or explicit integer ``positions`` [L] / [B, L].
 
     ``offset`` may be a traced integer scalar (KV-cache decoding). Positions are validated by
-    :func:`validate_positions` (``name`` is used in its messages): integers in
-    ``[0, MAX_POSITION)``.
+    :func:`validate_positions`: integers in ``[0, MAX_POSITION)``. The errors name what the
+    caller passed: ``name`` the explicit positions, ``offset_name`` the offset (default "the
+    position offset of {name}"), ``length_name`` the length (default ``name``).
     """
     if positions is None:
-        off = validate_positions(offset, f"the position offset of {name}")
+        off = validate_positions(offset, offset_name or f"the position offset of {name}")
         span = concrete_range(offset)
         if span is not None and span[1] + length > MAX_POSITION:
+            what = (f"{offset_name or 'offset'}={span[1]} + {length} tokens" if span[1]
+                    else f"{length_name or name}: {length} tokens")
             raise ValueError(
-                f"{name}: offset {span[1]} + {length} tokens reaches past MAX_POSITION="
-                f"{MAX_POSITION} = 2**24, the last integer float32 positions hold exactly "
-                "(goat_jax/prior/positions.py module docstring): lower the offset or the length.")
+                f"{what} reaches past MAX_POSITION={MAX_POSITION} = 2**24, the last integer float32 "
+                "positions hold exactly (goat_jax/prior/positions.py module docstring): lower the offset "
+                "or the length.")
         pos = jnp.arange(length, dtype=real_dtype()) + off
         if span is None:  # traced offset: the last position may pass the bound
             pos = jnp.where(pos < MAX_POSITION, pos, jnp.nan)
@@ -147,28 +167,43 @@ def check_grid(length: int, spatial_shape: Sequence[int], has_cls: bool, name: s
 
 
 def positions_2d(
-    spatial_shape: Sequence[int], has_cls: bool, offset: Tuple[int, int] = (0, 0)
+    spatial_shape: Sequence[int], has_cls: bool, offset: Tuple[Any, Any] = (0, 0), name: str = "2D offset"
 ) -> Positions:
     """Row-major (row, col) grid positions, CLS (if any) first with zero features.
 
     Returns Positions with ``index`` = arange(L), ``coords`` [L, 2] = (row + offset_row,
-    col + offset_col) (0 for CLS), ``is_cls`` [L].
+    col + offset_col) (0 for CLS), ``is_cls`` [L]. The offsets are integers, concrete or traced
+    (as 1D offsets may be); like 1D positions, every index and coordinate must stay below
+    ``MAX_POSITION``: concrete values past it raise ValueError naming the argument, traced ones
+    give NaN coordinates (:func:`validate_positions`). ``name``: the offset's name in errors.
     """
     h, w = int(spatial_shape[0]), int(spatial_shape[1])
+    length = h * w + int(bool(has_cls))
+    if length > MAX_POSITION:
+        raise ValueError(
+            f"spatial_shape={(h, w)} with has_cls_token={bool(has_cls)} is {length} tokens, more than "
+            f"MAX_POSITION={MAX_POSITION} = 2**24, the last integer float32 sequence indices hold exactly "
+            "(goat_jax/prior/positions.py module docstring): use a smaller grid.")
+    axes = []
     for axis, (o, size) in enumerate(zip(offset, (h, w))):
-        validate_positions(o, f"2D offset[{axis}]")
-        if o + size > MAX_POSITION:
-            raise ValueError(f"2D offset[{axis}]={o} + {size} reaches past MAX_POSITION={MAX_POSITION} "
+        o = widen(o)
+        start = validate_positions(o, f"{name}[{axis}]")
+        span = concrete_range(o)
+        if span is not None and span[1] + size > MAX_POSITION:
+            raise ValueError(f"{name}[{axis}]={span[1]} + {size} reaches past MAX_POSITION={MAX_POSITION} "
                              "(= 2**24, goat_jax/prior/positions.py): lower the offset.")
-    rows, cols = np.meshgrid(np.arange(h) + offset[0], np.arange(w) + offset[1], indexing="ij")
-    coords = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1).astype(np.float32)
+        along = jnp.arange(size, dtype=real_dtype()) + start
+        if span is None:  # traced offset: the last row/col may pass the bound
+            along = jnp.where(along < MAX_POSITION, along, jnp.nan)
+        axes.append(along)
+    rows, cols = jnp.meshgrid(axes[0], axes[1], indexing="ij")
+    coords = jnp.stack([rows.reshape(-1), cols.reshape(-1)], axis=-1)  # [H * W, 2]
     is_cls = np.zeros(h * w, bool)
     if has_cls:
-        coords = np.concatenate([np.zeros((1, 2), np.float32), coords], axis=0)
+        coords = jnp.concatenate([jnp.zeros((1, 2), coords.dtype), coords], axis=0)
         is_cls = np.concatenate([[True], is_cls])
-    length = coords.shape[0]
     return Positions(
         index=jnp.arange(length, dtype=real_dtype()),
-        coords=jnp.asarray(coords, real_dtype()),
+        coords=coords,
         is_cls=jnp.asarray(is_cls),
     )
