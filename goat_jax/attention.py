@@ -19,6 +19,7 @@ import numpy as np
 from goat_jax import attention_call
 from goat_jax import attention_core
 from goat_jax import kernels
+from goat_jax.kernels import widths as kernel_widths
 from goat_jax import layers
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import default_sink_channels, pack_key, pack_query
@@ -192,6 +193,7 @@ class GoatLogic(attention_core.AttentionLogic):
                                               segments=call.q_segment_ids is not None,
                                               ragged_segments=attention_call.ragged_segments(call),
                                               decoding=bool(self.decode))
+        kernel_widths.check_layout(impl, shape.dtype, shape.head_dim, qk_dim)  # once, if off the fast path
 
         t, s = call.query.shape[1], call.key.shape[1]
         spatial_shape = call.spatial_shape
