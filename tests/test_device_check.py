@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_device_check_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out),
+                          "--sections", "1", "2", "2b", "3", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()
@@ -30,4 +31,32 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
         assert row in text
     assert "| est. ms/step at peak |" in text and "| planned GiB |" in text  # the compile-time view beside it
     assert "test_error_cudnn_float32_or_no_gpu`: exit code 0" in text
+    assert "Imported of ('tensorflow', 'grain', 'ml_collections'): none" in text
+
+
+@pytest.mark.slow(reason="runs the width sweep and the train-step levers of the device check on CPU (~14 step compiles)")
+def test_device_check_dry_run_width_sweep_and_levers(tmp_path):
+    """Sections 5, 6 and 6b (issue #55) in their CPU form: every row runs (a large budget, so
+    none is skipped), none errs, and the tables carry what the GPU run will fill in."""
+    out = tmp_path / "gpu.md"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out),
+                          "--sections", "5", "6", "6b", "--budget_s", "5000"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    assert "**ERROR**" not in text and "skipped: time budget" not in text
+    for heading in ("## 5. q/k width sweep", "## 6. 125M train step levers (a)", "## 6b. 125M train step levers (b)"):
+        assert heading in text
+    for row in ("| 1 x 2 x 64 | plain | 64 / 64 |", "| 1 x 2 x 64 | goat official | 64 / 64 (packed) |",
+                "| 1 x 2 x 64 | q/k 65, v 64 | 65 / 64 |", "| 1 x 2 x 64 | q/k 128, v 128 | 128 / 128 |"):
+        assert row in text
+    assert text.count("| 1 x 2 x 64 |") == 4 + 6 + 2  # plain, 2 GOAT layouts, RoPE; 6 widths; 2 with wide v
+    assert "ratios to plain: goat official" in text  # the cliff summary
+    for change in ("| base | goat |", "| base | rope |", "| tokens per step x4 | goat | 8 x 32 |",
+                   "| chunked loss (8 positions) | goat |", "| XLA GPU options (gpu_xla_flags) | goat |",
+                   "| unrolled layers (scan_layers=False) |", "| remat, policy dots_no_batch |",
+                   "| vocabulary 257 padded to a multiple of 128 |", "| qk_layout='lane_aligned' |"):
+        assert change in text
+    assert text.count("| candidate: ") == 2
     assert "Imported of ('tensorflow', 'grain', 'ml_collections'): none" in text
