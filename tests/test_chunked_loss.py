@@ -1,5 +1,5 @@
 """The LM's loss without the full float32 logits (``model.loss_chunk_size``,
-goat_jax/train/chunked_loss.py), the vocabulary padded to a multiple (``model.vocab_pad_multiple``)
+goat_jax/losses.py), the vocabulary padded to a multiple (``model.vocab_pad_multiple``)
 and the remat policies (``model.remat_policy``).
 
 Checked: the chunked loss's value and its gradients for the hidden states and the output
@@ -18,7 +18,7 @@ import pytest
 
 from goat_jax.models import LMConfig, TransformerLM
 from goat_jax.models import sampling
-from goat_jax.train.chunked_loss import chunked_cross_entropy
+from goat_jax.losses import chunked_cross_entropy
 
 TINY = dict(vocab_size=37, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2, abs_rank=2,
             training_seq_len=16)

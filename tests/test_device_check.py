@@ -16,7 +16,7 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out),
                           "--sections", "1", "2", "2b", "3", "4"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()
     for heading in ("## 1. Kernels vs the float64 reference", "## 2. Attention forward+backward",

@@ -39,8 +39,7 @@ from goat_jax.attention_call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.positional import layer as positional_layer
 from goat_jax.prior import PriorSettings
-from goat_jax.train import chunked_loss
-from goat_jax.train import tasks as train_tasks
+from goat_jax import losses
 
 Array = jax.Array
 
@@ -128,7 +127,7 @@ class LMConfig:
     implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
     loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
         "tokens per chunk of the training loss computed from the hidden states, so the [tokens, vocab] "
-        "float32 logits are never held at once (goat_jax/train/chunked_loss.py); None: from the full logits")))
+        "float32 logits are never held at once (goat_jax/losses.py); None: from the full logits")))
     max_documents_per_row: int = declare(DEFAULT_MAX_DOCUMENTS, Int(
         min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
                    "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)"))
@@ -382,7 +381,7 @@ class TransformerLM(nn.Module):
 
     ``return_hidden=True`` returns ``(hidden [B, T, E], w [E, Vp])`` in the compute dtype instead
     of the logits (``logits = hidden @ w``, the first ``vocab_size`` columns): what
-    :func:`goat_jax.train.chunked_loss.chunked_cross_entropy` takes (``model.loss_chunk_size``).
+    :func:`goat_jax.losses.chunked_cross_entropy` takes (``model.loss_chunk_size``).
     With ``vocab_pad_multiple`` the table has ``Vp = padded_vocab_size`` rows; the logits are
     cut back to ``vocab_size``.
     """
@@ -474,15 +473,15 @@ class TransformerLM(nn.Module):
         """``(sum_i w_i * CE_i, sum_i w_i)`` in float32 of next-token ``targets`` ([B, T] int)
         under ``weights`` ([B, T]): from the full float32 logits, or with
         ``config.loss_chunk_size`` a chunk of positions at a time from the hidden states
-        (:func:`goat_jax.train.chunked_loss.chunked_cross_entropy`; the same value and
+        (:func:`goat_jax.losses.chunked_cross_entropy`; the same value and
         gradients, without the ``[B, T, V]`` logits). Call it as
         ``model.apply(variables, tokens, targets, weights, method='token_loss')``."""
         cfg = self.config
         if cfg.loss_chunk_size is None:
             logits = self(tokens, positions=positions, segment_ids=segment_ids)
-            return train_tasks.weighted_cross_entropy(logits, targets, weights)
+            return losses.weighted_cross_entropy(logits, targets, weights)
         hidden, w = self(tokens, positions=positions, segment_ids=segment_ids, return_hidden=True)
-        return chunked_loss.chunked_cross_entropy(hidden, w, targets, weights, chunk_size=cfg.loss_chunk_size,
+        return losses.chunked_cross_entropy(hidden, w, targets, weights, chunk_size=cfg.loss_chunk_size,
                                                   vocab_size=cfg.vocab_size)
 
 

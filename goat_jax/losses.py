@@ -1,4 +1,7 @@
-"""The LM's cross-entropy computed a chunk of positions at a time from the hidden states
+"""Token cross-entropy losses, below the engine and the models (both import them):
+:func:`softmax_cross_entropy` and :func:`weighted_cross_entropy` of full logits (the tasks' shared
+losses, re-exported by :mod:`goat_jax.train.tasks`), and :func:`chunked_cross_entropy`, the LM's
+cross-entropy computed a chunk of positions at a time from the hidden states
 (``model.loss_chunk_size``), so the ``[batch, length, vocab]`` float32 logits are never held.
 
 At the 125M model's 8 x 2,048 tokens and a 32k vocabulary the full logits are 2 GiB of float32,
@@ -10,7 +13,7 @@ the backward pass to form that chunk's gradients, which are accumulated into ``d
 scan's transpose. Chunks run over the sequence axis (every row of the batch in each chunk), so a
 batch sharded over devices stays sharded.
 
-The value equals :func:`goat_jax.train.tasks.weighted_cross_entropy` of the full logits
+The value equals :func:`weighted_cross_entropy` of the full logits
 (``tests/test_chunked_loss.py`` checks both, and their gradients, against float64).
 """
 
@@ -21,9 +24,43 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from goat_jax.train import tasks
-
 Array = jax.Array
+
+
+def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``-log softmax(logits)[..., target]`` per position, in float32: ``logits [..., C]``,
+    ``targets [...]`` (int) -> ``[...]``. A target outside ``[0, C)`` gives NaN.
+
+    The target's logit is picked by comparing ``targets`` with the class index and summing
+    (one nonzero term: exact), not by a gather (``optax.softmax_cross_entropy_with_integer_labels``
+    uses ``take_along_axis``). Same values; what changes is the backward pass. The gather's
+    transpose is a scatter into the ``[..., C]`` gradient, which the TPU compiler turns into an
+    elementwise one-hot while the logits are split over the batch only; once an LM's length is
+    split over ``mesh.context`` it lowers the scatter through a flattened float32 copy of the
+    local logits' gradient and bfloat16 copies for its loops instead: 5.9 GiB more per device for
+    the 125M model at 32,768 tokens on v5p-8 (benchmarks/context.md, "The LM head and the loss
+    under context"). Compare-and-sum makes the gradient one elementwise ``softmax - one_hot``
+    whatever the sharding (MaxText likewise feeds its loss ``jax.nn.one_hot`` targets).
+    """
+    logits = logits.astype(jnp.float32)
+    classes = logits.shape[-1]
+    hit = jnp.arange(classes, dtype=targets.dtype) == targets[..., None]
+    label_logits = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    ce = jax.nn.logsumexp(logits, axis=-1) - label_logits
+    # A target with no class would read 0 as its logit: NaN makes it loud, as a gather's
+    # out-of-range fill did (weights never hide it: NaN * 0 is NaN).
+    return jnp.where((targets >= 0) & (targets < classes), ce, jnp.nan)
+
+
+def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """``(sum_i w_i * CE(logits_i, targets_i), sum_i w_i)`` in float32 (the log-softmax over a
+    large vocabulary loses digits in bfloat16); CE is :func:`softmax_cross_entropy`.
+
+    Shapes: ``logits [..., C]``, ``targets [...]`` (int), ``weights [...]``.
+    """
+    ce = softmax_cross_entropy(logits, targets)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(ce * weights), jnp.sum(weights)
 
 
 def chunked_cross_entropy(hidden: Array, weight: Array, targets: Array, weights: Array, *,
@@ -73,8 +110,8 @@ def chunked_cross_entropy(hidden: Array, weight: Array, targets: Array, weights:
         logits = jnp.einsum("bce,ev->bcv", h, weight, preferred_element_type=jnp.float32)
         if v != vp:
             logits = logits[..., :v]  # the padded columns are no tokens
-        # The engine's own per-position CE (compare-and-sum, NaN for a target outside [0, v)).
-        return jnp.sum(tasks.softmax_cross_entropy(logits, tgt) * w)
+        # The same per-position CE as the full logits' (compare-and-sum, NaN for a target outside [0, v)).
+        return jnp.sum(softmax_cross_entropy(logits, tgt) * w)
 
     def body(total, xs):
         return total + chunk_loss(*xs), None
