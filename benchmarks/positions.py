@@ -86,7 +86,7 @@ def goat_errors(start, dtype, rng):
     inputs = np.asarray(prior_lib.sink_mlp_inputs(sspec, pos), np.float64)[:, -2:]
     want = np.stack([p64 / L_N, np.log1p(p64) / np.log1p(L_N)], -1)
     # The sink MLP runs in float32 whatever the layer's dtype (its output is split exactly over
-    # bf16 channels, goat_jax/attention.py), so its inputs are never rounded to bf16.
+    # bf16 channels, goat_jax/layers/goat.py), so its inputs are never rounded to bf16.
     errs["sink_in"] = float(np.max(np.abs(inputs - want) / want))
     return errs
 
@@ -106,8 +106,8 @@ def rope_error(start, dtype, rng):
 
 def layer_shift_errors(dtype):
     """{name: f(P)}: the largest output change of a relative-only layer shifted to P."""
-    from goat_jax.attention import GoatAttention
-    from goat_jax.positional import PositionalAttention
+    from goat_jax.layers.goat import GoatAttention
+    from goat_jax.layers.positional import PositionalAttention
     from goat_jax.prior import positions as positions_module
 
     positions_module.MAX_POSITION = prior_lib.MAX_POSITION = max(prior_lib.MAX_POSITION, 2 ** 24)

@@ -57,10 +57,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from goat_jax import attention as attn_lib  # noqa: E402
+from goat_jax.layers import goat as attn_lib  # noqa: E402
 from goat_jax.benchmarking import Variant, jax_variant, measure  # noqa: E402
 from goat_jax import kernels  # noqa: E402
 from goat_jax import positional as pos_lib  # noqa: E402
+from goat_jax.layers.positional import PositionalAttention  # noqa: E402
 from goat_jax import prior as prior_lib  # noqa: E402
 from goat_jax.prior import packing  # noqa: E402
 
@@ -163,7 +164,7 @@ def extra_layer(spec: str, n: int, length: int, dtype, impl: Optional[str]):
         raise ValueError(f"--layer-encodings: {spec!r} is not ENCODING[+logn] with ENCODING one of "
                          f"{pos_lib.POSITION_ENCODINGS}.")
     enc = pos_lib.get_encoding(encoding)
-    return enc, pos_lib.PositionalAttention(
+    return enc, PositionalAttention(
         num_heads=n, position_encoding=encoding, dtype=dtype, implementation=None if enc.materialized_bias else impl,
         training_seq_len=max(2, length // 4), max_len=length, logn_scaling="content" if option else None)
 
@@ -173,21 +174,21 @@ def layer_variants(b: int, length: int, n: int, h: int, dtype, impl: Optional[st
     e = n * h
     x = jnp.asarray(rng.normal(size=(b, length, e)), jnp.float32)
     mods = {
-        "plain": pos_lib.PositionalAttention(num_heads=n, position_encoding="nope", dtype=dtype, implementation=impl),
+        "plain": PositionalAttention(num_heads=n, position_encoding="nope", dtype=dtype, implementation=impl),
         "goat": attn_lib.GoatAttention(num_heads=n, prior=prior_lib.PriorSettings(pos_rank=pos_rank, abs_rank=abs_rank),
                                        dtype=dtype, implementation=impl),
-        "rope": pos_lib.PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
-        "alibi_packed": pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
+        "rope": PositionalAttention(num_heads=n, position_encoding="rope", dtype=dtype, implementation=impl),
+        "alibi_packed": PositionalAttention(num_heads=n, position_encoding="alibi_packed", dtype=dtype,
                                                     implementation=impl),
         # FoX packs its forget-gate bias into q/k channels, so it runs on the same kernel.
-        "fox": pos_lib.PositionalAttention(num_heads=n, position_encoding="fox", dtype=dtype, implementation=impl),
+        "fox": PositionalAttention(num_heads=n, position_encoding="fox", dtype=dtype, implementation=impl),
     }
     if bias_ok:
-        mods["alibi_bias"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="alibi", dtype=dtype)
-        mods["naive_LxL"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="naive_prior",
+        mods["alibi_bias"] = PositionalAttention(num_heads=n, position_encoding="alibi", dtype=dtype)
+        mods["naive_LxL"] = PositionalAttention(num_heads=n, position_encoding="naive_prior",
                                                         max_len=length, dtype=dtype)
-        mods["fire"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="fire", dtype=dtype)
-        mods["kerple_log"] = pos_lib.PositionalAttention(num_heads=n, position_encoding="kerple_log", dtype=dtype)
+        mods["fire"] = PositionalAttention(num_heads=n, position_encoding="fire", dtype=dtype)
+        mods["kerple_log"] = PositionalAttention(num_heads=n, position_encoding="kerple_log", dtype=dtype)
     for spec in extra:  # after the standard rows, which keep their names and meaning
         enc, mod = extra_layer(spec, n, length, dtype, impl)
         if bias_ok or not enc.materialized_bias:

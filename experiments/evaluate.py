@@ -75,7 +75,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from goat_jax import cli
-from goat_jax.attention_call import LOGN_MODES
+from goat_jax.layers.call import LOGN_MODES
 from goat_jax.eval import checks, context, lm_run, runs
 from goat_jax.models.lm import POSITION_ENCODINGS
 from goat_jax.train import run as run_lib

@@ -1,12 +1,12 @@
 """goat-jax: GOAT attention (learned optimal-transport attention priors) in JAX/Flax.
 
 Modules: :mod:`goat_jax.prior` (the math as pure functions), :mod:`goat_jax.kernels` (the
-``implementation=`` switch), :mod:`goat_jax.attention` (packing, ``GoatAttention``),
+``implementation=`` switch), :mod:`goat_jax.layers.goat` (packing, ``GoatAttention``),
 :mod:`goat_jax.positional` (baselines), :mod:`goat_jax.nnx` (the layers as native Flax NNX modules),
 :mod:`goat_jax.interop` (official PyTorch package).
 """
 
-from goat_jax.attention import GoatAttention, GoatPrior
+from goat_jax.layers.goat import GoatAttention, GoatPrior
 from goat_jax.prior import PriorSettings, PriorSpec
 
 __version__ = "0.1.0"

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax.attention import GoatAttention
+from goat_jax.layers.goat import GoatAttention
 from goat_jax.prior import PriorSettings
 
 _PRIOR_VECTORS = ("lambda_sym", "lambda_asym", "prior_gate_scale_raw", "prior_gate_bias")

@@ -165,7 +165,7 @@ def goat_attention(params, cfg, xq, xk, xv, *, is_causal=False, key_padding_mask
 def goat_module(**fields):
     """A ``GoatAttention`` from flat keyword fields, as the official constructor takes them: the
     :class:`goat_jax.prior.PriorSettings` names go into its ``prior``, the rest are module fields."""
-    from goat_jax.attention import GoatAttention
+    from goat_jax.layers.goat import GoatAttention
     from goat_jax.prior import PriorSettings
 
     names = set(PriorSettings.names())

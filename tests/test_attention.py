@@ -395,7 +395,7 @@ def test_layers_init_and_run_under_a_global_mesh_with_logical_rules(layer, rng):
     # a kernel initialized at a flattened shape (DenseGeneral) fails that under a global mesh.
     from jax.sharding import Mesh
     import flax.linen as nn
-    from goat_jax.positional import PositionalAttention
+    from goat_jax.layers.positional import PositionalAttention
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     rules = (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", None), ("kv", None))

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from goat_jax import PriorSettings
-from goat_jax.attention import GoatAttention
-from goat_jax.positional import (LearnedPositionEmbedding, PositionalAttention, sincos_2d_embedding,
-                                 sinusoidal_embedding)
+from goat_jax.layers.goat import GoatAttention
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import LearnedPositionEmbedding, sincos_2d_embedding, sinusoidal_embedding
 from tests.marks import SLOW_CASE
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "attention_fingerprints.npz")

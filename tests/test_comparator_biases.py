@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from goat_jax.positional import PositionalAttention
-from goat_jax.positional import layer as layer_lib
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.layers import positional as layer_lib
 from tests.marks import SLOW_CASE
 
 E, N, H = 32, 4, 8  # model dim, query heads, head dim

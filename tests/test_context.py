@@ -28,7 +28,7 @@ import json, sys
 import flax, jax, jax.numpy as jnp, numpy as np
 from goat_jax import segments as seglib
 from goat_jax.kernels import balance
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 
 B, E, H = 2, 16, 8

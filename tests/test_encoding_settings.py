@@ -22,8 +22,9 @@ import pytest
 from goat_jax import positional
 from goat_jax.config import fields
 from goat_jax.models import lm, vit
-from goat_jax.positional import PositionalAttention
-from goat_jax.positional import layer as layer_lib
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.layers import positional as layer_lib
+from goat_jax.positional import registry
 from goat_jax.positional import naive_prior, rope, rope_mixed, rope_scaling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,18 +36,18 @@ def test_config_fields_are_the_encodings_declarations():
     registry's setting names."""
     for cls, baselines in ((lm.LMConfig, lm.BASELINES), (vit.ViTConfig, vit.BASELINES)):
         own = fields.specs_of(cls)
-        for name, (_, spec) in layer_lib.settings_fields(baselines).items():
+        for name, (_, spec) in registry.settings_fields(baselines).items():
             assert own[name] is spec, (cls.__name__, name)
-    lm_names = set(layer_lib.settings_fields(lm.BASELINES))
+    lm_names = set(registry.settings_fields(lm.BASELINES))
     assert lm_names == {"rope_base", "training_seq_len", "rope_scaling_factor", "yarn_beta_fast",
                         "yarn_beta_slow", "max_len", "fire_threshold_init", "fox_gate_bias_init"}
-    assert set(layer_lib.settings_fields(vit.BASELINES)) == {"rope_base", "rope_mixed_base"}
+    assert set(registry.settings_fields(vit.BASELINES)) == {"rope_base", "rope_mixed_base"}
     # Defaults the models choose (the declarations' own for the others).
     assert (lm.LMConfig().max_len, vit.ViTConfig().rope_base, vit.ViTConfig().rope_mixed_base) == (2048, 100.0, 10.0)
     assert lm.LMConfig().yarn_beta_fast == rope_scaling.YarnSettings(training_seq_len=8).yarn_beta_fast == 32.0
-    assert fields.specs_of(lm.LMConfig)["baseline_attention_scale"] is layer_lib.ATTENTION_SCALE
+    assert fields.specs_of(lm.LMConfig)["baseline_attention_scale"] is registry.ATTENTION_SCALE
     keywords = set(layer_lib.KEYWORDS) | {"training_seq_len"}
-    assert keywords == set(layer_lib.settings_fields(positional.ENCODINGS)) | {"rope_base"}
+    assert keywords == set(registry.settings_fields(positional.ENCODINGS)) | {"rope_base"}
     assert keywords <= {f.name for f in dataclasses.fields(PositionalAttention)}
 
 
@@ -59,14 +60,14 @@ def test_a_shared_setting_declared_twice_is_refused():
         name, settings_class = "other", Other
 
     with pytest.raises(TypeError, match="Other.rope_base is declared apart from RopeSettings.rope_base"):
-        layer_lib.settings_fields(positional.ENCODINGS + (Enc(),))
+        registry.settings_fields(positional.ENCODINGS + (Enc(),))
 
     @dataclasses.dataclass(frozen=True)
     class Config:
         rope_base: float = fields.declare(10.0, fields.Float(min=1.0))
 
     with pytest.raises(TypeError, match="Config.rope_base is declared apart"):
-        layer_lib.add_settings_fields(Config, (rope.ROPE,))
+        registry.add_settings_fields(Config, (rope.ROPE,))
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -146,6 +147,7 @@ _TOY = textwrap.dedent('''
     from absl import flags
     from goat_jax import positional
     from goat_jax.config.fields import Float, declare
+    from goat_jax.layers.positional import PositionalAttention
 
     @dataclasses.dataclass(frozen=True)
     class ToySettings(positional.EncodingSettings):
@@ -189,7 +191,7 @@ _TOY = textwrap.dedent('''
         trainer.validate_config(command_line("--config.model.toy_temperature=-1.0"), num_devices=1)
     except ValueError as e:
         out["refused"] = str(e)
-    by_hand = positional.PositionalAttention(num_heads=2, position_encoding="toy", settings=ToySettings(2.0))
+    by_hand = PositionalAttention(num_heads=2, position_encoding="toy", settings=ToySettings(2.0))
     by_hand.init(jax.random.PRNGKey(0), jnp.ones((1, 4, 8)))
     out["by_hand"] = SEEN[-1]
     print("RESULT " + json.dumps(out))

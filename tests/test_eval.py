@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from goat_jax import prior as prior_lib
-from goat_jax.attention import GoatPrior
+from goat_jax.layers.goat import GoatPrior
 from goat_jax.data import synthetic, text
 from goat_jax.data.tokenizers import ByteTokenizer
 from goat_jax.eval import extrapolation, plots, retrieval, sinks
@@ -244,7 +244,7 @@ def test_attention_maps_reproduce_the_model(encoding):
 def test_sown_probabilities_equal_the_float64_softmax(layer):
     """The probabilities the layers sow (what attention_maps reads) are the reference softmax."""
     import flax
-    from goat_jax.positional import PositionalAttention
+    from goat_jax.layers.positional import PositionalAttention
     from tests import goat_reference as ref
 
     rng = np.random.default_rng(5)

@@ -9,7 +9,7 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 from tests.marks import SLOW_CASE
 
@@ -174,7 +174,7 @@ def test_2d_offsets_are_validated():
 
 
 def test_prior_settings_are_the_one_source_and_the_param_tree_is_unchanged():
-    from goat_jax.attention import GoatAttention
+    from goat_jax.layers.goat import GoatAttention
     from goat_jax.models import LMConfig
     from goat_jax.models.lm import make_attention
 

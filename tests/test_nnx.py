@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from flax.nnx import bridge
 
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 from tests.marks import SLOW_CASE
 

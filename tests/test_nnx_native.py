@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from goat_jax import nnx as gnnx
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers import nnx as nnx_layers
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 
 B, T, E = 2, 8, 32
@@ -118,7 +119,7 @@ def test_parameters_are_the_linen_tree_with_its_axis_names_and_dtypes():
         for path, axes in names.items():
             assert variables[path].get_metadata()["out_sharding"] == axes, path
         module, variables = gnnx.to_linen(layer)
-        fields = gnnx._linen_fields(type(linen))
+        fields = nnx_layers._linen_fields(type(linen))
         assert type(module) is type(linen) and all(getattr(module, f) == getattr(linen, f) for f in fields)
         assert _flat(variables["params"]).keys() == want.keys()
 
@@ -336,7 +337,7 @@ def test_a_call_that_fails_after_writing_leaves_the_cache_untouched(name, rng, m
     """The class of item 3: whatever fails during a decoding call (here the kernel, after the
     cache write and fox's running forget sum), the layer's cache is as before the call, eager
     and under nnx.jit."""
-    from goat_jax import attention_core
+    from goat_jax.layers import core as attention_core
 
     module = CASES[name][0]("xla")
     layer = gnnx.like_linen(module.clone(decode=True), E, rngs=nnx.Rngs(0))

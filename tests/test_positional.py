@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from goat_jax import positional as pos_lib
-from goat_jax.positional import LearnedPositionEmbedding, PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import LearnedPositionEmbedding
 
 E, N, H = 32, 4, 8  # model dim, query heads, head dim
 MAX_LEN = 64

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from goat_jax import positional
-from goat_jax.positional import PositionalAttention, PositionEncoding
-from goat_jax.positional import layer as layer_lib
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import PositionEncoding
+from goat_jax.positional import registry
 from goat_jax.positional.base import as_batched
 
 E, N, K, H = 16, 4, 2, 4  # model dim, query heads, kv heads, head dim
@@ -31,8 +32,8 @@ class LearnedDistanceBias(PositionEncoding):
 
 @pytest.fixture
 def registered(monkeypatch):
-    """The test encoding in the registry for one test (a real one goes into layer.ENCODINGS)."""
-    monkeypatch.setitem(layer_lib._BY_NAME, LearnedDistanceBias.name, LearnedDistanceBias())  # pylint: disable=protected-access
+    """The test encoding in the registry for one test (a real one goes into registry.ENCODINGS)."""
+    monkeypatch.setitem(registry._BY_NAME, LearnedDistanceBias.name, LearnedDistanceBias())  # pylint: disable=protected-access
     return lambda **kw: PositionalAttention(num_heads=N, kv_num_heads=K, head_dim=H,
                                             position_encoding=LearnedDistanceBias.name, **kw)
 

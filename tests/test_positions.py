@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from goat_jax import prior as prior_lib
-from goat_jax.positional import (PositionalAttention, apply_rope, apply_rope_2d,
-                                 sinusoidal_embedding)
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import apply_rope, apply_rope_2d, sinusoidal_embedding
 from goat_jax.positional.rope_mixed import apply_rope_mixed
 from goat_jax.positional.rope_scaling import ntk_frequencies, yarn_frequencies
 from tests import goat_reference as ref
@@ -113,7 +113,7 @@ def test_sink_inputs_and_sink_are_float32_accurate_at_any_position(rng):
     recency slope) to float32 relative round-off of its own size, which grows with ``t``."""
     spec = prior_lib.PriorSpec(num_heads=2, kv_num_heads=2, pos_rank=2, abs_rank=4, training_seq_len=2048)
     import flax
-    from goat_jax.attention import GoatPrior
+    from goat_jax.layers.goat import GoatPrior
     pos0 = prior_lib.positions_1d(4)
     params = flax.core.meta.unbox(GoatPrior(spec).init(jax.random.key(0), pos0, pos0, True))["params"]
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, 0.5, x.shape), jnp.float32), params)

@@ -2,6 +2,7 @@
 extrapolation, standard and synthetic passkey, NIAH, sinks, the toy figure, REPORT.md), and the
 paper suite's dry run (commands built from configs that validate, nothing run)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -154,7 +155,8 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     # The LM variants' rows of the default retrieval tables: each variant made of model
     # overrides (trained) or evaluated on a trained row, per task; one with its own LM config has none.
     # Then the retrieval-only rows (FoX with gate bias 5, GOAT evaluated with the linear sink).
-    variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.trained_as or not v.spec)
+    # The bf16 layout rows are LM rows only (LMVariant.retrieval=False).
+    variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.retrieval and (v.trained_as or not v.spec))
                                            + len(tiny.retrieval_rows))
     assert variant_retrieval == 2 * 8
     one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
@@ -380,7 +382,9 @@ def test_rival_checks_pair_seeds_and_name_what_is_missing():
     from goat_jax.reproduce import stats
 
     E = stats.Estimate
-    rival = suites.SUITES["tiny"].rival_checks
+    # The 16x/64x checks of the 2026-12-02 protocol; the 256x/1024x and flatness checks added on
+    # 2026-12-04 are tests/test_reproduce_long.py's.
+    rival = dataclasses.replace(suites.SUITES["tiny"].rival_checks, ppl_multipliers=(16, 64), flat_multiplier=0)
 
     def ppl(values_at_16, values_at_64):
         return {"extrapolation": {64: {"ppl": E([6.0, 6.1, 6.2])}, 1024: {"ppl": E(values_at_16)},

@@ -29,10 +29,11 @@ def _suite():
 
 
 def _results(out):
-    """results.json without the wall-clock fields (which differ between sittings), at any depth."""
+    """results.json without the wall-clock and process-memory fields (which differ between
+    sittings), at any depth."""
     def strip(value):
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if "seconds" not in k}
+            return {k: strip(v) for k, v in value.items() if "seconds" not in k and k != "peak_rss_mib"}
         return [strip(v) for v in value] if isinstance(value, list) else value
     return strip(json.loads((out / "results.json").read_text()))
 

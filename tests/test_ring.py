@@ -17,7 +17,7 @@ import jax, jax.numpy as jnp, numpy as np
 from goat_jax import kernels
 from goat_jax.kernels import balance
 from goat_jax import segments as seglib
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 import flax
 

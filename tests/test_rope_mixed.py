@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from goat_jax.models.vit import ViT, ViTConfig
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional.rope_mixed import (PARAM_NAME, apply_rope_mixed, axial_frequencies,
                                              init_mixed_frequencies)
 from goat_jax.train import sharding

@@ -1,4 +1,4 @@
-"""'ntk' and 'yarn' (goat_jax/positional/rope_scaling.py) and log-n scaling (goat_jax/layers.py)
+"""'ntk' and 'yarn' (goat_jax/positional/rope_scaling.py) and log-n scaling (goat_jax/layers/linen.py)
 against Hugging Face transformers' ``modeling_rope_utils`` and independent float64 references."""
 
 import time
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from goat_jax.models import lm
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional import rope_scaling as rs
 from tests import goat_reference as goat_ref
 from tests.marks import SLOW_CASE

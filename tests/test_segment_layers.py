@@ -14,7 +14,7 @@ import pytest
 from goat_jax import positional
 from goat_jax import segments
 from goat_jax.data.packing import PAD_SEGMENT_ID
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 from tests.marks import SLOW_CASE
 

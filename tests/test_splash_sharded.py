@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax import kernels
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.positional import PositionalAttention
+from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
 
 B, T, E, H = 4, 128, 16, 8

@@ -15,7 +15,8 @@ import pytest
 from goat_jax.tasks import vit as vit_task
 from goat_jax.models.vit import (POSITION_ENCODINGS, ViT, ViTConfig, bicubic_matrix, make_attention,
                                  resize_position_table)
-from goat_jax.positional import PositionalAttention, sincos_2d_embedding
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import sincos_2d_embedding
 
 TINY = dict(image_size=16, patch_size=4, channels=1, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64,
             num_classes=5, pos_rank=4, abs_rank=2, drop_path_rate=0.0)

@@ -87,7 +87,7 @@ def attention_rows(lengths: List[int], cudnn: bool, repeats: int, deadline: floa
     import jax.numpy as jnp
     import numpy as np
 
-    from goat_jax import attention as attn_lib
+    from goat_jax.layers import goat as attn_lib
     from goat_jax.prior import packing
     from goat_jax import kernels
     from goat_jax.benchmarking import jax_variant, measure
@@ -190,7 +190,7 @@ def packed_inputs(encoding: str, b: int, t: int, n: int, kh: int, h: int, ids, d
     import jax.numpy as jnp
     import numpy as np
 
-    from goat_jax import attention as attn_lib
+    from goat_jax.layers import goat as attn_lib
     from goat_jax import prior as prior_lib
     from goat_jax import segments
     from goat_jax.positional import rope

@@ -50,7 +50,7 @@ def variant_losses(t: int, n: int, dtype, impl: str) -> List[Tuple[str, Tuple[in
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-    from goat_jax import attention as attn_lib  # pylint: disable=g-import-not-at-top
+    from goat_jax.layers import goat as attn_lib  # pylint: disable=g-import-not-at-top
     from goat_jax import kernels  # pylint: disable=g-import-not-at-top
     from goat_jax import prior as prior_lib  # pylint: disable=g-import-not-at-top
     from goat_jax.positional import rope  # pylint: disable=g-import-not-at-top

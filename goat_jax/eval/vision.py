@@ -27,7 +27,7 @@ import numpy as np
 
 from goat_jax import _extras
 from goat_jax import prior as prior_lib
-from goat_jax.attention import GoatPrior
+from goat_jax.layers.goat import GoatPrior
 from goat_jax.models.vit import ViTConfig
 
 

@@ -31,13 +31,14 @@ import jax.numpy as jnp
 
 from goat_jax import positional
 from goat_jax import segments
-from goat_jax.attention import GoatAttention
+from goat_jax.layers.goat import GoatAttention
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.kernels.cudnn_packed import DEFAULT_MAX_DOCUMENTS
-from goat_jax.attention_call import LOGN_MODES, check_logn
+from goat_jax.layers.call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
-from goat_jax.positional import layer as positional_layer
+from goat_jax.layers import positional as positional_layer
+from goat_jax.positional import registry
 from goat_jax.prior import PriorSettings
 from goat_jax import losses
 
@@ -75,7 +76,7 @@ class LMConfig:
     declared by their encodings (``goat_jax.positional.rope.RopeSettings``, ...) and borrowed
     under the same names, and the model passes the one object :attr:`encoding_settings`; a
     registered encoding's setting that is not borrowed here is added as a field of its own name
-    (:func:`goat_jax.positional.layer.add_settings_fields`). Cross-field rules are in
+    (:func:`goat_jax.positional.registry.add_settings_fields`). Cross-field rules are in
     ``__post_init__``; the encodings' own rules are their settings' (checked by building
     :attr:`encoding_settings`).
     """
@@ -134,7 +135,7 @@ class LMConfig:
     init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
     attention_init_std: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
                                                               doc="q/k/v/out kernels N(0, std); None: Xavier-uniform (C4: 0.02)"))
-    baseline_attention_scale: Optional[float] = declare(None, positional_layer.ATTENTION_SCALE)
+    baseline_attention_scale: Optional[float] = declare(None, registry.ATTENTION_SCALE)
 
     def __post_init__(self):
         check_instance(self, "model")  # each field's own type and range (its declaration)
@@ -230,7 +231,7 @@ class LMConfig:
 
 
 # A registered encoding's setting that LMConfig does not borrow becomes a field of its own name.
-LMConfig = positional_layer.add_settings_fields(LMConfig, BASELINES)
+LMConfig = registry.add_settings_fields(LMConfig, BASELINES)
 
 # Type, range and doc of every field of a config's ``model`` section, derived from LMConfig's
 # declarations (the engine checks them before any work, goat_jax/config/fields.py).
@@ -325,7 +326,7 @@ def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.M
         return GoatAttention(prior=cfg.prior, **common)
     # One settings object (the encoding's declarations, read from this config's fields of those
     # names); training_seq_len also for log-n scaling, which every encoding takes.
-    return positional.PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings,
+    return positional_layer.PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings,
                                           training_seq_len=cfg.training_seq_len,
                                           attention_scale=cfg.baseline_attention_scale, **common)
 

@@ -8,7 +8,7 @@ position encoding changes with ``position_encoding``; widths, norms, MLP, initia
 drop-path are identical, so comparisons between encodings are fair:
 
 ============  ===================================================================================
-'goat'        :class:`goat_jax.attention.GoatAttention` with the 2D prior (rows get the first
+'goat'        :class:`goat_jax.layers.goat.GoatAttention` with the 2D prior (rows get the first
               ``R - R//2`` frequencies), CLS first with zero position features, no absolute
               embedding at all (official: R = 16, M = 2, uniform init, key bias on)
 'ape'         a learned absolute table ``[1 + rows*cols, E]`` incl. the CLS entry (timm/DeiT);
@@ -40,14 +40,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax.attention import GoatAttention
+from goat_jax.layers.goat import GoatAttention
 from goat_jax.config.fields import Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
 from goat_jax.prior import PriorSettings
 from goat_jax import positional
-from goat_jax.positional import PositionalAttention, rope, rope_mixed, sincos_2d_embedding
-from goat_jax.positional import layer as positional_layer
+from goat_jax.layers.positional import PositionalAttention
+from goat_jax.positional import rope, rope_mixed, sincos_2d_embedding
+from goat_jax.positional import registry
 
 Array = jax.Array
 
@@ -169,7 +170,7 @@ class ViTConfig:
 
 
 # A registered 2D encoding's setting that ViTConfig does not borrow becomes a field of its own name.
-ViTConfig = positional_layer.add_settings_fields(ViTConfig, BASELINES)
+ViTConfig = registry.add_settings_fields(ViTConfig, BASELINES)
 
 # Type, range and doc of every field of a config's ``model`` section: ViTConfig's declarations
 # plus ``preset`` (checked by the engine before any work, goat_jax/config/fields.py).

@@ -1,8 +1,8 @@
 """Positional-encoding baselines behind GoatAttention's interface, for fair comparisons.
 
-Relative encodings act inside attention, in :class:`PositionalAttention` (same call signature,
-projections, parameter names and cache collection as :class:`goat_jax.attention.GoatAttention`:
-both are :class:`goat_jax.layers.AttentionBase`, so models swap the two freely), chosen by
+Relative encodings act inside attention, in :class:`goat_jax.layers.positional.PositionalAttention` (same call signature,
+projections, parameter names and cache collection as :class:`goat_jax.layers.goat.GoatAttention`:
+both are :class:`goat_jax.layers.linen.AttentionBase`, so models swap the two freely), chosen by
 ``position_encoding``, one of ``POSITION_ENCODINGS``:
 
 ==============  ==============  ==============================================================
@@ -49,7 +49,7 @@ A model using them runs its attention with ``position_encoding='nope'``.
 
 Adding an encoding
 ------------------
-An encoding is its module here and one entry in ``ENCODINGS`` (``layer.py``; ``POSITION_ENCODINGS``
+An encoding is its module here and one entry in ``ENCODINGS`` (``registry.py``; ``POSITION_ENCODINGS``
 is read from it). The module holds a subclass of :class:`PositionEncoding` (``base.py``) and, if
 the encoding has knobs, their settings: a frozen dataclass subclassing :class:`EncodingSettings`
 with one field per knob, declared once with ``goat_jax.config.fields.declare(default,
@@ -99,10 +99,10 @@ every CPU kernel (the slow suite; a few in the default one): a packed row equals
 alone.
 
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
-:class:`goat_jax.layers.AttentionBase`.
+:class:`goat_jax.layers.linen.AttentionBase`.
 
 Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, in
-:class:`goat_jax.layers.AttentionBase`), so any 1D encoding and GOAT can add it.
+:class:`goat_jax.layers.linen.AttentionBase`), so any 1D encoding and GOAT can add it.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
 H head dim, c split channels (``goat_jax.prior.packing.default_sink_channels``).
@@ -114,7 +114,7 @@ from goat_jax.positional.base import EncodingContext, EncodingSettings, Position
 from goat_jax.positional.fire import fire_bias
 from goat_jax.positional.fox import fox_cumulative, fox_log_forget, pack_fox_key
 from goat_jax.positional.kerple import kerple_log_bias
-from goat_jax.positional.layer import ENCODINGS, POSITION_ENCODINGS, PositionalAttention, get_encoding, register
+from goat_jax.positional.registry import ENCODINGS, POSITION_ENCODINGS, get_encoding, register
 from goat_jax.positional.naive_prior import naive_prior_bias
 from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
 from goat_jax.positional.rope_mixed import apply_rope_mixed
@@ -122,7 +122,7 @@ from goat_jax.positional.rope_mixed import apply_rope_mixed
 __all__ = [
     "ENCODINGS", "POSITION_ENCODINGS", "EncodingContext", "EncodingSettings", "LearnedPositionEmbedding",
     "PositionEncoding",
-    "PositionalAttention", "alibi_bias", "apply_rope", "apply_rope_2d", "apply_rope_mixed", "fire_bias",
+    "alibi_bias", "apply_rope", "apply_rope_2d", "apply_rope_mixed", "fire_bias",
     "fox_cumulative", "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key",
     "pack_alibi_query", "pack_fox_key", "register", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
 ]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax import prior as prior_lib
 from goat_jax.positional.base import check_max_len
 from goat_jax.positional.rope import rope_frequencies
@@ -75,7 +75,7 @@ class LearnedPositionEmbedding(nn.Module):
     def __call__(self, positions: Array) -> Array:
         check_max_len(self.max_len, prior_lib.concrete_range(positions), "LearnedPositionEmbedding")
         table = self.param(
-            "embedding", layers.with_logical_partitioning(self.embedding_init, (None, "embed")),
+            "embedding", partitioning.with_logical_partitioning(self.embedding_init, (None, "embed")),
             (self.max_len, self.features), self.param_dtype)
         idx = jnp.asarray(positions).astype(jnp.int32)
         out = jnp.asarray(table).at[idx].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)

@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import attention_call
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import split_exact
 from goat_jax.positional.base import EncodingContext, PositionEncoding, as_batched
@@ -106,7 +105,7 @@ class AlibiPacked(PositionEncoding):
     causal_only = ("it drops ALiBi's row constant m * p_i, which is exact only when every visible "
                    "key precedes the query. Use 'alibi' (materialized bias) for bidirectional attention.")
 
-    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
+    def extra_qk_dims(self, shape: Any, channels: int) -> int:
         return shape.group * channels
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):

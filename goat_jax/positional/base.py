@@ -1,12 +1,12 @@
-"""The protocol every position encoding of :class:`goat_jax.positional.PositionalAttention`
+"""The protocol every position encoding of :class:`goat_jax.layers.positional.PositionalAttention`
 follows (how to add one: the :mod:`goat_jax.positional` package docstring).
 
 An encoding is a :class:`PositionEncoding` instance: a few class attributes that say where it
 runs, the class of its settings (an :class:`EncodingSettings` dataclass: each knob declared once,
 with its default, range and doc, and the rules between knobs), and up to five hooks that the
 layer calls once per call. The layer owns everything else (call signature, projections,
-positions, KV cache, kernel call, sowing: :func:`goat_jax.attention_core.run`, called by the Linen
-:class:`goat_jax.layers.AttentionBase` and the NNX :mod:`goat_jax.nnx` shells alike; ``layer.param``
+positions, KV cache, kernel call, sowing: :func:`goat_jax.layers.core.run`, called by the Linen
+:class:`goat_jax.layers.linen.AttentionBase` and the NNX :mod:`goat_jax.nnx` shells alike; ``layer.param``
 is either shell's), so an encoding is only its own math and its own settings.
 
 Shape legend: B batch, T queries, S keys (the cache while decoding), N query heads, K kv heads,
@@ -22,7 +22,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import attention_call
 from goat_jax.config.fields import check_instance
 
 Array = jax.Array
@@ -90,7 +89,7 @@ class EncodingContext(NamedTuple):
     Attributes:
       call: the call's arguments (``query`` [B, T, E] is the layer input, e.g. for a
         data-dependent encoding); offsets are the cache index while decoding.
-      shape: head counts, head dim and compute dtype (:class:`goat_jax.attention_call.LayerShape`).
+      shape: head counts, head dim and compute dtype (:class:`goat_jax.layers.call.LayerShape`).
       q_pos: [T] or [B, T] float positions of the queries (1D).
       k_pos: [S] or [B, S] float positions of this call's keys (what :meth:`PositionEncoding.encode`
         encodes, and what the KV cache then stores).
@@ -103,8 +102,8 @@ class EncodingContext(NamedTuple):
       settings: the layer's :attr:`PositionEncoding.settings_class` instance (checked).
     """
 
-    call: attention_call.AttentionCall
-    shape: attention_call.LayerShape
+    call: Any  # goat_jax.layers.call.AttentionCall
+    shape: Any  # goat_jax.layers.call.LayerShape
     q_pos: Array
     k_pos: Array
     attended_k_pos: Array
@@ -117,7 +116,7 @@ class EncodingContext(NamedTuple):
 
 class PositionEncoding:
     """One position encoding inside attention. Subclasses set the class attributes and override
-    the hooks they need; an instance is registered in ``goat_jax.positional.layer.ENCODINGS``.
+    the hooks they need; an instance is registered in ``goat_jax.positional.registry.ENCODINGS``.
 
     Attributes:
       name: the ``position_encoding`` value.
@@ -149,8 +148,9 @@ class PositionEncoding:
         """Raises ValueError unless the encoding runs on heads of ``head_dim`` dims (called by the
         layer before any parameter is made, and by a model config's validation)."""
 
-    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
-        """Channels the encoding appends to each q/k head (0 unless it packs a term into q/k)."""
+    def extra_qk_dims(self, shape: Any, channels: int) -> int:
+        """Channels the encoding appends to each q/k head (0 unless it packs a term into q/k);
+        ``shape`` is the call's :class:`goat_jax.layers.call.LayerShape`."""
         return 0
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array) -> Tuple[Array, Array, float]:

@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax.config.fields import Float, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding, as_batched
 
@@ -91,7 +91,7 @@ class Fire(PositionEncoding):
             "fc2_kernel": (_torch_linear_init(WIDTH), (WIDTH, n), (None, "heads")),
             "fc2_bias": (_torch_linear_init(WIDTH), (n,), ("heads",)),
         }
-        params = {name: layer.param(f"fire_{name}", layers.with_logical_partitioning(init, axes), shape,
+        params = {name: layer.param(f"fire_{name}", partitioning.with_logical_partitioning(init, axes), shape,
                                     layer.param_dtype)
                   for name, (init, shape, axes) in specs.items()}
         return fire_bias(params, ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32

@@ -43,8 +43,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import attention_call
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import split_exact
 from goat_jax.config.fields import Float, declare
@@ -114,15 +113,15 @@ class Fox(PositionEncoding):
     causal_only = ("its packed bias drops the row constant c_i of c_i - c_j, which is exact only "
                    "when every visible key precedes the query (FoX is a causal model).")
 
-    def extra_qk_dims(self, shape: attention_call.LayerShape, channels: int) -> int:
+    def extra_qk_dims(self, shape: Any, channels: int) -> int:
         return shape.group * channels
 
     def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
         x = ctx.call.key  # [B, S, E'] the inputs at the keys
         n, f32 = ctx.shape.num_heads, prior_lib.real_dtype()
-        w = layer.param("fox_gate", layers.with_logical_partitioning(
+        w = layer.param("fox_gate", partitioning.with_logical_partitioning(
             nn.initializers.normal(GATE_INIT_STD), ("embed", "heads")), (x.shape[-1], n), layer.param_dtype)
-        bias = layer.param("fox_gate_bias", layers.with_logical_partitioning(
+        bias = layer.param("fox_gate_bias", partitioning.with_logical_partitioning(
             nn.initializers.constant(ctx.settings.fox_gate_bias_init), ("heads",)), (n,), layer.param_dtype)
         log_f = fox_log_forget(x, jnp.asarray(w), jnp.asarray(bias))  # [B, S, N]
         start = None

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax.positional.base import EncodingContext, PositionEncoding, as_batched
 
 Array = jax.Array
@@ -56,7 +56,7 @@ class KerpleLog(PositionEncoding):
 
     def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
         n = ctx.shape.num_heads
-        raw = [layer.param(name, layers.with_logical_partitioning(_raw_uniform_init(high), ("heads",)), (n,),
+        raw = [layer.param(name, partitioning.with_logical_partitioning(_raw_uniform_init(high), ("heads",)), (n,),
                            layer.param_dtype)
                for name, high in (("kerple_r1_raw", R1_INIT_MAX), ("kerple_r2_raw", R2_INIT_MAX))]
         r1, r2 = (jax.nn.softplus(jnp.asarray(r, jnp.float32)) for r in raw)

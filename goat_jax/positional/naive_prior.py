@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Int, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding, as_batched, check_max_len
@@ -70,7 +70,7 @@ class NaivePrior(PositionEncoding):
                 check_max_len(max_len, span, f"naive_prior {what}")
         n = ctx.shape.num_heads
         table = layer.param(
-            "naive_prior", layers.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
+            "naive_prior", partitioning.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
             (n, max_len, max_len), layer.param_dtype)
         return naive_prior_bias(jnp.asarray(table), ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from goat_jax import layers
+from goat_jax import partitioning
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Float, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
@@ -130,7 +130,7 @@ class RopeMixed(PositionEncoding):
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
         init = init_mixed_frequencies(ctx.settings.rope_mixed_base)
         freqs = layer.param(
-            PARAM_NAME, layers.with_logical_partitioning(init, ("kv_heads", None, None)),
+            PARAM_NAME, partitioning.with_logical_partitioning(init, ("kv_heads", None, None)),
             (ctx.shape.kv_heads, ctx.shape.head_dim // 2, 2), jnp.float32)  # float32: angles need it
         freqs = jnp.asarray(freqs)
         coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]

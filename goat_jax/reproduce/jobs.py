@@ -96,6 +96,9 @@ def eval_settings(job: Job, suite: Suite) -> dict:
               "vit": ("vit_scales", "vit_eval_batches", "vit_canvas_scales"),
               "dna": ("dna_multipliers", "dna_max_bases", "dna_genomes", "dna_gc_windows")}[job.family]
     out = {f: getattr(suite, f) for f in fields}
+    if job.kind == "lm":  # only set, so the settings of runs evaluated before these existed still match
+        more = lm_family.extra_lm_settings(job, suite)
+        out.update(more)
     if job.eval_overrides:
         out["eval_overrides"] = job.eval_overrides
     return json.loads(json.dumps(out, default=list))

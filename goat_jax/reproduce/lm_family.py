@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -24,7 +25,7 @@ from goat_jax.eval import plots, toy
 from goat_jax.eval import lm_run
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import records, stats
-from goat_jax.reproduce.suites import Job, RivalChecks, Suite
+from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
 
 
 CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)
@@ -42,7 +43,8 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
     run = load_for_evaluation(job)
     out = {"train_len": run.train_len, "step": run.step}
     if job.kind == "lm":
-        out["extrapolation"] = ev.eval_extrapolation(run, suite.lm_ppl_multipliers or suite.multipliers)
+        out["extrapolation"], out["extrapolation_cost"] = timed_extrapolation(run, ppl_multipliers(job, suite),
+                                                                              suite.lm_eval_tokens)
         out["sinks"] = ev.eval_sinks(run, num_examples=suite.sink_examples)
         out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("standard",),
                                          num_trials=suite.standard_trials)
@@ -53,6 +55,60 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
         out["niah"] = ev.eval_niah(run, suite.multipliers, depths=suite.niah_depths,
                                    num_examples=suite.niah_examples)
     return out
+
+
+def ppl_multipliers(job: Job, suite: Suite) -> tuple[int, ...]:
+    """The perplexity lengths (multiples of the training length) of LM ``job``: the suite's
+    LM lengths, ``lm_more_multipliers``, and ``lm_long_multipliers`` when the row is one of
+    ``lm_long_rows`` (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout")."""
+    out = tuple(suite.lm_ppl_multipliers or suite.multipliers) + tuple(suite.lm_more_multipliers)
+    if job.label in suite.lm_long_rows:
+        out += tuple(suite.lm_long_multipliers)
+    return tuple(sorted(set(out)))
+
+
+def extra_lm_settings(job: Job, suite: Suite) -> dict[str, Any]:
+    """The evaluation settings of LM ``job`` beyond the family's common ones, only those set
+    (a suite without them keeps the settings its cached evaluations were made with)."""
+    out: dict[str, Any] = {}
+    if suite.lm_more_multipliers:
+        out["lm_more_multipliers"] = list(suite.lm_more_multipliers)
+    if suite.lm_long_multipliers and job.label in suite.lm_long_rows:
+        out["lm_long_multipliers"] = list(suite.lm_long_multipliers)
+    if suite.lm_eval_tokens:
+        out["lm_eval_tokens"] = int(suite.lm_eval_tokens)
+    return out
+
+
+def _peak_rss_mib() -> Optional[float]:
+    try:
+        import resource  # pylint: disable=g-import-not-at-top  # POSIX only
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int],
+                        max_tokens: Optional[int]) -> tuple[dict, dict]:
+    """(perplexity by length, its cost by length): :func:`goat_jax.eval.runs.eval_extrapolation`
+    one length at a time, shortest first, on the first ``max_tokens`` held-out tokens (None: the
+    whole stream), with each length's wall-clock seconds (its compile included) and the
+    process's peak resident memory after it (MiB; the peak so far, so with lengths in increasing
+    order a rise belongs to that length). A length with no full window is left out, as the
+    evaluation itself leaves it out."""
+    ext, cost = {}, {}
+    for m in sorted(multipliers):
+        t0 = time.time()
+        try:
+            res = ev.eval_extrapolation(run, (m,), max_tokens=max_tokens)
+        except ValueError as e:
+            if "no full window" not in str(e) and "holds no full window" not in str(e):
+                raise
+            continue
+        for n, r in res.items():
+            ext[int(n)] = r
+            cost[int(n)] = {"seconds": time.time() - t0, "peak_rss_mib": _peak_rss_mib()}
+    return ext, cost
 
 
 def load_for_evaluation(job: Job) -> lm_run.LMRun:
@@ -115,6 +171,9 @@ def feeds_checks(job: Job, suite: Suite) -> bool:
         if job.kind in ("passkey", "niah") and job.dataset == job.kind and job.label in (rival.candidate,
                                                                                           rival.retrieval_rival):
             return True
+    if job.kind == "lm" and job.dataset == headline_dataset(suite) and any(
+            job.label in (lc.candidate, lc.reference) for lc in suite.layout_checks):
+        return True
     if job.variant:
         return False
     return ((job.kind == "lm" and job.dataset == headline_dataset(suite))
@@ -202,6 +261,17 @@ def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> 
             continue
         checks.append(stats.judged(claim, c[n] < r[n], f"{rival.candidate} {c[n]:.3f}, {rival.lm_rival} "
                                    f"{r[n]:.3f} at {n}", c[n] - r[n], -1, f"{rival.candidate} - {rival.lm_rival}"))
+    if rival.flat_multiplier:
+        m, thr = rival.flat_multiplier, rival.flat_ratio
+        claim = f"{rival.candidate} perplexity at {m}x <= {thr:g} x its in-distribution perplexity"
+        c = {int(n): v["ppl"] for n, v in (cand or {}).items()}
+        n = m * min(c) if c else None
+        if n is None or n not in c:
+            checks.append(stats.Check(claim, None, "not measured" if n is None else f"not measured ({n} tokens not evaluated)"))
+        else:
+            ratio = c[n] / c[min(c)]
+            checks.append(stats.judged(claim, ratio <= thr, f"{rival.candidate} {m}x / 1x = {ratio:.3f}",
+                                       ratio - thr, -1, f"ratio - {thr:g}", ".3f"))
 
     def accuracy(kind: str, label: str) -> dict[int, Any]:
         r = results.get(f"{kind}/{kind}/{label}", {})
@@ -220,6 +290,52 @@ def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> 
                                        100 * (c[n] - r[n]), +1,
                                        f"{rival.candidate} - {rival.retrieval_rival} (points)", ".0f"))
     return checks
+
+
+def layout_checks(results: dict[str, dict], checks: Sequence[LayoutCheck], dataset: str) -> list[stats.Check]:
+    """The non-inferiority checks of :class:`~goat_jax.reproduce.suites.LayoutCheck` (docs/
+    protocols.md, "Extrapolation to 1024x and the 64-wide layout"): per check, the paired relative
+    perplexity difference ``candidate / reference - 1`` at ``multiplier`` x the training length
+    on the LMs of ``dataset``, judged against ``margin`` (supported when its interval lies below
+    it); the difference at ``shown_multiplier`` goes into the numbers, unjudged. A row without
+    results is a "not measured" check."""
+    out = []
+    for lc in checks:
+        claim = (f"{lc.title}: perplexity at {lc.multiplier}x no worse than {lc.reference}'s by more "
+                 f"than {100 * lc.margin:g}%")
+        cand, ref = (results.get(f"lm/{dataset}/{e}", {}).get("extrapolation") for e in (lc.candidate, lc.reference))
+        if not cand or not ref:
+            out.append(stats.Check(claim, None, "not measured"))
+            continue
+        c, r = ({int(n): v["ppl"] for n, v in x.items()} for x in (cand, ref))
+        n = lc.multiplier * min(c)
+        if n not in c or n not in r:
+            out.append(stats.Check(claim, None, f"not measured ({n} tokens not evaluated)"))
+            continue
+        d = c[n] / r[n] - 1
+        shown = lc.shown_multiplier * min(c)
+        extra = (f"; at {lc.shown_multiplier}x {100 * (c[shown] / r[shown] - 1):+.2f}% (not judged)"
+                 if shown in c and shown in r else "")
+        out.append(stats.judged(claim, d <= lc.margin, f"{lc.candidate} {c[n]:.3f}, {lc.reference} {r[n]:.3f} "
+                                f"at {n} ({100 * d:+.2f}%){extra}", 100 * (d - lc.margin), -1,
+                                f"{lc.candidate} / {lc.reference} - 1 - {100 * lc.margin:g}% (points)", ".2f"))
+    return out
+
+
+def cost_line(costs: dict[str, dict[int, Any]]) -> str:
+    """A line under the perplexity table: the evaluation's seconds and the process's peak
+    resident memory at each length (the longest-evaluated row's, first seed: what one
+    evaluation of that length costs on this machine)."""
+    if not costs:
+        return ""
+    row = max(costs, key=lambda e: len(costs[e]))
+    first = lambda v: v.values[0] if hasattr(v, "values") else v  # noqa: E731  # an Estimate: seed 0
+    parts = []
+    for n, c in sorted(costs[row].items()):
+        rss = first(c.get("peak_rss_mib"))
+        parts.append(f"{n}: {first(c['seconds']):.0f} s" + (f", {rss:.0f} MiB" if rss is not None else ""))
+    return (f"Cost of one evaluation by length ({row}, first seed; wall-clock seconds with its compile, and "
+            "the process's peak resident memory after it): " + "; ".join(parts))
 
 
 def ratio_line(ext: dict[str, dict[int, Any]]) -> str:
@@ -276,6 +392,8 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
             md += [f"## Perplexity by evaluation length ({dataset}, byte level, non-overlapping windows)", "",
                    length_table(ext, _train_len(results, "lm", dataset)), "",
                    ratio_line(ext), "",
+                   *([line, ""] if (line := cost_line({e: {int(n): c for n, c in r.items()} for e, r in
+                                                       rows("lm", dataset, "extrapolation_cost").items()})) else []),
                    f"![perplexity](perplexity_{dataset}.png)", ""]
             plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
                                             train_len=min(next(iter(ext.values()))),

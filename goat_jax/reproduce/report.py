@@ -199,6 +199,7 @@ def headline_checks(family: str, suite: Suite, jobs: Sequence[Job], results: dic
         checks = lm_family.lm_checks(results, encodings, suite.lm_check_multiplier, lm_family.headline_dataset(suite))
         if suite.rival_checks is not None:
             checks += lm_family.rival_checks(results, suite.rival_checks, lm_family.headline_dataset(suite))
+        checks += lm_family.layout_checks(results, suite.layout_checks, lm_family.headline_dataset(suite))
         return checks
     if family == "vit":
         return vit_family.vision_checks(jobs, results)

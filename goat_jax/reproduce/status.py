@@ -125,6 +125,13 @@ def render(states: Sequence[RunState], suite: Suite, root: str, seeds: int, jobs
                                        "changed": f"trained by another config than the job's (in {s.job.workdir}: "
                                                   "move it away to retrain, or restore the config)"}[s.state]
             for s in unfinished]
+    missing: dict[str, list[str]] = {}  # what a report still lacks, by row: run name -> seeds
+    for s in states:
+        if s.state in ("missing", "waiting"):
+            missing.setdefault(s.job.name, []).append(f"+{s.job.seed_offset}")
+    if missing:
+        lines += ["", "Not started (by row; the seeds it lacks; 'waiting': an evaluated-with row whose run is not "
+                  "finished):"] + [f"  {name}: seeds {' '.join(seeds)}" for name, seeds in missing.items()]
     feeding = [s for s in states if jobs_lib.FEEDS_CHECKS[s.job.family](s.job, suite)]
     if feeding:  # what the verdicts wait for: these train first (goat_jax/reproduce/runner.py)
         per: dict[str, list[int]] = {}

@@ -50,6 +50,9 @@ class LMVariant:
     # fields changed at evaluation time (e.g. RoPE evaluated with a frequency rescaling).
     trained_as: str = ""
     eval_overrides: dict = dataclasses.field(default_factory=dict)
+    # False: an LM row only, with no retrieval models of its own (e.g. a comparison that the
+    # protocol judges on perplexity alone, where retrieval runs would be compute for no check).
+    retrieval: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,27 @@ class RivalChecks:
     retrieval_rival: str  # the rival's retrieval rows, e.g. 'fox+gate_bias5'
     ppl_multipliers: tuple[int, ...] = (16, 64)
     retrieval_multipliers: tuple[int, ...] = (8, 16)
+    # The candidate's flatness far out (0: no such check): its perplexity at flat_multiplier x the
+    # training length <= flat_ratio x its perplexity at 1x (docs/protocols.md, "Extrapolation to
+    # 1024x and the 64-wide layout").
+    flat_multiplier: int = 0
+    flat_ratio: float = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCheck:
+    """A non-inferiority check of one LM row against another trained the same way but for one
+    setting (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"): the paired
+    relative perplexity difference ``candidate / reference - 1`` at ``multiplier`` x the training
+    length must lie below ``margin`` (supported when its interval does); the same difference at
+    ``shown_multiplier`` is reported beside it, not judged."""
+
+    candidate: str  # row label, e.g. 'goat+bf16+lane_aligned'
+    reference: str  # row label, e.g. 'goat+bf16'
+    title: str  # what differs, for the check's wording, e.g. 'lane_aligned (head dim 32, bf16)'
+    margin: float = 0.01  # relative
+    multiplier: int = 1
+    shown_multiplier: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +118,14 @@ class Suite:
     tasks: tuple[str, ...] = ("passkey", "niah")
     multipliers: tuple[int, ...] = (1, 2, 4, 8, 16)  # evaluation lengths / training length
     lm_ppl_multipliers: tuple[int, ...] = ()  # the LMs' perplexity lengths if not these ('': multipliers)
+    # More perplexity lengths of the LM rows (kind 'lm' only, so the retrieval models' cached
+    # evaluations stay valid): lm_more_multipliers for every LM row, lm_long_multipliers for the
+    # rows named in lm_long_rows; lm_eval_tokens: every length scores the first that many
+    # held-out tokens, so every column reads the same text (None: the whole stream at each length).
+    lm_more_multipliers: tuple[int, ...] = ()
+    lm_long_multipliers: tuple[int, ...] = ()
+    lm_long_rows: tuple[str, ...] = ()
+    lm_eval_tokens: Optional[int] = None
     num_examples: int = 64  # synthetic passkey examples per length
     niah_examples: int = 16  # NIAH examples per (length, depth) cell
     niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT depths
@@ -113,6 +145,7 @@ class Suite:
     # (trained_as) evaluates that row's retrieval models with its eval_overrides. No spec.
     retrieval_rows: tuple[LMVariant, ...] = ()
     rival_checks: Optional[RivalChecks] = None  # the language family's checks against the rival
+    layout_checks: tuple[LayoutCheck, ...] = ()  # non-inferiority checks between LM rows
     # Vision: one ViT per encoding (spec with {enc}), evaluated at these multiples of its
     # training resolution on the first vit_eval_batches test batches (0: the whole split).
     vit: str = ""  # '' = no vision family in this suite
@@ -147,6 +180,18 @@ _DNA_GENOMES = (("E. coli DH1 (another strain)", "/usr/share/doc/ragout/examples
                 ("human GRCh37 chr1-3 (200 kb)", "/usr/share/doc/artfastqgenerator/examples/miniReference.fasta.gz"))
 
 
+def _layout_rows() -> tuple[LMVariant, ...]:
+    """GOAT trained in bf16 compute with each q/k layout, at head dim 32 and 64: LM rows only
+    (the protocol judges perplexity)."""
+    bf16 = {"model.dtype": "bfloat16"}
+    h64 = {"model.num_heads": 2, "model.kv_num_heads": 2}
+    lane = {"model.qk_layout": "lane_aligned"}
+    return (LMVariant("goat+bf16", "goat", bf16, retrieval=False),
+            LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}, retrieval=False),
+            LMVariant("goat+bf16+h64", "goat", {**bf16, **h64}, retrieval=False),
+            LMVariant("goat+bf16+h64+lane_aligned", "goat", {**bf16, **h64, **lane}, retrieval=False))
+
+
 SUITES = {
     # Seconds: every stage of the harness on two encodings, a few steps each (the test).
     "smoke": Suite(
@@ -176,10 +221,16 @@ SUITES = {
         # it ~15% perplexity at this size.
         # 1000 steps: GOAT and RoPE are still improving at 600 (2-3% apart).
         lm_ppl_multipliers=(1, 2, 4, 8, 16, 32, 64),
+        # Decided 2026-12-04 before these runs (docs/protocols.md, "Extrapolation to 1024x and the
+        # 64-wide layout"): 10% of the Jargon entries held out (153,879 bytes: two full windows
+        # at 1024x), every length scoring the same 131,072 held-out bytes (131,073 read), 128x and 256x
+        # for every LM row, 512x and 1024x for the rows whose 64x / 1x ratio was below 1.5 then.
+        lm_more_multipliers=(128, 256), lm_long_multipliers=(512, 1024), lm_eval_tokens=131_073,
+        lm_long_rows=("goat", "goat+linear_sink", "goat+learn_frequencies", "alibi", "kerple_log", "fox", "nope"),
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000,
                       # a checkpoint every 200 steps: a killed run loses at most ~2 minutes
-                      "checkpoint_every_steps": 200},
+                      "checkpoint_every_steps": 200, "data.eval_fraction": 0.10},
         retrieval_overrides={},
         # ViT and DNA evaluations capped to minutes per run on 2 cores: 4,096 of the 10k test
         # images (32 x 128) at every resolution and canvas (top-1 standard error ~0.6 points at
@@ -207,7 +258,11 @@ SUITES = {
             LMVariant("rope+logn", "rope", trained_as="rope", eval_overrides={"model.logn_scaling": "content"}),
             LMVariant("rope+yarn+logn", "rope", trained_as="rope",
                       eval_overrides={"model.position_encoding": "yarn", "model.logn_scaling": "content"}),
-            LMVariant("goat+logn", "goat", trained_as="goat", eval_overrides={"model.logn_scaling": "content"})),
+            LMVariant("goat+logn", "goat", trained_as="goat", eval_overrides={"model.logn_scaling": "content"}),
+            # The 64-wide layout weighed in bf16 compute, where it differs from the official one
+            # (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"): head dim 32
+            # (the tiny LM's) and 64 (2 heads; the 125M configs' head dim).
+            *_layout_rows()),
         # The official synthetic settings (R = M = 8, init_scale_prior 3e-3, (global + 10 span) / 11,
         # baselines at attention scale 1) next to ours, every task and encoding.
         retrieval_variants=(RetrievalVariant("official", "configs/retrieval_tiny.py:{task},{enc},official"),),
@@ -220,7 +275,10 @@ SUITES = {
             LMVariant("fox+gate_bias5", "fox", {"model.fox_gate_bias_init": 5.0}),
             LMVariant("goat+linear_sink", "goat", trained_as="goat",
                       eval_overrides={"model.sink_extrapolation": "linear"})),
-        rival_checks=RivalChecks("goat+linear_sink", lm_rival="fox", retrieval_rival="fox+gate_bias5")),
+        rival_checks=RivalChecks("goat+linear_sink", lm_rival="fox", retrieval_rival="fox+gate_bias5",
+                                 ppl_multipliers=(16, 64, 256, 1024), flat_multiplier=1024),
+        layout_checks=(LayoutCheck("goat+bf16+lane_aligned", "goat+bf16", "lane_aligned (head dim 32, bf16)"),
+                       LayoutCheck("goat+bf16+h64+lane_aligned", "goat+bf16+h64", "lane_aligned (head dim 64, bf16)"))),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
@@ -331,6 +389,8 @@ def _retrieval_variant_rows(suite: Suite, root: str, task: str, encodings: list[
     trained = set(encodings) | {v.label for v in rows if not v.trained_as and not v.spec}
     jobs = []
     for v in rows:
+        if not v.retrieval:
+            continue
         if v.spec and v in suite.retrieval_rows:
             raise ValueError(f"retrieval_rows {v.label!r}: spec={v.spec!r}; a retrieval row is the suite's "
                              "retrieval config with overrides (or an evaluated-with row), not a config of its own.")

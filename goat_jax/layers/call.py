@@ -1,5 +1,5 @@
 """The arguments and results of one attention call, shared by every layer of this package
-(:class:`goat_jax.layers.AttentionBase` and its subclasses) and the position encodings:
+(:class:`goat_jax.layers.linen.AttentionBase` and its subclasses) and the position encodings:
 :class:`AttentionCall` (the call's arguments), :func:`resolve_call_segments` (packed-document
 ids and the positions they imply), :class:`LayerShape` (head bookkeeping), :class:`Encoded`
 (what position handling hands to the kernel) and log-n scaling of the logits

@@ -1,7 +1,7 @@
-"""The Linen side of every attention layer: logically partitioned parameters, projections, the
+"""The Linen side of every attention layer: projections, the
 KV cache as Linen variables, sowing, and :class:`AttentionBase`, the Linen shell of
-:func:`goat_jax.attention_core.run` (the call itself, shared with the NNX shell) that
-:class:`goat_jax.attention.GoatAttention` and :class:`goat_jax.positional.PositionalAttention` extend, so that they have the same parameter
+:func:`goat_jax.layers.core.run` (the call itself, shared with the NNX shell) that
+:class:`goat_jax.layers.goat.GoatAttention` and :class:`goat_jax.layers.positional.PositionalAttention` extend, so that they have the same parameter
 names, logical axes and cache collection and a model can swap one for the other.
 
 Shape legend: B batch, T new tokens, S keys, E model dim, N query heads, K kv heads, H head dim.
@@ -17,36 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import attention_core
-from goat_jax.attention_call import Offset
-from goat_jax.attention_core import DecodeCache
+from goat_jax.layers import core as attention_core
+from goat_jax.partitioning import with_logical_partitioning
+from goat_jax.layers.call import Offset
+from goat_jax.layers.core import DecodeCache
 
 Array = jax.Array
 Dtype = Any
-
-
-class LogicallyPartitioned(nn.LogicallyPartitioned):
-    """``nn.LogicallyPartitioned`` that also works from Flax NNX without a mesh.
-
-    ``flax.nnx.bridge.ToNNX`` turns each box into an ``nnx.Variable``, which by default shards
-    its value eagerly to the box's names and raises without a mesh ("An auto mesh context or
-    metadata is required ..."). Without a mesh there is nothing to shard to, so the box asks for
-    no eager sharding then; under a mesh it behaves exactly as Flax's own box.
-    """
-
-    def to_nnx_metadata(self) -> dict:
-        """The ``nnx.Variable`` metadata; ``eager_sharding=False`` when no mesh is defined."""
-        metadata = super().to_nnx_metadata()
-        if self.mesh is None and not flax.core.meta.global_mesh_defined():
-            metadata["eager_sharding"] = False
-        return metadata
-
-
-def with_logical_partitioning(fn, names: Tuple[Optional[str], ...]):
-    """``nn.with_logical_partitioning`` with the NNX-friendly :class:`LogicallyPartitioned`."""
-    def init(*args, **kwargs):
-        return LogicallyPartitioned(fn(*args, **kwargs), names)
-    return init
 
 
 # The official module initializes each projection xavier-uniform over the whole [in, out]
@@ -174,8 +151,8 @@ def open_decode_cache(module: nn.Module, *, query: Array, key: Array, is_causal:
 
 class AttentionBase(attention_core.AttentionLogic, nn.Module):
     """Multi-head attention, written once for every layer of this package: GOAT
-    (:class:`goat_jax.attention.GoatAttention`) and the position-encoding baselines
-    (:class:`goat_jax.positional.PositionalAttention`) differ only in how positions enter.
+    (:class:`goat_jax.layers.goat.GoatAttention`) and the position-encoding baselines
+    (:class:`goat_jax.layers.positional.PositionalAttention`) differ only in how positions enter.
 
     Call: ``module(query, key=None, value=None, *, is_causal=False, key_padding_mask=None,
     spatial_shape=None, has_cls_token=None, position_offset_q=None, position_offset_k=None,
@@ -210,10 +187,10 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
       counting as one) a row may hold, the static size of cuDNN's packed layout (segment ids on
       Hopper GPUs, goat_jax/kernels/cudnn_packed.py); None: its default. Other kernels ignore it.
 
-    This class is the Linen *shell* of :func:`goat_jax.attention_core.run`, which does the work
+    This class is the Linen *shell* of :func:`goat_jax.layers.core.run`, which does the work
     of a call: the fields, and the parameters, cache and sowing as Linen variables. A subclass
     adds its fields and a variant mixin (``_plan``, ``_positions``, ``_encode``:
-    :class:`goat_jax.attention_core.AttentionLogic`), the same mixin the NNX shell
+    :class:`goat_jax.layers.core.AttentionLogic`), the same mixin the NNX shell
     (:mod:`goat_jax.nnx`) inherits.
     """
 

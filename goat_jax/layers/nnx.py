@@ -1,10 +1,10 @@
 """Native Flax NNX attention layers: :class:`GoatAttention` and :class:`PositionalAttention`,
 with the same math, parameters and kernels as the Linen modules of the same names.
 
-Both are thin NNX *shells* of :func:`goat_jax.attention_core.run`, the one attention call
+Both are thin NNX *shells* of :func:`goat_jax.layers.core.run`, the one attention call
 (resolving the call, positions, encoding q/k, the kernel, masking), and inherit the same variant
-logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
-:class:`goat_jax.positional.layer.PositionalLogic`): nothing here packs, encodes or masks.
+logic as the Linen layers (:class:`goat_jax.layers.goat.GoatLogic`,
+:class:`goat_jax.layers.positional.PositionalLogic`): nothing here packs, encodes or masks.
 
 * Construction is eager: ``GoatAttention(num_heads=8, in_features=512, prior=PriorSettings(...),
   rngs=nnx.Rngs(0))``. The keywords are the Linen module's fields, each with the Linen default
@@ -17,7 +17,7 @@ logic as the Linen layers (:class:`goat_jax.attention.GoatLogic`,
 * The call is the Linen module's: ``layer(query, key=None, value=None, *, is_causal=False,
   key_padding_mask=None, spatial_shape=None, has_cls_token=None, position_offset_q=None,
   position_offset_k=None, q_positions=None, k_positions=None, segment_ids=None,
-  kv_segment_ids=None)`` (:class:`goat_jax.layers.AttentionBase`).
+  kv_segment_ids=None)`` (:class:`goat_jax.layers.linen.AttentionBase`).
 * Parameters have the Linen names, shapes and dtypes (``q_proj/kernel``, ``prior/lambda_sym``,
   ``fox_gate``, ...), so ``nnx.state(layer, nnx.Param).to_pure_dict()`` is the Linen
   ``params`` tree; :func:`from_linen` / :func:`to_linen` move a layer both ways. Parameters the
@@ -56,10 +56,10 @@ from flax import nnx
 from flax.core import meta
 from flax.nnx.bridge.variables import to_nnx_var
 
-from goat_jax import attention as attention_lib
-from goat_jax import attention_core
-from goat_jax import layers
-from goat_jax.positional import layer as positional_layer
+from goat_jax.layers import goat as attention_lib
+from goat_jax.layers import core as attention_core
+from goat_jax.layers import linen
+from goat_jax.layers import positional as positional_layer
 
 Array = jax.Array
 
@@ -144,7 +144,7 @@ class _Slot:
 
 
 class AttentionShell(nnx.Module):
-    """The NNX shell of :func:`goat_jax.attention_core.run` (its contract: that module's
+    """The NNX shell of :func:`goat_jax.layers.core.run` (its contract: that module's
     docstring), the base of :class:`GoatAttention` and :class:`PositionalAttention`: eager
     construction, parameters and cache as NNX variables, the Linen call. Subclasses add a
     variant mixin and name their Linen twin in ``_LINEN``."""
@@ -195,7 +195,7 @@ class AttentionShell(nnx.Module):
                  position_offset_q: Any = None, position_offset_k: Any = None,
                  q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
                  segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None) -> Array:
-        """The Linen module's call (:class:`goat_jax.layers.AttentionBase`); [B, T, out_features or E].
+        """The Linen module's call (:class:`goat_jax.layers.linen.AttentionBase`); [B, T, out_features or E].
         The cache and the sown maps change only if the call returns: one that raises (a cache of
         another batch, a kernel's refusal) leaves the layer as it was."""
         for name, x, width, field in (("query", query, self.in_features, "in_features"),
@@ -243,7 +243,7 @@ class AttentionShell(nnx.Module):
 
     def _projection(self, name: str, spec: str, x: Array, kernel_shape: Tuple[int, ...],
                     kernel_axes: Tuple[str, ...], fan_in_dims: int, dtype: Any) -> Array:
-        return layers.projection(lambda n, *a: self.param((name, n), *a), spec, x, kernel_shape, kernel_axes,
+        return linen.projection(lambda n, *a: self.param((name, n), *a), spec, x, kernel_shape, kernel_axes,
                                  fan_in_dims, self.use_bias, dtype, self.param_dtype, self.kernel_init_std)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
@@ -326,7 +326,7 @@ def _linen_fields(cls: type) -> dict:
 
 
 class GoatAttention(attention_lib.GoatLogic, AttentionShell):
-    """GOAT attention as a Flax NNX module: :class:`goat_jax.attention.GoatAttention`'s math,
+    """GOAT attention as a Flax NNX module: :class:`goat_jax.layers.goat.GoatAttention`'s math,
     fields, call and parameters (module docstring). ``prior`` is the keyword of the
     :class:`goat_jax.prior.PriorSettings` (kept as ``prior_settings``), since ``prior`` is the
     parameter group, as in Linen: ``layer.prior.lambda_sym``."""
@@ -348,7 +348,7 @@ class GoatAttention(attention_lib.GoatLogic, AttentionShell):
 
 
 class PositionalAttention(positional_layer.PositionalLogic, AttentionShell):
-    """A baseline position encoding as a Flax NNX module: :class:`goat_jax.positional.PositionalAttention`'s
+    """A baseline position encoding as a Flax NNX module: :class:`goat_jax.layers.positional.PositionalAttention`'s
     math, fields (``position_encoding``, ``settings`` or the settings' keywords, ...), call and
     parameters (module docstring)."""
 

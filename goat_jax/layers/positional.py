@@ -1,130 +1,46 @@
-"""The registry of position encodings and :class:`PositionalAttention`, the layer that runs them
-with GoatAttention's call signature, projections and KV cache
-(:class:`goat_jax.layers.AttentionBase`).
+""":class:`PositionalAttention`, the layer that runs the registered position encodings
+(:mod:`goat_jax.positional.registry`) with GoatAttention's call signature, projections and KV cache
+(:class:`goat_jax.layers.linen.AttentionBase`).
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import sys
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from goat_jax import attention_core
+from goat_jax.layers import core as attention_core
 from goat_jax import kernels
-from goat_jax import attention_call
-from goat_jax import layers
+from goat_jax.layers import call as attention_call
+from goat_jax.layers import linen
 from goat_jax.prior.packing import default_sink_channels
-from goat_jax.config.fields import Float, check_section, specs_of
-from goat_jax.positional import alibi, fire, fox, kerple, naive_prior, nope, rope, rope_mixed, rope_scaling
+from goat_jax.config.fields import check_section
+from goat_jax.positional import registry
+from goat_jax.positional.registry import ATTENTION_SCALE, get_encoding, settings_fields
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
 
 Array = jax.Array
-
-# Every encoding PositionalAttention runs, in documentation order. A new encoding is one module
-# (its PositionEncoding and, if it has knobs, their EncodingSettings) and one entry here: the
-# layer's keywords, the models' choices and their config fields are read from this registry.
-ENCODINGS = (nope.NOPE, rope.ROPE, rope.ROPE_PI, alibi.ALIBI, alibi.ALIBI_PACKED, naive_prior.NAIVE_PRIOR,
-             rope_scaling.NTK, rope_scaling.YARN, rope.ROPE2D, rope_mixed.ROPE_MIXED, fire.FIRE, kerple.KERPLE_LOG,
-             fox.FOX)
-POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
-_BY_NAME = {e.name: e for e in ENCODINGS}
-
-# The baselines' factor on q . k (PositionalAttention.attention_scale; the models'
-# ``baseline_attention_scale``), declared once.
-ATTENTION_SCALE = Float(min=0.0, min_inclusive=False, optional=True,
-                        doc="non-GOAT q.k factor; None: 1 / sqrt(head_dim) (official synthetic: 1)")
-
-
-def get_encoding(name: str) -> PositionEncoding:
-    """The registered encoding called ``name``; ValueError listing the choices otherwise."""
-    if name not in _BY_NAME:
-        raise ValueError(
-            f"Unknown position_encoding={name!r}; choose one of {POSITION_ENCODINGS} (absolute "
-            "'sinusoidal'/'learned' encodings go on the embeddings, with 'nope' here).")
-    return _BY_NAME[name]
-
-
-def settings_fields(encodings: Iterable[PositionEncoding]) -> Dict[str, Tuple[dataclasses.Field, Any]]:
-    """``{name: (dataclass field, spec)}`` of every setting of ``encodings``, each name once, in
-    registry order. A name two encodings share must be one declaration (inherited or borrowed:
-    the same spec object); TypeError naming both otherwise."""
-    out: Dict[str, Tuple[dataclasses.Field, Any, type]] = {}
-    for enc in encodings:
-        specs = specs_of(enc.settings_class)
-        for field in dataclasses.fields(enc.settings_class):
-            if field.name in out and out[field.name][1] is not specs[field.name]:
-                raise TypeError(f"{enc.settings_class.__name__}.{field.name} is declared apart from "
-                                f"{out[field.name][2].__name__}.{field.name}: a setting two encodings share is "
-                                "one declaration (inherit it or goat_jax.config.fields.borrow it).")
-            out.setdefault(field.name, (field, specs[field.name], enc.settings_class))
-    return {name: (field, spec) for name, (field, spec, _) in out.items()}
-
-
-def add_settings_fields(config_cls: type, encodings: Iterable[PositionEncoding]) -> type:
-    """The model config ``config_cls`` (a frozen dataclass) completed with every setting of
-    ``encodings`` it does not declare, each under its name and from the encoding's declaration:
-    ``config_cls`` itself when it has them all, else a subclass of the same name adding them (so
-    a registered encoding's new knob is a ``model.<knob>`` field with no line in the model). A
-    field it declares under a setting's name must be that declaration (``borrow``; its own
-    default allowed); TypeError otherwise."""
-    own = specs_of(config_cls)
-    missing = []
-    for name, (field, spec) in settings_fields(encodings).items():
-        if name not in own:
-            missing.append((name, field.type, dataclasses.field(default=field.default, metadata=field.metadata)))
-        elif own[name] is not spec:
-            raise TypeError(f"{config_cls.__name__}.{name} is declared apart from the encodings' setting "
-                            f"{name!r}: take it with goat_jax.config.fields.borrow.")
-    if not missing:
-        return config_cls
-    cls = dataclasses.make_dataclass(config_cls.__name__, missing, bases=(config_cls,), frozen=True)
-    cls.__module__, cls.__qualname__, cls.__doc__ = config_cls.__module__, config_cls.__qualname__, config_cls.__doc__
-    return cls
-
-
-def register(encoding: PositionEncoding) -> None:
-    """Adds ``encoding`` (defined outside this package: a plugin, a test) to the registry, as an
-    entry of :data:`ENCODINGS` does. Call it before importing :mod:`goat_jax.models`, whose
-    choices and config fields are read from the registry when they are imported; a built layer
-    takes its settings as ``PositionalAttention(settings=...)`` (the keywords are the built-in
-    encodings')."""
-    global ENCODINGS, POSITION_ENCODINGS  # pylint: disable=global-statement
-    if encoding.name in _BY_NAME:
-        raise ValueError(f"position_encoding={encoding.name!r} is registered already.")
-    loaded = sorted(m for m in ("goat_jax.models.lm", "goat_jax.models.vit") if m in sys.modules)
-    if loaded:
-        raise RuntimeError(f"register({encoding.name!r}) after {loaded} read the registry: register "
-                           "encodings before importing goat_jax.models.")
-    settings_fields(ENCODINGS + (encoding,))  # its settings agree with the registered ones
-    ENCODINGS = ENCODINGS + (encoding,)
-    POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
-    _BY_NAME[encoding.name] = encoding
-    package = sys.modules["goat_jax.positional"]
-    package.ENCODINGS, package.POSITION_ENCODINGS = ENCODINGS, POSITION_ENCODINGS
-
 
 # The layer's own fields that are also an encoding's setting (log-n scaling reads it too).
 _LAYER_SETTINGS = ("training_seq_len",)
 # Keywords of PositionalAttention built by hand (docs/layer.md): every registered setting's name
 # and older alias, None = not given (the setting's declared default).
 KEYWORDS = tuple(n for n in dict.fromkeys(
-    [*settings_fields(ENCODINGS), *(a for e in ENCODINGS for a in e.settings_class.ALIASES)])
+    [*settings_fields(registry.ENCODINGS), *(a for e in registry.ENCODINGS for a in e.settings_class.ALIASES)])
     if n not in _LAYER_SETTINGS)
 
 # The keywords as module fields, made from the registry (never listed by hand).
-_SettingKeywords = type("_SettingKeywords", (layers.AttentionBase,), {
+_SettingKeywords = type("_SettingKeywords", (linen.AttentionBase,), {
     "__module__": __name__, "__annotations__": {n: "Optional[Any]" for n in KEYWORDS}, **dict.fromkeys(KEYWORDS),
     "__doc__": "The encodings' settings as keywords of PositionalAttention (None: not given)."})
 
 
 class _Plan(NamedTuple):
-    """What PositionalAttention decides before any work (see :class:`goat_jax.layers.AttentionBase`)."""
+    """What PositionalAttention decides before any work (see :class:`goat_jax.layers.linen.AttentionBase`)."""
 
     qk_dim: int  # H plus the channels the encoding packs into q/k
     implementation: str
@@ -135,7 +51,7 @@ class _Plan(NamedTuple):
 
 class PositionalLogic(attention_core.AttentionLogic):
     """The baselines' variant of the attention call (framework-free; see
-    :class:`goat_jax.attention_core.AttentionLogic`): the encoding's settings and checks, the
+    :class:`goat_jax.layers.core.AttentionLogic`): the encoding's settings and checks, the
     kernel choice and the encoding's hooks, which make their parameters with ``self.param``.
     Both shells inherit it: the Linen :class:`PositionalAttention` and
     :class:`goat_jax.nnx.PositionalAttention` (fields ``position_encoding``, ``settings``,
@@ -182,7 +98,7 @@ class PositionalLogic(attention_core.AttentionLogic):
         """What the encoding's attributes rule out for this call, as one clear error."""
         name = enc.name
         if call.spatial_shape is not None and enc.positions == "1d":
-            grids = ", ".join(repr(e.name) for e in ENCODINGS if e.positions == "2d")
+            grids = ", ".join(repr(e.name) for e in registry.ENCODINGS if e.positions == "2d")
             raise ValueError(
                 f"position_encoding={name!r} is 1D; for 2D inputs use {grids}, GoatAttention, or "
                 "'nope' with absolute position embeddings on the patches.")
@@ -202,7 +118,7 @@ class PositionalLogic(attention_core.AttentionLogic):
     def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape,
                         segments: bool, ragged: bool = False) -> str:
         """Kernel choice (``segments``: the call has segment ids; ``ragged``: with key padding or
-        cross-attention, :func:`goat_jax.attention_call.ragged_segments`): bias-based encodings need a
+        cross-attention, :func:`goat_jax.layers.call.ragged_segments`): bias-based encodings need a
         kernel that takes an additive bias, which the capability table says ('xla', 'dense');
         naming another is refused with the encoding's alternative, whatever else it lacks."""
         bias = bool(enc.materialized_bias)
@@ -235,8 +151,8 @@ class PositionalAttention(PositionalLogic, _SettingKeywords):
     """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
 
     Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.AttentionBase`), so models swap this layer and
-    :class:`goat_jax.attention.GoatAttention` freely. ``query`` [B, T, E], ``key``/``value``
+    (:class:`goat_jax.layers.linen.AttentionBase`), so models swap this layer and
+    :class:`goat_jax.layers.goat.GoatAttention` freely. ``query`` [B, T, E], ``key``/``value``
     [B, S, E'] (default ``query``); returns [B, T, out_features or E]. Positions
     (``arange + position_offset_*`` or explicit ``q_positions``/``k_positions``, [T] / [B, T])
     move the encoding only; causal masking is by sequence index. Positions are 1D except for

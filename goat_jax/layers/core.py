@@ -5,9 +5,9 @@ ids, head bookkeeping), planning (validation and the kernel choice, before any p
 positions, encoding q/k (GOAT's packing, a baseline encoding), log-n scaling, the KV-cache
 arithmetic, the kernel call, masking and the output projection. It never touches a framework:
 it asks the layer it is given (the *shell*) for parameters and projections. Two shells exist,
-:class:`goat_jax.layers.AttentionBase` (Linen) and :mod:`goat_jax.nnx` (NNX); the variant
-logic (how positions enter: GOAT's ``GoatLogic`` in :mod:`goat_jax.attention`, the baselines'
-``PositionalLogic`` in :mod:`goat_jax.positional.layer`) is a plain mixin both shells inherit,
+:class:`goat_jax.layers.linen.AttentionBase` (Linen) and :mod:`goat_jax.nnx` (NNX); the variant
+logic (how positions enter: GOAT's ``GoatLogic`` in :mod:`goat_jax.layers.goat`, the baselines'
+``PositionalLogic`` in :mod:`goat_jax.layers.positional`) is a plain mixin both shells inherit,
 so neither re-implements packing, encodings or masking.
 
 The shell contract (what :func:`run` reads from ``layer``):
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
-from goat_jax.attention_call import (
+from goat_jax.layers.call import (
     AttentionCall, Encoded, LayerShape, apply_logn, check_logn, logn_factors, resolve_call_segments)
 
 Array = jax.Array
@@ -178,7 +178,7 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
         k_positions: Optional[Array] = None, segment_ids: Optional[Array] = None,
         kv_segment_ids: Optional[Array] = None, skip_kernel: bool = False) -> Array:
     """One attention call of ``layer`` (a shell, see the module docstring); the arguments are
-    the layers' call signature (:class:`goat_jax.layers.AttentionBase`). Returns
+    the layers' call signature (:class:`goat_jax.layers.linen.AttentionBase`). Returns
     [B, T, out_features or E].
 
     ``skip_kernel``: make every parameter the call makes, but attend nothing (the output is the

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import attention_call
-from goat_jax import attention_core
+from goat_jax.layers import call as attention_call
+from goat_jax.layers import core as attention_core
 from goat_jax import kernels
 from goat_jax.kernels import widths as kernel_widths
-from goat_jax import layers
+from goat_jax import partitioning
+from goat_jax.layers import linen
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import default_sink_channels, pack_key, pack_query
 
@@ -75,7 +76,7 @@ def prior_declarations(spec: prior_lib.PriorSpec) -> list:
         # w * p needs the mantissa.
         ladder = lambda _rng, shape, dtype=f32: jnp.broadcast_to(
             prior_lib.frequencies(r, spec.pos_base), shape).astype(dtype)
-        decls.append(("pos_freqs", layers.with_logical_partitioning(ladder, ("kv_heads", None)), ((k, r), f32)))
+        decls.append(("pos_freqs", partitioning.with_logical_partitioning(ladder, ("kv_heads", None)), ((k, r), f32)))
     return decls
 
 
@@ -151,7 +152,7 @@ def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int
 
 
 class _GoatPlan(NamedTuple):
-    """What GoatAttention decides before any work (see :class:`goat_jax.layers.AttentionBase`)."""
+    """What GoatAttention decides before any work (see :class:`goat_jax.layers.linen.AttentionBase`)."""
 
     qk_dim: int  # d_c + 2R + sink channels: the packed width the kernel and the cache see
     implementation: str
@@ -165,7 +166,7 @@ class _GoatPlan(NamedTuple):
 
 class GoatLogic(attention_core.AttentionLogic):
     """GOAT's variant of the attention call (framework-free; see
-    :class:`goat_jax.attention_core.AttentionLogic`): the plan (prior spec, packed width,
+    :class:`goat_jax.layers.core.AttentionLogic`): the plan (prior spec, packed width,
     sink channels, 1D/2D), the positions and the packing. Both shells inherit it: the Linen
     :class:`GoatAttention` and :class:`goat_jax.nnx.GoatAttention`; each supplies
     ``_prior_settings()`` (the :class:`goat_jax.prior.PriorSettings`) and
@@ -268,11 +269,11 @@ class GoatLogic(attention_core.AttentionLogic):
         return attention_call.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
 
 
-class GoatAttention(GoatLogic, layers.AttentionBase):
+class GoatAttention(GoatLogic, linen.AttentionBase):
     """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
 
     Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
+    (:class:`goat_jax.layers.linen.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
     (default ``query``); returns [B, T, out_features or E].
 
     * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while

@@ -1,0 +1,156 @@
+"""The tiny report's 1024x extrapolation and 64-wide layout protocol (docs/protocols.md,
+"Extrapolation to 1024x and the 64-wide layout"): the rows and lengths planned as decided, the
+retrieval models' cached evaluations left valid, the new checks' verdicts, and the per-length
+evaluation with its cost on a trained smoke LM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from goat_jax.config_files import load_config
+from goat_jax.prior.settings import PriorSpec
+from goat_jax.reproduce import jobs as jobs_lib
+from goat_jax.reproduce import lm_family, stats, suites
+
+E = stats.Estimate
+TINY = suites.SUITES["tiny"]
+LONG_ROWS = ("goat", "goat+linear_sink", "goat+learn_frequencies", "alibi", "kerple_log", "fox", "nope")
+
+
+def _jobs():
+    return {j.name: j for j in suites.plan(TINY, "/runs")}
+
+
+def test_lengths_and_held_out_split_are_planned_as_decided():
+    """Every LM row to 256x, the seven rows of the protocol to 1024x, all on the same first
+    131,072 held-out bytes of a 10% held-out split; the rows that were above 1.5 at 64x stop at
+    256x."""
+    jobs = _jobs()
+    assert TINY.lm_long_rows == LONG_ROWS
+    for name, job in jobs.items():
+        if job.kind != "lm":
+            continue
+        got = lm_family.ppl_multipliers(job, TINY)
+        top = 1024 if job.label in LONG_ROWS else 256
+        assert got == tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if m <= top), name
+        settings = jobs_lib.eval_settings(job, TINY) if not job.trains else None
+        if job.trains:
+            assert load_config(job.spec, job.overrides).data.eval_fraction == pytest.approx(0.10)
+        else:  # an evaluated-with row's settings name its own lengths
+            assert settings["lm_eval_tokens"] == 131_073
+    assert 2 * 1024 * 64 + 1 == TINY.lm_eval_tokens  # two full windows at 1024x (W + 1 bytes each)
+
+
+def test_retrieval_models_keep_their_cached_evaluations():
+    """The new LM settings enter only the LM rows' evaluation settings: a retrieval or toy job's
+    settings are those of the suite without them, so its records and caches stay valid."""
+    before = dataclasses.replace(TINY, lm_more_multipliers=(), lm_long_multipliers=(), lm_long_rows=(),
+                                 lm_eval_tokens=None)
+    checked = 0
+    for job in _jobs().values():
+        if job.kind in ("passkey", "niah", "toy"):
+            assert jobs_lib.eval_settings(job, TINY) == jobs_lib.eval_settings(job, before), job.name
+            checked += 1
+        elif job.kind == "lm":
+            assert jobs_lib.eval_settings(job, TINY) != jobs_lib.eval_settings(job, before)
+    assert checked > 50
+
+
+def test_layout_rows_differ_only_in_layout_and_head_dim():
+    """goat+bf16 / goat+bf16+lane_aligned at head dim 32 (23 vs 21 content dims) and the same
+    pair at head dim 64 (55 vs 53), all bf16 compute, everything else the GOAT LM row's."""
+    jobs = _jobs()
+    base = load_config(jobs["lm/jargon/goat"].spec, jobs["lm/jargon/goat"].overrides)
+    content = {}
+    for label, layout, head in (("goat+bf16", "official", 32), ("goat+bf16+lane_aligned", "lane_aligned", 32),
+                                ("goat+bf16+h64", "official", 64), ("goat+bf16+h64+lane_aligned", "lane_aligned", 64)):
+        job = jobs[f"lm/jargon/{label}"]
+        assert job.trains
+        c = load_config(job.spec, job.overrides)
+        assert (c.model.dtype, c.model.qk_layout) == ("bfloat16", layout)
+        assert c.model.embed_dim // c.model.num_heads == head and c.model.kv_num_heads == c.model.num_heads
+        settings = PriorSpec(pos_rank=c.model.pos_rank, abs_rank=c.model.abs_rank, qk_layout=layout,
+                             num_heads=c.model.num_heads, kv_num_heads=c.model.kv_num_heads)
+        content[label] = settings.content_dim(head, sink_channels=3)  # bf16 packs the sink in 3 channels
+        diff = {k for k in c.model if c.model[k] != base.model[k]}
+        assert diff <= {"dtype", "qk_layout", "num_heads", "kv_num_heads"}, diff
+    assert content == {"goat+bf16": 23, "goat+bf16+lane_aligned": 21, "goat+bf16+h64": 55,
+                       "goat+bf16+h64+lane_aligned": 53}
+    assert not any(j.variant.startswith("goat+bf16") for j in jobs.values() if j.kind != "lm")  # LM rows only
+    feeding = {n for n, j in jobs.items() if lm_family.feeds_checks(j, TINY)}
+    assert {f"lm/jargon/{x}" for x in ("goat+bf16", "goat+bf16+lane_aligned", "goat+bf16+h64",
+                                       "goat+bf16+h64+lane_aligned")} <= feeding
+
+
+def _ppl(values_by_length):
+    return {"extrapolation": {n: {"ppl": E(v)} for n, v in values_by_length.items()}}
+
+
+def test_flatness_and_far_rival_checks():
+    """goat+linear_sink at 1024x against 1.05 x its 1x, and against FoX at 256x and 1024x,
+    paired over seeds; an unevaluated length is named, never dropped."""
+    rival = TINY.rival_checks
+    results = {"lm/jargon/goat+linear_sink": _ppl({64: [6.0, 6.2, 6.1], 16384: [6.0, 6.1, 6.0],
+                                                   65536: [6.05, 6.25, 6.1]}),
+               "lm/jargon/fox": _ppl({64: [6.1, 6.2, 6.1], 16384: [7.0, 7.3, 7.1], 65536: [6.0, 6.2, 6.05]})}
+    checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
+    flat = checks["goat+linear_sink perplexity at 1024x <= 1.05 x its in-distribution perplexity"]
+    assert flat.verdict == stats.SUPPORTED and "ratio - 1.05" in flat.difference
+    assert checks["goat+linear_sink perplexity at 256x < fox's"].verdict == stats.SUPPORTED
+    assert checks["goat+linear_sink perplexity at 1024x < fox's"].verdict == stats.CONTRADICTED
+    assert "1024 tokens not evaluated" in checks["goat+linear_sink perplexity at 16x < fox's"].numbers
+    # Rising by 10-20% in every seed: the flatness claim is contradicted.
+    results["lm/jargon/goat+linear_sink"]["extrapolation"][65536] = {"ppl": E([6.9, 7.4, 6.8])}
+    checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
+    assert checks["goat+linear_sink perplexity at 1024x <= 1.05 x its in-distribution perplexity"].verdict == \
+        stats.CONTRADICTED
+    del results["lm/jargon/goat+linear_sink"]["extrapolation"][65536]
+    checks = {c.claim: c for c in lm_family.rival_checks(results, rival, "jargon")}
+    assert "65536 tokens not evaluated" in checks[
+        "goat+linear_sink perplexity at 1024x <= 1.05 x its in-distribution perplexity"].numbers
+
+
+def test_layout_check_is_non_inferiority_at_one_percent():
+    """d = lane_aligned / official - 1 at 1x against the 1% margin: supported below it,
+    contradicted above it, inconclusive across it; the 16x difference is shown, not judged."""
+    lc = TINY.layout_checks[0]
+    ref = {64: [6.0, 6.2, 6.1], 1024: [7.0, 7.0, 7.0]}
+
+    def verdict(cand_1x):
+        results = {"lm/jargon/goat+bf16": _ppl(ref),
+                   "lm/jargon/goat+bf16+lane_aligned": _ppl({64: cand_1x, 1024: [7.1, 7.0, 7.2]})}
+        (check,) = lm_family.layout_checks(results, (lc,), "jargon")
+        return check
+
+    same = verdict([6.0, 6.2, 6.1])
+    assert same.verdict == stats.SUPPORTED and "at 16x +1.43 ± 3.55% (not judged)" in same.numbers
+    assert verdict([6.2, 6.4, 6.3]).verdict == stats.CONTRADICTED  # ~3.3% worse in every seed
+    assert verdict([6.0, 6.3, 6.1]).verdict == stats.INCONCLUSIVE  # 0%, +1.6%, 0%
+    assert lm_family.layout_checks({}, (lc,), "jargon")[0].numbers == "not measured"
+
+
+def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path):
+    """A 2-step smoke LM scored one length at a time on the first 2,049 held-out tokens: every
+    length scores exactly 2,048 targets (so the columns read the same text), the numbers equal
+    one evaluation of all lengths together, and each length has its seconds and peak memory."""
+    from goat_jax.eval import lm_run
+    from goat_jax.eval import runs as ev
+    from goat_jax.train import trainer
+
+    config = load_config("configs/lm_tiny.py:goat,smoke", {"num_train_steps": 2, "checkpoint_every_steps": 2,
+                                                           "eval_every_steps": 0, "progress_bar": False})
+    trainer.train_and_evaluate(config, str(tmp_path))
+    run = lm_run.load_lm_run(str(tmp_path))
+    ext, cost = lm_family.timed_extrapolation(run, (4, 1, 32), max_tokens=2049)
+    assert sorted(ext) == [64, 256, 2048] == sorted(cost)
+    assert {v["tokens"] for v in ext.values()} == {2048}
+    together = ev.eval_extrapolation(run, (1, 4, 32), max_tokens=2049)
+    for n in ext:
+        assert ext[n]["nll"] == pytest.approx(together[n]["nll"], rel=1e-6)
+    assert all(c["seconds"] > 0 and c["peak_rss_mib"] > 0 for c in cost.values())
+    line = lm_family.cost_line({"goat": cost})
+    assert line.startswith("Cost of one evaluation by length (goat") and "2048: " in line
+    assert np.isfinite([v["ppl"] for v in ext.values()]).all()
