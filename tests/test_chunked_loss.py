@@ -169,3 +169,14 @@ def test_remat_policies_compute_the_same_loss_and_gradients():
         assert_trees_rel(grads, g_base, 1e-5)
     with pytest.raises(ValueError, match="remat_policy"):
         LMConfig(**TINY, remat_policy="everything")
+
+
+def test_dna_task_refuses_the_chunked_loss_it_would_ignore():
+    from configs import dna_tiny  # pylint: disable=g-import-not-at-top  # ml_collections
+    from goat_jax.train import tasks  # pylint: disable=g-import-not-at-top
+
+    config = dna_tiny.get_config()
+    tasks.get_task("dna").validate(config)
+    config.model.loss_chunk_size = 4
+    with pytest.raises(ValueError, match="model.loss_chunk_size=4: the DNA task"):
+        tasks.get_task("dna").validate(config)
