@@ -60,3 +60,42 @@ def test_device_check_dry_run_width_sweep_and_levers(tmp_path):
         assert change in text
     assert text.count("| candidate: ") == 2
     assert "Imported of ('tensorflow', 'grain', 'ml_collections'): none" in text
+
+
+def test_each_lever_changes_one_thing_from_the_base():
+    """Sections 6 / 6b at their GPU sizes (nothing compiled): every row but the base and the
+    candidate differs from the base in exactly one setting; base and candidate run for GOAT and RoPE."""
+    import dataclasses  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.device_check import levers  # pylint: disable=g-import-not-at-top
+    from goat_jax.device_check.train_step import base_config  # pylint: disable=g-import-not-at-top
+
+    base, batch, seq = base_config(False)
+    assert (base.num_layers, base.embed_dim, base.vocab_size, batch, seq) == (12, 768, 32_000, 8, 2048)
+    rows = levers.variants("6", False) + levers.variants("6b", False)
+    assert [(v.name, v.encoding) for _, v in rows[:4]] == [("base", "goat"), ("base", "rope"),
+                                                            ("candidate", "goat"), ("candidate", "rope")]
+    for change, var in rows:
+        if var.name in ("base", "candidate"):
+            continue
+        ref = dataclasses.replace(base, position_encoding=var.encoding)
+        diffs = [f.name for f in dataclasses.fields(ref) if getattr(ref, f.name) != getattr(var.cfg, f.name)]
+        diffs += ["batch"] * (var.batch != batch) + ["gpu_xla_flags"] * var.gpu_xla_flags
+        if var.name == "vocab_pad":  # one change from the unpadded 50,257 row before it
+            diffs.remove("vocab_size")
+        if set(diffs) == {"remat", "remat_policy"}:  # remat on, with its policy: one lever
+            diffs = ["remat"]
+        assert len(diffs) == 1, (change, diffs)
+
+
+def test_width_cliff_summary_reads_the_table():
+    from goat_jax.device_check import widths  # pylint: disable=g-import-not-at-top
+
+    times = {"plain": 1.0, "goat official": 1.4, "goat lane_aligned": 1.02, "rope": 1.05,
+             "q/k 65, v 64": 1.3, "q/k 66, v 64": 1.3, "q/k 72, v 64": 1.3, "q/k 80, v 64": 1.35,
+             "q/k 96, v 64": 1.4, "q/k 128, v 64": 1.5}
+    rows = [["8 x 12 x 2048", name, "-", ms, None, ms, ""] for name, ms in times.items()]
+    rows.append(["1 x 8 x 4096", "plain", "-", None, None, None, "skipped: time budget"])
+    (line,) = widths.cliff(rows)
+    assert "widths within 1.10x of 64: [64]; slower: [65, 66, 72, 80, 96, 128] (the cliff: above 64)" in line
+    assert "goat official 1.40x, goat lane_aligned 1.02x, rope 1.05x" in line

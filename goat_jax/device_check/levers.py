@@ -31,6 +31,7 @@ from goat_jax.device_check.train_step import StepVariant, base_config, measure_s
 LOSS_CHUNK = 256  # positions per chunk of the chunked loss: 8 x 256 x 32k float32 logits = 256 MiB at once
 BATCH_FACTOR = 4  # the "tokens per step" lever: 4x the base batch (32 x 2,048 on the GPU)
 SHARE_S = {"6": 240.0, "6b": 240.0}  # each section's share of the check's time (seconds)
+COMPILE_RESERVE_S = 60.0  # on a GPU a step compiles in ~20-60 s: no row starts with less time left
 
 
 def candidate(dry_run: bool) -> Dict:
@@ -78,9 +79,10 @@ def lever_rows(section: str, dry_run: bool, steps: int, deadline: float) -> List
     import time  # pylint: disable=g-import-not-at-top
 
     rows, ms = [], {}
+    reserve = 0.0 if dry_run else COMPILE_RESERVE_S  # a row started later would end past the deadline
     for change, var in variants(section, dry_run):
         head = [change, var.encoding, f"{var.batch} x {var.seq}"]
-        if time.time() > deadline:
+        if time.time() > deadline - reserve:
             rows.append(head + [None] * 6 + ["skipped: time budget (rerun with --sections " + section + ")"])
             continue
         try:

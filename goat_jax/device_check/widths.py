@@ -34,6 +34,7 @@ WIDTHS = (64, 65, 66, 72, 80, 96, 128)  # bare q/k widths, v 64
 WIDE_V = (72, 128)  # q/k widths also timed with v as wide
 SHAPES = ((8, 12, 2048), (1, 8, 4096), (1, 8, 16384), (1, 8, 1024))  # (B, heads, tokens), in the order run
 SHARE_S = 150.0  # the section's share of the check's time (seconds)
+RESERVE_S = 15.0  # no variant starts with less left: the shape's timing rounds still follow its compile
 CLIFF = 1.10  # a width at least this much slower than 64 is past the cliff
 
 
@@ -109,7 +110,7 @@ def width_rows(shapes, gpu: bool, repeats: int, deadline: float) -> List[List]:
         measured: List[Tuple[str, object]] = []
         for name, widths, label, loss in variant_losses(t, n, dtype, impl):
             head = [shape, name, label]
-            if time.time() > deadline:
+            if time.time() > deadline - (RESERVE_S if gpu else 0.0):
                 rows.append(head + [None, None, None, "skipped: time budget (rerun with --sections 5)"])
                 continue
             try:
