@@ -99,3 +99,10 @@ def test_width_cliff_summary_reads_the_table():
     (line,) = widths.cliff(rows)
     assert "widths within 1.10x of 64: [64]; slower: [65, 66, 72, 80, 96, 128] (the cliff: above 64)" in line
     assert "goat official 1.40x, goat lane_aligned 1.02x, rope 1.05x" in line
+
+
+def test_section_keys_match_the_registered_sections():
+    """``--sections`` offers exactly the registered sections' keys, in their order."""
+    from experiments import device_check  # pylint: disable=g-import-not-at-top
+
+    assert tuple(s.key for s in device_check.sections()) == device_check.SECTIONS
