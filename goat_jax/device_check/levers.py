@@ -22,6 +22,7 @@ needs first; rows that would start after the section's share of the time say so 
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Tuple
 
 from goat_jax.device_check import Check, Section
@@ -64,7 +65,7 @@ def variants(section: str, dry_run: bool) -> List[Tuple[str, StepVariant]]:
             ("unrolled layers (scan_layers=False)", _variant("unrolled", "goat", dry_run, scan_layers=False)),
             ("remat, policy dots_no_batch", _variant("remat", "goat", dry_run, remat=True,
                                                      remat_policy="dots_no_batch")),
-            (f"vocabulary {official_vocab}, unpadded", _variant("vocab", "goat", dry_run, vocab_size=official_vocab)),
+            (f"vocabulary {official_vocab}, unpadded (the next row's reference)", _variant("vocab", "goat", dry_run, vocab_size=official_vocab)),
             (f"vocabulary {official_vocab} padded to a multiple of 128",
              _variant("vocab_pad", "goat", dry_run, vocab_size=official_vocab, vocab_pad_multiple=128)),
             ("qk_layout='lane_aligned'", _variant("lane_aligned", "goat", dry_run, qk_layout="lane_aligned"))]
@@ -76,8 +77,6 @@ def _describe(settings: Dict) -> str:
 
 def lever_rows(section: str, dry_run: bool, steps: int, deadline: float) -> List[List]:
     """Measures ``section``'s variants (one row each, GOAT / RoPE step-time ratio where both ran)."""
-    import time  # pylint: disable=g-import-not-at-top
-
     rows, ms = [], {}
     reserve = 0.0 if dry_run else COMPILE_RESERVE_S  # a row started later would end past the deadline
     for change, var in variants(section, dry_run):
