@@ -27,7 +27,9 @@ Choices where the recipe is silent or the engine differs, said here:
 
 import ml_collections
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import dna
+from goat_jax.models import lm
 from goat_jax.tasks import dna as dna_task
 
 # Autosomes and sex chromosomes: what the 6kbp dataset holds (no alts, unplaced or chrM).
@@ -36,9 +38,9 @@ HG38_CHROMOSOMES = [f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY"]
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The hg38 config; ``arg`` = ``'<position_encoding>[,fasta]'``."""
-    parts = [p for p in (arg or "").split(",") if p]
-    use_fasta = "fasta" in parts
-    encoding = next((p for p in parts if p != "fasta"), "goat")
+    args = parse_config_arg(arg, "configs/dna_hg38.py", encoding=(lm.POSITION_ENCODINGS, "goat"),
+                            source=(("fasta",), None))
+    use_fasta, encoding = args["source"] == "fasta", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "dna"  # next-base prediction (goat_jax/tasks/dna.py)
     c.seq_len = 1024  # training context (bases); crops hold seq_len + 1

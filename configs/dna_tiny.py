@@ -15,15 +15,17 @@ for validation. Everything else is identical across encodings.
 
 import ml_collections
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import dna
+from goat_jax.models import lm
 from goat_jax.tasks import dna as dna_task
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The tiny DNA config; ``arg`` = ``'<position_encoding>[,long][,smoke]'``."""
-    parts = [p for p in (arg or "").split(",") if p]
-    smoke, long = "smoke" in parts, "long" in parts
-    encoding = next((p for p in parts if p not in ("smoke", "long")), "goat")
+    args = parse_config_arg(arg, "configs/dna_tiny.py", encoding=(lm.POSITION_ENCODINGS, "goat"),
+                            size=(("smoke",), None), protocol=(("long",), None))
+    smoke, long, encoding = args["size"] == "smoke", args["protocol"] == "long", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "dna"  # next-base prediction (goat_jax/tasks/dna.py)
     c.seq_len = 256  # training context (bases)

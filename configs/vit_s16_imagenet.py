@@ -18,6 +18,7 @@ at 224/384/512 by resizing to r * 256/224 and centre-cropping r.
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import images
 from goat_jax.models import vit
 
@@ -28,9 +29,8 @@ _STEPS_PER_EPOCH = _TRAIN_IMAGES // _BATCH  # 20,018
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
     """The official ViT-S/16 recipe; ``arg`` = the position encoding."""
-    encoding = arg or "goat"
-    if encoding not in vit.POSITION_ENCODINGS:
-        raise ValueError(f"configs/vit_s16_imagenet.py:{encoding}: choose one of {vit.POSITION_ENCODINGS}.")
+    encoding = parse_config_arg(arg, "configs/vit_s16_imagenet.py",
+                                encoding=(vit.POSITION_ENCODINGS, "goat"))["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
 

@@ -19,14 +19,16 @@ since RandAugment / Mixup are for 300-epoch ImageNet runs, not one pass over 60k
 import ml_collections
 from ml_collections import config_dict
 
+from goat_jax.config_args import parse_config_arg
 from goat_jax.data import images
+from goat_jax.models import vit
 
 
 def get_config(arg: str = "goat") -> ml_collections.ConfigDict:
-    """The tiny config; ``arg`` = ``'<position_encoding>[,smoke]'``."""
-    parts = [p for p in (arg or "").split(",") if p]
-    smoke, canvas = "smoke" in parts, "canvas" in parts
-    encoding = next((p for p in parts if p not in ("smoke", "canvas")), "goat")
+    """The tiny config; ``arg`` = ``'<position_encoding>[,smoke][,canvas]'``."""
+    args = parse_config_arg(arg, "configs/vit_tiny.py", encoding=(vit.POSITION_ENCODINGS, "goat"),
+                            size=(("smoke",), None), protocol=(("canvas",), None))
+    smoke, canvas, encoding = args["size"] == "smoke", args["protocol"] == "canvas", args["encoding"]
     c = ml_collections.ConfigDict()
     c.task = "vit"  # image classification (goat_jax/tasks/vit.py)
 

@@ -18,7 +18,8 @@ chip at peak (estimates), the attention kernel and packed head dim, compile seco
 that does not fit is reported (``fits: false`` with the compiler's numbers), not a traceback.
 Every flag and ``--out`` are checked before the compile: an ``--out`` that holds an earlier
 compile's or search's results is refused unless ``--overwrite``, which replaces all of them (a
-folder never mixes two runs' files). See docs/aot.md and goat_jax/aot.py.
+folder never mixes two runs' files). Ctrl-C stops a compile at once (one line, exit status
+130), as SIGTERM does. See docs/aot.md and goat_jax/aot.py.
 """
 
 import json
@@ -39,6 +40,7 @@ from goat_jax import aot  # pylint: disable=wrong-import-position
 from goat_jax import cli  # pylint: disable=wrong-import-position
 from goat_jax import config_files  # pylint: disable=wrong-import-position
 from goat_jax import files  # pylint: disable=wrong-import-position
+from goat_jax.train import run as run_lib  # pylint: disable=wrong-import-position
 
 _CONFIG = config_files.define_config_flag("config", None, "Config file, e.g. configs/lm_tiny.py:rope.")
 _TARGET = flags.DEFINE_string(
@@ -84,10 +86,10 @@ def _config_arguments(argv):
 
 def check_out(out: str, overwrite: bool) -> None:
     """Refuses, before any compile, an ``--out`` that cannot be written (a file, a read-only
-    place) or that holds a previous compile's or search's results (:data:`RESULT_FILES`)
+    place), one inside a run's workdir (the check evaluate makes), or one that holds a previous compile's or search's results (:data:`RESULT_FILES`)
     unless ``overwrite``. Nothing is removed here: with ``overwrite`` the old results stay
     until the new ones are ready (:func:`_replace_results`)."""
-    files.check_writable(out, "--out")
+    run_lib.check_output_dir(out, "the compile", "_compile")
     held = sorted(n for n in RESULT_FILES if os.path.exists(os.path.join(out, n)))
     if held and not overwrite:
         raise ValueError(f"--out {out} already holds results ({', '.join(held)}); give another --out, or add "
@@ -134,6 +136,7 @@ def main(argv):
     """Entry point: compiles ``--config``'s train step for ``--target`` and writes ``--out``."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    cli.interrupt_exits_now("the compile")  # at once, not after the compile
     # Before any work (a real compile takes minutes): the target, the flags and --out.
     target = aot.parse_target(_TARGET.value)
     search = _search_options()
@@ -150,8 +153,19 @@ def main(argv):
     cli.log(f"{report['target']}: {report['num_devices']} devices, "
             f"{'n/a' if total is None else f'{total / aot.GiB:.3f} GiB'} per device of "
             f"{report['device_memory_bytes'] / aot.GiB:.0f} GiB, fits={report['fits']}, "
-            f"attention {report['attention_implementation']}, compiled in {report['compile_seconds']:.1f} s "
+            f"attention {_attention(report)}, compiled in {report['compile_seconds']:.1f} s "
             f"-> {os.path.join(_OUT.value, 'compile.json')}")
+
+
+def _attention(report) -> str:
+    """The report's kernel, and under context parallelism its strategy (a ring's blocks are
+    computed by ``ring_blocks``' block math, whatever kernel the layers name)."""
+    text = str(report["attention_implementation"])
+    if report.get("context_strategy"):
+        blocks = f", blocks by {report['ring_blocks']}'s block math" if report.get("ring_blocks") else ""
+        text += (f" (context strategy {report['context_strategy']}{blocks}, "
+                 f"load-balanced {report.get('load_balanced')})")
+    return text
 
 
 def _search(target, remats, start, max_compiles):

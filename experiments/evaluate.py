@@ -7,7 +7,8 @@
 Each ``--workdir`` is a run of ``experiments.train`` (its ``config.json`` and checkpoints); the
 label of a run is its position encoding unless ``--label`` names them (labels are unique: two
 runs of one encoding are told apart by their workdir names; repeated ``--label`` is an error). Results go to
-``OUT/results.json`` (default OUT: ``WORKDIR_eval``; all numbers), ``OUT/results.md`` (one table per evaluation, runs side by
+``OUT/results.json`` (default OUT: ``WORKDIR_eval``; all numbers, and per run its ``setup``: ``--mesh_context``
+and the context strategy the windows were split with), ``OUT/results.md`` (one table per evaluation, runs side by
 side) and one PNG per evaluation, runs as lines (NIAH: one heatmap per run).
 
 Evaluations (code in goat_jax.eval; goat_jax.eval.runs runs them on a workdir):
@@ -71,6 +72,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -158,38 +160,62 @@ def parse_multipliers(value: str) -> list[int]:
 
 
 # What an evaluation writes into --out (write_outputs, vision and lm_eval): a second evaluation
-# into the same --out refuses these unless --overwrite, which removes them first.
+# into the same --out refuses these unless --overwrite, which replaces them once the new ones exist.
 _RESULT_FILES = ("results.json", "results.md")
 
 
-def check_previous_results(out: str, overwrite: bool) -> None:
+def _is_result(out: str, name: str) -> bool:
+    """Whether ``out/name`` is one of an evaluation's outputs (results, a figure, lm-eval's samples)."""
+    path = os.path.join(out, name)
+    return (name in _RESULT_FILES or (name.endswith(".png") and os.path.isfile(path))
+            or (name == "lm_eval_samples" and os.path.isdir(path)))
+
+
+def results_folder(out: str, overwrite: bool) -> str:
     """Refuses an ``--out`` that holds a previous evaluation's results (``results.json`` or
-    ``results.md``) unless ``overwrite``; with it, removes that evaluation's results, figures
-    (``*.png``) and ``lm_eval_samples/`` so the files of two evaluations are never mixed."""
-    if not os.path.isdir(out):
-        return
-    names = os.listdir(out)
-    if not any(n in _RESULT_FILES for n in names):
-        return
+    ``results.md``) unless ``overwrite``; returns the folder this evaluation writes into: ``out``
+    itself, or, when it replaces previous results, a new temporary sibling of ``out`` whose files
+    :func:`replace_results` moves into ``out`` at the end. Nothing is removed here, so a kill or a
+    failure before the end leaves the previous results whole."""
+    if not os.path.isdir(out) or not any(n in _RESULT_FILES for n in os.listdir(out)):
+        return out
     if not overwrite:
         raise ValueError(f"--out {out} already holds an evaluation's results; give another --out, "
-                         "or add --overwrite to replace them (its results and figures are removed).")
-    for n in names:
-        path = os.path.join(out, n)
-        if n in _RESULT_FILES or (n.endswith(".png") and os.path.isfile(path)):
-            os.remove(path)
-        elif n == "lm_eval_samples" and os.path.isdir(path):
-            shutil.rmtree(path)
+                         "or add --overwrite to replace them (its results and figures are replaced).")
+    parent, base = os.path.split(os.path.abspath(out))
+    return tempfile.mkdtemp(prefix=f".{base}.new-", dir=parent)
 
 
-def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> None:
+def replace_results(staging: str, out: str) -> None:
+    """Ends an evaluation that wrote into ``staging`` (:func:`results_folder`): if it wrote
+    results (all of them, or those :func:`keep_finished` kept after an error), removes the
+    previous evaluation's results, figures (``*.png``) and ``lm_eval_samples/`` from ``out`` and
+    moves the new files in, so the files of two evaluations are never mixed (other files in
+    ``out`` stay); if it wrote none (interrupted, or failed before any finished), removes
+    ``staging`` and leaves ``out`` as it was. No-op when ``staging`` is ``out``."""
+    if staging == out:
+        return
+    if not os.path.isfile(os.path.join(staging, "results.json")):
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    for n in os.listdir(out):
+        if _is_result(out, n):
+            path = os.path.join(out, n)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for n in os.listdir(staging):
+        os.replace(os.path.join(staging, n), os.path.join(out, n))
+    os.rmdir(staging)
+
+
+def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int],
+                  setups: Optional[dict[str, dict[str, Any]]] = None) -> None:
     """After an evaluation failed: writes the evaluations that finished before it (``results``,
     ``{label: {eval: result}}``, the failed one absent) to ``out`` as a full run would, and logs
     what was kept, so an hour of finished work is not lost to the last evaluation's error."""
     finished = {label: r for label, r in results.items() if r}
     if not finished:
         return
-    runs.write_outputs(finished, out, {k: train_lens[k] for k in finished})
+    runs.write_outputs(finished, out, {k: train_lens[k] for k in finished}, setups)
     cli.log(f"kept the evaluations that finished before the error in {out}/results.json: "
             + "; ".join(f"{label}: {', '.join(r)}" for label, r in finished.items()))
 
@@ -261,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     lm_eval_options = _lm_eval_options(args, evals, out)
     # Before any work: every evaluation fits every run's task, and --out can take the results.
     checks.check_evals_fit(args.workdir, evals)
-    checks.check_output_dir(out)
+    run_lib.check_output_dir(out, "evaluation", "_eval")
     mults = parse_multipliers(args.multipliers) if "resolution" not in evals else []
     if (any(v is not None for v in swap.values()) or args.mesh_context != 1) and "resolution" in evals:
         raise ValueError("--position_encoding / --logn_scaling / --rope_scaling_factor / --mesh_context apply "
@@ -281,8 +307,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             raise ValueError("--evals resolution (ViT runs) stands alone and needs --resolutions, e.g. "
                              "--evals resolution --resolutions 28,42,56,84.")
         labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
-        check_previous_results(out, args.overwrite)
-        results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, out, log=cli.log)
+        dest = results_folder(out, args.overwrite)
+        try:
+            results = vision.evaluate_vision_runs(args.workdir, labels, resolutions, dest, log=cli.log)
+        finally:
+            replace_results(dest, out)
         print(open(os.path.join(out, "results.md")).read())
         return results
     labels = runs.run_labels(args.workdir, args.label)  # unique; reads only config.json
@@ -291,8 +320,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             f"+logn_{args.logn_scaling}" if args.logn_scaling else "") + (
             f" (factor {args.rope_scaling_factor:g})" if args.rope_scaling_factor is not None else "")
         labels = [label + suffix for label in labels]
-    check_previous_results(out, args.overwrite)
-    results, train_lens = {}, {}
+    dest = results_folder(out, args.overwrite)
+    if lm_eval_options and lm_eval_options["samples_dir"]:
+        lm_eval_options["samples_dir"] = os.path.join(dest, "lm_eval_samples")
+    try:
+        results = _evaluate_lm_runs(args, labels, evals, mults, swap, dest, dna_lengths=dna_lengths,
+                                    diagnostics_options=diagnostics_options, lm_eval_options=lm_eval_options)
+    finally:
+        replace_results(dest, out)
+    cli.log(f"wrote {out}/results.md, results.json and figures")
+    return results
+
+
+def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, diagnostics_options,
+                      lm_eval_options) -> dict[str, Any]:
+    """Evaluates each ``--workdir`` (language, DNA runs) and writes the results into ``dest``;
+    after an error, writes the evaluations that finished (:func:`keep_finished`) and raises."""
+    results, train_lens, setups = {}, {}, {}
     for workdir, label in zip(args.workdir, labels):
         # Each window split over --mesh_context devices (1: the run on one device, unchanged).
         run = context.on_mesh(lm_run.swap_encoding(lm_run.load_lm_run(workdir), **swap), args.mesh_context)
@@ -300,6 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": dna_lengths}
         train_lens[label] = run.train_len
+        setups[label] = context.setup(run.config, args.mesh_context)
         results[label] = {}  # filled as each evaluation finishes
         try:
             runs.evaluate_run(run, evals, mults, stride=args.stride, num_examples=args.num_examples,
@@ -308,10 +353,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                               lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label},
                               into=results[label])
         except Exception:
-            keep_finished(results, out, train_lens)
+            keep_finished(results, dest, train_lens, setups)
             raise
-    print(runs.write_outputs(results, out, train_lens))
-    cli.log(f"wrote {out}/results.md, results.json and figures")
+    print(runs.write_outputs(results, dest, train_lens, setups))
     return results
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from goat_jax import cli
 from goat_jax.eval import lm_run
 from goat_jax.eval.probe import markdown, probe
+from goat_jax.train import run as run_lib
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -29,8 +30,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.multiple < 2 or args.multiple & (args.multiple - 1):
         raise ValueError(f"--multiple must be a power of two >= 2, got {args.multiple}.")
-    result = probe(lm_run.load_lm_run(args.workdir), args.multiple)
     out = args.out or os.path.normpath(args.workdir) + "_probe"
+    run_lib.check_output_dir(out, "the probe", "_probe")  # before the probe's work, not after
+    result = probe(lm_run.load_lm_run(args.workdir), args.multiple)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "probe.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -4,9 +4,10 @@ Shared by train, evaluate, reproduce, toy_prior and the library code they run.
 A config or input error (a bad value, a missing file, an incompatible workdir, a non-finite
 loss) is the user's to fix, so it is printed as one line, ``error: <message>``, and the command
 exits with status 1; the traceback appears only with ``GOAT_DEBUG=1`` in the environment.
-Programming errors (anything else) keep their traceback. A workdir that the command created
-and that holds no checkpoint is removed again when the command fails that way, so a rejected
-config leaves nothing behind.
+Programming errors (anything else) keep their traceback. When the command fails that way before
+saving a checkpoint, what it created is removed again (a new workdir with the parents made for
+it, or the new entries of an existing one: :func:`workdir_cleanup`), so a rejected config leaves
+nothing behind.
 
     if __name__ == "__main__":
         cli.run_absl(main)                 # absl.app entry points (config flags)
@@ -19,11 +20,14 @@ import contextlib
 import functools
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
 from goat_jax import _extras
+from goat_jax.train import lock as lock_lib
 from goat_jax.train import run as run_lib
 
 DEBUG_ENV = "GOAT_DEBUG"
@@ -110,22 +114,86 @@ def run(main: Callable[[], Any]) -> Any:
     return report_errors(main)()
 
 
-def _has_checkpoint(workdir: str) -> bool:
+def _checkpoint_steps(workdir: str) -> set:
     directory = run_lib.checkpoint_dir(workdir)
-    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+    return {d for d in os.listdir(directory) if d.isdigit()} if os.path.isdir(directory) else set()
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 @contextlib.contextmanager
 def workdir_cleanup(workdir: str) -> Iterator[None]:
-    """Removes ``workdir`` if it did not exist before, the block fails with a config or input
-    error (not a non-finite loss: its metrics say what happened), and no checkpoint was saved.
-    An error that says the workdir belongs to another process (``keeps_workdir``, e.g. the
-    workdir lock's) never removes it."""
-    existed = os.path.exists(workdir)
+    """Removes what the block created for ``workdir`` when it fails with a config or input error
+    (not a non-finite loss: its metrics say what happened) and saved no new checkpoint: a
+    workdir that did not exist, with the parent folders created for it; in a workdir that
+    existed, exactly the entries that were not there before (``config.json``, an empty
+    ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ...), never one that was, and never
+    the lock files (``.lock``, ``.lock.<i>``): goat_jax/train/lock.py keeps them, since a lock
+    file deleted after its lock is released lets two later trainers lock two different files. So
+    a refused run leaves the disk as it found it but for the lock (docs/training.md). An error that says the
+    workdir belongs to another process (``keeps_workdir``, e.g. the workdir lock's) removes
+    nothing."""
+    full = os.path.abspath(workdir)
+    existed = os.path.isdir(full)
+    before = set(os.listdir(full)) if existed else set()
+    anchor = _nearest_existing(full)  # the folders below it, up to the workdir, are this run's
+    steps = _checkpoint_steps(full)
     try:
         yield
     except USER_ERRORS as e:
-        if not existed and not isinstance(e, FloatingPointError) and os.path.isdir(workdir) \
-                and not getattr(e, "keeps_workdir", False) and not _has_checkpoint(workdir):
-            shutil.rmtree(workdir, ignore_errors=True)
+        if not isinstance(e, FloatingPointError) and not getattr(e, "keeps_workdir", False) \
+                and os.path.isdir(full) and _checkpoint_steps(full) <= steps:
+            if existed:
+                for name in set(os.listdir(full)) - before:
+                    if name == lock_lib.LOCK_FILE or name.startswith(lock_lib.LOCK_FILE + "."):
+                        continue
+                    path = os.path.join(full, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+                parent = os.path.dirname(full)
+                while parent != anchor and parent.startswith(anchor + os.sep):
+                    try:
+                        os.rmdir(parent)  # only while empty: another process may use it now
+                    except OSError:
+                        break
+                    parent = os.path.dirname(parent)
         raise
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def interrupt_exits_now(what: str) -> None:
+    """Makes Ctrl-C (SIGINT) end the process at once, as SIGTERM does, with one line naming
+    ``what`` was stopped and exit status 130, no traceback.
+
+    Why: Python runs its SIGINT handler (the ``KeyboardInterrupt``) only when the main thread
+    returns to Python bytecode, and an XLA compile runs for minutes in C++ without returning, so
+    Ctrl-C used to wait for the compile to end and then print a traceback. The C-level handler
+    does run at once and writes the signal's number to the wakeup fd; a daemon thread waiting on
+    that fd then ends the process (the compile releases the GIL while it runs). For commands with
+    nothing to save on the way out (``experiments.compile``); the trainer keeps its own handling."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A Python-level handler (any) makes the C-level one write to the wakeup fd; the exit itself
+    # happens in the thread, since this handler would run only after the compile.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+
+    def watch():
+        while True:
+            data = os.read(read_fd, 64)
+            if signal.SIGINT in data or not data:
+                break
+        print(f"interrupted (Ctrl-C): stopped {what}", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access  # at once, as SIGTERM
+
+    threading.Thread(target=watch, name="sigint-exit", daemon=True).start()

@@ -267,3 +267,49 @@ def test_the_batch_search_runs_through_experiments_compile_on_a_tpu_slice(tmp_pa
     assert report["global_batch_size"] == 4 * r["largest"] and report["fits"] is True
     assert f"--config.per_device_batch_size={r['largest']}" in report["config"]
     assert "Largest per-device batch that fits: v5e-4" in (tmp_path / "search.md").read_text()
+
+
+_QUIET = '''
+import json, os
+from goat_jax import aot
+before = dict(os.environ)
+devices = aot.target_devices(aot.parse_target("v5e-4"))
+after = {k: os.environ.get(k) for k in ("TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS", "TPU_LOG_DIR")}
+print("RESULT " + json.dumps({"n": len(devices), "pid": os.getpid(), "env_restored": after == {k: before.get(k) for k in after}}))
+'''
+
+
+@needs_libtpu
+def test_building_tpu_devices_prints_no_libtpu_error_and_writes_no_tpu_logs():
+    """On a host without TPU chips libtpu printed 'Failed to find host bounds' and 'E0000 ...
+    TPU_WORKER_HOSTNAMES' lines and wrote /tmp/tpu_logs/ on every compile (JAX_PLATFORMS=cpu
+    does not reach it); the environment the tool sets while it loads is gone afterwards."""
+    import os
+
+    from goat_jax import platforms
+    if platforms.tpu_may_be_present():
+        pytest.skip("this host may have TPU chips: its own TPU environment applies")
+    proc = _run(["-c", _QUIET], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert out["n"] == 4 and out["env_restored"], out
+    for words in ("host bounds", "TPU_WORKER_HOSTNAMES", "E0000", "Source Location Trace"):
+        assert words not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    logs = "/tmp/tpu_logs"  # libtpu's own default, not under TMPDIR; its files end in the pid
+    mine = [n for n in (os.listdir(logs) if os.path.isdir(logs) else []) if n.endswith(f".{out['pid']}")]
+    assert not mine, mine
+
+
+@needs_libtpu
+def test_a_ring_run_is_reported_with_its_strategy_and_the_kernel_of_its_blocks(tmp_path):
+    """compile.json said only attention_implementation 'xla' for a ring run, whose blocks run
+    flash's block math; it now names the strategy, the balancing and the blocks' kernel."""
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke", "--config.seq_len=128",
+                 "--config.global_batch_size=2", "--config.mesh.data=1", "--config.mesh.context=4",
+                 "--config.context_strategy=ring", "--target", "v5e-4", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert (report["context_strategy"], report["load_balanced"], report["ring_blocks"]) == ("ring", False, "flash")
+    assert "context strategy ring, blocks by flash's block math" in proc.stdout
+    assert "| context parallelism | strategy ring, load-balanced False, each block computed by flash's block math |" \
+        in (tmp_path / "compile.md").read_text()

@@ -44,6 +44,29 @@ def test_round_trip_state_and_data_state(tmp_path):
     ckpt.close()
 
 
+def test_a_read_only_reader_prints_no_orbax_warnings_and_reads_the_run(tmp_path, caplog):
+    """Every evaluation printed three orbax WARNING lines (read_only=True 'setting
+    save_interval_steps=0', 'setting max_to_keep=None', 'Given directory is read only'): the
+    reader now asks for what read-only means, and drops only that last notice, for its directory."""
+    import logging
+
+    writer = checkpoint.Checkpointer(str(tmp_path), CONFIG, keep=2)
+    writer.save(3, _state(2.5), {"i": 3}, wait=True)
+    writer.close()
+    with caplog.at_level(logging.WARNING):
+        reader = checkpoint.Checkpointer(str(tmp_path), CONFIG, keep=2, read_only=True)
+        state, data_state = reader.restore(3, _abstract(_state()))
+    assert float(state["params"]["w"][0, 0]) == 2.5 and data_state == {"i": 3}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # The filter is gone afterwards, and it never hid the same notice for another directory.
+    absl = logging.getLogger("absl")
+    assert not [f for f in absl.filters if isinstance(f, checkpoint._ReadOnlyNotice)]
+    notice = checkpoint._ReadOnlyNotice(str(tmp_path))
+    other = logging.LogRecord("absl", logging.WARNING, "", 0, "Given directory is read only=%s", ("/else",), None)
+    mine = logging.LogRecord("absl", logging.WARNING, "", 0, "Given directory is read only=%s", (str(tmp_path),), None)
+    assert notice.filter(other) and not notice.filter(mine)
+
+
 def test_keeps_last_n_and_skips_existing_steps(tmp_path):
     ckpt = checkpoint.Checkpointer(str(tmp_path), CONFIG, keep=2)
     for step in (1, 2, 3):

@@ -226,3 +226,20 @@ def test_resume_with_changes_below_the_current_step_is_refused(tmp_path):
             "--config.num_train_steps=4 or more") in line, line
     assert set(os.listdir(workdir)) == before | {".lock"}  # nothing written but the lock
     assert os.listdir(workdir / "checkpoints") == ["4"]
+
+
+def test_a_refused_run_removes_what_it_created_and_only_that(tmp_path):
+    """A run refused after the trainer started writing (here: no data file) left config.json,
+    .lock, an empty checkpoints/, metrics.jsonl and an event file in an existing folder (the
+    leftover config.json then made `evaluate --out` refuse it), and the parents it created for
+    a new nested workdir."""
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("the user's")
+    (existing / "tensorboard").mkdir()  # an entry that was there stays, even if the run uses it
+    nested = tmp_path / "new" / "deeper" / "run"
+    for workdir in (existing, nested):
+        line = _one_line_error(_train(workdir, "--config.data.paths=/nonexistent/corpus.txt"))
+        assert "matches no files" in line
+    assert sorted(os.listdir(existing)) == [".lock", "notes.txt", "tensorboard"]  # the lock stays (lock.py)
+    assert sorted(os.listdir(tmp_path)) == ["existing"]

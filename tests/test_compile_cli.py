@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.config_helpers import run_compile_only
+from tests.marks import SLOW_CASE
 
 _SCRIPT = """
 import runpy, sys
@@ -54,7 +55,7 @@ def test_an_out_that_is_a_file_is_refused_before_the_compile(tmp_path):
     out = tmp_path / "out"
     out.write_text("keep me")
     line = _one_error(_compile("--out", str(out)))
-    assert f"--out {out}: " in line and "is not a directory" in line
+    assert f"--out {out} exists and is not a directory" in line  # the check evaluate makes
     assert out.read_text() == "keep me"
 
 
@@ -94,3 +95,69 @@ def test_bad_search_flags_are_one_line_naming_the_flag(tmp_path, flags, words):
     line = _one_error(_compile("--out", str(tmp_path / "out"), *flags))
     assert words in line, line
     assert not (tmp_path / "out").exists()
+
+
+_BLOCKING = """
+import ctypes, runpy, sys, time
+import goat_jax.aot as aot
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+def compile_in_cpp(config, target, **_):
+    # As XLA's compiler: 20 s in C code that never returns to Python bytecode (a mutex this
+    # thread already holds, with a deadline; futex waits retry on a signal), the GIL released.
+    libc = ctypes.CDLL(None, use_errno=True)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_lock(mutex)
+    print("COMPILING", flush=True)
+    libc.pthread_mutex_timedlock(mutex, ctypes.byref(_Timespec(int(time.time()) + 20, 0)))
+    raise SystemExit("the compile ran to its end")
+
+aot.compile_train_step = compile_in_cpp
+sys.argv = ["compile"] + sys.argv[1:]
+runpy.run_module("experiments.compile", run_name="__main__")
+"""
+
+
+def test_ctrl_c_stops_a_compile_at_once_with_one_line(tmp_path):
+    """SIGINT was acted on only when the compile returned (31 s later on a 54 s compile), then
+    as a KeyboardInterrupt traceback; SIGTERM ended the process at once. Now both do."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING, "--config", "configs/lm_tiny.py:goat,smoke",
+                             "--target", "v5e-4", "--out", str(tmp_path / "out")], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "COMPILING", proc.stderr.read()[-2000:]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=10)[1]
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert took < 5, took
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C): stopped the compile", stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["workdir", pytest.param("checkpoints", marks=SLOW_CASE), "below"])
+def test_an_out_inside_a_run_workdir_is_refused_as_evaluate_refuses_it(tmp_path, where):
+    """--out was accepted inside a run's workdir (and wrote beside its checkpoints); evaluate
+    refused such an --out. One check now serves both."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"task": "lm"}))
+    out = {"workdir": run, "checkpoints": run / "checkpoints", "below": run / "aot" / "v5e"}[where]
+    line = _one_error(_compile("--out", str(out)))
+    assert f"--out {out} is inside the run workdir {run}; the compile never writes into a run" in line, line
+    assert f"--out {run}_compile" in line
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.json"] and not (run / "aot").exists()

@@ -25,7 +25,7 @@ VARIANTS = {
     "retrieval_tiny": ["passkey", "niah,rope,smoke,official"],
     "toy_copy_mixture": ["", "smoke"],
     "vit_s16_imagenet": ["goat"],
-    "vit_tiny": ["goat", "rope,smoke"],
+    "vit_tiny": ["goat", "rope2d,smoke"],  # a ViT encoding ("rope" is the LM's, refused)
 }
 
 

@@ -43,6 +43,8 @@ for c in (1, 4):
     results = evaluate.main(["--workdir", workdir, "--evals", "extrapolation", "--text", text,
                              "--multipliers", "1,4", "--mesh_context", str(c), "--out", f"{root}/eval{c}"])
     out[c] = {n: r["ppl"] for n, r in results["goat"]["extrapolation"].items()}
+    with open(f"{root}/eval{c}/results.json") as f:
+        out[f"setup{c}"] = json.load(f)["goat"]["setup"]
 
 # The program the split evaluation runs: the window's attention gathers over the context axis.
 run = context.on_mesh(lm_run.load_lm_run(workdir), 4)
@@ -69,6 +71,9 @@ def test_evaluate_with_windows_split_over_context_gives_the_unsplit_perplexities
         assert four[n] == pytest.approx(one[n], rel=1e-5), (n, one[n], four[n])
     assert out["gathers"] >= 1 and out["devices"] == [0, 1, 2, 3], out
     assert out["logits_error"] <= 1e-5, out["logits_error"]
+    # results.json says how the windows were split (it said nothing of --mesh_context before).
+    assert out["setup1"] == {"mesh_context": 1, "context_strategy": None}
+    assert out["setup4"] == {"mesh_context": 4, "context_strategy": "all_gather"}
 
 
 # A small model over the 5 DNA tokens, no training: the other paths a split run takes.

@@ -13,6 +13,7 @@ import pytest
 
 from experiments import evaluate
 from goat_jax.eval import checks, runs
+from goat_jax.train import run as run_lib
 
 
 def _run_dir(path, task):
@@ -60,13 +61,13 @@ def test_out_is_checked_before_any_evaluation(tmp_path):
             evaluate.main(["--workdir", workdir, "--evals", "sinks", "--out", out])
     assert file_out.read_text() == "keep me"
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]
-    checks.check_output_dir(str(tmp_path / "new" / "deeper"))  # a fresh place is fine
-    checks.check_output_dir(str(tmp_path))  # and so is the folder that holds runs
+    run_lib.check_output_dir(str(tmp_path / "new" / "deeper"), "evaluation", "_eval")  # a fresh place is fine
+    run_lib.check_output_dir(str(tmp_path), "evaluation", "_eval")  # and so is the folder that holds runs
 
 
 def test_a_stray_config_json_is_not_a_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"editor": "vim"}))
-    checks.check_output_dir(str(tmp_path / "eval"))
+    run_lib.check_output_dir(str(tmp_path / "eval"), "evaluation", "_eval")
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "1,x", ","])
@@ -92,7 +93,61 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
     assert (out / "results.json").read_text() == "first evaluation"  # untouched
     with pytest.raises(Exception):  # the bare run has no checkpoint: the evaluation itself fails
         evaluate.main(argv + ["--overwrite"])
-    assert sorted(os.listdir(out)) == ["notes.txt"]  # the first evaluation's files, and only those, are gone
+    # Nothing new was written, so the first evaluation's results stay whole; no sibling is left.
+    assert sorted(os.listdir(out)) == ["notes.txt", "perplexity.png", "results.json", "results.md"]
+    assert (out / "results.json").read_text() == "first evaluation"
+    assert sorted(os.listdir(tmp_path)) == ["o", "run"]
+
+
+class _FakeRun:
+    step, train_len = 3, 32
+    config = ml_collections.ConfigDict({"context_strategy": "all_gather"})
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, monkeypatch, interrupt):
+    """--overwrite: while the new evaluation runs (and if it is interrupted), --out still holds
+    the previous results; once it finishes they are replaced, the user's other files stay, and
+    no temporary folder is left beside --out."""
+    workdir = _run_dir(tmp_path / "run", "lm")
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("results.json", "results.md", "old_figure.png"):
+        (out / name).write_text("first evaluation")
+    (out / "notes.txt").write_text("the user's")
+    seen = []
+
+    def evaluate_run(run, evals, mults, into, **kwargs):
+        seen.append(sorted(os.listdir(out)))
+        if interrupt:
+            raise KeyboardInterrupt
+        into["sinks"] = {"mass": 0.5}
+
+    def write_outputs(results, folder, train_lens, setups=None):
+        os.makedirs(folder, exist_ok=True)
+        (open(os.path.join(folder, "results.json"), "w")).write(json.dumps(results))
+        (open(os.path.join(folder, "results.md"), "w")).write("second evaluation")
+        return "second evaluation"
+
+    monkeypatch.setattr(evaluate.lm_run, "check_request", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate.context, "check_request", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate.lm_run, "load_lm_run", lambda w: _FakeRun())
+    monkeypatch.setattr(evaluate.runs, "evaluate_run", evaluate_run)
+    monkeypatch.setattr(evaluate.runs, "write_outputs", write_outputs)
+    argv = ["--workdir", workdir, "--evals", "sinks", "--out", str(out), "--overwrite"]
+    if interrupt:
+        with pytest.raises(KeyboardInterrupt):
+            evaluate.main(argv)
+    else:
+        evaluate.main(argv)
+    assert seen == [["notes.txt", "old_figure.png", "results.json", "results.md"]]
+    if interrupt:
+        assert (out / "results.json").read_text() == "first evaluation"
+        assert sorted(os.listdir(out)) == ["notes.txt", "old_figure.png", "results.json", "results.md"]
+    else:
+        assert json.loads((out / "results.json").read_text()) == {"goat": {"sinks": {"mass": 0.5}}}
+        assert sorted(os.listdir(out)) == ["notes.txt", "results.json", "results.md"]
+    assert sorted(os.listdir(tmp_path)) == ["o", "run"]
 
 
 def _rope_run(path, **model):
@@ -178,3 +233,19 @@ def test_an_evaluation_whose_every_length_is_skipped_is_an_error_not_an_empty_ta
     with pytest.raises(ValueError, match=rf"^--evals {name} on .*: the held-out stream \(100 tokens\) holds no full "
                                          r"window of any length asked for \(128, 256 tokens"):
         runs.evaluate_run(run, [name], [2, 4])
+
+
+def test_probe_extrapolation_refuses_an_out_inside_the_run_before_any_work(tmp_path, monkeypatch):
+    """experiments.probe_extrapolation wrote probe.json wherever --out pointed, a run's workdir
+    included, and found an --out that is a file only after the probe's work."""
+    from experiments import probe_extrapolation
+    workdir = _run_dir(tmp_path / "run", "lm")
+    monkeypatch.setattr(probe_extrapolation.lm_run, "load_lm_run",
+                        lambda w: pytest.fail("the run was loaded before --out was checked"))
+    for out in (os.path.join(workdir, "probe"), workdir):
+        with pytest.raises(ValueError, match=rf"--out {out} is inside the run workdir {workdir}; the probe never"):
+            probe_extrapolation.main(["--workdir", workdir, "--out", out])
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        probe_extrapolation.main(["--workdir", workdir, "--out", str(tmp_path / "file")])
+    assert sorted(os.listdir(workdir)) == ["config.json"]

@@ -15,6 +15,7 @@ their own.
 import ast
 import functools
 import os
+import re
 
 import pytest
 
@@ -179,3 +180,22 @@ def test_no_file_outside_tests_over_600_lines():
     if long and set(long) <= set(BEING_SPLIT):
         pytest.xfail("; ".join(f"{BEING_SPLIT[p]}: {n} lines" for p, n in long.items()))
     assert not long, f"files over {MAX_LINES} lines (split them by idea): {long}"
+
+
+def test_the_package_docstring_names_modules_that_exist_and_where_packing_lives():
+    """``goat_jax/__init__.py``'s docstring is the map a new reader starts from: every
+    ``:mod:`` it names is a module of the repository, and the module it says packs the prior into
+    q/k channels is the one that defines the packing (``pack_q``)."""
+    with open(os.path.join(ROOT, "goat_jax", "__init__.py")) as f:
+        doc = ast.get_docstring(ast.parse(f.read()))
+    modules = _source_files()
+    named = re.findall(r":mod:`([\w.]+)`\s*(\([^)]*\))?", doc)
+    assert named, "the package docstring names no module"
+    missing = [m for m, _ in named if m not in modules]
+    assert not missing, f"the package docstring of goat_jax names modules that do not exist: {missing}"
+    packers = [m for m, what in named if re.search(r"\bpack(s|ing|ed)?\b", what)]
+    assert packers, "the package docstring does not say where the packing lives"
+    for m in packers:
+        with open(modules[m]) as f:
+            assert re.search(r"^def pack_query\b", f.read(), re.M), (
+                f"the package docstring of goat_jax says {m} holds the packing, but pack_query is defined elsewhere")

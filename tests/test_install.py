@@ -197,7 +197,7 @@ def test_every_extra_named_in_the_errors_is_declared_in_pyproject():
         project = tomllib.load(f)["project"]
     extras = project["optional-dependencies"]
     assert set(_extras.EXTRA_OF_MODULE.values()) <= set(extras)
-    assert project["dependencies"] == ["jax>=0.10", "flax>=0.12", "numpy"]
+    assert project["dependencies"] == ["jax==0.10.2", "jaxlib==0.10.2", "flax>=0.12", "numpy"]
     # [all] is every extra but the test one and aot-gpu (the CUDA plugin: ~5 GB, docs/aot.md)
     assert extras["all"] == [f"goat-jax[{','.join(sorted(set(extras) - {'all', 'test', 'aot-gpu'}, key=list(extras).index))}]"]
     assert "aot-gpu" in extras

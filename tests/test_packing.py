@@ -40,14 +40,14 @@ def _make(cfg, batch=4, seed=0, process_index=0, process_count=1):
                                      process_index=process_index, process_count=process_count)
 
 
-def _expected_pieces(docs):
-    """Pieces written from the spec: [BOS, bytes, EOS] cut at SEQ_LEN + 1 tokens, overlapping by
+def _expected_pieces(docs, seq_len=SEQ_LEN):
+    """Pieces written from the spec: [BOS, bytes, EOS] cut at seq_len + 1 tokens, overlapping by
     one token; as a multiset of token tuples."""
     pieces = collections.Counter()
     for d in docs:
         toks = [BYTES.bos_id, *BYTES.encode(d), BYTES.eos_id]
-        for a in range(0, len(toks) - 1, SEQ_LEN):
-            pieces[tuple(toks[a:a + SEQ_LEN + 1])] += 1
+        for a in range(0, len(toks) - 1, seq_len):
+            pieces[tuple(toks[a:a + seq_len + 1])] += 1
     return pieces
 
 
@@ -193,3 +193,36 @@ def test_segment_positions_reproduce_the_packers_positions(corpus, rng):
         segments.segment_positions(jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\]"):
         segments.segment_positions(jnp.zeros((4,), jnp.int32))
+
+
+def _runs(row_ids):
+    return int(1 + np.count_nonzero(row_ids[1:] != row_ids[:-1]))
+
+
+def _packed(cfg, batch=4, seq_len=SEQ_LEN, max_documents=None):
+    train, make_eval, _ = text_lib.make_lm_datasets(cfg, seq_len=seq_len, global_batch_size=batch, seed=0,
+                                                    process_index=0, process_count=1, max_documents=max_documents)
+    return train, list(make_eval())
+
+
+@pytest.mark.parametrize("bound", [2, 3])
+def test_the_document_bound_starts_a_new_row_instead_of_stopping_the_run(corpus, bound):
+    """With cuDNN's bound (model.max_documents_per_row) the packers used to raise at the first
+    window over it, mid-run (issue 53, item 1): now a window that reaches the bound is closed,
+    in training and in evaluation, and every token still lands in exactly its pieces."""
+    path, docs = corpus
+    cfg = _config(path)
+    _, unbounded = _packed(cfg, seq_len=64)
+    assert max(_runs(r) for b in unbounded for r in b["segment_ids"]) > bound  # the bound matters here
+    train, evaluation = _packed(cfg, seq_len=64, max_documents=bound)
+    train_rows = [r for _ in range(30) for r in next(train)["segment_ids"]]
+    assert max(_runs(r) for r in train_rows + [r for b in evaluation for r in b["segment_ids"]]) <= bound
+    assert _check_rows_and_collect(evaluation) == _expected_pieces(docs, 64)
+
+
+def test_a_document_bound_below_2_is_refused_before_any_window(corpus):
+    """The padding counts as one document in cuDNN's layout: a bound of 1 cannot hold a document
+    and its padding, so it is refused when the pipeline is built, naming the field."""
+    path, _ = corpus
+    with pytest.raises(ValueError, match=r"model.max_documents_per_row=1: .* at least 2"):
+        _packed(_config(path), max_documents=1)

@@ -146,5 +146,48 @@ def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_
     with pytest.raises(RuntimeError, match="documents evaluation failed"):
         evaluate.main([*flags, "--evals", "extrapolation,documents", "--out", str(kept)])
     saved = json.load(open(kept / "results.json"))
-    assert list(saved) == [label] and list(saved[label]) == ["extrapolation"]
+    assert list(saved) == [label] and list(saved[label]) == ["setup", "extrapolation"]
+    assert saved[label]["setup"] == {"mesh_context": 1, "context_strategy": None}
     assert "Perplexity by evaluation length" in open(kept / "results.md").read()
+
+
+def _documents_config(**overrides):
+    from goat_jax.config_files import load_config
+    return load_config("configs/lm_tiny.py:goat,smoke", {
+        "data.packing": "documents", "seq_len": 256, "model.max_documents_per_row": 2, **overrides})
+
+
+def _most_documents(batches):
+    return max(int(1 + np.count_nonzero(r[1:] != r[:-1])) for b in batches for r in np.asarray(b["segment_ids"]))
+
+
+@pytest.mark.parametrize("platform,context,overrides,bounded", [
+    ("cpu", 1, {}, False), ("tpu", 1, {}, False),  # xla / splash: no packed cuDNN layout
+    ("gpu", 1, {}, False),  # float32: flash
+    ("gpu", 1, {"model.dtype": "bfloat16"}, True),
+    ("gpu", 2, {"model.dtype": "bfloat16"}, False),  # context parallelism: flash
+    ("gpu", 1, {"model.dtype": "bfloat16", "model.implementation": "flash"}, False),
+    ("gpu", 1, {"model.dtype": "bfloat16", "model.implementation": "cudnn"}, True),
+    ("gpu", 1, {"model.dtype": "bfloat16", "data.packing": "concat"}, False),  # no segment ids
+])
+def test_the_document_bound_applies_only_where_cudnns_packed_layout_may_run(platform, context, overrides, bounded):
+    config = _documents_config(**overrides)
+    assert lm_task.document_bound(config, platform, context) == (2 if bounded else None)
+
+
+def test_the_document_bound_stops_no_run_on_cpu_and_bounds_the_evaluation_packer_on_gpus(tmp_path):
+    """model.max_documents_per_row=2 on CPU: the trainer's packer used to check cuDNN's bound on
+    every platform and stop the run at the first window over it (issue 53, item 1); here the
+    rows are unbounded. The documents evaluation packs its windows under the bound where cuDNN's
+    layout may attend them (a bfloat16 run on a GPU) and freely elsewhere."""
+    import types
+
+    from goat_jax.eval import documents as doc_eval
+    config = _documents_config()
+    datasets = lm_task.make_datasets(config, 8, 0, 1)
+    train = [next(datasets.train) for _ in range(4)]
+    assert _most_documents(train) > 2  # not bounded on this CPU, and no error
+    run = types.SimpleNamespace(config=_documents_config(**{"model.dtype": "bfloat16"}), is_synthetic=False,
+                                train_len=256, label="goat")
+    assert _most_documents(doc_eval.document_batches(run, max_windows=8, platform="cpu")) > 2
+    assert _most_documents(doc_eval.document_batches(run, max_windows=8, platform="gpu")) <= 2

@@ -218,3 +218,35 @@ def _validate(**overrides):
 def test_ring_settings_that_cannot_run_are_refused_before_any_work(overrides, match):
     with pytest.raises(ValueError, match=match):
         _validate(**overrides)
+
+
+def test_the_choice_names_the_context_strategy_balancing_and_the_ring_blocks(caplog):
+    """A ring run was logged and recorded (compile.json) as "attention implementation 'xla'",
+    with no word of the ring, its load balancing, or that flash's block math computes its
+    blocks; all-gather runs did not name their strategy either."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    from goat_jax.kernels import balance, choice
+    mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
+    with caplog.at_level(logging.INFO, logger="goat_jax"), choice.record_choices() as found:
+        # Shapes unused elsewhere in this process: the log line is written once per message.
+        with balance.context_strategy("ring"), balance.load_balanced(True):
+            choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
+            choice.resolve_implementation("flash", jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
+        choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
+        choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=None)
+    ring = {"context_strategy": "ring", "context_shards": 4, "load_balanced": True, "ring_blocks": "flash"}
+    assert [{k: c.get(k) for k in ("implementation", *ring)} for c in found] == [
+        {"implementation": "xla", **ring}, {"implementation": "flash", **ring},
+        {"implementation": "xla", "context_strategy": "all_gather", "context_shards": 4, "load_balanced": False,
+         "ring_blocks": None},
+        {"implementation": "xla", "context_strategy": None, "context_shards": None, "load_balanced": None,
+         "ring_blocks": None}]
+    text = caplog.text
+    assert ("attention context strategy 'ring' over 4 devices, load-balanced, each block computed by "
+            "flash's block math; implementation 'xla'") in text
+    assert "attention implementation 'flash' (explicit); context strategy 'ring' over 4 devices" in text
+    assert "context strategy 'all_gather' over 4 devices, not load-balanced." in text

@@ -42,7 +42,7 @@ def test_s16_config_is_the_official_recipe():
     assert (d.crop_scale, d.randaugment_ops, d.randaugment_magnitude, d.random_erasing) == ((0.08, 1.0), 2, 9, 0.25)
     assert (d.mixup_alpha, d.cutmix_alpha, d.mixup_switch_prob, d.label_smoothing) == (0.8, 1.0, 0.5, 0.1)
     assert count_params(vit_task.build_model(c), (1, 224, 224, 3), jnp.float32) == 22_050_664
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match="unknown config argument token .rope.. accepted tokens"):
         vit_s16_imagenet.get_config("rope")
 
 

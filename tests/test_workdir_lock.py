@@ -91,3 +91,35 @@ def test_a_busy_workdir_is_never_cleaned_up(tmp_path):
             workdir.mkdir()
             raise lock_lib.WorkdirLockedError("busy")
     assert workdir.exists()
+
+
+def test_the_cleanup_removes_the_entries_a_refused_run_added_and_the_parents_it_made(tmp_path):
+    """In an existing workdir only the new entries go (an old checkpoint and the user's files
+    stay); a new nested workdir goes with the parents made for it, not the folder above them;
+    a run that saved a new checkpoint, or failed on a non-finite loss, keeps everything."""
+    old = tmp_path / "old"
+    (old / "checkpoints" / "5").mkdir(parents=True)
+    (old / "notes.txt").write_text("mine")
+
+    def refused(workdir, error=ValueError("refused"), checkpoint=None):
+        with pytest.raises(type(error)):
+            with cli.workdir_cleanup(str(workdir)):
+                workdir.mkdir(parents=True, exist_ok=True)
+                for name in ("config.json", ".lock", "metrics.jsonl"):
+                    (workdir / name).write_text("")
+                (workdir / "tensorboard").mkdir(exist_ok=True)
+                (workdir / "checkpoints").mkdir(exist_ok=True)
+                if checkpoint:
+                    (workdir / "checkpoints" / checkpoint).mkdir()
+                raise error
+
+    refused(old)
+    # The lock file stays (goat_jax/train/lock.py: deleting it would let two trainers lock two files).
+    assert sorted(os.listdir(old)) == [".lock", "checkpoints", "notes.txt"] and os.listdir(old / "checkpoints") == ["5"]
+    refused(tmp_path / "a" / "b" / "run")
+    assert sorted(os.listdir(tmp_path)) == ["old"]
+    refused(old, checkpoint="10")
+    assert "config.json" in os.listdir(old)
+    fresh = tmp_path / "nan"
+    refused(fresh, error=FloatingPointError("nan"))
+    assert (fresh / "metrics.jsonl").exists()

@@ -46,6 +46,11 @@ def markdown(report: Dict[str, Any]) -> str:
               f"| global batch | {report['global_batch_size']} ({report['tokens_per_step']} tokens/step) |",
               f"| parameters | {report['parameters']:,} |",
               f"| attention | {report['attention_implementation']}, packed q/k head dim {report['packed_head_dim']} |"]
+    if report.get("context_strategy"):
+        ring = (f", each block computed by {report['ring_blocks']}'s block math"
+                if report.get("ring_blocks") else "")
+        lines.append(f"| context parallelism | strategy {report['context_strategy']}, load-balanced "
+                     f"{report.get('load_balanced')}{ring} |")
     for key in ("arguments", "outputs", "temporaries", "aliased", "total"):
         lines.append(f"| per device: {key} | {gib(mem.get(key))} |")
     if report.get("custom_calls"):

@@ -148,8 +148,38 @@ def target_devices(target: Target) -> List[Any]:
     # guard refuses it on some hosts ("Internal error when accessing libtpu multi-process lockfile").
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    return list(topologies.get_topology_desc(topology_name=target.topology_name, platform="tpu",
-                                             **dict(target.topology_kwargs)).devices)
+    with libtpu_off_tpu_vm():
+        return list(topologies.get_topology_desc(topology_name=target.topology_name, platform="tpu",
+                                                 **dict(target.topology_kwargs)).devices)
+
+
+# What libtpu 0.0.42.1 reads when it loads, set for a host without TPU chips (tried one by one:
+# each of the first two silences one of its error lines, the third its log folder). Without them
+# libtpu asks the host for a Cloud TPU VM's description, prints ``Failed to find host bounds for
+# accelerator type`` and ``E0000 ... unexpected worker hostname ... TPU_WORKER_HOSTNAMES`` with a
+# source-location trace, and writes /tmp/tpu_logs/. The compile-only devices come from the
+# target's topology, not from these: compile.json is the same with or without them.
+LIBTPU_OFF_TPU_VM_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1",
+                         "TPU_LOG_DIR": "disabled"}
+
+
+@contextlib.contextmanager
+def libtpu_off_tpu_vm() -> Iterator[None]:
+    """While libtpu loads for compile-only devices on a host without TPU chips: the environment of
+    :data:`LIBTPU_OFF_TPU_VM_ENV` (each variable only where unset), restored afterwards so that
+    child processes and :func:`goat_jax.platforms.tpu_may_be_present` (which reads TPU variables
+    as signs of a TPU VM) see the environment as it was. Where a TPU may be present nothing is
+    set: that host's own TPU environment is the right one."""
+    from goat_jax import platforms  # pylint: disable=g-import-not-at-top
+
+    added = {} if platforms.tpu_may_be_present() else {
+        k: v for k, v in LIBTPU_OFF_TPU_VM_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 @contextlib.contextmanager

@@ -334,6 +334,19 @@ class _Required:
 REQUIRED = _Required()
 
 
+def value_of(declared: type, node: Optional[Mapping[str, Any]], name: str) -> Any:
+    """Field ``name`` of the config section ``node`` whose fields the dataclass ``declared``
+    declares (e.g. ``config.model`` and :class:`goat_jax.models.lm.LMConfig`), or the field's
+    declared default where ``node`` leaves it out: :meth:`Section.value` for a section declared
+    by a dataclass, so that no reader restates a default (``node.get(name, <default again>)``)."""
+    if node is not None and name in node:
+        return node[name]
+    field = next((f for f in dataclasses.fields(declared) if f.name == name), None)
+    if field is None or field.default is dataclasses.MISSING:
+        raise KeyError(f"{declared.__name__} declares no field {name!r} with a default")
+    return field.default
+
+
 class Section:
     """The fields of one ``ml_collections`` config section, each declared once as
     ``name=(default, Field)``::

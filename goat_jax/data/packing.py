@@ -85,18 +85,27 @@ def pack_documents(stream: grain.IterDataset, *, seq_len: int, pad_id: int,
       seq_len: tokens per window.
       pad_id: token id written into the padding.
       num_bins: windows per first-fit round (:func:`num_packing_bins`).
-      max_documents: when given, every window is checked on the host to hold at most this
-        many documents, the padding counting as one (:func:`check_documents_per_row`): the
-        bound of cuDNN's packed layout, ``model.max_documents_per_row``.
+      max_documents: when given, no window holds more than this many documents, the padding
+        counting as one: a window that reaches the bound is closed and the next document starts
+        another (grain's ``max_sequences_per_bin``, ``max_documents - 1`` so that room is left
+        for the padding), and every window is checked on the host as well
+        (:func:`check_documents_per_row`). The bound of cuDNN's packed layout,
+        ``model.max_documents_per_row`` (:func:`goat_jax.tasks.lm.document_bound`); at least 2.
     """
     if seq_len < 1 or num_bins < 1:
         raise ValueError(f"seq_len={seq_len} and num_bins={num_bins} must be >= 1.")
+    if max_documents is not None and max_documents < 2:
+        raise ValueError(
+            f"model.max_documents_per_row={max_documents}: a packed window holds at least one document "
+            "and usually padding, which cuDNN's packed layout counts as one more; set it to at least 2 "
+            "(its memory: docs/packing.md), or set model.implementation='flash'.")
     pieces = grain.experimental.FlatMapIterDataset(stream, _DocumentPieces(seq_len))
     packed = grain.experimental.FirstFitPackIterDataset(
         pieces, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=num_bins,
         # Each round is a few whole batches already drawn from a shuffled stream: shuffling the
         # windows within it adds nothing, and the rows of a batch stay in packing order.
-        shuffle_bins=False, padding_struct={"inputs": pad_id, "targets": pad_id})
+        shuffle_bins=False, padding_struct={"inputs": pad_id, "targets": pad_id},
+        max_sequences_per_bin=None if max_documents is None else max_documents - 1)
     examples = packed.map(_to_example)
     if max_documents is not None:
         examples = examples.map(functools.partial(check_documents_per_row, max_documents=max_documents))
@@ -107,7 +116,8 @@ def check_documents_per_row(example: dict[str, np.ndarray], max_documents: int) 
     """``example`` unchanged, after checking that its ``segment_ids`` hold at most
     ``max_documents`` runs (documents, the padding counting as one). Raises ValueError naming
     ``model.max_documents_per_row`` otherwise: cuDNN's packed layout is sized by it
-    (goat_jax/kernels/cudnn_packed.py), and a row that does not fit would be lost."""
+    (goat_jax/kernels/cudnn_packed.py), and a row that does not fit would be lost. The packer
+    never makes such a row (:func:`pack_documents`): this guards that promise."""
     ids = np.asarray(example["segment_ids"])
     runs = int(1 + np.count_nonzero(ids[1:] != ids[:-1])) if ids.size else 0
     if runs > max_documents:

@@ -492,6 +492,14 @@ SYNTHETIC = Section(
 FIELD_SPECS = {"source": Str(choices=("synthetic",)), **SYNTHETIC.specs}
 
 
+def is_synthetic(config: Any) -> bool:
+    """Whether a run's whole ``config`` (a ConfigDict or dict; an old run's config.json may leave
+    fields out) trains on these generators (``data.source = 'synthetic'``) rather than on text:
+    the one place that is decided (the LM task, the evaluations, the compile tool ask here)."""
+    data = config.get("data") if config is not None else None
+    return data is not None and data.get("source") == "synthetic"
+
+
 def default_synthetic_config(kind: str = "copy_mixture") -> ml_collections.ConfigDict:
     """Data config of a synthetic task (the ``data`` section of an experiment config)."""
     c = SYNTHETIC.defaults()

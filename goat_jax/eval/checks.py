@@ -1,17 +1,16 @@
 """Checks ``experiments.evaluate`` makes before any evaluation runs: which evaluations apply to
-which runs (:data:`EVAL_TASKS`), and whether ``--out`` can take the results without writing
-into a run. They read only each run's ``config.json`` (and list its ``checkpoints/``), so a
-refused command has done no work.
+which runs (:data:`EVAL_TASKS`); whether ``--out`` can take the results without writing into a
+run is :func:`goat_jax.train.run.check_output_dir`, shared with the compile tool. They read only
+each run's ``config.json``, so a refused command has done no work.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Optional
 
-from goat_jax import files
+from goat_jax.data import synthetic
 from goat_jax.train import run as run_lib
 
 # Each evaluation and the training tasks (``config.task``) of the runs it applies to: the
@@ -58,13 +57,11 @@ def passkey_lengths(config, multipliers: Sequence[int],
     task), which needs the needle and the query, or 'standard' (the Landmark prompt), which needs
     the fixed task text, needle and question (~280 bytes). Shorter lengths cannot hold the
     prompt and are skipped."""
-    from goat_jax.data import synthetic  # pylint: disable=g-import-not-at-top  # on use
-
     if variant is None:
-        variant = "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+        variant = "synthetic" if synthetic.is_synthetic(config) else "standard"
     lengths = [int(m * int(config.seq_len)) for m in multipliers]
     if variant == "synthetic":
-        key_len = int(config.data.get("key_len", 8))
+        key_len = int(synthetic.SYNTHETIC.value(config.data, "key_len"))
         shortest = 1 + len(synthetic.PASSKEY_NEEDLE) + len(synthetic.PASSKEY_QUERY) + 2 * key_len
     else:
         shortest = synthetic.passkey_prompt_length(key=synthetic.PASSKEY_MAX_KEY)
@@ -82,43 +79,3 @@ def check_passkey_lengths(config, workdir: str, multipliers: Sequence[int]) -> N
             f"--multipliers x seq_len {int(config.seq_len)}) is shorter than the {shortest} tokens "
             f"the {variant} passkey prompt needs (task, needle and question), so nothing would be "
             f"evaluated; give --multipliers of at least {need}.")
-
-
-def _is_run_dir(path: str) -> bool:
-    """Whether ``path`` is a trainer's workdir: its ``config.json`` names a task, or its
-    ``checkpoints/`` holds a step (a stray config.json of another tool does not count)."""
-    try:
-        with open(run_lib.config_path(path)) as f:
-            if "task" in json.load(f):
-                return True
-    except (OSError, ValueError, TypeError):
-        pass
-    directory = run_lib.checkpoint_dir(path)
-    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
-
-
-def check_output_dir(out: str) -> None:
-    """Refuses, before any evaluation runs, an ``--out`` that cannot take the results: an
-    existing path that is not a directory, a directory (or its nearest existing parent) that
-    is not writable, or a place inside a run's workdir (a directory whose ``config.json`` names
-    a task or whose ``checkpoints/`` holds a step, or any folder below one: evaluation never
-    writes into a run, which may still be training).
-
-    Raises:
-      ValueError: naming ``--out`` and the fix.
-    """
-    path = os.path.abspath(out)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out {out} exists and is not a directory; give a directory (it is "
-                         f"created if missing), e.g. --out {out}_eval.")
-    probe = path
-    while True:
-        if _is_run_dir(probe):
-            raise ValueError(f"--out {out} is inside the run workdir {probe}; evaluation never "
-                             "writes into a run (it may still be training). Use a directory "
-                             f"outside it, e.g. --out {os.path.normpath(probe)}_eval.")
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    files.check_writable(out, "--out")  # a real write probe: permission bits say nothing for root

@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from goat_jax.data import synthetic
 from goat_jax.kernels import balance
 from goat_jax.train import sharding, validation
 
@@ -54,7 +55,7 @@ UNSPLIT = {
 
 
 def _passkey_variant(config: Any) -> str:
-    return "synthetic" if config.get("data", {}).get("source") == "synthetic" else "standard"
+    return "synthetic" if synthetic.is_synthetic(config) else "standard"
 
 
 def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: Sequence[int], context: int, *,
@@ -105,6 +106,14 @@ def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> 
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "tensor": 1}, devices)
     params = jax.device_put(run.params, NamedSharding(mesh, P()))
     return dataclasses.replace(run, params=params, mesh=mesh)
+
+
+def setup(config: Any, context: int) -> dict:
+    """What results.json records of how a run was evaluated: ``mesh_context`` (``--mesh_context``)
+    and the ``context_strategy`` attention crossed the shards with (the run's own; None when each
+    window is on one device). Windows are scored in natural order, never load-balanced."""
+    return {"mesh_context": int(context),
+            "context_strategy": validation.context_settings(config)[1] if context > 1 else None}
 
 
 def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], jax.Array]:

@@ -31,16 +31,20 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 
 from goat_jax.data import text
 from goat_jax.eval import extrapolation, sinks
+from goat_jax.tasks import lm as lm_task
 
 Batch = dict[str, np.ndarray]
 DOCUMENT_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
 
 def document_batches(run, length: Optional[int] = None, max_windows: int = 32,
-                     batch_size: int = 8) -> list[Batch]:
+                     batch_size: int = 8, platform: Optional[str] = None) -> list[Batch]:
     """Up to ``max_windows`` held-out windows of ``length`` tokens (default: the training
     length) with whole documents packed first-fit (``goat_jax.data.packing``), in batches of
-    ``batch_size``; the last batch may hold weight-0 padding windows.
+    ``batch_size``; the last batch may hold weight-0 padding windows. Where cuDNN's packed
+    layout may attend them (``platform``, default this host's devices; one device per window),
+    no window holds more documents than the run's ``model.max_documents_per_row``
+    (:func:`goat_jax.tasks.lm.document_bound`), as in training.
 
     Raises:
       ValueError for a synthetic-task run (its examples are not documents).
@@ -51,9 +55,11 @@ def document_batches(run, length: Optional[int] = None, max_windows: int = 32,
     data.packing, data.bos_windows = "documents", False  # every document starts with its own BOS
     data.num_eval_batches = max(1, -(-max_windows // batch_size))
     data.read_threads = 1
+    config = ml_collections.ConfigDict({**run.config.to_dict(), "data": data.to_dict()})
+    bound = lm_task.document_bound(config, platform or jax.devices()[0].platform, 1)
     _, make_eval, _ = text.make_lm_datasets(
         data, seq_len=int(length or run.train_len), global_batch_size=batch_size,
-        seed=int(run.config.seed), process_index=0, process_count=1)
+        seed=int(run.config.seed), process_index=0, process_count=1, max_documents=bound)
     batches = [{k: np.asarray(b[k]) for k in DOCUMENT_FIELDS} for b in make_eval()]
     return [b for b in batches if b["weights"].any()]
 

@@ -54,6 +54,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import LM
 
+from goat_jax.data import synthetic
 from goat_jax.data import tokenizers as tokenizers_lib
 from goat_jax.eval import lm_run
 from goat_jax.models import sampling
@@ -91,7 +92,7 @@ class GoatLM(LM):
     def __init__(self, run: Any, *, batch_size: int = 8, max_length: Optional[int] = None,
                  max_gen_toks: int = 256, prefill_multiple: int = 64):
         super().__init__()
-        if run.config.data.get("source") == "synthetic":
+        if synthetic.is_synthetic(run.config):
             raise ValueError(f"{run.workdir}: a synthetic-task run has no text tokenizer; "
                              "lm-eval needs a run trained on text (data.source != 'synthetic').")
         self.batch_size = _positive_int("batch_size", batch_size)

@@ -12,8 +12,10 @@ from typing import Any, Optional
 
 import ml_collections
 
+from goat_jax.config.fields import value_of
+from goat_jax.data import synthetic
 from goat_jax.eval import checks, context, extrapolation
-from goat_jax.models.lm import TransformerLM
+from goat_jax.models.lm import LMConfig, TransformerLM
 from goat_jax.positional import rope_scaling
 from goat_jax.train import run as run_lib
 
@@ -48,7 +50,7 @@ class LMRun(run_lib.Run):
     @property
     def is_synthetic(self) -> bool:
         """Whether the run trained on a synthetic task (copy mixture, passkey, NIAH)."""
-        return self.config.data.get("source") == "synthetic"
+        return synthetic.is_synthetic(self.config)
 
 
 def load_lm_run(workdir: str, step: Optional[int] = None) -> LMRun:
@@ -78,7 +80,7 @@ def check_swap(config: ml_collections.ConfigDict, workdir: str, position_encodin
     evaluated with ``position_encoding`` / ``logn_scaling`` / a fixed ``rope_scaling_factor``
     ('yarn' and 'ntk' only) on its own parameters (:func:`swap_encoding`); reads nothing else,
     so it runs before any work."""
-    trained = str(config.model.get("position_encoding", "goat"))
+    trained = str(value_of(LMConfig, config.model, "position_encoding"))
     if rope_scaling_factor is not None:
         encoding = position_encoding or trained
         if encoding not in WINDOW_FACTOR:
@@ -98,7 +100,7 @@ def check_swap(config: ml_collections.ConfigDict, workdir: str, position_encodin
             raise ValueError(f"--position_encoding {position_encoding} does not share the parameters of "
                              f"{workdir} (trained with {trained!r}): {fits}.")
     if (logn_scaling is not None and (position_encoding or trained) == "goat"
-            and config.model.get("training_seq_len") is None):
+            and value_of(LMConfig, config.model, "training_seq_len") is None):
         raise ValueError(f"--logn_scaling needs model.training_seq_len, which the GOAT run {workdir} left "
                          "unset; setting it now would also change its sink (normalized by it), so this "
                          "run cannot take log-n scaling at evaluation.")
@@ -116,8 +118,9 @@ def check_request(config: ml_collections.ConfigDict, workdir: str, evals: Sequen
     check_swap(config, workdir, position_encoding, logn_scaling, rope_scaling_factor)
     if "passkey" in evals:
         checks.check_passkey_lengths(config, workdir, multipliers)
-    encoding = position_encoding or str(config.model.get("position_encoding", "goat"))
-    factor = rope_scaling_factor if rope_scaling_factor is not None else config.model.get("rope_scaling_factor")
+    encoding = position_encoding or str(value_of(LMConfig, config.model, "position_encoding"))
+    factor = (rope_scaling_factor if rope_scaling_factor is not None
+              else value_of(LMConfig, config.model, "rope_scaling_factor"))
     longest = max(multipliers, default=1)
     if "documents" in evals and encoding in WINDOW_FACTOR and factor is None and longest > 1:
         raise ValueError(
@@ -147,6 +150,6 @@ def swap_encoding(run: LMRun, position_encoding: Optional[str] = None,
         config.model.rope_scaling_factor = float(rope_scaling_factor)
     if logn_scaling is not None:
         config.model.logn_scaling = logn_scaling
-    if config.model.get("training_seq_len") is None and config.model.position_encoding != "goat":
+    if value_of(LMConfig, config.model, "training_seq_len") is None and config.model.position_encoding != "goat":
         config.model.training_seq_len = int(config.seq_len)
     return dataclasses.replace(run, config=config, model=run.task.build_model(config))

@@ -45,6 +45,7 @@ from goat_jax.eval.checks import EVAL_TASKS, evals_for_task
 from goat_jax.eval.lm_run import LMRun
 from goat_jax.kernels.mesh import context_shards
 from goat_jax.train import run as run_lib
+from goat_jax.train import tasks as tasks_lib
 
 
 EVALS = tuple(e for e in EVAL_TASKS if e != "resolution")  # what evaluate_run runs
@@ -55,6 +56,13 @@ NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT NIAH depths
 # ----------------------------------------------------------------------------------------------
 # Labels and held-out data of a run (an LMRun of goat_jax/eval/lm_run.py)
 # ----------------------------------------------------------------------------------------------
+
+
+def _position_encoding(workdir: str) -> str:
+    """The run's ``model.position_encoding``, its task's declared default where config.json
+    leaves it out (a config written before the field existed)."""
+    config = run_lib.read_config(workdir)
+    return str(tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task)).model.position_encoding)
 
 
 def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]] = None) -> list[str]:
@@ -69,8 +77,7 @@ def run_labels(workdirs: Sequence[str], labels: Optional[Sequence[Optional[str]]
     dups = sorted({l for l in explicit if explicit.count(l) > 1})
     if dups:
         raise ValueError(f"--label values must be unique; {dups} given more than once.")
-    out = [l or str(run_lib.read_config(w).model.get("position_encoding", "model"))
-           for w, l in zip(workdirs, labels)]
+    out = [l or _position_encoding(w) for w, l in zip(workdirs, labels)]
     for attempt in (lambda i: f"{out[i]} ({os.path.basename(os.path.normpath(workdirs[i]))})",
                     lambda i: f"{out[i]} ({os.path.normpath(workdirs[i])})"):
         clash = [i for i, l in enumerate(out) if not labels[i] and out.count(l) > 1]
@@ -124,7 +131,7 @@ def heldout_stream(run: LMRun, max_tokens: Optional[int] = None,
     _, make_eval, tokenizer = text.make_lm_datasets(
         data, seq_len=run.train_len, global_batch_size=8, seed=int(run.config.seed),
         process_index=0, process_count=1)
-    bos = bool(data.get("bos_windows", False))
+    bos = bool(text.DATA.value(data, "bos_windows"))
     tokens = extrapolation.tokens_from_batches(_until(make_eval(), max_tokens), bos_windows=bos)
     return HeldoutStream(tokens[:max_tokens] if max_tokens else tokens,
                          int(tokenizer.bos_id) if bos else None)
@@ -230,7 +237,7 @@ def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *
         if variant == "synthetic":
             out[variant] = retrieval.passkey_accuracy_synthetic(
                 run.apply_fn, run.params, ok, num_examples=num_examples,
-                key_len=int(run.config.data.get("key_len", 8)), seed=seed)
+                key_len=int(synthetic.SYNTHETIC.value(run.config.data, "key_len")), seed=seed)
         else:
             gen = retrieval.greedy_generator(run.model, run.params)
             out[variant] = retrieval.passkey_accuracy_standard(gen, ok, num_trials=num_trials,
@@ -246,8 +253,8 @@ def eval_niah(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *,
     lengths = [int(m * run.train_len) for m in multipliers]
     grid = retrieval.niah_accuracy_grid(run.apply_fn, run.params, lengths,
                                         depths, num_examples=num_examples, seed=seed,
-                                        key_len=int(run.config.data.get("niah_key_len", 5)),
-                                        value_len=int(run.config.data.get("niah_value_len", 6)))
+                                        key_len=int(synthetic.SYNTHETIC.value(run.config.data, "niah_key_len")),
+                                        value_len=int(synthetic.SYNTHETIC.value(run.config.data, "niah_value_len")))
     return {k: np.asarray(v).tolist() for k, v in grid.items()}
 
 
@@ -346,13 +353,17 @@ def table(rows: dict[str, dict[int, Optional[float]]], *, pct: bool = False,
     return "\n".join(lines)
 
 
-def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int]) -> str:
+def write_outputs(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int],
+                  setups: Optional[dict[str, dict[str, Any]]] = None) -> str:
     """Writes ``results.json``, ``results.md`` and the PNGs of ``{label: {eval: result}}``
-    into ``out``; returns the markdown."""
+    into ``out``; returns the markdown. ``setups``: per label, how it was evaluated
+    (:func:`goat_jax.eval.context.setup`), written as the label's ``setup`` entry in results.json."""
     from goat_jax.eval import plots  # pylint: disable=g-import-not-at-top  # matplotlib: on use
     os.makedirs(out, exist_ok=True)
+    setups = setups or {}
+    written = {k: ({"setup": setups[k], **r} if k in setups else r) for k, r in results.items()}
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=float)
+        json.dump(written, f, indent=1, default=float)
     md = []
     train_len = next(iter(train_lens.values()), None)
     ext = {k: r["extrapolation"] for k, r in results.items() if "extrapolation" in r}

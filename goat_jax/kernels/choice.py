@@ -27,6 +27,7 @@ import jax
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.kernels import ring
 from goat_jax.kernels.balance import current_strategy, is_balanced
 from goat_jax.targets import chips
 
@@ -52,10 +53,35 @@ def record_choices() -> Iterator[list]:
         _choices.remove(found)
 
 
-def _record(choice: str, req: caps.Request) -> str:
+def context_plan(implementation: str, mesh: Any) -> dict:
+    """How attention with ``implementation`` on ``mesh`` crosses the context axis, for the log
+    line and the compile report: ``{}`` when the sequence is not split; else
+    ``context_strategy``, ``context_shards``, ``load_balanced`` and, for a ring, ``ring_blocks``:
+    the kernel whose block math computes its blocks (a ring under 'xla' runs flash's)."""
+    shards = mesh_lib.context_shards(mesh)
+    if shards <= 1:
+        return {}
+    plan = {"context_strategy": current_strategy(), "context_shards": shards, "load_balanced": is_balanced()}
+    if plan["context_strategy"] == "ring":
+        plan["ring_blocks"] = ring.block_kernel(implementation)
+    return plan
+
+
+def describe_context(plan: dict) -> str:
+    """One phrase naming the strategy of :func:`context_plan` (``''`` without one)."""
+    if not plan:
+        return ""
+    text = (f"context strategy '{plan['context_strategy']}' over {plan['context_shards']} devices, "
+            f"{'load-balanced' if plan['load_balanced'] else 'not load-balanced'}")
+    if "ring_blocks" in plan:
+        text += f", each block computed by {plan['ring_blocks']}'s block math"
+    return text
+
+
+def _record(choice: str, req: caps.Request, plan: dict) -> str:
     for found in _choices:
         found.append({"implementation": choice, "qk_dim": req.qk_dim, "dtype": req.dtype,
-                      "platform": req.platform, "devices_from": req.where})
+                      "platform": req.platform, "devices_from": req.where, **plan})
     return choice
 
 
@@ -221,11 +247,18 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
                   bias=bias, traced_offset=decoding, ring=ring_active(mesh))
     if implementation is None or implementation == "auto":
         choice, why = _automatic(req, logits_shape, mesh)
-        log_once(f"goat_jax: attention implementation '{choice}' ({why}; devices from {req.where}).")
-        return _record(choice, req)
+        plan = context_plan(choice, mesh)
+        # A ring leads the line: its blocks, not the named kernel, are what runs.
+        lead = f"{describe_context(plan)}; implementation" if "ring_blocks" in plan else "implementation"
+        tail = f"; {describe_context(plan)}" if plan and "ring_blocks" not in plan else ""
+        log_once(f"goat_jax: attention {lead} '{choice}' ({why}; devices from {req.where}){tail}.")
+        return _record(choice, req, plan)
     caps.check_name(implementation, automatic=True)
     why = caps.refusal(implementation, req)
     if why is not None:
         raise ValueError(why)
-    return _record(implementation, req)
+    plan = context_plan(implementation, mesh)
+    if plan:  # an explicit kernel needs no reason, but how it crosses the shards is news
+        log_once(f"goat_jax: attention implementation '{implementation}' (explicit); {describe_context(plan)}.")
+    return _record(implementation, req, plan)
 

@@ -12,17 +12,21 @@ Config sections: ``seq_len`` (top level), ``model.*`` (the fields of
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Field, Int
 from goat_jax.data import synthetic, text
+from goat_jax.data.synthetic import is_synthetic
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
 from goat_jax.train import tasks
+from goat_jax.train import validation
 
 Batch = tasks.Batch
 
@@ -48,9 +52,30 @@ def build_model(config):
     return lm.TransformerLM(model_config(config))
 
 
-def is_synthetic(config) -> bool:
-    """Whether ``config.data`` selects the synthetic generators rather than text."""
-    return config.data.get("source") == "synthetic"
+# cuDNN takes half-precision inputs only: a float32 model runs 'flash' even on a GPU.
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def document_bound(config, platform: str, context: int) -> Optional[int]:
+    """``model.max_documents_per_row`` where cuDNN's packed layout may attend this run's packed
+    documents, else None: the most documents (the padding counting as one) a packed row may
+    hold there, which the packers honour by starting a new row (goat_jax/data/packing.py).
+
+    The layout may run only for ``data.packing='documents'`` rows of a text run, with
+    ``model.implementation`` None or 'cudnn', on a GPU (``platform``), in bfloat16 / float16,
+    and with the sequence whole on each device (``context`` 1: context parallelism gives each
+    device queries that start inside a document, which cuDNN's layout cannot express, so
+    flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
+    where flash runs costs only fuller rows. The one place this is decided until the attention
+    plan (goat_jax/kernels) says which kernel runs; training and evaluation both ask here."""
+    if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
+        return None
+    model = model_config(config)
+    if model.implementation not in (None, "cudnn") or platform != "gpu" or context > 1:
+        return None
+    if np.dtype(jnp.dtype(model.dtype)).name not in _CUDNN_DTYPES:
+        return None
+    return int(model.max_documents_per_row)
 
 
 def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
@@ -59,9 +84,10 @@ def make_datasets(config, global_batch_size: int, process_index: int, process_co
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
     extra = {}
-    if not is_synthetic(config) and model_config(config).implementation in (None, "cudnn"):
-        # cuDNN's packed layout may run these rows (GPUs): check its bound on the host.
-        extra["max_documents"] = model_config(config).max_documents_per_row
+    context = int(validation.ENGINE["mesh"].value(config.get("mesh"), "context"))
+    bound = document_bound(config, jax.devices()[0].platform, context)
+    if bound is not None:  # the packer starts a new row rather than exceed it
+        extra["max_documents"] = bound
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets
     train, make_eval, tokenizer = make(
         config.data, seq_len=config.seq_len, global_batch_size=global_batch_size, seed=config.seed,

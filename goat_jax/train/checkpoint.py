@@ -17,12 +17,13 @@ naming the differing fields, instead of silently resuming (or overwriting) someo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import jax
 
@@ -155,6 +156,33 @@ class DataStateRestore(ocp.args.CheckpointArgs):
 # ----------------------------------------------------------------------------------------------
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's "Given directory is read only=<directory>" warning for one directory."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self._directory = os.path.abspath(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "Given directory is read only=%s" and len(record.args or ()) == 1
+                    and os.path.abspath(str(record.args[0])) == self._directory)
+
+
+@contextlib.contextmanager
+def _without_read_only_notice(directory: str) -> Iterator[None]:
+    """While a read-only manager of ``directory`` is built: orbax warns, on every construction,
+    that the directory it was asked to open read-only is read-only (an evaluation printed it
+    once per run). Only that record, for that directory, is dropped; orbax logs through absl's
+    logger."""
+    notice = _ReadOnlyNotice(directory)
+    logger = logging.getLogger("absl")
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 class Checkpointer:
     """Saves and restores ``(state, data_state)`` at integer steps under ``directory``.
 
@@ -186,13 +214,17 @@ class Checkpointer:
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"{self.directory} does not exist: no checkpoints to read.")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max(int(keep), 1), create=not read_only,
+            # A reader keeps and saves nothing: the values orbax would otherwise set itself for
+            # read_only, warning once per field.
+            max_to_keep=None if read_only else max(int(keep), 1), save_interval_steps=0 if read_only else 1,
+            create=not read_only,
             # Removing unfinished tmp checkpoints is the writer's job: a reader doing it would
             # delete the save a live trainer is writing (and make that trainer fail).
             cleanup_tmp_directories=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save and not read_only)
-        self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
-                                              options=options)
+        with _without_read_only_notice(self.directory):
+            self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                                  options=options)
         # orbax removes leftover temporary directories in a background future; wait for it so
         # that nothing races with it (a damaged checkpoint moved aside, a rejected run's workdir
         # removed by goat_jax/cli.py). Quick: it only lists and deletes tmp directories.

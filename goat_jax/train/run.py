@@ -69,6 +69,53 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(workdir, CHECKPOINT_DIR)
 
 
+def is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a trainer's workdir: its ``config.json`` names a task, or its
+    ``checkpoints/`` holds a step (a stray config.json of another tool does not count)."""
+    try:
+        with open(config_path(path)) as f:
+            if "task" in json.load(f):
+                return True
+    except (OSError, ValueError, TypeError):
+        pass
+    directory = checkpoint_dir(path)
+    return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+
+def check_output_dir(out: str, writer: str, suffix: str) -> None:
+    """Refuses, before any work, an ``--out`` folder that cannot take a tool's results: an
+    existing path that is not a directory, a directory (or its nearest existing parent) that is
+    not writable, or a place inside a run's workdir (:func:`is_run_dir`, or any folder below one:
+    no tool writes into a run, which may still be training, beside its checkpoints). The one
+    check of ``experiments.evaluate``, ``experiments.compile`` and ``experiments.probe_extrapolation``.
+
+    Args:
+      out: the ``--out`` folder (created later if missing).
+      writer: what would write there, for the message (e.g. ``'evaluation'``).
+      suffix: appended to the run's path in the suggested ``--out`` (e.g. ``'_eval'``).
+
+    Raises:
+      ValueError: naming ``--out`` and the fix.
+    """
+    from goat_jax import files  # pylint: disable=g-import-not-at-top  # on use only
+
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {out} exists and is not a directory; give a directory (it is "
+                         f"created if missing), e.g. --out {out}{suffix}.")
+    probe = path
+    while True:
+        if is_run_dir(probe):
+            raise ValueError(f"--out {out} is inside the run workdir {probe}; {writer} never "
+                             "writes into a run (it may still be training). Use a directory "
+                             f"outside it, e.g. --out {os.path.normpath(probe)}{suffix}.")
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    files.check_writable(out, "--out")  # a real write probe: permission bits say nothing for root
+
+
 # ----------------------------------------------------------------------------------------------
 # Train state
 # ----------------------------------------------------------------------------------------------
