@@ -49,7 +49,7 @@ def assert_rel(actual, expected, rel=2e-5):
     assert np.abs(actual - expected).max() <= rel * scale, (np.abs(actual - expected).max(), scale)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 64])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 @pytest.mark.parametrize("vocab, padded", [(11, 11), (11, 16)])
 def test_chunked_loss_and_gradients_equal_the_float64_reference(rng, chunk, vocab, padded):
     b, t, e = 2, 7, 5
