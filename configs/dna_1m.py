@@ -18,9 +18,9 @@ million-base window changes, and why:
 * ``context_strategy='ring'``: keys and values pass around the context axis (goat_jax/kernels/ring.py),
   so a device holds two blocks of ``T / c`` keys, not the whole window: with all-gather the
   gathered K/V alone would be 2.03 GiB per window per layer on every device (benchmarks/context.md).
-  Ring runs the flash kernel's block math per block pair (``model.implementation`` None: the
-  automatic choice under ring is 'flash' for windows this long; splash and cuDNN cannot run in a
-  ring).
+  Each block pair runs on the platform's fused kernel (``model.implementation`` None: the
+  automatic choice under ring is splash blocks on a TPU, cuDNN blocks on a GPU, the flash
+  kernel's block loops on CPU; goat_jax/kernels/ring_blocks.py).
 * ``seq_len`` must be a multiple of ``2 x mesh.context`` (load balancing); on v5p-128 (64 chips)
   a device holds 16,384 bases of the window.
 * ``global_batch_size`` 1 window per step (1,048,576 bases), ``mesh.data = 1``: every device

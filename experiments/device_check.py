@@ -10,7 +10,8 @@ a timeout keeps what ran; a section that raises is reported and the next one run
 
 1. the kernels vs the float64 reference; 2. attention forward+backward at 1k-16k (GOAT on cuDNN,
 plain cuDNN, GOAT's dense prior on XLA, flash/XLA in float32); 2b/2c. packed documents on
-cuDNN's packed layout (value and gradients vs float64, then time vs flash); 3. the 125M LM train
+cuDNN's packed layout (value and gradients vs float64, then time vs flash); ring. ring attention's
+per-step work on one GPU (cuDNN ring blocks vs flash blocks vs plain cuDNN); 3. the 125M LM train
 step (tokens/s, MFU); 5. the q/k width sweep on cuDNN (64-128, GOAT's layouts, RoPE, as ratios
 to plain); 6 / 6b. the 125M step's throughput levers, GOAT beside RoPE; 4. the GPU-only pytest
 tests, last, with the time left.
@@ -42,16 +43,17 @@ FORBIDDEN = ("tensorflow", "grain", "ml_collections")  # absent from the GPU ima
 def sections():
     """The check's sections in the order they run (``--sections`` picks among their keys): one
     line per section family, so a new one is one entry here and a module in goat_jax/device_check/."""
-    from goat_jax.device_check import kernel_sections, levers, train_step, widths  # pylint: disable=g-import-not-at-top
+    from goat_jax.device_check import Section, kernel_sections, levers, ring, train_step, widths  # pylint: disable=g-import-not-at-top
 
     return [kernel_sections.CORRECTNESS, kernel_sections.ATTENTION, kernel_sections.PACKED,
+            Section("ring", "ring. Ring attention per step", ring.run_ring),
             train_step.TRAIN_STEP,
             widths.WIDTH_SWEEP,
             levers.LEVERS, levers.LEVERS_B,
             kernel_sections.GPU_TESTS_SECTION]  # last: the pytest run takes what time is left
 
 
-SECTIONS = ("1", "2", "2b", "3", "5", "6", "6b", "4")  # the keys of sections(), for --sections
+SECTIONS = ("1", "2", "2b", "ring", "3", "5", "6", "6b", "4")  # the keys of sections(), for --sections
 
 
 def forbid_imports() -> None:
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
 
     from goat_jax.device_check import Check  # pylint: disable=g-import-not-at-top
     from goat_jax.device_check.report import Report, error_text  # pylint: disable=g-import-not-at-top
-    from tests import goat_reference  # pylint: disable=g-import-not-at-top  # the float64 reference
+    from tests import cudnn_stand_in, goat_reference  # pylint: disable=g-import-not-at-top  # float64 reference, CPU stand-in
 
     backend = jax.default_backend()
     if not args.dry_run and backend != "gpu":
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     check = Check(report=report, dry_run=args.dry_run, gpu=backend == "gpu",
                   lengths=args.lengths or ([64] if args.dry_run else [1024, 2048, 4096, 8192, 16384]),
                   repeats=args.repeats or (1 if args.dry_run else 5), start=start, budget_s=args.budget_s,
-                  wheel_dir=args.wheel_dir, reference=goat_reference)
+                  wheel_dir=args.wheel_dir, reference=goat_reference,
+                  stand_in=None if backend == "gpu" else cudnn_stand_in.calls)
     for section in sections():
         if section.key not in args.sections:
             continue

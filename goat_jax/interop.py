@@ -62,7 +62,7 @@ EXPORT_SETTINGS = {
     "prior_init": "copied", "init_scale_prior": "copied",
     "dtype": "how, not what", "param_dtype": "how, not what", "implementation": "how, not what",
     "decode": "how, not what", "kernel_init_std": "how, not what", "sink_channels": "how, not what",
-    "max_documents_per_row": "how, not what",
+    "max_documents_per_row": "how, not what", "plan": "how, not what",  # but a window: refused below
     "head_dim": "refused", "out_features": "refused", "logn_scaling": "refused",
     "sink_extrapolation": "refused", "learn_frequencies": "refused", "qk_layout": "refused",
 }
@@ -192,6 +192,11 @@ def _check_exportable(module: GoatAttention) -> None:
             "(qk_layout='official') would be another function of these weights (docs/layer.md, "
             "'Packed width'). Keep this run in goat_jax, or export a module trained with "
             "qk_layout='official'.")
+    if module.plan is not None and module.plan.window is not None:
+        raise ValueError(
+            f"to_official: plan.window={module.plan.window} (a sliding window) has no counterpart in the "
+            "official package, whose queries see every earlier key; export the module without it "
+            "(module.clone(plan=module.plan.replace(window=None))).")
     if module.logn_scaling is not None:
         raise ValueError(
             f"to_official: logn_scaling={module.logn_scaling!r} has no counterpart in the official "

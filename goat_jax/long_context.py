@@ -1,51 +1,46 @@
 """The engine's side of context parallelism (docs/training.md, Long context): the checks of a
-run's ``mesh.context`` and ``context_load_balance`` before any work, and the load-balanced step
-wrapper. The attention itself is :mod:`goat_jax.kernels.context`; the sequence order
-:mod:`goat_jax.kernels.balance`.
+run's ``mesh.context``, ``context_strategy`` and ``context_load_balance`` (the run's
+:class:`goat_jax.plan.AttentionPlan`) before any work, and the load-balanced step wrapper. The
+attention itself is the plan's strategy (:mod:`goat_jax.kernels.strategies`), which the model
+carries in its plan; the sequence order :mod:`goat_jax.kernels.balance`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 from goat_jax.kernels import capabilities as caps
-from goat_jax.kernels.balance import (BALANCE_FIELD, STRATEGY_FIELD, balanced_step, check_length,
-                                      context_strategy)
-from goat_jax.kernels.mesh import CONTEXT_AXIS
+from goat_jax.kernels import strategies
+from goat_jax.kernels.balance import BALANCE_FIELD, STRATEGY_FIELD, balanced_step, check_length
+from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.positional import ENCODINGS
 
 BIAS_ENCODINGS = frozenset(e.name for e in ENCODINGS if e.materialized_bias)  # xla/dense only
 
 
-def context_step(step: Callable[..., Any], config: Any, mesh: Any, balanced: bool, strategy: str) -> Callable[..., Any]:
-    """``step`` (a train or eval step) as the run's context settings ask (``balanced``,
-    ``strategy``: its ``context_load_balance`` and ``context_strategy``), when ``mesh`` has a
-    ``context`` axis of more than one device: traced under the strategy
-    (:func:`goat_jax.kernels.balance.context_strategy`) and, balanced, on the batch in
-    load-balanced order (:func:`goat_jax.kernels.balance.balanced_step`); else ``step`` itself."""
-    num_shards = dict(mesh.shape).get(CONTEXT_AXIS, 1)
-    if num_shards <= 1:
+def context_step(step: Callable[..., Any], config: Any, mesh: Any, plan: AttentionPlan) -> Callable[..., Any]:
+    """``step`` (a train or eval step) on the batch in load-balanced order
+    (:func:`goat_jax.kernels.balance.balanced_step`) when the run's ``plan`` is balanced and
+    ``mesh``'s context axis has more than one device; else ``step`` itself. The model carries
+    the same plan (its task builds it from the same config), so its attention expects that order."""
+    num_shards = dict(mesh.shape).get(plan.context_axis, 1)
+    if num_shards <= 1 or not plan.load_balanced:
         return step
-    if balanced:
-        step = balanced_step(step, int(config.seq_len), num_shards)
-
-    @functools.wraps(step)
-    def with_strategy(*args, **kwargs):
-        with context_strategy(strategy):
-            return step(*args, **kwargs)
-    return with_strategy
+    return balanced_step(step, int(config.seq_len), num_shards)
 
 
 def check_config(config: Any, num_shards: int, task_name: str, platform: Optional[str] = None,
-                 balanced: bool = False, strategy: str = "all_gather") -> None:
+                 plan: AttentionPlan = DEFAULT) -> None:
     """The checks of ``mesh.context`` (resolved to ``num_shards``) and ``context_load_balance``
     of a run's config, before any work: an explicit kernel that cannot run on the run's
     ``platform`` at all (said first: it is the decisive reason, whatever the lengths), a task
     with a ``seq_len``, which the shards (and their chunks, and splash's blocks) divide, and no
     encoding that cannot run reordered, and with ``strategy='ring'`` a kernel and an encoding that
-    can run in a ring (``balanced``, ``strategy``: the run's ``context_load_balance`` and
+    can run in a ring (``plan``: the run's :class:`goat_jax.plan.AttentionPlan`, whose
+    ``load_balanced`` and ``context_strategy`` are its ``context_load_balance`` and
     ``context_strategy``). Raises ValueError naming the field and the fix."""
+    balanced, strategy = plan.load_balanced, plan.context_strategy
+    needs = strategies.get(strategy).needs
     model = config.get("model") or {}
     implementation = model.get("implementation")
     if platform is not None and implementation in caps.CAPABILITIES:
@@ -59,11 +54,12 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
         raise ValueError(
             f"mesh.context={num_shards} splits each sequence over devices, but the {task_name!r} task "
             "has no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
-    if strategy == "ring":
+    if needs is not None:
         row = caps.CAPABILITIES.get(implementation)
-        if row is not None and not row.takes("ring"):
-            raise ValueError(f"{STRATEGY_FIELD}='ring' with model.implementation={implementation!r}: "
-                             f"{row.why_not['ring']}.")
+        if row is not None and not row.takes(needs):
+            raise ValueError(f"{STRATEGY_FIELD}={strategy!r} with model.implementation={implementation!r}: "
+                             f"{row.why_not[needs]}.")
+    if strategy == "ring":
         if model.get("position_encoding") in BIAS_ENCODINGS:
             raise ValueError(
                 f"{STRATEGY_FIELD}='ring' with model.position_encoding={model.get('position_encoding')!r}: "

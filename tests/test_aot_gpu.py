@@ -268,6 +268,23 @@ def test_a_vit_with_197_tokens_trains_on_cudnn_for_one_h200(tmp_path):
 
 
 @needs_cuda_plugin
+@pytest.mark.slow(reason="needs the aot-gpu extra (the CUDA plugin), which CI does not install; a smoke LM train step under ring attention compiled for 8 H200s")
+def test_ring_on_cudnn_blocks_compiles_for_h200x8(tmp_path):
+    """The smoke LM (bf16) with its sequence over 8 GPUs and context_strategy='ring': the automatic
+    choice runs the ring's block pairs on cuDNN (goat_jax/kernels/ring_blocks.py), so the compiled
+    step holds cuDNN's fused forward and backward calls and the keys travel by collective permutes."""
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                 "--config.seq_len=256", "--config.model.dtype=bfloat16", "--config.mesh.context=8",
+                 "--config.mesh.data=1", "--config.context_strategy=ring", "--config.context_load_balance=True",
+                 "--target", "h200x8", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert report["attention_implementation"] == "cudnn" and report["fits"] is True, report
+    assert report["custom_calls"]["__cudnn$fmhaSoftmax"] >= 1, report["custom_calls"]
+    assert report["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] >= 1, report["custom_calls"]
+
+
+@needs_cuda_plugin
 @pytest.mark.slow(reason="needs the aot-gpu extra (the CUDA plugin), which CI does not install; a smoke LM train step compiled for one H200 with config.gpu_xla_flags, ~20 s")
 def test_gpu_xla_flags_are_accepted_by_the_gpu_compiler(tmp_path):
     """Every option of goat_jax.platforms.GPU_XLA_FLAGS is one jax 0.10.2's GPU compiler knows

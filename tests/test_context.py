@@ -29,6 +29,7 @@ import flax, jax, jax.numpy as jnp, numpy as np
 from goat_jax import segments as seglib
 from goat_jax.kernels import balance
 from goat_jax.layers.positional import PositionalAttention
+from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 
 B, E, H = 2, 16, 8
@@ -49,8 +50,8 @@ for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
     params = flax.core.meta.unbox(module.init(jax.random.key(0), x, is_causal=True))
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
 
-    def loss(p, x, pos, seg, w):
-        out = module.apply(p, x, is_causal=True, q_positions=pos, k_positions=pos, segment_ids=seg)
+    def loss(p, x, pos, seg, w, m=module):
+        out = m.apply(p, x, is_causal=True, q_positions=pos, k_positions=pos, segment_ids=seg)
         return jnp.sum(out * w), out
 
     grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
@@ -61,9 +62,9 @@ for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
     mesh = jax.make_mesh((8 // c // tensor, 1, c, tensor), ("data", "fsdp", "context", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
-    def sharded(*args):
-        with balance.load_balanced(balanced):
-            return grad(*args)
+    # The model carries the run's plan (load-balanced order, when balanced).
+    balanced_module = module.clone(plan=AttentionPlan(load_balanced=balanced))
+    sharded = jax.grad(lambda *a: loss(*a, m=balanced_module), argnums=(0, 1), has_aux=True)
 
     args = (params, perm(x), perm(pos), perm(seg), perm(w))
     with jax.set_mesh(mesh):
@@ -260,7 +261,7 @@ def _validate(config, devices=8):
     ({"mesh.context": 4, "mesh.data": 2, "context_load_balance": True, "seq_len": 36},
      r"seq_len=36 .* multiple of 8 \(mesh\.context=4 x 2 chunks per shard"),
     ({"mesh.context": 2, "mesh.data": 4, "model.implementation": "splash_interpret", "seq_len": 64},
-     r"multiple of 256 .*splash's 128-token blocks"),
+     r"multiple of 256 .*splash_interpret's 128-token blocks"),
     ({"mesh.context": 2, "mesh.data": 4, "context_load_balance": True, "model.position_encoding": "fox"},
      r"FoX's forget gates are a cumulative sum"),
 ])
@@ -332,7 +333,8 @@ def test_balance_batch_reorders_every_sequence_array_and_adds_positions():
 # abstract parameters replicated on the mesh, the sequence in the given order.
 _COMPILE_GRAD = r'''
 def compile_grad(attn, x, mesh, balanced):
-    with jax.set_mesh(mesh), balance.load_balanced(balanced):
+    attn = attn.clone(plan=AttentionPlan(load_balanced=balanced))  # the model's plan, as the engine builds it
+    with jax.set_mesh(mesh):
         params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
         loss = lambda p, x: jnp.mean(attn.apply(p, x, is_causal=True).astype(jnp.float32) ** 2)
@@ -345,6 +347,8 @@ import flax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from goat_jax import GoatAttention, PriorSettings, aot
 from goat_jax.kernels import balance
+from goat_jax.plan import AttentionPlan
+from goat_jax.plan import AttentionPlan
 
 devices = aot.target_devices(aot.parse_target("v5e-4"))
 B, T, E = 2, 2048, 256

@@ -9,15 +9,16 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax.kernels import capabilities as caps
-from goat_jax.kernels import dispatch
+from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 
 CPU_KERNELS = ("xla", "flash", "dense", "splash_interpret")
 
 
 def test_every_row_has_a_kernel_and_every_missing_feature_a_reason():
-    assert set(dispatch.KERNELS) == set(caps.IMPLEMENTATIONS) == set(kernels.IMPLEMENTATIONS)
+    assert set(caps.CAPABILITIES) == set(caps.IMPLEMENTATIONS) == set(kernels.IMPLEMENTATIONS)
     for row in caps.CAPABILITIES.values():
+        assert callable(row.attention), row.name
         for feature in caps.FEATURES:
             assert row.takes(feature) or row.why_not.get(feature), (row.name, feature)
         assert set(row.features) <= set(caps.FEATURES)
@@ -125,7 +126,7 @@ def test_mask_and_keywords_together_are_refused_and_shapes_are_checked():
 
 @pytest.mark.parametrize("implementation", ["xla", "dense"])
 def test_local_window_against_a_float64_band_reference(implementation):
-    """``kernels.local_window(w)``: query i sees keys i - w < j <= i (causal), values and
+    """``AttentionPlan(window=w)``: query i sees keys i - w < j <= i (causal), values and
     gradients against a float64 softmax over that band; kernels without a window refuse it."""
     q, k, v, _, _ = _case(t=20, s=20)
     w = 5
@@ -138,8 +139,8 @@ def test_local_window_against_a_float64_band_reference(implementation):
         return jnp.einsum("bnts,bsnh->btnh", p, jnp.repeat(v, g, 2))
 
     def windowed(q, k, v):
-        with kernels.local_window(w):
-            return kernels.attend(q, k, v, implementation=implementation, scale=0.4, is_causal=True)
+        return kernels.attend(q, k, v, implementation=implementation, scale=0.4, is_causal=True,
+                              plan=AttentionPlan(window=w))
 
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     got = jax.value_and_grad(loss(windowed), argnums=(0, 1, 2))(q, k, v)
@@ -152,11 +153,10 @@ def test_local_window_against_a_float64_band_reference(implementation):
 
 def test_local_window_is_refused_by_kernels_without_one_and_checked():
     q, k, v, _, _ = _case()
-    with kernels.local_window(4), pytest.raises(ValueError, match="'flash' cannot take a sliding window"):
-        kernels.attend(q, k, v, implementation="flash", is_causal=True)
+    with pytest.raises(ValueError, match="'flash' cannot take a sliding window"):
+        kernels.attend(q, k, v, implementation="flash", is_causal=True, plan=AttentionPlan(window=4))
     with pytest.raises(ValueError, match="window must be a positive integer"):
-        with kernels.local_window(0):
-            pass
+        AttentionPlan(window=0)
 
 
 def test_padded_mask_keeps_every_padded_query_row_visible():

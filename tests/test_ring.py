@@ -18,6 +18,7 @@ from goat_jax import kernels
 from goat_jax.kernels import balance
 from goat_jax import segments as seglib
 from goat_jax.layers.positional import PositionalAttention
+from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 import flax
 
@@ -42,10 +43,10 @@ for c, balanced, seg, pad in json.loads(sys.argv[1]):
 
     def f(q_, k_, v_, ct_, ids_, kpm_):
         kw = {} if ids_ is None else {"segment_ids": ids_}
-        with balance.load_balanced(balanced), balance.context_strategy("ring"):
-            res, vjp = jax.vjp(lambda a, b_, d: kernels.attend(a, b_, d, implementation="flash", scale=0.3,
-                                                               is_causal=True, key_padding_mask=kpm_, **kw), q_, k_, v_)
-            return (res,) + vjp(ct_)
+        plan = AttentionPlan(context_strategy="ring", load_balanced=balanced)
+        res, vjp = jax.vjp(lambda a, b_, d: kernels.attend(a, b_, d, implementation="flash", scale=0.3, plan=plan,
+                                                           is_causal=True, key_padding_mask=kpm_, **kw), q_, k_, v_)
+        return (res,) + vjp(ct_)
     with jax.set_mesh(mesh):
         step = jax.jit(f)
         text = step.lower(perm(q), perm(k), perm(v), perm(ct), perm(ids), perm(kpm)).as_text()
@@ -72,19 +73,18 @@ for enc, c, balanced, with_seg in json.loads(sys.argv[2]):
     pos = jnp.broadcast_to(jnp.arange(t), (B, t)) if seg is None else seglib.segment_positions(seg)
     params = flax.core.meta.unbox(module.init(jax.random.key(0), x, is_causal=True))
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
-    loss = lambda p, x_, pos_, seg_, w_: jnp.sum(module.apply(p, x_, is_causal=True, q_positions=pos_,
-                                                            k_positions=pos_, segment_ids=seg_) * w_)
-    grad = jax.value_and_grad(loss, argnums=(0, 1))
-    ref_val, (ref_gp, ref_gx) = jax.jit(grad)(params, x, pos, seg, w)
+    def grad_of(m):
+        loss = lambda p, x_, pos_, seg_, w_: jnp.sum(m.apply(p, x_, is_causal=True, q_positions=pos_,
+                                                             k_positions=pos_, segment_ids=seg_) * w_)
+        return jax.value_and_grad(loss, argnums=(0, 1))
+    ref_val, (ref_gp, ref_gx) = jax.jit(grad_of(module))(params, x, pos, seg, w)
     order = balance.balance_order(t, c) if balanced else np.arange(t)
     perm = lambda a: None if a is None else jnp.take(a, order, axis=1)
     row = {"case": [enc, c, balanced, with_seg]}
     mesh = jax.make_mesh((8 // c, 1, c, 1), ("data", "fsdp", "context", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     for strategy in ("all_gather", "ring"):
-        def run(*args, strategy=strategy):
-            with balance.load_balanced(balanced), balance.context_strategy(strategy):
-                return grad(*args)
+        run = grad_of(module.clone(plan=AttentionPlan(context_strategy=strategy, load_balanced=balanced)))
         with jax.set_mesh(mesh):
             val, (gp, gx) = jax.jit(run)(params, perm(x), perm(pos), perm(seg), perm(w))
         gx = jnp.take(gx, np.argsort(order), axis=1)
@@ -103,8 +103,8 @@ for strategy in ("all_gather", "ring"):
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
         sh = NamedSharding(mesh, P(None, "context"))
         def f(q_, k_, v_, strategy=strategy):
-            with balance.context_strategy(strategy):
-                return jnp.sum(kernels.attend(q_, k_, v_, implementation="flash", is_causal=True))
+            return jnp.sum(kernels.attend(q_, k_, v_, implementation="flash", is_causal=True,
+                                          plan=AttentionPlan(context_strategy=strategy)))
         args = [jax.ShapeDtypeStruct((1, 16384, n, 64), jnp.float32, sharding=sh) for n in (4, 2, 2)]
         with jax.set_mesh(mesh):
             compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
@@ -208,8 +208,8 @@ def _validate(**overrides):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"context_strategy": "rings"}, r"context_strategy.*'all_gather', 'ring'"),
-    ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.implementation": "splash_interpret"},
-     r"context_strategy='ring' with model.implementation='splash_interpret': ring attention merges"),
+    ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.implementation": "dense"},
+     r"context_strategy='ring' with model.implementation='dense': ring attention merges"),
     ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "model.position_encoding": "alibi"},
      r"context_strategy='ring' with model.position_encoding='alibi': .*materialized"),
     ({"mesh.context": 4, "mesh.data": 2, "context_strategy": "ring", "context_load_balance": True, "seq_len": 36},
@@ -229,13 +229,14 @@ def test_the_choice_names_the_context_strategy_balancing_and_the_ring_blocks(cap
     import jax
     import jax.numpy as jnp
 
-    from goat_jax.kernels import balance, choice
+    from goat_jax.kernels import choice
+    from goat_jax.plan import AttentionPlan
     mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
     with caplog.at_level(logging.INFO, logger="goat_jax"), choice.record_choices() as found:
         # Shapes unused elsewhere in this process: the log line is written once per message.
-        with balance.context_strategy("ring"), balance.load_balanced(True):
-            choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
-            choice.resolve_implementation("flash", jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
+        ring_plan = AttentionPlan(context_strategy="ring", load_balanced=True)
+        choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=mesh, plan=ring_plan)
+        choice.resolve_implementation("flash", jnp.float32, 24, (1, 2, 40, 40), mesh=mesh, plan=ring_plan)
         choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=mesh)
         choice.resolve_implementation(None, jnp.float32, 24, (1, 2, 40, 40), mesh=None)
     ring = {"context_strategy": "ring", "context_shards": 4, "load_balanced": True, "ring_blocks": "flash"}

@@ -274,9 +274,15 @@ def test_automatic_kernel_never_picks_cudnn_for_segment_ids_before_hopper(monkey
     used = []
     real_attend = kernels.attend
     monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", A100()))
-    # cuDNN needs a GPU to run: the spy notes the kernel and runs XLA in its place.
-    monkeypatch.setattr(kernels, "attend", lambda *a, **k: used.append(k["implementation"]) or real_attend(
-        *a, **{**k, "implementation": "xla" if k["implementation"] == "cudnn" else k["implementation"]}))
+    # cuDNN needs a GPU to run: the spy notes the kernel the layer chose (its one choice, handed
+    # to attend) and runs XLA in its place.
+    def spy(*a, **k):
+        chosen = k["choice"]
+        used.append(chosen.implementation)
+        if chosen.implementation == "cudnn":
+            k = {**k, "choice": chosen._replace(implementation="xla")}
+        return real_attend(*a, **k)
+    monkeypatch.setattr(kernels, "attend", spy)
     ids = jnp.asarray([[1, 1, 2, 2, 2, PAD_SEGMENT_ID]], jnp.int32)
     x = jnp.zeros((1, 6, E), jnp.bfloat16)
     layer = _layer(name, None, dtype=jnp.bfloat16)

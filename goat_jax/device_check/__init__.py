@@ -9,10 +9,12 @@
   the levers share).
 * :mod:`~goat_jax.device_check.widths` -- 5 the q/k width sweep on cuDNN (where Hopper's cliff is).
 * :mod:`~goat_jax.device_check.levers` -- 6 / 6b the 125M step's throughput levers, GOAT beside RoPE.
+* :mod:`~goat_jax.device_check.ring` -- ring attention's per-step work on one device.
 
 Nothing here imports tensorflow, grain or ml_collections (absent from the GPU image; the
 dry run makes them unimportable to prove it), nor the tests: the float64 reference
-(``tests/goat_reference.py``) is handed in by the command as :attr:`Check.reference`.
+(``tests/goat_reference.py``) and, on CPU, the cuDNN stand-in (``tests/cudnn_stand_in.py``) are
+handed in by the command as :attr:`Check.reference` and :attr:`Check.stand_in`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Check:
     budget_s: float  # skip what would start after start + budget_s
     wheel_dir: Optional[str] = None
     reference: Any = None  # tests/goat_reference.py (the float64 reference), from the command
+    stand_in: Any = None  # off a GPU: tests/cudnn_stand_in.py's calls (the ring section's cuDNN stand-in)
 
     @property
     def deadline(self) -> float:

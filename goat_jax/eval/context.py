@@ -9,8 +9,9 @@ batch of windows is not split, and the host's other devices idle), its parameter
 :func:`apply_fn` runs the model under that mesh and the run's own logical rules, as the trainer's
 steps run (:func:`goat_jax.train.sharding.with_mesh_and_rules`): every activation is split over
 its length, the LM head included, and attention crosses the shards with the run's own
-``context_strategy`` ('all_gather' or 'ring', goat_jax/kernels/balance.py), traced as the
-trainer traces it; this module chooses nothing about attention. Windows are scored in their
+``context_strategy`` ('all_gather' or 'ring', goat_jax/kernels/strategies.py): the model's
+attention plan, built from the run's config by its task as the trainer's is; this module
+chooses nothing about attention. Windows are scored in their
 natural order: load balancing (``context_load_balance``) changes which device does which work,
 not the numbers.
 
@@ -36,7 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax.data import synthetic
 from goat_jax.kernels import balance
-from goat_jax.train import sharding, validation
+from goat_jax.plan import AttentionPlan
+from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
 
@@ -113,21 +115,22 @@ def setup(config: Any, context: int) -> dict:
     and the ``context_strategy`` attention crossed the shards with (the run's own; None when each
     window is on one device). Windows are scored in natural order, never load-balanced."""
     return {"mesh_context": int(context),
-            "context_strategy": validation.context_settings(config)[1] if context > 1 else None}
+            "context_strategy": AttentionPlan.from_config(config).context_strategy if context > 1 else None}
 
 
 def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], jax.Array]:
     """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
     ``mesh``'s ``context`` axis by the logical rules of ``config`` (a run's: its
-    ``sharding_rules``) and attention crossing the shards with its ``context_strategy``; call it
-    inside ``jax.jit`` with the parameters of :func:`on_mesh`, as the evaluations do."""
+    ``sharding_rules``) and attention crossing the shards with its ``context_strategy`` (the
+    model's plan, which its task built from ``config``); call it inside ``jax.jit`` with the
+    parameters of :func:`on_mesh`, as the evaluations do."""
     rules = sharding.rules_from_config(config.sharding_rules)
-    strategy = validation.context_settings(config)[1]
+    plan = model.plan if model.plan is not None else AttentionPlan.from_config(config)
+    model = model.clone(plan=plan.replace(load_balanced=False))  # windows arrive in sequence order
 
     def apply(params, tokens):
         # The window enters split over its length, as every activation after it.
         tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
-        with balance.context_strategy(strategy):
-            return model.apply({"params": params}, tokens)
+        return model.apply({"params": params}, tokens)
 
     return sharding.with_mesh_and_rules(apply, mesh, rules)

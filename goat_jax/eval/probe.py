@@ -21,8 +21,8 @@ plus 1x windows with every position shifted by L, 4L and (multiple - 1) L (only 
 absolute inputs and the first-key bump see a shift). The interventions on the prior replace
 functions of ``goat_jax.prior.sink_term`` / ``goat_jax.prior.fourier`` (the modules that define
 them, so every caller sees the replacement) inside this process while they are evaluated and
-restore them after; "last L keys" is the kernels' sliding-window hook
-(:func:`goat_jax.kernels.local_window`); nothing is written to the run. The CLI writes :func:`probe`'s result to
+restore them after; "last L keys" is a sliding window in the model's attention plan
+(:attr:`goat_jax.plan.AttentionPlan.window`); nothing is written to the run. The CLI writes :func:`probe`'s result to
 ``OUT/probe.json`` and its :func:`markdown` to ``OUT/probe.md``.
 """
 
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import cli
-from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.prior import fourier, sink_term
 from goat_jax.eval import extrapolation, lm_run, runs
@@ -73,14 +72,14 @@ def _interventions(train_len: int):
         return kappa(jnp.clip(delta, -(train_len - 1), train_len - 1), lam_sym, lam_asym, freqs)
 
     none = contextlib.nullcontext
-    return {
-        "as trained": ({}, none),
-        "sink inputs clamped": ({}, lambda: patched(sink_term, "sink_mlp_inputs", clamped_inputs)),
-        "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp)),
-        "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope)),
-        "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(fourier, "kappa", clamped_kappa)),
-        "last L keys": ({"implementation": "dense"}, lambda: kernels.local_window(train_len)),
-        "linear sink": ({"sink_extrapolation": "linear"}, none),
+    return {  # label: (config changes, what to patch while it runs, a sliding window or None)
+        "as trained": ({}, none, None),
+        "sink inputs clamped": ({}, lambda: patched(sink_term, "sink_mlp_inputs", clamped_inputs), None),
+        "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp), None),
+        "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope), None),
+        "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(fourier, "kappa", clamped_kappa), None),
+        "last L keys": ({"implementation": "dense"}, none, train_len),
+        "linear sink": ({"sink_extrapolation": "linear"}, none, None),
     }
 
 
@@ -113,12 +112,13 @@ def probe(run: lm_run.LMRun, multiple: int = 16, tokens: Optional[np.ndarray] = 
     win = tokens[np.arange(count)[:, None] * window + np.arange(window + 1)]
     edges = [0] + [length * 2 ** i for i in range(int(np.log2(multiple)) + 1)]
     buckets = {}
-    for label, (changes, context) in _interventions(length).items():
+    for label, (changes, context, window) in _interventions(length).items():
         if label == "linear sink" and cfg.training_seq_len != length:
             cli.log(f"{label}: skipped, the run's training_seq_len is {cfg.training_seq_len}, not "
                      f"its seq_len {length} (the option continues the sink past training_seq_len)")
             continue
-        model = lm.TransformerLM(dataclasses.replace(cfg, **changes))
+        changed = dataclasses.replace(cfg, **changes)
+        model = lm.TransformerLM(changed, plan=lm.attention_plan(changed).replace(window=window))
         with context():
             nll = position_nll(model, run.params, win[:, :-1], win[:, 1:])
         buckets[label] = [float(np.exp(nll[a:b].mean())) for a, b in zip(edges[:-1], edges[1:])]

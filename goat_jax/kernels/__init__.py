@@ -12,19 +12,29 @@ One concern a module:
 * :mod:`~goat_jax.kernels.mask`: :class:`AttentionMask`, the one mask value of a call (causal
   with its offset, key padding, kv lengths, segment ids, a sliding window) and its conversions;
   the masking contract every kernel honours is its module docstring.
-* :mod:`~goat_jax.kernels.capabilities`: one row per kernel (platforms, dtypes, head dims,
-  length padding, masking features, and why each missing feature is missing), read by the
-  automatic choice and by every refusal.
-* :mod:`~goat_jax.kernels.choice`: the target platform, :func:`resolve_implementation` (the
-  automatic choice, logged once with its reason) and :func:`record_choices`.
-* :mod:`~goat_jax.kernels.dispatch`: :func:`attend`, the front door.
-* the kernels: :mod:`~goat_jax.kernels.xla`, :mod:`~goat_jax.kernels.flash` (pure-JAX online
-  softmax with a recomputing custom VJP, memory linear in T and S), :mod:`~goat_jax.kernels.cudnn`,
-  :mod:`~goat_jax.kernels.splash` (Pallas TPU; interpret mode on CPU), :mod:`~goat_jax.kernels.dense`
-  (the materialized float32 reference); exact padding for them in :mod:`~goat_jax.kernels.padding`.
-* context parallelism: :mod:`~goat_jax.kernels.context` (keys all-gathered over the ``context``
-  mesh axis), :mod:`~goat_jax.kernels.balance` (load-balanced order), :mod:`~goat_jax.kernels.mesh`
-  (the mesh, read once per call and passed down; how a shard_map splits batch and heads).
+* :mod:`~goat_jax.kernels.capabilities`: the table of kernel rows (platforms, dtypes, head dims,
+  length padding, masking features and why each missing one is missing, where the automatic
+  choice prefers it, the function that runs it), read by the automatic choice, by every refusal,
+  by :func:`attend` and by docs/layer.md's table. Each kernel module registers its own row.
+* :mod:`~goat_jax.kernels.choice`: the target platform, :func:`resolve_implementation` /
+  :func:`~goat_jax.kernels.choice.choose` (the one choice of a call, logged once with its reason)
+  and :func:`record_choices`.
+* :mod:`~goat_jax.kernels.dispatch`: :func:`attend`, the front door, under a
+  :class:`goat_jax.plan.AttentionPlan`; :mod:`~goat_jax.kernels.local`: one kernel on one
+  device's arrays.
+* the kernels, one module each with its row: :mod:`~goat_jax.kernels.xla`,
+  :mod:`~goat_jax.kernels.flash` (pure-JAX online softmax with a recomputing custom VJP, memory
+  linear in T and S), :mod:`~goat_jax.kernels.cudnn`, :mod:`~goat_jax.kernels.splash` (Pallas TPU;
+  interpret mode on CPU), :mod:`~goat_jax.kernels.dense` (the materialized float32 reference);
+  exact padding for them in :mod:`~goat_jax.kernels.padding`.
+* context parallelism: the strategies' table :mod:`~goat_jax.kernels.strategies`, one module
+  each: :mod:`~goat_jax.kernels.context` ('all_gather': keys all-gathered over the context mesh
+  axis) and :mod:`~goat_jax.kernels.ring` ('ring'); :mod:`~goat_jax.kernels.balance`
+  (load-balanced order), :mod:`~goat_jax.kernels.mesh` (the mesh, read once per call and passed
+  down; how a shard_map splits batch and heads, its partition specs written once).
+
+Importing this package imports every module of it, so each kernel and strategy module registers
+its row: a new one is a new module here (or a plugin's, registered when the plugin is imported).
 
 A query row with no visible key (every key padded, before the first key under causal masking
 with a negative offset, or no key of its segment) outputs **zeros on every kernel**, and no
@@ -33,13 +43,22 @@ gradient flows through it: the kernels themselves disagree there (NaN from a den
 zeros for such rows after the kernel (:meth:`AttentionMask.rows_with_keys`).
 """
 
-from goat_jax.kernels.capabilities import CAPABILITIES, IMPLEMENTATIONS, Capability, Request, refusal
-from goat_jax.kernels.choice import (FLASH_THRESHOLD_BYTES, log_once, record_choices, resolve_implementation,
-                                     target_platform)
-from goat_jax.kernels.dispatch import attend, attend_local
-from goat_jax.kernels.mask import AttentionMask, check_segment_ids, local_window
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+from goat_jax.kernels.capabilities import CAPABILITIES, Capability, Request, refusal
+from goat_jax.kernels.choice import (FLASH_THRESHOLD_BYTES, Choice, choose, log_once, record_choices,
+                                     resolve_implementation, target_platform)
+from goat_jax.kernels.dispatch import attend
+from goat_jax.kernels.local import attend_local
+from goat_jax.kernels.mask import AttentionMask, check_segment_ids
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths
 
+# Every module of the package, in name order: the kernel and strategy modules register their rows.
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")
+IMPLEMENTATIONS = capabilities.IMPLEMENTATIONS  # noqa: F821  (the submodule, imported above)
+
 __all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Capability", "Request", "refusal", "FLASH_THRESHOLD_BYTES",
-           "log_once", "record_choices", "resolve_implementation", "target_platform", "attend", "attend_local",
-           "AttentionMask", "check_segment_ids", "local_window", "pad_head_dims", "pad_lengths"]
+           "Choice", "choose", "log_once", "record_choices", "resolve_implementation", "target_platform", "attend",
+           "attend_local", "AttentionMask", "check_segment_ids", "pad_head_dims", "pad_lengths"]

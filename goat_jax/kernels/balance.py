@@ -19,10 +19,8 @@ result equals the unbalanced run.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,48 +32,13 @@ Array = jax.Array
 
 BALANCE_FIELD = "context_load_balance"  # the config field (top level) that turns balancing on
 STRATEGY_FIELD = "context_strategy"  # the config field (top level): how attention crosses the shards
-STRATEGIES = ("all_gather", "ring")  # goat_jax/kernels/context.py, goat_jax/kernels/ring.py
-_SPLASH = ("splash", "splash_interpret")  # the kernels with static masks and whole-block chunks
-
-_balanced: contextvars.ContextVar = contextvars.ContextVar("goat_jax_context_balanced", default=False)
-_strategy: contextvars.ContextVar = contextvars.ContextVar("goat_jax_context_strategy", default="all_gather")
 
 
-@contextlib.contextmanager
-def context_strategy(name: str) -> Iterator[None]:
-    """While tracing inside the ``with``, attention under context parallelism crosses the
-    shards with strategy ``name``: 'all_gather' (every device gathers all keys and values,
-    :mod:`goat_jax.kernels.context`) or 'ring' (keys and values pass around the ring,
-    :mod:`goat_jax.kernels.ring`). The engine enters it from ``config.context_strategy``."""
-    if name not in STRATEGIES:
-        raise ValueError(f"{STRATEGY_FIELD}={name!r} is not a strategy; choose one of {STRATEGIES}.")
-    token = _strategy.set(name)
-    try:
-        yield
-    finally:
-        _strategy.reset(token)
-
-
-def current_strategy() -> str:
-    """The strategy of the innermost :func:`context_strategy` ('all_gather' outside any)."""
-    return _strategy.get()
-
-
-@contextlib.contextmanager
-def load_balanced(on: bool = True) -> Iterator[None]:
-    """While tracing inside the ``with``, attention under context parallelism expects its
-    sequences in :func:`balance_order` (the engine enters it when ``context_load_balance`` is
-    set, around the same function whose batch :func:`balance_batch` reordered)."""
-    token = _balanced.set(bool(on))
-    try:
-        yield
-    finally:
-        _balanced.reset(token)
-
-
-def is_balanced() -> bool:
-    """Whether the code being traced runs in :func:`load_balanced` order."""
-    return bool(_balanced.get())
+def _static_masks(implementation: Optional[str]) -> bool:
+    """Whether kernel ``implementation`` builds its masks statically (splash): every chunk a
+    context shard attends must then be whole blocks."""
+    row = CAPABILITIES.get(implementation) if implementation is not None else None
+    return row is not None and row.static_masks
 
 
 def length_multiple(num_shards: int, balanced: bool, implementation: Optional[str] = None) -> int:
@@ -85,7 +48,7 @@ def length_multiple(num_shards: int, balanced: bool, implementation: Optional[st
     if num_shards <= 1:
         return 1
     chunks = num_shards * (2 if balanced else 1)
-    if implementation in _SPLASH:
+    if _static_masks(implementation):
         chunks *= CAPABILITIES[implementation].length_multiple
     return chunks
 
@@ -99,8 +62,8 @@ def check_length(length: int, num_shards: int, balanced: bool, implementation: O
         parts = [f"mesh.context={num_shards}"]
         if balanced:
             parts.append(f"2 chunks per shard ({BALANCE_FIELD}=True)")
-        if implementation in _SPLASH:
-            parts.append("splash's 128-token blocks per chunk")
+        if _static_masks(implementation):
+            parts.append(f"{implementation}'s {CAPABILITIES[implementation].length_multiple}-token blocks per chunk")
         below, above = length // multiple * multiple, -(-length // multiple) * multiple
         choices = f"{below} or {above}" if below else f"{above}"
         raise ValueError(
@@ -159,9 +122,9 @@ def balance_batch(batch: Dict[str, Any], seq_len: int, num_shards: int) -> Dict[
 
 def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Callable[..., Any]:
     """``step(first, batch)`` (a train or eval step) run on the batch in :func:`balance_order`
-    (:func:`balance_batch`) and traced inside :func:`load_balanced`, so attention knows the order."""
+    (:func:`balance_batch`); the model's attention plan says the order (``load_balanced``,
+    :meth:`goat_jax.plan.AttentionPlan.from_config` reads it from the same config field)."""
     @functools.wraps(step)
     def wrapped(first, batch):
-        with load_balanced():
-            return step(first, balance_batch(batch, seq_len, num_shards))
+        return step(first, balance_batch(batch, seq_len, num_shards))
     return wrapped

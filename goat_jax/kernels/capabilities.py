@@ -1,6 +1,14 @@
 """What each attention kernel can do: one row per kernel (:data:`CAPABILITIES`), read by the
-automatic choice (:func:`goat_jax.kernels.resolve_implementation`) and by every refusal
-(:func:`refusal`), so a rule such as "cuDNN takes no segment ids" is written once, here.
+automatic choice (:func:`goat_jax.kernels.resolve_implementation`), by every refusal
+(:func:`refusal`), by the front door (:func:`goat_jax.kernels.attend` runs ``row.attention``) and
+by docs/layer.md's table (:func:`markdown_table`).
+
+A kernel declares its own row where it is defined: its module ends with
+``ROW = capabilities.register(Capability(...))`` (platforms, dtypes, the features it takes and why
+it lacks the others, the platforms where the automatic choice tries it first, whether it builds
+its masks statically, and the function that runs it), so the table, the dispatch registry, the
+preference order and the docs table are all read off the registered rows: a new kernel is one new
+module (a plugin, or a module of this package, which :mod:`goat_jax.kernels` imports whole).
 
 A call's needs are a :class:`Request` (the platform the computation runs on, the dtype, the
 packed q/k width, and which masking features it uses); :func:`refusal` returns the first reason
@@ -11,7 +19,8 @@ then the features), or None.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -25,12 +34,14 @@ CUDNN_SEGMENTS_WHY = ("segment ids run on cuDNN's packed layout (goat_jax/kernel
 CUDNN_RAGGED_WHY = ("cuDNN's packed layout aligns each query document with the key document of the same index, "
                     "top-left: it expresses packed self-attention only (with context parallelism, each shard's "
                     "queries would start inside a document); use 'flash'")
-FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring")
+FEATURES = ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "return_probs", "ring",
+            "ring_masks")
 FEATURE_NAMES = {"segment_ids": "segment ids",
                  "ragged_segments": "segment ids with key padding, kv lengths, a causal offset or cross-attention",
                  "bias": "an additive bias", "traced_offset": "a traced causal offset",
                  "window": "a sliding window", "return_probs": "return_probs",
-                 "ring": "context_strategy='ring'"}  # as the messages say them
+                 "ring": "context_strategy='ring'",
+                 "ring_masks": "segment ids or key padding under context_strategy='ring'"}  # as the messages say them
 HOPPER = (9, 0)  # GPU compute capability of H100 / H200
 
 
@@ -50,48 +61,60 @@ class Capability:
     summary: str  # one line: what it is (docs/layer.md's kernel table)
     # feature -> the least GPU compute capability on which the kernel takes it (else why_not)
     needs_capability: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # fn(q, k, v, *, scale, mask, bias, mesh) -> [B, T, N, Hv]: the kernel itself
+    attention: Optional[Callable[..., Any]] = dataclasses.field(default=None, compare=False, repr=False)
+    preferred_on: Tuple[str, ...] = ()  # platforms whose automatic choice tries it first (in name order)
+    static_masks: bool = False  # builds its masks statically: each context shard's offset is a branch of its own
 
     def takes(self, feature: str) -> bool:
         """Whether the kernel takes ``feature`` (one of :data:`FEATURES`)."""
         return feature in self.features
 
 
-_NO_BIAS = "flash kernels take packed q/k instead of an additive bias"
-_NO_PROBS = "only 'dense' materializes the attention probabilities"
-_NO_RING = ("ring attention merges blocks by their log-sum-exp and runs the flash kernel's block math for "
-            "'flash' and 'xla' (goat_jax/kernels/ring.py); use implementation='flash' or context_strategy='all_gather'")
-_NO_WINDOW = "the sliding-window hook (goat_jax.kernels.local_window) is for the materializing kernels 'xla' and 'dense'"
+# Reasons several rows share (each kernel module says the rest of its own).
+NO_BIAS = "flash kernels take packed q/k instead of an additive bias"
+NO_PROBS = "only 'dense' materializes the attention probabilities"
+NO_RING = ("ring attention merges blocks by their log-sum-exp, which 'dense' does not return (ring blocks run on "
+           "flash, splash or cuDNN: goat_jax/kernels/ring_blocks.py); use implementation='flash' or "
+           "context_strategy='all_gather'")
+# Why cuDNN ring blocks take no segment ids or key padding (said by the automatic choice's log line).
+CUDNN_RING_MASKS_WHY = ("cuDNN ring blocks run the plain causal / unmasked calls per block pair; the packed layout "
+                        "would be exact only on the diagonal pair (a document's query and key ranges coincide there) "
+                        "and key padding has no per-pair form here, so packed documents and padding run the ring on "
+                        "'flash' blocks")
+NO_WINDOW = "a sliding window (AttentionPlan.window) is for the materializing kernels 'xla' and 'dense'"
 
-CAPABILITIES: Dict[str, Capability] = {row.name: row for row in (
-    Capability("xla", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window",
-                                                 "ring"),
-               {"return_probs": _NO_PROBS},
-               "jax.nn.dot_product_attention's XLA path: materializes the T x S logits"),
-    Capability("flash", ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring"),
-               {"bias": _NO_BIAS, "window": _NO_WINDOW, "return_probs": _NO_PROBS},
-               "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
-               "masked blocks skipped (goat_jax/kernels/flash.py)"),
-    Capability("cudnn", ("gpu",), HALF, 256, 8, 2, 0, ("segment_ids", "traced_offset"),
-               {"segment_ids": CUDNN_SEGMENTS_WHY, "ragged_segments": CUDNN_RAGGED_WHY,
-                "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); "
-                "use 'xla'", "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
-               "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
-               "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
-               needs_capability={"segment_ids": HOPPER}),
-    Capability("splash", ("tpu",), None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
-               {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
-                "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
-                "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
-               "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)"),
-    Capability("splash_interpret", ANY, None, None, 1, 128, 128, ("segment_ids", "ragged_segments"),
-               {"bias": _NO_BIAS, "traced_offset": "splash builds its causal mask statically and needs an "
-                "integer causal offset (a KV-cache index is traced); decode with 'xla' or 'flash'",
-                "window": _NO_WINDOW, "return_probs": _NO_PROBS, "ring": _NO_RING},
-               "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)"),
-    Capability("dense", ANY, None, None, 1, 1, 0, tuple(f for f in FEATURES if f != "ring"), {"ring": _NO_RING},
-               "the materialized float32 reference (and the only kernel returning probabilities)"),
-)}
-IMPLEMENTATIONS = tuple(CAPABILITIES)
+# name -> row, in name order (the order of docs/layer.md's table, of the choices and of preference).
+CAPABILITIES: Dict[str, Capability] = {}
+IMPLEMENTATIONS: Tuple[str, ...] = ()
+
+
+def register(row: Capability) -> Capability:
+    """Adds ``row`` to :data:`CAPABILITIES` (a kernel module's own row, or a plugin's) and returns
+    it. ValueError for a name registered already, a row without its ``attention`` function, or a
+    feature or platform the table does not know."""
+    global IMPLEMENTATIONS  # pylint: disable=global-statement
+    if row.name in CAPABILITIES:
+        raise ValueError(f"implementation={row.name!r} is registered already.")
+    if row.attention is None:
+        raise ValueError(f"Capability {row.name!r} needs its attention function (attention=...).")
+    unknown = (set(row.features) | set(row.why_not)) - set(FEATURES)
+    if unknown or not set(row.platforms) | set(row.preferred_on) <= set(ANY):
+        raise ValueError(f"Capability {row.name!r}: unknown features {sorted(unknown)} or platforms "
+                         f"{sorted(set(row.platforms) | set(row.preferred_on))}; known: {FEATURES}, {ANY}.")
+    rows = sorted([*CAPABILITIES.values(), row], key=lambda r: r.name)  # by name: not by import order
+    CAPABILITIES.clear()
+    CAPABILITIES.update((r.name, r) for r in rows)
+    IMPLEMENTATIONS = tuple(CAPABILITIES)
+    package = sys.modules.get("goat_jax.kernels")
+    if package is not None and hasattr(package, "IMPLEMENTATIONS"):
+        package.IMPLEMENTATIONS = IMPLEMENTATIONS
+    return row
+
+
+def preferred(platform: str) -> Tuple[str, ...]:
+    """The kernels the automatic choice tries first on ``platform``, in name order."""
+    return tuple(name for name, row in CAPABILITIES.items() if platform in row.preferred_on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,17 +230,20 @@ def reason_skipped(name: str, req: Request) -> Optional[str]:
 
 
 def markdown_table() -> str:
-    """The capability table as Markdown (docs/layer.md holds it; a test keeps the two equal).
+    """The capability table as Markdown, one line per registered row (docs/layer.md holds it; a
+    test keeps the two equal). "tried first on": the platforms whose automatic choice prefers it.
     "segment ids + padding / offset / cross": segment ids together with key padding, kv
     lengths, a causal offset or keys other than the queries (what cuDNN's packed layout lacks)."""
-    head = ["kernel", "platforms", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
+    head = ["kernel", "platforms", "tried first on", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
     short = {"segment_ids": "segment ids", "ragged_segments": "segment ids + padding / offset / cross",
              "bias": "additive bias", "traced_offset": "traced causal offset", "window": "sliding window",
-             "return_probs": "probabilities", "ring": "ring context parallelism"}
+             "return_probs": "probabilities", "ring": "ring context parallelism",
+             "ring_masks": "ring with segment ids / padding"}
     head += [short[f] for f in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in CAPABILITIES.values():
-        cells = [f"`{row.name}`", ", ".join(row.platforms), "any float" if row.dtypes is None else ", ".join(row.dtypes),
+        cells = [f"`{row.name}`", ", ".join(row.platforms), ", ".join(row.preferred_on) or "-",
+                 "any float" if row.dtypes is None else ", ".join(row.dtypes),
                  str(row.max_head_dim or "-"), str(row.head_dim_multiple), str(row.length_multiple)]
         cells += [("from compute capability " + ".".join(map(str, row.needs_capability[f]))
                    if f in row.needs_capability else "yes") if row.takes(f) else "no" for f in FEATURES]

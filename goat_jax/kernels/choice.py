@@ -3,7 +3,8 @@ choice and its logged reason, explicit choices checked against the capability ta
 (:mod:`goat_jax.kernels.capabilities`), and the record of every choice for compile reports.
 
 Automatic choice (``implementation=None``) for the devices the computation runs on
-(:func:`target_platform`): each platform's preferred kernel when its row can serve the call
+(:func:`target_platform`): each platform's preferred kernels (the rows that name the platform
+in ``preferred_on``, :func:`goat_jax.kernels.capabilities.preferred`) when their row can serve the call
 (cuDNN on GPU for bf16/fp16 when the packed head dim fits; splash on TPU for lengths of at least
 128, padded to whole 128-blocks exactly, or multiples of every chunk's blocks under context
 parallelism); otherwise (CPU, or what the preferred kernel cannot take) 'flash' when XLA would
@@ -21,18 +22,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import jax
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels import ring
-from goat_jax.kernels.balance import current_strategy, is_balanced
+from goat_jax.kernels import ring, strategies
+from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.targets import chips
 
 FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
-PREFERRED = {"gpu": ("cudnn",), "tpu": ("splash",)}  # tried first, in order, on each platform
 
 _logger = logging.getLogger("goat_jax")
 _logged: set = set()
@@ -53,18 +53,19 @@ def record_choices() -> Iterator[list]:
         _choices.remove(found)
 
 
-def context_plan(implementation: str, mesh: Any) -> dict:
-    """How attention with ``implementation`` on ``mesh`` crosses the context axis, for the log
-    line and the compile report: ``{}`` when the sequence is not split; else
+def context_plan(implementation: str, mesh: Any, plan: AttentionPlan) -> dict:
+    """How attention with ``implementation`` on ``mesh`` under ``plan`` crosses the context axis,
+    for the log line and the compile report: ``{}`` when the sequence is not split; else
     ``context_strategy``, ``context_shards``, ``load_balanced`` and, for a ring, ``ring_blocks``:
     the kernel whose block math computes its blocks (a ring under 'xla' runs flash's)."""
-    shards = mesh_lib.context_shards(mesh)
+    shards = mesh_lib.context_shards(mesh, plan.context_axis)
     if shards <= 1:
         return {}
-    plan = {"context_strategy": current_strategy(), "context_shards": shards, "load_balanced": is_balanced()}
-    if plan["context_strategy"] == "ring":
-        plan["ring_blocks"] = ring.block_kernel(implementation)
-    return plan
+    found = {"context_strategy": plan.context_strategy, "context_shards": shards,
+             "load_balanced": plan.load_balanced}
+    if plan.context_strategy == ring.NAME:
+        found["ring_blocks"] = ring.block_kernel(implementation)
+    return found
 
 
 def describe_context(plan: dict) -> str:
@@ -165,10 +166,14 @@ def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
     return target(*like, mesh=mesh)[:2]
 
 
-def ring_active(mesh: Any) -> bool:
-    """Whether attention on ``mesh`` runs as a ring: its ``context`` axis splits the sequence and
-    the strategy in context is 'ring' (:func:`goat_jax.kernels.balance.context_strategy`)."""
-    return mesh_lib.context_shards(mesh) > 1 and current_strategy() == "ring"
+def strategy_features(mesh: Any, plan: AttentionPlan) -> dict:
+    """The capability features a call on ``mesh`` under ``plan`` needs from its kernel for the
+    context strategy (``{'ring': True}`` for 'ring'): none unless the plan's context axis splits
+    the sequence (:attr:`goat_jax.kernels.strategies.Strategy.needs`)."""
+    if mesh_lib.context_shards(mesh, plan.context_axis) <= 1:
+        return {}
+    needs = strategies.get(plan.context_strategy).needs
+    return {needs: True} if needs else {}
 
 
 def request(implementation_dtype: Any, qk_dim: int, *, like: Tuple[Any, ...] = (), mesh: Any = None,
@@ -180,7 +185,7 @@ def request(implementation_dtype: Any, qk_dim: int, *, like: Tuple[Any, ...] = (
     return caps.Request.of((platform, where), implementation_dtype, qk_dim, cc, **uses)
 
 
-def _length_skip(row: caps.Capability, logits_shape, mesh: Any) -> Optional[str]:
+def _length_skip(row: caps.Capability, logits_shape, mesh: Any, plan: AttentionPlan) -> Optional[str]:
     """Why the automatic choice passes over ``row`` for these lengths, or None. A kernel with
     a length multiple (splash's 128-blocks) takes any length >= its ``auto_min_length`` (padded
     to whole blocks, exactly: < 2x the tiles); under context parallelism every chunk a device
@@ -188,8 +193,8 @@ def _length_skip(row: caps.Capability, logits_shape, mesh: Any) -> Optional[str]
     if row.auto_min_length <= 1 or logits_shape is None:
         return None
     t, s = logits_shape[2], logits_shape[3]
-    shards = mesh_lib.context_shards(mesh)
-    chunks = shards * (2 if is_balanced() else 1) if shards > 1 else 1
+    shards = mesh_lib.context_shards(mesh, plan.context_axis)
+    chunks = shards * (2 if plan.load_balanced else 1) if shards > 1 else 1
     multiple = row.length_multiple * chunks
     if not (t % multiple or s % multiple):
         return None
@@ -199,17 +204,17 @@ def _length_skip(row: caps.Capability, logits_shape, mesh: Any) -> Optional[str]
             f"under context parallelism, multiples of {multiple} (T={t}, S={s})")
 
 
-def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
+def _automatic(req: caps.Request, logits_shape, mesh: Any, plan: AttentionPlan) -> Tuple[str, str]:
     reasons = []
-    for name in PREFERRED.get(req.platform, ()):
-        skip = caps.reason_skipped(name, req) or _length_skip(caps.CAPABILITIES[name], logits_shape, mesh)
+    for name in caps.preferred(req.platform):
+        row = caps.CAPABILITIES[name]
+        skip = caps.reason_skipped(name, req) or _length_skip(row, logits_shape, mesh, plan)
         if skip is None:
-            if name == "cudnn":
-                padded = caps.padded_head_dim(caps.CAPABILITIES[name], req.qk_dim)
-                packed = ", segment ids on cuDNN's packed layout" if "segment_ids" in req.features else ""
-                return name, f"GPU, {req.dtype}, packed head dim {padded}{packed}"
-            return name, req.platform.upper()
-        reasons.append(f"{req.platform.upper()}, but {skip}" if name == "splash" else skip)
+            segments = ", with segment ids" if "segment_ids" in req.features else ""
+            ring = f", ring blocks on {name}" if "ring" in req.features else ""
+            return name, (f"{req.platform.upper()}, {req.dtype}, packed head dim "
+                          f"{caps.padded_head_dim(row, req.qk_dim)}{segments}{ring}")
+        reasons.append(f"{req.platform.upper()}, but {skip}")
     logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
     big = logits_bytes > FLASH_THRESHOLD_BYTES
     for name in (("flash", "xla") if big else ("xla", "flash")):
@@ -223,10 +228,53 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any) -> Tuple[str, str]:
     return "dense", ", ".join(reasons + ["only the dense reference takes this call"])
 
 
+class Choice(NamedTuple):
+    """The kernel of one attention call, chosen once (:func:`choose`): its name, the request it
+    was checked against and the mesh read for it, handed to :func:`goat_jax.kernels.attend` so
+    the call neither chooses nor reads the mesh again."""
+
+    implementation: str
+    request: caps.Request
+    mesh: Any
+
+
+def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
+           logits_shape: Optional[Tuple[int, int, int, int]] = None, *, like: Tuple[Any, ...] = (),
+           mesh: Any = None, plan: Optional[AttentionPlan] = None, **uses: bool) -> Choice:
+    """:func:`resolve_implementation` with the call's features as ``uses`` (feature name -> bool,
+    e.g. ``**mask.features()``), returning the :class:`Choice` (name, request, mesh)."""
+    mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
+    plan = DEFAULT if plan is None else plan
+    # Masks that ride a ring with their keys (segment ids, key padding, kv lengths): a feature of
+    # their own only under ring (cuDNN's ring blocks take none of them).
+    key_masks = uses.pop("ring_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
+    context_features = strategy_features(mesh, plan)
+    if context_features.get("ring") and key_masks:
+        context_features["ring_masks"] = True
+    req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **context_features)
+    if implementation is None or implementation == "auto":
+        name, why = _automatic(req, logits_shape, mesh, plan)
+        context = context_plan(name, mesh, plan)
+        # A ring leads the line: its blocks, not the named kernel, are what runs.
+        lead = f"{describe_context(context)}; implementation" if "ring_blocks" in context else "implementation"
+        tail = f"; {describe_context(context)}" if context and "ring_blocks" not in context else ""
+        log_once(f"goat_jax: attention {lead} '{name}' ({why}; devices from {req.where}){tail}.")
+        return Choice(_record(name, req, context), req, mesh)
+    caps.check_name(implementation, automatic=True)
+    why = caps.refusal(implementation, req)
+    if why is not None:
+        raise ValueError(why)
+    context = context_plan(implementation, mesh, plan)
+    if context:  # an explicit kernel needs no reason, but how it crosses the shards is news
+        log_once(f"goat_jax: attention implementation '{implementation}' (explicit); {describe_context(context)}.")
+    return Choice(_record(implementation, req, context), req, mesh)
+
+
 def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: int,
                            logits_shape: Optional[Tuple[int, int, int, int]] = None,
                            *, like: Tuple[Any, ...] = (), segments: bool = False, ragged_segments: bool = False,
-                           bias: bool = False, decoding: bool = False, mesh: Any = None) -> str:
+                           bias: bool = False, decoding: bool = False, mesh: Any = None,
+                           plan: Optional[AttentionPlan] = None) -> str:
     """Validates ``implementation`` or picks one automatically (logged once), for the devices
     the computation runs on (:func:`target_platform` of ``like`` and ``mesh``, else the mesh in
     context, else the default backend): a TPU program traced on a CPU host gets TPU kernels.
@@ -239,26 +287,11 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         key padding mask or keys other than the queries / an additive bias / a traced causal
         offset (a KV cache); kernels that cannot take them are passed over (automatic) or
         refused (explicit), from the capability table.
+      plan: the call's :class:`goat_jax.plan.AttentionPlan` (its context strategy and balancing);
+        default: the default plan.
     Raises:
       ValueError naming the reason when an explicit choice cannot run.
     """
-    mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
-    req = request(dtype, qk_dim, like=like, mesh=mesh, segment_ids=segments, ragged_segments=ragged_segments,
-                  bias=bias, traced_offset=decoding, ring=ring_active(mesh))
-    if implementation is None or implementation == "auto":
-        choice, why = _automatic(req, logits_shape, mesh)
-        plan = context_plan(choice, mesh)
-        # A ring leads the line: its blocks, not the named kernel, are what runs.
-        lead = f"{describe_context(plan)}; implementation" if "ring_blocks" in plan else "implementation"
-        tail = f"; {describe_context(plan)}" if plan and "ring_blocks" not in plan else ""
-        log_once(f"goat_jax: attention {lead} '{choice}' ({why}; devices from {req.where}){tail}.")
-        return _record(choice, req, plan)
-    caps.check_name(implementation, automatic=True)
-    why = caps.refusal(implementation, req)
-    if why is not None:
-        raise ValueError(why)
-    plan = context_plan(implementation, mesh)
-    if plan:  # an explicit kernel needs no reason, but how it crosses the shards is news
-        log_once(f"goat_jax: attention implementation '{implementation}' (explicit); {describe_context(plan)}.")
-    return _record(implementation, req, plan)
-
+    return choose(implementation, dtype, qk_dim, logits_shape, like=like, mesh=mesh, plan=plan,
+                  segment_ids=segments, ragged_segments=ragged_segments, bias=bias,
+                  traced_offset=decoding).implementation

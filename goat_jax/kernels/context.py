@@ -27,30 +27,32 @@ not a multiple of ``c`` (``2c`` balanced; times 128 for splash).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.kernels import strategies
 from goat_jax.kernels.balance import check_length, natural_order
+from goat_jax.kernels.capabilities import CAPABILITIES
+from goat_jax.kernels.local import attend_local
 from goat_jax.kernels.mask import AttentionMask
+from goat_jax.plan import AttentionPlan
 
 Array = jax.Array
 
-AXIS = mesh_lib.CONTEXT_AXIS
-_SPLASH = ("splash", "splash_interpret")
+NAME = "all_gather"
 
 
 def check_shardable(t: int, s: int, mask: AttentionMask, c: int, balanced: bool, implementation: str,
-                    strategy: str = "all_gather") -> None:
+                    strategy: str) -> None:
     """Raises ValueError naming the fix when attention of ``t`` queries and ``s`` keys under
     ``mask`` cannot be split over ``c`` context shards (either strategy): keys of another length
     than the queries (decoding against a cache, cross-attention), a traced causal offset, or a
     length the shards (and their chunks) do not divide."""
-    how = f"mesh.context={c}" + ("" if strategy == "all_gather" else f" with context_strategy={strategy!r}")
+    how = f"mesh.context={c}" + ("" if strategy == NAME else f" with context_strategy={strategy!r}")
     if t != s:
         raise ValueError(
             f"{how} shards self-attention over one sequence, but the queries have {t} positions and the "
@@ -63,23 +65,26 @@ def check_shardable(t: int, s: int, mask: AttentionMask, c: int, balanced: bool,
 
 
 def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[Array], mesh: Any,
-           balanced: bool, implementation: str, local: Callable[..., Array]) -> Array:
-    """Attention with the sequence sharded over ``mesh``'s ``context`` axis (module doc):
-    queries sharded, keys, values, key masks and key segment ids all-gathered, each device's
-    queries attending with the causal offset of their place. ``local(q, k, v, mask, bias)`` is
-    the kernel on one device's arrays (:func:`goat_jax.kernels.dispatch.attend_local`); q
-    [B, T, N, H] with T == S; ``balanced``: the sequences are in load-balanced order."""
-    c = mesh_lib.context_shards(mesh)
+           plan: AttentionPlan, implementation: str, scale: float) -> Array:
+    """Attention with the sequence sharded over ``mesh``'s context axis (module doc; the
+    signature of every strategy, :mod:`goat_jax.kernels.strategies`): queries sharded, keys,
+    values, key masks and key segment ids all-gathered, each device's queries attending with the
+    causal offset of their place, on kernel ``implementation``
+    (:func:`goat_jax.kernels.local.attend_local`); q [B, T, N, H] with T == S; the sequences are
+    in load-balanced order when ``plan.load_balanced``."""
+    axis, balanced = plan.context_axis, plan.load_balanced
+    c = mesh_lib.context_shards(mesh, axis)
     b, t, n, _ = q.shape
     s, kh = k.shape[1], k.shape[2]
-    check_shardable(t, s, mask, c, balanced, implementation)
+    check_shardable(t, s, mask, c, balanced, implementation, NAME)
     # The batch and head axes as splash splits them (never the context axis); c > 1, so a layout.
-    layout = mesh_lib.partition(mesh, b, n, kh)
-    bx, hx = mesh_lib.spec_axes(layout.batch_axes), mesh_lib.spec_axes(layout.head_axes)
-    kvh = hx if layout.shard_kv else None
-    q_spec = P(bx, AXIS, hx, None)
-    kv_spec = P(bx, AXIS, kvh, None)
-    row_spec = P(bx, AXIS)
+    layout = mesh_lib.partition(mesh, b, n, kh, axis)
+    shard_specs = layout.specs(length=axis)
+    bx, hx = shard_specs.batch[0], shard_specs.q[2]
+    q_spec, kv_spec, row_spec = shard_specs.q, shard_specs.kv, shard_specs.rows
+
+    def local(q_, k_, v_, mask_, bias_):
+        return attend_local(q_, k_, v_, mask_, bias_, implementation=implementation, scale=scale)
 
     names, args, specs = [], [], []
 
@@ -93,18 +98,18 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     add("k", k, kv_spec)
     add("v", v, kv_spec)
     add("key_padding", mask.key_padding, row_spec)
-    add("kv_lengths", mask.kv_lengths, P(bx))
+    add("kv_lengths", mask.kv_lengths, shard_specs.batch)
     add("q_segment_ids", mask.q_segment_ids, row_spec)
     add("kv_segment_ids", mask.kv_segment_ids, row_spec)
     if bias is not None:
-        add("bias", bias, P(bx if bias.shape[0] == b else None, hx if bias.shape[1] == n else None, AXIS, None))
+        add("bias", bias, P(bx if bias.shape[0] == b else None, hx if bias.shape[1] == n else None, axis, None))
 
     local_t = t // c
     chunk = t // (2 * c)
 
-    def gather(x, axis):
-        x = jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)
-        return natural_order(x, c, axis) if balanced else x
+    def gather(x, dim):
+        x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+        return natural_order(x, c, dim) if balanced else x
 
     def gathered(values):
         """This device's arrays, keys and their masks all-gathered (in sequence order)."""
@@ -130,7 +135,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
                              kv_segment_ids=a.get("kv_segment_ids"))
         outs = []
         for start, row, rows in runs:
-            cut = lambda x, axis: jax.lax.slice_in_dim(x, row, row + rows, axis=axis)
+            cut = lambda x, dim: jax.lax.slice_in_dim(x, row, row + rows, axis=dim)
             part = whole.shifted(start, 0)
             if "q_segment_ids" in a:
                 part = part.replace(q_segment_ids=cut(a["q_segment_ids"], 1))
@@ -138,11 +143,11 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
                               None if "bias" not in a else cut(a["bias"], 2)))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
-    static_offsets = implementation in _SPLASH and mask.causal
+    static_offsets = CAPABILITIES[implementation].static_masks and mask.causal
 
     def run(*values):
         a = gathered(values)  # once, outside any branch
-        index = jax.lax.axis_index(AXIS)
+        index = jax.lax.axis_index(axis)
         if static_offsets:  # splash builds its masks statically: one branch per place
             branches = [functools.partial(shard_fn, j) for j in range(c)]
             return jax.lax.switch(index, branches, a)
@@ -150,3 +155,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
 
     return jax.shard_map(run, mesh=layout.mesh, in_specs=tuple(specs), out_specs=q_spec,
                          check_vma=False)(*args)
+
+
+STRATEGY = strategies.register(strategies.Strategy(
+    NAME, attend, "every device gathers all keys and values (K/V memory O(T)); any kernel"))

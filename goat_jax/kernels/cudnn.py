@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.kernels import cudnn_packed
-from goat_jax.kernels.capabilities import CAPABILITIES
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths, pad_width
 from goat_jax.kernels.xla import dot_product_attention
 
 Array = jax.Array
-ROW = CAPABILITIES["cudnn"]
+HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE = 8, 2  # what cuDNN pads q/k/v widths and lengths to
 MLA_CUDNN = 91000  # cuDNN 9.10: q/k wider than v on Hopper
 
 
@@ -69,10 +69,20 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     if mask.segments is not None:
         return cudnn_packed.attention(q, k, v, scale=scale, mask=mask, bias=bias, mesh=mesh)
     t_real, hv = q.shape[1], v.shape[-1]
-    q, k, v, mask = pad_lengths(q, k, v, mask, ROW.length_multiple)
+    q, k, v, mask = pad_lengths(q, k, v, mask, LENGTH_MULTIPLE)
     if bias is None and hv < q.shape[-1] and narrow_values_supported():
-        q, k, _ = pad_head_dims(q, k, v, ROW.head_dim_multiple, equal=False)
-        v = pad_width(v, -(-hv // ROW.head_dim_multiple) * ROW.head_dim_multiple)
+        q, k, _ = pad_head_dims(q, k, v, HEAD_DIM_MULTIPLE, equal=False)
+        v = pad_width(v, -(-hv // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
         return fused(q, k, v, scale, mask)[:, :t_real, :, :hv]
-    out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", ROW.head_dim_multiple)
+    out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", HEAD_DIM_MULTIPLE)
     return out[:, :t_real]
+
+
+ROW = caps.register(caps.Capability(
+    "cudnn", ("gpu",), caps.HALF, 256, HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE, 0, ("segment_ids", "traced_offset", "ring"),
+    {"segment_ids": caps.CUDNN_SEGMENTS_WHY, "ragged_segments": caps.CUDNN_RAGGED_WHY,
+     "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); use 'xla'",
+     "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS, "ring_masks": caps.CUDNN_RING_MASKS_WHY},
+    "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
+    "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
+    needs_capability={"segment_ids": caps.HOPPER}, attention=attention, preferred_on=("gpu",)))

@@ -49,16 +49,15 @@ from typing import Any, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.plan import DEFAULT
 from goat_jax.segments import run_starts
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims
 
 Array = jax.Array
 
-DEFAULT_MAX_DOCUMENTS = 64  # documents per row when a layer does not say (max_documents_per_row)
 FIELD = "max_documents_per_row"  # the layer / model field that sets M
 
 
@@ -152,7 +151,7 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     the batch (and heads) on a ``mesh`` of several devices. Returns [B, T, N, Hv]."""
     del bias  # refused by the capability table
     ids = mask.q_segment_ids
-    max_documents = mask.max_documents or DEFAULT_MAX_DOCUMENTS
+    max_documents = mask.max_documents or DEFAULT.max_documents_per_row  # the keyword form of attend leaves it out
     check_concrete(ids, max_documents)
     b, _, n, _ = q.shape
     kh = k.shape[2]
@@ -163,8 +162,6 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     layout = mesh_lib.partition(mesh, b, n, kh)
     if layout is None:
         return run(q, k, v, ids)
-    ax = mesh_lib.spec_axes
-    q_spec = P(ax(layout.batch_axes), None, ax(layout.head_axes), None)
-    kv_spec = P(ax(layout.batch_axes), None, ax(layout.head_axes) if layout.shard_kv else None, None)
-    return jax.shard_map(run, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, P(ax(layout.batch_axes), None)),
-                         out_specs=q_spec, check_vma=False)(q, k, v, ids)
+    specs = layout.specs()
+    return jax.shard_map(run, mesh=layout.mesh, in_specs=(specs.q, specs.kv, specs.kv, specs.rows),
+                         out_specs=specs.q, check_vma=False)(q, k, v, ids)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.mask import AttentionMask
 
 Array = jax.Array
@@ -37,3 +38,8 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnts,bsnh->btnh", probs, v.astype(real), precision=jax.lax.Precision.HIGHEST)
     return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
+
+
+ROW = caps.register(caps.Capability(
+    "dense", caps.ANY, None, None, 1, 1, 0, tuple(f for f in caps.FEATURES if f != "ring"), {"ring": caps.NO_RING},
+    "the materialized float32 reference (and the only kernel returning probabilities)", attention=attention))

@@ -1,36 +1,26 @@
 """The front door of the kernel layer: :func:`attend` checks the inputs, builds the one
-:class:`goat_jax.kernels.mask.AttentionMask` of the call, reads the mesh once, checks the chosen
-kernel against its capability row, and runs it on one device's arrays (:func:`attend_local`)
-or under context parallelism (:mod:`goat_jax.kernels.context`).
+:class:`goat_jax.kernels.mask.AttentionMask` of the call (with the plan's window), chooses the
+kernel once from it (or takes a layer's :class:`goat_jax.kernels.choice.Choice`, made from the
+same mask), reading the mesh once, and runs it on one device's arrays
+(:func:`goat_jax.kernels.local.attend_local`) or under the plan's context strategy
+(:mod:`goat_jax.kernels.strategies`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from goat_jax.kernels import capabilities as caps
-from goat_jax.kernels import context as context_lib
-from goat_jax.kernels import cudnn, dense, flash, splash, xla
+from goat_jax.kernels import choice as choice_lib
+from goat_jax.kernels import dense, strategies
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels import ring
-from goat_jax.kernels.balance import is_balanced
-from goat_jax.kernels import choice
-from goat_jax.kernels.mask import AttentionMask, ambient_window
+from goat_jax.kernels.local import attend_local, zero_empty_rows
+from goat_jax.kernels.mask import AttentionMask
+from goat_jax.plan import DEFAULT, AttentionPlan
 
 Array = jax.Array
-
-# Each kernel: fn(q, k, v, *, scale, mask, bias, mesh) -> [B, T, N, Hv] (its row in CAPABILITIES).
-KERNELS: Dict[str, Callable[..., Array]] = {
-    "xla": xla.attention,
-    "flash": flash.attention,
-    "cudnn": cudnn.attention,
-    "splash": splash.attention,
-    "splash_interpret": lambda *a, **kw: splash.attention(*a, **kw, interpret=True),
-    "dense": dense.attention,
-}
 
 
 def _check_inputs(q: Array, k: Array, v: Array) -> None:
@@ -46,28 +36,12 @@ def _check_inputs(q: Array, k: Array, v: Array) -> None:
             "kv_num_heads among the divisors of num_heads.")
 
 
-def _zero_empty_rows(out: Array, visible: Optional[Array]) -> Array:
-    """Zeros the rows of ``out`` [B, T, N, H] without a visible key (a select: zero cotangent)."""
-    if visible is None:
-        return out
-    return jnp.where(visible[:, :, None, None], out, jnp.zeros((), out.dtype))
-
-
-def attend_local(q: Array, k: Array, v: Array, mask: AttentionMask, bias: Optional[Array], *,
-                 implementation: str, scale: float, mesh: Any = None) -> Array:
-    """Kernel ``implementation`` on q/k/v under ``mask``, with the rows that see no key zeroed
-    (every kernel agrees there: module doc of :mod:`goat_jax.kernels`). ``mesh``: where a kernel
-    that XLA cannot partition (splash) splits its work; None inside a shard_map."""
-    out = KERNELS[implementation](q, k, v, scale=scale, mask=mask, bias=bias, mesh=mesh)
-    return _zero_empty_rows(out, mask.rows_with_keys(q.shape[1], k.shape[1]))
-
-
 def attend(
     q: Array,
     k: Array,
     v: Array,
     *,
-    implementation: str,
+    implementation: Optional[str] = None,
     scale: float = 1.0,
     mask: Optional[AttentionMask] = None,
     bias: Optional[Array] = None,
@@ -80,31 +54,40 @@ def attend(
     segment_ids: Optional[Array] = None,
     q_segment_ids: Optional[Array] = None,
     kv_segment_ids: Optional[Array] = None,
+    plan: Optional[AttentionPlan] = None,
+    choice: Optional[choice_lib.Choice] = None,
 ) -> Any:
     """``softmax(scale * q . k [+ bias] + mask) v`` on the chosen kernel.
 
     Args:
       q: [B, T, N, Hqk]; k: [B, S, K, Hqk]; v: [B, S, K, Hv].
-      implementation: a resolved name (see :func:`goat_jax.kernels.resolve_implementation`);
-        checked here against its capability row for this call (platform, dtype, head dim, mask
-        features), so what it cannot do is refused with the reason, never computed wrong.
+      implementation: a kernel name (:data:`goat_jax.kernels.IMPLEMENTATIONS`); default the
+        plan's; checked here against its capability row for this call (platform, dtype, head dim,
+        mask features), so what it cannot do is refused with the reason, never computed wrong.
+        None with a plan that leaves the kernel automatic: chosen here for this call.
       mask: the call's :class:`goat_jax.kernels.AttentionMask`; or the keyword form below
         (``is_causal``, ``causal_offset``, ``key_padding_mask`` [B, S] True = ignored,
         ``kv_lengths`` [B], ``segment_ids`` [B, T] for self-attention or ``q_segment_ids`` [B, T]
-        with ``kv_segment_ids`` [B, S]), from which the mask is built, not both. A
-        :func:`goat_jax.kernels.local_window` in context adds its window.
+        with ``kv_segment_ids`` [B, S]), from which the mask is built, not both. The plan's
+        window and ``max_documents_per_row`` fill the mask's where it has none.
       bias: optional additive [B or 1, N or 1, T, S] float bias ('xla' and 'dense' only: the
         materialized baselines, ALiBi-as-bias, the naive L x L prior). Flash kernels get none.
       return_probs: also return the attention probabilities (only 'dense' materializes them;
         evaluations read them through the modules' sown 'intermediates').
       mesh: the mesh the call runs on (default: the mesh in context, read here once): its
-        ``context`` axis splits the sequence (:mod:`goat_jax.kernels.context`), and splash runs
-        under ``jax.shard_map`` on it.
+        context axis splits the sequence (the plan's strategy, :mod:`goat_jax.kernels.strategies`),
+        and splash runs under ``jax.shard_map`` on it.
+      plan: the :class:`goat_jax.plan.AttentionPlan` of the call (context strategy, balancing,
+        axis, window, documents bound); default: the default plan.
+      choice: the call's kernel as a layer chose it once from the same mask
+        (:func:`goat_jax.kernels.choice.choose`): used as it is (its name, its mesh), not
+        checked again; give it instead of ``implementation`` and ``mesh``.
     Returns:
       [B, T, N, Hv] in v's dtype; zeros for query rows without a visible key. With
       ``return_probs``: ``(out, probs)``, probs [B, N, T, S] float32 (zero rows likewise).
     """
     _check_inputs(q, k, v)
+    plan = DEFAULT if plan is None else plan
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     keywords = dict(is_causal=is_causal, causal_offset=causal_offset, key_padding_mask=key_padding_mask,
                     kv_lengths=kv_lengths, segment_ids=segment_ids, q_segment_ids=q_segment_ids,
@@ -117,37 +100,29 @@ def attend(
         if given:
             raise ValueError(f"Pass either mask= or the keyword form of the mask, not both (got mask and {given}).")
         mask.check(b, t, s)
-    if mask.window is None and ambient_window() is not None:
-        mask = mask.replace(window=ambient_window())
-    mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
-    caps.check_name(implementation)
-    shards = mesh_lib.context_shards(mesh)
-    ring_on = choice.ring_active(mesh)
-    request = choice.request(q.dtype, q.shape[-1], like=(q,), mesh=mesh, segment_ids=mask.segments is not None,
-                             ragged_segments=mask.ragged_segments, bias=bias is not None,
-                             traced_offset=not mask.static_offset, window=mask.window is not None,
-                             return_probs=return_probs, ring=ring_on)
-    refusal = caps.refusal(implementation, request)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if shards > 1:  # the sequence is split over the mesh's context axis
+    if mask.window is None and plan.window is not None:
+        mask = mask.replace(window=plan.window)
+    if mask.max_documents is None:
+        mask = mask.replace(max_documents=plan.max_documents_per_row)
+    if choice is None:  # the one choice of this call, from its mask
+        choice = choice_lib.choose(plan.implementation if implementation is None else implementation, q.dtype,
+                                   q.shape[-1], (b, q.shape[2], t, s), like=(q,), mesh=mesh, plan=plan,
+                                   bias=bias is not None, return_probs=return_probs, **mask.features())
+    elif implementation is not None or mesh is not None:
+        raise ValueError("Pass choice= (a layer's choice, with its mesh) or implementation= and mesh=, not both.")
+    implementation, mesh = choice.implementation, choice.mesh
+    shards = mesh_lib.context_shards(mesh, plan.context_axis)
+    if shards > 1:  # the sequence is split over the mesh's context axis, by the plan's strategy
         if return_probs:
             raise ValueError(
                 f"return_probs materializes the T x S probabilities, which mesh.context={shards} does "
                 "not shard; read them with mesh.context=1.")
-        if ring_on:
-            return ring.attend(q, k, v, mask=mask, bias=bias, mesh=mesh, balanced=is_balanced(),
-                               implementation=implementation, scale=scale)
-
-        def local(q_, k_, v_, mask_, bias_):
-            return attend_local(q_, k_, v_, mask_, bias_, implementation=implementation, scale=scale)
-
-        return context_lib.attend(q, k, v, mask=mask, bias=bias, mesh=mesh, balanced=is_balanced(),
-                                  implementation=implementation, local=local)
+        return strategies.get(plan.context_strategy).attend(q, k, v, mask=mask, bias=bias, mesh=mesh, plan=plan,
+                                                            implementation=implementation, scale=scale)
     if return_probs:
         out, probs = dense.attention(q, k, v, scale=scale, mask=mask, bias=bias, return_probs=True)
         visible = mask.rows_with_keys(t, s)
         if visible is not None:
             probs = jnp.where(visible[:, None, :, None], probs, 0.0)
-        return _zero_empty_rows(out, visible), probs
+        return zero_empty_rows(out, visible), probs
     return attend_local(q, k, v, mask, bias, implementation=implementation, scale=scale, mesh=mesh)

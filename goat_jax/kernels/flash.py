@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.mask import AttentionMask
 
 Array = jax.Array
@@ -60,7 +61,7 @@ DEFAULT_BWD_BLOCK_Q = 512
 DEFAULT_BWD_BLOCK_K = 256
 
 
-class _Config(NamedTuple):
+class Config(NamedTuple):
     """Static (hashable) parameters of one call."""
 
     scale: float
@@ -125,9 +126,11 @@ def _meet_bounds(q_ids: Array, kv_ids: Array, valid: Optional[Array], bq: int, b
     return bounds(meet), bounds(meet.T)
 
 
-def _segments(q_ids: Array, kv_ids: Array, valid: Optional[Array], bq: int, bk: int,
-              bwd_bq: int, bwd_bk: int) -> _Segments:
-    """The :class:`_Segments` of block-padded ids for both passes' block sizes."""
+def block_segments(q_ids: Array, kv_ids: Array, valid: Optional[Array], bq: int, bk: int,
+                   bwd_bq: int, bwd_bk: int) -> _Segments:
+    """The segment bounds (:class:`_Segments`) of block-padded ids for both passes' block sizes:
+    what :func:`block_forward` / :func:`block_backward` take as ``seg`` (ring attention computes
+    them per block pair)."""
     (fwd_lo, fwd_hi), _ = _meet_bounds(q_ids, kv_ids, valid, bq, bk)
     _, (bwd_lo, bwd_hi) = _meet_bounds(q_ids, kv_ids, valid, bwd_bq, bwd_bk)
     return _Segments(q_ids, kv_ids, fwd_lo, fwd_hi, bwd_lo, bwd_hi)
@@ -153,7 +156,7 @@ def _tile_mask(causal: bool, valid: Optional[Array], offset: Array, q0, k0, bq: 
     return mask
 
 
-def _kv_blocks_seen(cfg: _Config, offset: Array, q0, bq: int, bk: int, nk: int):
+def _kv_blocks_seen(cfg: Config, offset: Array, q0, bq: int, bk: int, nk: int):
     """Number of key blocks (from block 0) that query rows [q0, q0 + Q) can see."""
     if not cfg.is_causal:
         return nk
@@ -161,7 +164,7 @@ def _kv_blocks_seen(cfg: _Config, offset: Array, q0, bq: int, bk: int, nk: int):
     return jnp.clip((last_row + offset) // bk + 1, 0, nk)
 
 
-def _kv_blocks_full(cfg: _Config, offset: Array, q0, bk: int, seen):
+def _kv_blocks_full(cfg: Config, offset: Array, q0, bk: int, seen):
     """Number of key blocks (from block 0, at most ``seen``) that *every* row from q0 sees: they
     need no causal mask."""
     if not cfg.is_causal:
@@ -169,7 +172,7 @@ def _kv_blocks_full(cfg: _Config, offset: Array, q0, bk: int, seen):
     return jnp.clip((q0 + offset + 1) // bk, 0, seen)
 
 
-def _q_block_range(cfg: _Config, offset: Array, k0, bq: int, bk: int, nq: int):
+def _q_block_range(cfg: Config, offset: Array, k0, bq: int, bk: int, nq: int):
     """(first query block with a row that sees key k0, first query block whose rows all see
     keys [k0, k0 + C)): the blocks in between need the causal mask."""
     if not cfg.is_causal:
@@ -179,9 +182,11 @@ def _q_block_range(cfg: _Config, offset: Array, k0, bq: int, bk: int, nq: int):
     return first, full
 
 
-def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array], offset: Array,
-             seg: Optional[_Segments] = None):
-    """q [B, K, G, Tp, Hqk], k [B, K, Sp, Hqk], v [B, K, Sp, Hv] (Tp, Sp whole blocks).
+def block_forward(cfg: Config, q: Array, k: Array, v: Array, valid: Optional[Array], offset: Array,
+                  seg: Optional[_Segments] = None):
+    """The online-softmax forward over whole blocks, with its log-sum-exp (what a ring step
+    merges, goat_jax/kernels/ring.py): q [B, K, G, Tp, Hqk], k [B, K, Sp, Hqk], v [B, K, Sp, Hv]
+    (Tp, Sp whole blocks), ``valid`` [B or 1, Sp] the keys not padded, ``offset`` the causal one.
     Returns (out [B, K, G, Tp, Hv] in v.dtype, lse [B, K, G, Tp] float32)."""
     b, kh, g, tp, _ = q.shape
     sp, hv = k.shape[2], v.shape[-1]
@@ -231,8 +236,10 @@ def _forward(cfg: _Config, q: Array, k: Array, v: Array, valid: Optional[Array],
     return out, lse
 
 
-def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do, seg=None):
-    """Gradients (dq, dk, dv) in the input dtypes; see the module docstring for the math."""
+def block_backward(cfg: Config, q, k, v, valid, offset, out, lse, do, seg=None):
+    """The recomputing backward over whole blocks, driven by a given log-sum-exp ``lse`` (the
+    global one, under ring attention): gradients (dq, dk, dv) in the input dtypes; see the module
+    docstring for the math."""
     b, kh, g, tp, hqk = q.shape
     sp, hv = k.shape[2], v.shape[-1]
     bq, bk = cfg.bwd_bq, cfg.bwd_bk
@@ -288,29 +295,22 @@ def _backward(cfg: _Config, q, k, v, valid, offset, out, lse, do, seg=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, valid, offset, seg):
-    return _forward(cfg, q, k, v, valid, offset, seg)[0]
+def _flash(cfg: Config, q, k, v, valid, offset, seg):
+    return block_forward(cfg, q, k, v, valid, offset, seg)[0]
 
 
 def _flash_fwd(cfg, q, k, v, valid, offset, seg):
-    out, lse = _forward(cfg, q, k, v, valid, offset, seg)
+    out, lse = block_forward(cfg, q, k, v, valid, offset, seg)
     return out, (q, k, v, valid, offset, seg, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
     q, k, v, valid, offset, seg, out, lse = res
-    dq, dk, dv = _backward(cfg, q, k, v, valid, offset, out, lse, do, seg)
+    dq, dk, dv = block_backward(cfg, q, k, v, valid, offset, out, lse, do, seg)
     return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-# The block-level pieces ring attention (goat_jax/kernels/ring.py) runs on each pair of query
-# and key blocks: the online-softmax forward with its log-sum-exp, and the recomputing backward.
-Config = _Config
-block_forward = _forward
-block_backward = _backward
-block_segments = _segments
 
 
 def _pad_to(x: Array, length: int, axis: int) -> Array:
@@ -359,7 +359,6 @@ def flash_attention(
     if mask.window is not None:
         raise ValueError("flash_attention takes no sliding window; use implementation='xla' or 'dense'.")
     is_causal, causal_offset = mask.causal, mask.offset
-    key_padding_mask, kv_lengths = mask.key_padding, mask.kv_lengths
     q_segment_ids, kv_segment_ids = mask.q_segment_ids, mask.kv_segment_ids
     b, t, n, hqk = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
@@ -370,15 +369,14 @@ def flash_attention(
     # One padded length must suit both passes' blocks: pad to a common multiple.
     tp = -(-t // math.lcm(bq, bwd_bq)) * math.lcm(bq, bwd_bq)
     sp = -(-s // math.lcm(bk, bwd_bk)) * math.lcm(bk, bwd_bk)
-    cfg = _Config(float(scale), bool(is_causal), t, bq, bk, bwd_bq, bwd_bk, precision)
+    cfg = Config(float(scale), bool(is_causal), t, bq, bk, bwd_bq, bwd_bk, precision)
 
     valid = None  # [B or 1, Sp] bool, True = a real, unmasked key
-    if sp != s or key_padding_mask is not None or kv_lengths is not None:
+    keep = mask.key_keep(s)  # the mask's own rule for padding and lengths
+    if sp != s or keep is not None:
         valid = (jnp.arange(sp) < s)[None, :]
-        if key_padding_mask is not None:
-            valid = valid & _pad_to(~key_padding_mask.astype(bool), sp, 1)
-        if kv_lengths is not None:
-            valid = valid & (jnp.arange(sp)[None, :] < jnp.asarray(kv_lengths)[:, None])
+        if keep is not None:
+            valid = valid & _pad_to(keep, sp, 1)
 
     qb = _pad_to(jnp.moveaxis(q.reshape(b, t, kh, g, hqk), 1, 3), tp, 3)  # [B, K, G, Tp, Hqk]
     kb = _pad_to(jnp.moveaxis(k, 1, 2), sp, 2)  # [B, K, Sp, Hqk]
@@ -399,12 +397,12 @@ def flash_attention(
             def one(xs):
                 qx, kx, vx, val, qi, ki = xs
                 val = None if val is None else val[None]
-                sx = _segments(qi[None], ki[None], val, bq, bk, bwd_bq, bwd_bk)
+                sx = block_segments(qi[None], ki[None], val, bq, bk, bwd_bq, bwd_bk)
                 return _flash(cfg, qx[None], kx[None], vx[None], val, offset, sx)[0]
 
             out = lax.map(one, (qb, kb, vb, valid_b, q_ids, kv_ids))
             return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)
-        seg = _segments(q_ids, kv_ids, valid, bq, bk, bwd_bq, bwd_bk)
+        seg = block_segments(q_ids, kv_ids, valid, bq, bk, bwd_bq, bwd_bk)
     out = _flash(cfg, qb, kb, vb, valid, offset, seg)  # [B, K, G, Tp, Hv]
     return jnp.moveaxis(out[:, :, :, :t], 3, 1).reshape(b, t, n, hv)
 
@@ -416,3 +414,11 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     is unused (XLA partitions the loops itself)."""
     del bias, mesh
     return flash_attention(q, k, v, scale=scale, mask=mask)
+
+
+ROW = caps.register(caps.Capability(
+    "flash", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring",
+                                                    "ring_masks"),
+    {"bias": caps.NO_BIAS, "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
+    "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
+    "masked blocks skipped (goat_jax/kernels/flash.py)", attention=attention))

@@ -16,7 +16,7 @@ The contract every kernel honours (query ``i``, key ``j``, sequence indices from
   The data packer (:mod:`goat_jax.data.packing`) gives trailing padding ``PAD_SEGMENT_ID``
   (int32 max), so padding tokens see only each other and ids stay non-decreasing.
 * ``window`` (static int or None): ``i`` sees ``j`` only if ``i + offset - j < window`` (a
-  sliding window of the last ``window`` keys; an evaluation hook, :func:`local_window`).
+  sliding window of the last ``window`` keys; an evaluation's, :attr:`goat_jax.plan.AttentionPlan.window`).
 
 A query row with no visible key outputs zeros on every kernel (:func:`goat_jax.kernels.attend`
 selects them after the kernel, :meth:`AttentionMask.rows_with_keys`).
@@ -24,40 +24,14 @@ selects them after the kernel, :meth:`AttentionMask.rows_with_keys`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
-
-_window: contextvars.ContextVar = contextvars.ContextVar("goat_jax_attention_window", default=None)
-
-
-@contextlib.contextmanager
-def local_window(window: Optional[int]) -> Iterator[None]:
-    """While tracing inside the ``with``, every attention call built by
-    :func:`goat_jax.kernels.attend` also hides the keys more than ``window - 1`` positions behind
-    its query (sliding-window attention), on the kernels whose capability row takes a window
-    ('xla', 'dense'; :data:`goat_jax.kernels.capabilities.CAPABILITIES`); others refuse it.
-    ``experiments.probe_extrapolation``'s "last L keys" is this hook. None: no window."""
-    if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
-        raise ValueError(f"local_window: window must be a positive integer or None, got {window!r}.")
-    token = _window.set(None if window is None else int(window))
-    try:
-        yield
-    finally:
-        _window.reset(token)
-
-
-def ambient_window() -> Optional[int]:
-    """The window of the innermost :func:`local_window`, or None."""
-    return _window.get()
-
 
 def _is_static(x: Any) -> bool:
     return isinstance(x, (int, np.integer))
@@ -179,6 +153,16 @@ class AttentionMask:
             return False
         return (self.key_padding is not None or self.kv_lengths is not None or self.window is not None
                 or (self.causal and not self.native_causal) or self.q_segment_ids is not self.kv_segment_ids)
+
+    def features(self) -> dict:
+        """The capability features (goat_jax/kernels/capabilities.py, ``FEATURES``) this mask asks
+        of a kernel: segment ids, ragged segments, a traced causal offset, a window; and
+        ``ring_masks``: masks that travel with the keys (segment ids, key padding, kv lengths),
+        which the choice keeps as a feature only under ring (goat_jax/kernels/choice.py)."""
+        return {"segment_ids": self.segments is not None, "ragged_segments": self.ragged_segments,
+                "traced_offset": not self.static_offset, "window": self.window is not None,
+                "ring_masks": (self.segments is not None or self.key_padding is not None
+                               or self.kv_lengths is not None)}
 
     @property
     def static_offset(self) -> bool:

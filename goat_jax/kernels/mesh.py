@@ -13,8 +13,11 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-CONTEXT_AXIS = "context"  # the mesh axis a sequence is split over (goat_jax/kernels/context.py)
+from goat_jax.plan import DEFAULT
+
+CONTEXT_AXIS = DEFAULT.context_axis  # the mesh axis a sequence is split over (AttentionPlan.context_axis)
 
 
 def ambient_mesh() -> Any:
@@ -26,12 +29,12 @@ def _manual(mesh: Any) -> set:
     return set(getattr(mesh, "manual_axes", ()))
 
 
-def context_shards(mesh: Any) -> int:
-    """The size of ``mesh``'s ``context`` axis, 1 when there is none (no mesh, no such axis, or
-    the axis already manual: inside a shard_map every device holds its shard)."""
-    if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names or CONTEXT_AXIS in _manual(mesh):
+def context_shards(mesh: Any, axis: str = CONTEXT_AXIS) -> int:
+    """The size of ``mesh``'s context axis ``axis``, 1 when there is none (no mesh, no such axis,
+    or the axis already manual: inside a shard_map every device holds its shard)."""
+    if mesh is None or mesh.empty or axis not in mesh.axis_names or axis in _manual(mesh):
         return 1
-    return int(mesh.shape[CONTEXT_AXIS])
+    return int(mesh.shape[axis])
 
 
 class Layout(NamedTuple):
@@ -44,8 +47,30 @@ class Layout(NamedTuple):
     head_axes: Tuple[str, ...]
     shard_kv: bool
 
+    def specs(self, heads_at: int = 2, length: Optional[str] = None) -> "Specs":
+        """The partition specs of a ``shard_map`` on this layout, written once for every kernel and
+        strategy: ``q`` / ``kv`` for rank-4 arrays with the batch first, the heads at ``heads_at``
+        (2: [B, T, N, H]; 1: [B, N, T, H]) and the length axis split over ``length`` (a context
+        axis, or None: whole); ``rows`` for [B, T] arrays (masks, segment ids); ``batch`` for [B]."""
+        bx, hx = spec_axes(self.batch_axes), spec_axes(self.head_axes)
 
-def partition(mesh: Any, b: int, n: int, kh: int) -> Optional[Layout]:
+        def rank4(heads):
+            dims = [bx, None, None, None]
+            dims[heads_at], dims[3 - heads_at] = heads, length
+            return P(*dims)
+        return Specs(rank4(hx), rank4(hx if self.shard_kv else None), P(bx, length), P(bx))
+
+
+class Specs(NamedTuple):
+    """Partition specs of one layout (:meth:`Layout.specs`)."""
+
+    q: Any
+    kv: Any
+    rows: Any
+    batch: Any
+
+
+def partition(mesh: Any, b: int, n: int, kh: int, context_axis: str = CONTEXT_AXIS) -> Optional[Layout]:
     """The :class:`Layout` of a call with ``b`` examples, ``n`` query and ``kh`` key/value heads
     on ``mesh``, or None outside a mesh of more than one device. The ``context`` axis splits
     neither the batch nor the heads (:mod:`goat_jax.kernels.context` splits the sequence over it).
@@ -67,7 +92,7 @@ def partition(mesh: Any, b: int, n: int, kh: int) -> Optional[Layout]:
     names = tuple(a for a in mesh.axis_names if a not in manual)
     if np.prod([mesh.shape[a] for a in names], dtype=int) <= 1:
         return None
-    names = tuple(a for a in names if a != CONTEXT_AXIS)
+    names = tuple(a for a in names if a != context_axis)
 
     def from_rules(logical: str) -> Optional[Tuple[str, ...]]:
         try:

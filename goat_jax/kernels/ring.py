@@ -18,16 +18,14 @@ dK/dV accumulators, each device adds its queries' contribution to the block it h
 ``c`` hops every accumulator is back at its owner; dQ stays local. Only the local q/k/v, the
 output and its log-sum-exp are saved: nothing of size T.
 
-Per-block attention is the flash kernel's block math (:mod:`goat_jax.kernels.flash`:
-``block_forward`` / ``block_backward``, which return and take the log-sum-exp), for
-``implementation='flash'`` and ``'xla'`` alike: the merge needs each block's log-sum-exp and its
-backward needs the global one, which ``jax.nn.dot_product_attention`` (XLA or cuDNN) does not
-give with gradients, and splash's residuals would need its backward kernels driven by a global
-log-sum-exp (not done: splash and cuDNN are refused under ring, from the capability table; on
-TPU and GPU the ring runs the flash block math, compiled by XLA). Under load balancing
-(:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk pairs;
-a pair whose keys all lie after its queries is skipped by the flash loops' causal trip counts, so
-every device does the same work.
+Per-block attention is one of the block kernels of :mod:`goat_jax.kernels.ring_blocks`, chosen
+by ``implementation``: splash kernels ('splash', 'splash_interpret'), cuDNN's fused calls
+('cudnn'), else the flash kernel's block loops ('flash', 'xla'). Each returns its block's
+log-sum-exp for the merge, and its backward takes the global output and log-sum-exp. Under load
+balancing (:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk
+pairs: a device's late chunk against another's early chunk is always full, its early chunk against
+a late one always empty (skipped), and the other two depend on the step (the flash loops' causal
+trip counts, or a switch over the fused kernels' static masks), so every device does the same work.
 """
 
 from __future__ import annotations
@@ -38,15 +36,17 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from goat_jax.kernels import flash
+from goat_jax.kernels import cudnn
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.kernels import ring_blocks
+from goat_jax.kernels import strategies
 from goat_jax.kernels.context import check_shardable
 from goat_jax.kernels.mask import AttentionMask
+from goat_jax.plan import AttentionPlan
 
 Array = jax.Array
-AXIS = mesh_lib.CONTEXT_AXIS
+NAME = "ring"
 _BLOCK = 512  # the largest flash tile a run is cut into (flash.DEFAULT_BLOCK_Q)
 
 
@@ -62,6 +62,8 @@ class _Ring(NamedTuple):
     runs: int  # runs per device (2 balanced and causal, else 1)
     block: int  # flash tile length (divides run)
     precision: Any
+    axis: str  # the context mesh axis the ring runs along
+    blocks: Any = None  # the block kernels (goat_jax/kernels/ring_blocks.py); None: flash's loops
 
 
 def _start(cfg: _Ring, device, r: int):
@@ -71,31 +73,35 @@ def _start(cfg: _Ring, device, r: int):
     return jnp.where(r == 0, device, 2 * cfg.c - 1 - device) * cfg.run
 
 
-def _flash_cfg(cfg: _Ring) -> flash.Config:
-    return flash.Config(cfg.scale, cfg.causal, cfg.run, cfg.block, cfg.block, cfg.block, cfg.block,
-                        cfg.precision, keep_f32=True)
+def _blocks(cfg: _Ring):
+    return cfg.blocks if cfg.blocks is not None else ring_blocks.FlashBlocks(cfg.block, cfg.precision)
 
 
 def _cut(x: Optional[Array], r: int, run: int, axis: int) -> Optional[Array]:
     return None if x is None else lax.slice_in_dim(x, r * run, (r + 1) * run, axis=axis)
 
 
+def _known(cfg: _Ring, qr: int, kr: int) -> Optional[str]:
+    """A pair's kind when the load-balanced layout fixes it: a device's late chunk comes after
+    every device's early chunk (full), its early chunk before every late one (empty)."""
+    if cfg.runs == 2 and cfg.offset == 0 and qr != kr:
+        return "full" if qr == 1 else "empty"
+    return None
+
+
 def _pair(cfg: _Ring, q_ids, k_cur, v_cur, keep, kv_ids, me, src, qr: int, kr: int):
-    """The flash block arguments of query run ``qr`` of this device against key run ``kr`` of
-    the block from ``src``: (k, v, valid, offset, segments)."""
+    """The block arguments of query run ``qr`` of this device against key run ``kr`` of the
+    block from ``src``: (pair, k, v, valid, offset, query ids, key ids)."""
     k_r, v_r = _cut(k_cur, kr, cfg.run, 2), _cut(v_cur, kr, cfg.run, 2)
     valid = _cut(keep, kr, cfg.run, 1)
     offset = jnp.asarray(cfg.offset + _start(cfg, me, qr) - _start(cfg, src, kr), jnp.int32)
-    seg = None
-    if q_ids is not None:
-        seg = flash.block_segments(_cut(q_ids, qr, cfg.run, 1), _cut(kv_ids, kr, cfg.run, 1), valid,
-                                   cfg.block, cfg.block, cfg.block, cfg.block)
-    return k_r, v_r, valid, offset, seg
+    pair = ring_blocks.Pair(cfg.causal, cfg.offset, cfg.run, _known(cfg, qr, kr))
+    return pair, k_r, v_r, valid, offset, _cut(q_ids, qr, cfg.run, 1), _cut(kv_ids, kr, cfg.run, 1)
 
 
 def _rotate(cfg: _Ring, tree):
     """Each device's arrays to the next device of the ring."""
-    return lax.ppermute(tree, AXIS, perm=[(j, (j + 1) % cfg.c) for j in range(cfg.c)])
+    return lax.ppermute(tree, cfg.axis, perm=[(j, (j + 1) % cfg.c) for j in range(cfg.c)])
 
 
 def _merge(acc, part):
@@ -113,8 +119,8 @@ def _merge(acc, part):
 def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
     """q [B, K, G, Tl, H], k/v [B, K, Tl, H*] (local): (out float32, lse with -inf for rows
     that saw no key)."""
-    me = lax.axis_index(AXIS)
-    fcfg = _flash_cfg(cfg)
+    me = lax.axis_index(cfg.axis)
+    blocks = _blocks(cfg)
     q_runs = [_cut(q, r, cfg.run, 3) for r in range(cfg.runs)]
     b, kh, g, _, _ = q.shape
     hv = v.shape[-1]
@@ -129,10 +135,10 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
         acc = list(acc)
         for qr in range(cfg.runs):
             for kr in range(cfg.runs):
-                k_r, v_r, valid, offset, seg = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
-                                                     qr, kr)
-                out, lse = flash.block_forward(fcfg, q_runs[qr], k_r, v_r, valid, offset, seg)
-                acc[qr] = _merge(acc[qr], (out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)))
+                pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me,
+                                                              src, qr, kr)
+                acc[qr] = _merge(acc[qr], blocks.forward(cfg.scale, pair, q_runs[qr], k_r, v_r, valid, offset,
+                                                         qi, ki))
         return (arriving, tuple(acc)), None
 
     (_, acc), _ = lax.scan(step, ((k, v, keep, kv_ids), tuple(init)), jnp.arange(cfg.c))
@@ -143,8 +149,8 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
 
 def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
     """(dq, dk, dv) float32 of the local arrays; ``lse`` uses +inf for empty rows (flash's)."""
-    me = lax.axis_index(AXIS)
-    fcfg = _flash_cfg(cfg)
+    me = lax.axis_index(cfg.axis)
+    blocks = _blocks(cfg)
     cut_q = lambda x: [_cut(x, r, cfg.run, 3) for r in range(cfg.runs)]
     q_runs, out_runs, lse_runs, do_runs = cut_q(q), cut_q(out), cut_q(lse), cut_q(do)
     dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x in q_runs)
@@ -157,10 +163,10 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
         dq = list(dq)
         for qr in range(cfg.runs):
             for kr in range(cfg.runs):
-                k_r, v_r, valid, offset, seg = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
-                                                     qr, kr)
-                dq_p, dk_p, dv_p = flash.block_backward(fcfg, q_runs[qr], k_r, v_r, valid, offset,
-                                                        out_runs[qr], lse_runs[qr], do_runs[qr], seg)
+                pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me,
+                                                              src, qr, kr)
+                dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, q_runs[qr], k_r, v_r, valid, offset, qi, ki,
+                                                   out_runs[qr], lse_runs[qr], do_runs[qr])
                 dq[qr] = dq[qr] + dq_p
                 at = kr * cfg.run
                 dk_cur = lax.dynamic_update_slice_in_dim(
@@ -200,9 +206,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def block_kernel(implementation: str) -> str:
     """The kernel whose block math computes a ring's blocks when the layer asks for
-    ``implementation`` (module doc): flash's for every kernel a ring takes ('flash', 'xla')."""
-    del implementation  # every kernel a ring takes runs flash's block math today
-    return "flash"
+    ``implementation`` (module doc; :func:`goat_jax.kernels.ring_blocks.for_implementation`):
+    'splash' (also for 'splash_interpret'), 'cudnn', else 'flash' (for 'flash' and 'xla')."""
+    return ring_blocks.for_implementation(implementation, 1, None).name
 
 
 def block_length(run: int) -> int:
@@ -215,30 +221,35 @@ def block_length(run: int) -> int:
 
 
 def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[Array], mesh: Any,
-           balanced: bool, implementation: str, scale: float) -> Array:
+           plan: AttentionPlan, implementation: str, scale: float, blocks: Any = None) -> Array:
     """Attention of q [B, T, N, H] over k/v [B, T, K, H*] with the sequence sharded over
-    ``mesh``'s ``context`` axis, keys and values passing around the ring (module doc). The
-    mask's key padding and kv lengths travel with their keys as one validity mask; segment ids
-    travel too. Returns [B, T, N, Hv]; rows with no visible key are zeros (no gradient)."""
-    c = mesh_lib.context_shards(mesh)
+    ``mesh``'s context axis, keys and values passing around the ring (module doc; the signature
+    of every strategy, :mod:`goat_jax.kernels.strategies`). The mask's key padding and kv lengths
+    travel with their keys as one validity mask; segment ids travel too. ``blocks``: the block
+    kernels (:mod:`goat_jax.kernels.ring_blocks`); None picks them for ``implementation``
+    (splash, cuDNN, else the flash loops). Returns [B, T, N, Hv]; rows with no visible key are
+    zeros (no gradient)."""
+    axis, balanced = plan.context_axis, plan.load_balanced
+    c = mesh_lib.context_shards(mesh, axis)
     b, t, n, hqk = q.shape
     s, kh = k.shape[1], k.shape[2]
-    check_shardable(t, s, mask, c, balanced, implementation, strategy="ring")
+    check_shardable(t, s, mask, c, balanced, implementation, strategy=NAME)
     if bias is not None:
         raise ValueError("context_strategy='ring' cannot take an additive bias (ALiBi as a bias, FIRE, Kerple): "
                          "the bias would travel as a T x T tensor. Use context_strategy='all_gather' or an "
                          "encoding packed into q/k ('alibi_packed', GOAT, RoPE).")
     if mask.window is not None:
-        raise ValueError("context_strategy='ring' takes no sliding window (goat_jax.kernels.local_window).")
+        raise ValueError("context_strategy='ring' takes no sliding window (AttentionPlan.window).")
     runs = 2 if balanced and mask.causal else 1
     run = t // c // runs
     precision = lax.Precision.HIGHEST if jnp.result_type(q, k, v) == jnp.float32 else None
+    if blocks is None:
+        narrow = implementation == "cudnn" and cudnn.narrow_values_supported()
+        blocks = ring_blocks.for_implementation(implementation, block_length(run), precision, narrow_values=narrow)
     cfg = _Ring(c, balanced, mask.causal, int(mask.offset) if mask.causal else 0, float(scale), run, runs,
-                block_length(run), precision)
+                block_length(run), precision, axis, blocks)
     keep = mask.key_keep(s)  # [B, S] or None: padding and lengths, as one mask that travels
-    layout = mesh_lib.partition(mesh, b, n, kh)
-    bx, hx = mesh_lib.spec_axes(layout.batch_axes), mesh_lib.spec_axes(layout.head_axes)
-    kvh = hx if layout.shard_kv else None
+    specs = mesh_lib.partition(mesh, b, n, kh, axis).specs(length=axis)
 
     def local(q_, k_, v_, keep_, q_ids_, kv_ids_):
         bl, tl, nl, _ = q_.shape
@@ -248,12 +259,11 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
         return jnp.moveaxis(out, 3, 1).reshape(bl, tl, nl, v_.shape[-1])
 
     args = [q, k, v, keep, mask.q_segment_ids, mask.kv_segment_ids]
-    row = P(bx, AXIS)
-    specs = [P(bx, AXIS, hx, None), P(bx, AXIS, kvh, None), P(bx, AXIS, kvh, None), row, row, row]
+    in_specs = [specs.q, specs.kv, specs.kv, specs.rows, specs.rows, specs.rows]
     present = [a is not None for a in args]
     fn = lambda *xs: local(*_fill(xs, present))
-    out = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(sp for sp, p in zip(specs, present) if p),
-                        out_specs=P(bx, AXIS, hx, None), check_vma=False)(*[a for a in args if a is not None])
+    out = jax.shard_map(fn, mesh=mesh, in_specs=tuple(sp for sp, p in zip(in_specs, present) if p),
+                        out_specs=specs.q, check_vma=False)(*[a for a in args if a is not None])
     # A row that saw no key in any block is already zero with zero gradient (its weights in the
     # merge are 0, and its log-sum-exp is +inf in the backward): the kernels' contract holds
     # without a T x S look, which the load-balanced order would also make wrong here.
@@ -264,3 +274,8 @@ def _fill(xs, present):
     """The positional arguments with None where an optional one was left out."""
     it = iter(xs)
     return [next(it) if p else None for p in present]
+
+
+STRATEGY = strategies.register(strategies.Strategy(
+    NAME, attend, "keys and values pass around the ring (K/V memory O(T / c)); blocks on splash, cuDNN or flash",
+    needs="ring"))

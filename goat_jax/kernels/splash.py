@@ -15,14 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels.capabilities import CAPABILITIES
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_lengths
 
-BLOCK = CAPABILITIES["splash"].length_multiple  # splash blocks: multiples of the TPU lane count
+BLOCK = 128  # splash blocks: multiples of the TPU lane count
+_TRACED_OFFSET = ("splash builds its causal mask statically and needs an integer causal offset (a "
+                  "KV-cache index is traced); decode with 'xla' or 'flash'")
 _MASK_CACHE_SIZE = 512
 _mask_cache_widened = False
 
@@ -88,7 +89,7 @@ def _splash(q, k, v, scale, mask: AttentionMask, mesh, interpret):
         )
     is_causal, causal_offset = mask.causal, mask.offset
     if not mask.static_offset:
-        raise ValueError(CAPABILITIES["splash"].why_not["traced_offset"] + ".")
+        raise ValueError(_TRACED_OFFSET + ".")
     block = lambda length: max(BLOCK, min(512, length) // BLOCK * BLOCK)
     bq, bkv = block(t), block(s)
     while t % bq:
@@ -142,11 +143,25 @@ def _splash(q, k, v, scale, mask: AttentionMask, mesh, interpret):
     if layout is None:
         out = run(qs, ks, vs, *seg)
     else:
-        ax = mesh_lib.spec_axes
-        q_spec = P(ax(layout.batch_axes), ax(layout.head_axes), None, None)
-        kv_spec = P(ax(layout.batch_axes), ax(layout.head_axes) if layout.shard_kv else None, None, None)
-        seg_spec = P(ax(layout.batch_axes), None)
-        out = jax.shard_map(run, mesh=layout.mesh, out_specs=q_spec,
-                            in_specs=(q_spec, kv_spec, kv_spec) + (seg_spec,) * len(seg),
+        specs = layout.specs(heads_at=1)  # [B, N, T, H]
+        out = jax.shard_map(run, mesh=layout.mesh, out_specs=specs.q,
+                            in_specs=(specs.q, specs.kv, specs.kv) + (specs.rows,) * len(seg),
                             check_vma=False)(qs, ks, vs, *seg)
     return jnp.moveaxis(out, 1, 2).astype(v.dtype)  # [B, T, N, Hv]
+
+
+def _why_not() -> dict:
+    return {"bias": caps.NO_BIAS, "traced_offset": _TRACED_OFFSET, "window": caps.NO_WINDOW,
+            "return_probs": caps.NO_PROBS}
+
+
+ROW = caps.register(caps.Capability(
+    "splash", ("tpu",), None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring", "ring_masks"),
+    _why_not(),
+    "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)",
+    attention=attention, preferred_on=("tpu",), static_masks=True))
+INTERPRET_ROW = caps.register(caps.Capability(
+    "splash_interpret", caps.ANY, None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring",
+                                                                "ring_masks"), _why_not(),
+    "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)",
+    attention=functools.partial(attention, interpret=True), static_masks=True))

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import jax
 
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims
 
@@ -39,3 +40,10 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     """The 'xla' kernel (module doc); ``mesh`` is unused (XLA partitions it itself)."""
     del mesh
     return dot_product_attention(q, k, v, scale, mask, bias, "xla")
+
+
+ROW = caps.register(caps.Capability(
+    "xla", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "bias", "traced_offset", "window", "ring",
+                                                  "ring_masks"),
+    {"return_probs": caps.NO_PROBS}, "jax.nn.dot_product_attention's XLA path: materializes the T x S logits",
+    attention=attention))

@@ -78,6 +78,34 @@ def apply_logn(enc: "Encoded", factors: Array, mode: str) -> "Encoded":
 Offset = Union[None, int, Array, Tuple[int, int]]
 
 
+class CallOptions(NamedTuple):
+    """The keywords of every attention layer's call, declared once: both shells' ``__call__``
+    (Linen, :class:`goat_jax.layers.linen.AttentionBase`; NNX, :mod:`goat_jax.layers.nnx`) take
+    ``layer(query, key=None, value=None, **options)`` and :func:`goat_jax.layers.core.run` reads
+    the options here (:meth:`of`). Their meaning: :class:`goat_jax.layers.linen.AttentionBase`."""
+
+    is_causal: bool = False
+    key_padding_mask: Optional[Array] = None  # [B, S] bool, True = padding
+    spatial_shape: Optional[Tuple[int, ...]] = None
+    has_cls_token: Optional[bool] = None
+    position_offset_q: Offset = None
+    position_offset_k: Offset = None
+    q_positions: Optional[Array] = None
+    k_positions: Optional[Array] = None
+    segment_ids: Optional[Array] = None
+    kv_segment_ids: Optional[Array] = None
+
+    @classmethod
+    def of(cls, owner: str, options: dict) -> "CallOptions":
+        """The options of a call of ``owner`` (a layer's class name, for the error): TypeError
+        naming any keyword the call does not take, and the ones it does."""
+        unknown = sorted(set(options) - set(cls._fields))
+        if unknown:
+            raise TypeError(f"{owner}() got unexpected keyword argument(s) {unknown}; its call takes "
+                            f"(query, key=None, value=None, *, {', '.join(cls._fields)}).")
+        return cls(**options)
+
+
 class AttentionCall(NamedTuple):
     """The arguments of one attention call (see :class:`AttentionBase`), with ``key`` and
     ``value`` already defaulted; while decoding, both offsets are the cache index."""
@@ -191,8 +219,22 @@ class Encoded(NamedTuple):
     bias: Optional[Array] = None
 
 
-def ragged_segments(call: AttentionCall) -> bool:
-    """Whether the call's segment ids come with a key padding mask or keys other than the
-    queries (cross-attention): what cuDNN's packed layout cannot express
-    (goat_jax/kernels/capabilities.py, feature 'ragged_segments')."""
-    return call.q_segment_ids is not None and (call.key_padding_mask is not None or call.key is not call.query)
+class KernelRequest(NamedTuple):
+    """What a layer's variant needs to choose the call's kernel once (:meth:`choose`): the call's
+    :class:`goat_jax.plan.AttentionPlan`, its mask before encoding (segment ids, key padding, the
+    plan's window: the mask's own rules say which features the call needs), whether it decodes
+    (a traced cache index), the compute dtype and the logits shape."""
+
+    plan: Any
+    mask: Any  # goat_jax.kernels.AttentionMask
+    decoding: bool
+    dtype: Any
+    logits_shape: Tuple[int, int, int, int]
+
+    def choose(self, qk_dim: int, bias: bool = False) -> "kernels.Choice":
+        """The call's kernel for a ``qk_dim``-wide q/k (with an additive bias when ``bias``),
+        chosen (or the plan's checked) once: :func:`goat_jax.kernels.choose`."""
+        uses = self.mask.features()
+        uses["traced_offset"] = uses["traced_offset"] or self.decoding
+        return kernels.choose(self.plan.implementation, self.dtype, qk_dim, self.logits_shape, plan=self.plan,
+                              bias=bias, **uses)

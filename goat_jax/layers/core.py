@@ -13,7 +13,7 @@ so neither re-implements packing, encodings or masking.
 The shell contract (what :func:`run` reads from ``layer``):
 
 * fields: ``num_heads, kv_num_heads, head_dim, out_features, use_bias, dtype, param_dtype,
-  implementation, decode, kernel_init_std, logn_scaling, max_documents_per_row``;
+  implementation, decode, kernel_init_std, logn_scaling, max_documents_per_row, plan``;
 * the variant (:class:`AttentionLogic` and a subclass mixin): ``_plan``, ``_positions``,
   ``_encode``, ``_training_len``;
 * parameters: ``param(name, init, *args)`` (encodings' own parameters, Linen's signature) and
@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.layers.call import (
-    AttentionCall, Encoded, LayerShape, apply_logn, check_logn, logn_factors, resolve_call_segments)
+    AttentionCall, CallOptions, Encoded, KernelRequest, LayerShape, apply_logn, check_logn, logn_factors,
+    resolve_call_segments)
+from goat_jax.plan import AttentionPlan
 
 Array = jax.Array
 
@@ -125,9 +127,11 @@ class AttentionLogic:
     positions. A variant mixin (GOAT's, the baselines') adds three steps, each called once per
     call by :func:`run` in this order:
 
-    * ``_plan(call, shape)``: validates everything (before any parameter or cache is made) and
-      returns an object with ``qk_dim`` (the key width the kernel and cache see) and
-      ``implementation`` (a resolved kernel name), plus whatever the later steps need.
+    * ``_plan(call, shape, request)``: validates everything (before any parameter or cache is
+      made), chooses the kernel once (``request.choose(qk_dim, bias)``,
+      :class:`goat_jax.layers.call.KernelRequest`) and returns an object with ``qk_dim`` (the key
+      width the kernel and cache see), ``implementation`` and ``choice`` (the
+      :class:`goat_jax.kernels.Choice`), plus whatever the later steps need.
     * ``_positions(call, plan, t, s)``: ``(q_pos, k_pos)`` :class:`goat_jax.prior.Positions`;
       the default is 1D (:meth:`_positions_1d`).
     * ``_encode(call, shape, plan, q, k, q_pos, k_pos, cache)``: :class:`Encoded` from the raw
@@ -147,7 +151,7 @@ class AttentionLogic:
             raise ValueError(f"logn_scaling={self.logn_scaling!r} is for 1D sequences; drop it for 2D "
                              "inputs (spatial_shape was given).")
 
-    def _plan(self, call: AttentionCall, shape: LayerShape) -> Any:
+    def _plan(self, call: AttentionCall, shape: LayerShape, request: KernelRequest) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define _plan (see AttentionLogic).")
 
     def _encode(self, call: AttentionCall, shape: LayerShape, plan: Any, q: Array, k: Array,
@@ -172,18 +176,16 @@ class AttentionLogic:
 
 
 def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, *,
-        is_causal: bool = False, key_padding_mask: Optional[Array] = None,
-        spatial_shape: Optional[Tuple[int, ...]] = None, has_cls_token: Optional[bool] = None,
-        position_offset_q=None, position_offset_k=None, q_positions: Optional[Array] = None,
-        k_positions: Optional[Array] = None, segment_ids: Optional[Array] = None,
-        kv_segment_ids: Optional[Array] = None, skip_kernel: bool = False) -> Array:
-    """One attention call of ``layer`` (a shell, see the module docstring); the arguments are
-    the layers' call signature (:class:`goat_jax.layers.linen.AttentionBase`). Returns
-    [B, T, out_features or E].
+        skip_kernel: bool = False, **options: Any) -> Array:
+    """One attention call of ``layer`` (a shell, see the module docstring); ``options`` are the
+    layers' call keywords (:class:`goat_jax.layers.call.CallOptions`, declared once; their
+    meaning: :class:`goat_jax.layers.linen.AttentionBase`). Returns [B, T, out_features or E].
 
     ``skip_kernel``: make every parameter the call makes, but attend nothing (the output is the
     output projection of zeros): how the NNX shell creates its parameters at construction.
     """
+    (is_causal, key_padding_mask, spatial_shape, has_cls_token, position_offset_q, position_offset_k,
+     q_positions, k_positions, segment_ids, kv_segment_ids) = CallOptions.of(type(layer).__name__, options)
     key = query if key is None else key
     value = key if value is None else value
     check_qkv(query, key, value)
@@ -195,7 +197,15 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
     shape = LayerShape(layer.num_heads, kv_heads, head_dim,
                        layer.dtype or jnp.result_type(query.dtype, layer.param_dtype), embed_dim,
                        (query.shape[0], layer.num_heads, query.shape[1], layer._attended_length(key.shape[1])))
-    plan = layer._plan(call, shape)
+    # The call's plan (the layer's, or its fields'), and its mask before encoding, from which the
+    # variant's plan chooses the kernel once.
+    attention_plan = AttentionPlan.merged(layer.plan, implementation=layer.implementation,
+                                          max_documents_per_row=layer.max_documents_per_row)
+    call_mask = kernels.AttentionMask.build(
+        query.shape[0], query.shape[1], key.shape[1], is_causal=is_causal, key_padding_mask=key_padding_mask,
+        q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids, window=attention_plan.window)
+    plan = layer._plan(call, shape, KernelRequest(attention_plan, call_mask, bool(layer.decode), shape.dtype,
+                                                  shape.logits_shape))
     layer._check_logn(call)
 
     def proj(x, name, heads, axes):
@@ -246,8 +256,8 @@ def run(layer: Any, query: Array, key: Optional[Array] = None, value: Optional[A
             b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,
             key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
             q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
-            max_documents=layer.max_documents_per_row)
-        out = kernels.attend(enc.q, keys, v, implementation=plan.implementation, scale=enc.scale,
+            window=attention_plan.window, max_documents=attention_plan.max_documents_per_row)
+        out = kernels.attend(enc.q, keys, v, choice=plan.choice, plan=attention_plan, scale=enc.scale,
                              mask=mask, bias=enc.bias, return_probs=sow)  # [B, T, N, Hv]
     if sow:
         out, probs = out

@@ -156,6 +156,7 @@ class _GoatPlan(NamedTuple):
 
     qk_dim: int  # d_c + 2R + sink channels: the packed width the kernel and the cache see
     implementation: str
+    choice: kernels.Choice
     spec: prior_lib.PriorSpec
     d_c: int  # content dims
     sink_channels: int
@@ -176,7 +177,8 @@ class GoatLogic(attention_core.AttentionLogic):
     def _training_len(self) -> Optional[int]:
         return self._prior_settings().training_seq_len if isinstance(self._prior_settings(), prior_lib.PriorSettings) else None
 
-    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape) -> _GoatPlan:
+    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+              request: attention_call.KernelRequest) -> _GoatPlan:
         settings = self._prior_settings()
         if not isinstance(settings, prior_lib.PriorSettings):
             raise ValueError(
@@ -189,12 +191,8 @@ class GoatLogic(attention_core.AttentionLogic):
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
-        impl = kernels.resolve_implementation(self.implementation, shape.dtype, qk_dim,
-                                              logits_shape=shape.logits_shape,
-                                              segments=call.q_segment_ids is not None,
-                                              ragged_segments=attention_call.ragged_segments(call),
-                                              decoding=bool(self.decode))
-        kernel_widths.check_layout(impl, shape.dtype, shape.head_dim, qk_dim)  # once, if off the fast path
+        choice = request.choose(qk_dim)
+        kernel_widths.check_layout(choice.implementation, shape.dtype, shape.head_dim, qk_dim)  # once, if off the fast path
 
         t, s = call.query.shape[1], call.key.shape[1]
         spatial_shape = call.spatial_shape
@@ -228,7 +226,8 @@ class GoatLogic(attention_core.AttentionLogic):
                 "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
                 "it; without it the normalization follows the key length, which grows while "
                 "decoding). Set training_seq_len to the training context length.")
-        return _GoatPlan(qk_dim, impl, spec, d_c, sink_channels, use_2d, has_cls, spatial_shape)
+        return _GoatPlan(qk_dim, choice.implementation, choice, spec, d_c, sink_channels, use_2d, has_cls,
+                         spatial_shape)
 
     def _positions(self, call: attention_call.AttentionCall, plan: _GoatPlan, t: int, s: int):
         if not plan.use_2d:

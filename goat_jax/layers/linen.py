@@ -19,7 +19,7 @@ import numpy as np
 
 from goat_jax.layers import core as attention_core
 from goat_jax.partitioning import with_logical_partitioning
-from goat_jax.layers.call import Offset
+from goat_jax.plan import AttentionPlan
 from goat_jax.layers.core import DecodeCache
 
 Array = jax.Array
@@ -185,7 +185,11 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
       the whole logit including a packed or materialized prior (:func:`apply_logn`).
     * ``max_documents_per_row``: the most documents (runs of equal ``segment_ids``, padding
       counting as one) a row may hold, the static size of cuDNN's packed layout (segment ids on
-      Hopper GPUs, goat_jax/kernels/cudnn_packed.py); None: its default. Other kernels ignore it.
+      Hopper GPUs, goat_jax/kernels/cudnn_packed.py); None: the plan's. Other kernels ignore it.
+    * ``plan``: how attention runs (:class:`goat_jax.plan.AttentionPlan`: the kernel, the context
+      strategy and balancing, the documents bound, a window), as a model hands it to every layer;
+      None: a plan of ``implementation`` and ``max_documents_per_row``. Given with either field,
+      the two must agree (:meth:`goat_jax.plan.AttentionPlan.merged`).
 
     This class is the Linen *shell* of :func:`goat_jax.layers.core.run`, which does the work
     of a call: the fields, and the parameters, cache and sowing as Linen variables. A subclass
@@ -206,6 +210,7 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
     kernel_init_std: Optional[float] = None
     logn_scaling: Optional[str] = None
     max_documents_per_row: Optional[int] = None
+    plan: Optional[AttentionPlan] = None
 
     # The shell contract of attention_core.run: parameters, cache and sowing as Linen variables.
 
@@ -231,25 +236,8 @@ class AttentionBase(attention_core.AttentionLogic, nn.Module):
         sow_attention_probs(self, probs)
 
     @nn.compact
-    def __call__(
-        self,
-        query: Array,
-        key: Optional[Array] = None,
-        value: Optional[Array] = None,
-        *,
-        is_causal: bool = False,
-        key_padding_mask: Optional[Array] = None,
-        spatial_shape: Optional[Tuple[int, ...]] = None,
-        has_cls_token: Optional[bool] = None,
-        position_offset_q: Offset = None,
-        position_offset_k: Offset = None,
-        q_positions: Optional[Array] = None,
-        k_positions: Optional[Array] = None,
-        segment_ids: Optional[Array] = None,
-        kv_segment_ids: Optional[Array] = None,
-    ) -> Array:
-        return attention_core.run(
-            self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-            spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
-            position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
-            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None,
+                 **options: Any) -> Array:
+        """The call (the class docstring); ``options``: the keywords of
+        :class:`goat_jax.layers.call.CallOptions`, declared there once."""
+        return attention_core.run(self, query, key, value, **options)

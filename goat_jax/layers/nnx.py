@@ -189,13 +189,10 @@ class AttentionShell(nnx.Module):
         """``(length, spatial_shape)`` of the construction's dry call (every parameter is made)."""
         return 1, None
 
-    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None, *,
-                 is_causal: bool = False, key_padding_mask: Optional[Array] = None,
-                 spatial_shape: Optional[Tuple[int, ...]] = None, has_cls_token: Optional[bool] = None,
-                 position_offset_q: Any = None, position_offset_k: Any = None,
-                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
-                 segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None) -> Array:
-        """The Linen module's call (:class:`goat_jax.layers.linen.AttentionBase`); [B, T, out_features or E].
+    def __call__(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None,
+                 **options: Any) -> Array:
+        """The Linen module's call (:class:`goat_jax.layers.linen.AttentionBase`; ``options``: the
+        keywords of :class:`goat_jax.layers.call.CallOptions`); [B, T, out_features or E].
         The cache and the sown maps change only if the call returns: one that raises (a cache of
         another batch, a kernel's refusal) leaves the layer as it was."""
         for name, x, width, field in (("query", query, self.in_features, "in_features"),
@@ -209,11 +206,7 @@ class AttentionShell(nnx.Module):
         calls = vars(_CALLS).setdefault("pending", {})
         pending = calls[id(self)] = _Pending()
         try:
-            out = attention_core.run(
-                self, query, key, value, is_causal=is_causal, key_padding_mask=key_padding_mask,
-                spatial_shape=spatial_shape, has_cls_token=has_cls_token, position_offset_q=position_offset_q,
-                position_offset_k=position_offset_k, q_positions=q_positions, k_positions=k_positions,
-                segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+            out = attention_core.run(self, query, key, value, **options)
         finally:
             del calls[id(self)]
         pending.apply(self)

@@ -44,6 +44,7 @@ class _Plan(NamedTuple):
 
     qk_dim: int  # H plus the channels the encoding packs into q/k
     implementation: str
+    choice: kernels.Choice
     encoding: PositionEncoding
     channels: int
     settings: EncodingSettings
@@ -79,7 +80,8 @@ class PositionalLogic(attention_core.AttentionLogic):
                              f"{self.settings!r}; pass each setting once.")
         return self.settings
 
-    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape) -> _Plan:
+    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+              request: attention_call.KernelRequest) -> _Plan:
         check_section({"attention_scale": self.attention_scale}, {"attention_scale": ATTENTION_SCALE}, None,
                       owner=type(self).__name__)
         enc = get_encoding(self.position_encoding)
@@ -89,10 +91,8 @@ class PositionalLogic(attention_core.AttentionLogic):
         enc.check_head_dim(shape.head_dim)
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
-        return _Plan(qk_dim, self._implementation(enc, shape.dtype, qk_dim, shape.logits_shape,
-                                                      call.q_segment_ids is not None,
-                                                      attention_call.ragged_segments(call)), enc, channels,
-                     settings)
+        choice = self._choose(enc, qk_dim, request)
+        return _Plan(qk_dim, choice.implementation, choice, enc, channels, settings)
 
     def _check_call(self, enc: PositionEncoding, call: attention_call.AttentionCall) -> None:
         """What the encoding's attributes rule out for this call, as one clear error."""
@@ -115,23 +115,21 @@ class PositionalLogic(attention_core.AttentionLogic):
         if enc.causal_only and not call.is_causal:
             raise ValueError(f"position_encoding={name!r} needs is_causal=True: {enc.causal_only}")
 
-    def _implementation(self, enc: PositionEncoding, dtype: Any, qk_dim: int, logits_shape,
-                        segments: bool, ragged: bool = False) -> str:
-        """Kernel choice (``segments``: the call has segment ids; ``ragged``: with key padding or
-        cross-attention, :func:`goat_jax.layers.call.ragged_segments`): bias-based encodings need a
-        kernel that takes an additive bias, which the capability table says ('xla', 'dense');
-        naming another is refused with the encoding's alternative, whatever else it lacks."""
+    def _choose(self, enc: PositionEncoding, qk_dim: int, request: attention_call.KernelRequest) -> kernels.Choice:
+        """The call's kernel (:meth:`goat_jax.layers.call.KernelRequest.choose`): bias-based
+        encodings need a kernel that takes an additive bias, which the capability table says
+        ('xla', 'dense'); naming another is refused with the encoding's alternative, whatever else
+        it lacks."""
         bias = bool(enc.materialized_bias)
-        row = kernels.CAPABILITIES.get(self.implementation)
+        implementation = request.plan.implementation
+        row = kernels.CAPABILITIES.get(implementation)
         if bias and row is not None and not row.takes("bias"):
             alternative = f", or position_encoding={enc.flash_alternative}" if enc.flash_alternative else ""
             raise ValueError(
                 f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, which "
-                f"implementation={self.implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
+                f"implementation={implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
                 f"'dense'{alternative}.")
-        return kernels.resolve_implementation(self.implementation, dtype, qk_dim, logits_shape,
-                                              segments=segments, ragged_segments=ragged, bias=bias,
-                                              decoding=bool(self.decode))
+        return request.choose(qk_dim, bias)
 
     def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, plan: _Plan, q: Array, k: Array,
                 q_pos, k_pos, cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from goat_jax import positional
 from goat_jax import segments
 from goat_jax.layers.goat import GoatAttention
+from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
-from goat_jax.kernels.cudnn_packed import DEFAULT_MAX_DOCUMENTS
 from goat_jax.layers.call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.layers import positional as positional_layer
@@ -129,7 +129,7 @@ class LMConfig:
     loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
         "tokens per chunk of the training loss computed from the hidden states, so the [tokens, vocab] "
         "float32 logits are never held at once (goat_jax/losses.py); None: from the full logits")))
-    max_documents_per_row: int = declare(DEFAULT_MAX_DOCUMENTS, Int(
+    max_documents_per_row: int = declare(DEFAULT.max_documents_per_row, Int(
         min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
                    "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)"))
     init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
@@ -311,15 +311,23 @@ class GeluMLP(nn.Module):
         return dense(cfg.embed_dim, ("mlp", "embed"), "wo")(h)
 
 
-def make_attention(cfg: LMConfig, decode: bool, name: str = "attention") -> nn.Module:
+def attention_plan(cfg: LMConfig, plan: Optional[AttentionPlan] = None) -> AttentionPlan:
+    """The attention plan of a model of ``cfg`` given ``plan`` (a run's, built from the same config
+    by the task; None: the model's own fields alone): :meth:`goat_jax.plan.AttentionPlan.merged`
+    with ``cfg.implementation`` and ``cfg.max_documents_per_row``."""
+    return AttentionPlan.merged(plan, implementation=cfg.implementation,
+                                max_documents_per_row=cfg.max_documents_per_row)
+
+
+def make_attention(cfg: LMConfig, decode: bool, plan: Optional[AttentionPlan] = None,
+                   name: str = "attention") -> nn.Module:
     """The attention module for ``cfg.position_encoding``: GoatAttention for 'goat', otherwise
     PositionalAttention ('sinusoidal'/'learned' use its 'nope' mode, their positions being in the
-    embeddings). Shared knobs (heads, GQA, dtypes, kernel, bias) are passed identically."""
+    embeddings). Shared knobs (heads, GQA, dtypes, bias, the attention plan) are passed identically."""
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
-                  param_dtype=cfg.weight_dtype, implementation=cfg.implementation, decode=decode,
-                  kernel_init_std=cfg.attention_init_std, logn_scaling=cfg.logn_scaling,
-                  max_documents_per_row=cfg.max_documents_per_row, name=name)
+                  param_dtype=cfg.weight_dtype, decode=decode, kernel_init_std=cfg.attention_init_std,
+                  logn_scaling=cfg.logn_scaling, plan=attention_plan(cfg, plan), name=name)
     if cfg.position_encoding == "goat":
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.
@@ -345,12 +353,13 @@ class DecoderBlock(nn.Module):
     config: LMConfig
     decode: bool = False
     scanned: bool = False
+    plan: Optional[AttentionPlan] = None  # the model's (TransformerLM.plan)
 
     @nn.compact
     def __call__(self, x: Array, positions: Optional[Array], segment_ids: Optional[Array] = None):
         cfg = self.config
         h = _norm(cfg, "attn_norm")(x)
-        h = make_attention(cfg, self.decode)(h, is_causal=True, q_positions=positions,
+        h = make_attention(cfg, self.decode, self.plan)(h, is_causal=True, q_positions=positions,
                                              k_positions=positions, segment_ids=segment_ids)
         x = nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
         mlp = GeluMLP if cfg.block == "gpt2" else SwiGLU
@@ -389,6 +398,9 @@ class TransformerLM(nn.Module):
 
     config: LMConfig
     decode: bool = False
+    # How attention runs (goat_jax.plan.AttentionPlan; the task builds it from the run's config);
+    # None: the plan of config.implementation and config.max_documents_per_row.
+    plan: Optional[AttentionPlan] = None
 
     def _decode_offset(self, length: int) -> Optional[Array]:
         """Position of the first token of this call while decoding (absolute encodings only:
@@ -446,10 +458,11 @@ class TransformerLM(nn.Module):
             stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
                             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                             length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, decode=self.decode, scanned=True, name="layers")(x, positions, segment_ids)
+            x, _ = stack(cfg, decode=self.decode, scanned=True, plan=self.plan, name="layers")(
+                x, positions, segment_ids)
         else:
             for i in range(cfg.num_layers):
-                x = block(cfg, decode=self.decode, name=f"layer_{i}")(x, positions, segment_ids)
+                x = block(cfg, decode=self.decode, plan=self.plan, name=f"layer_{i}")(x, positions, segment_ids)
 
         x = _norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:

@@ -44,6 +44,7 @@ from goat_jax.layers.goat import GoatAttention
 from goat_jax.config.fields import Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
+from goat_jax.plan import AttentionPlan
 from goat_jax.prior import PriorSettings
 from goat_jax import positional
 from goat_jax.layers.positional import PositionalAttention
@@ -263,13 +264,14 @@ def _dense(cfg: ViTConfig, features: int, axes, name: str) -> nn.Module:
                     bias_init=nn.with_logical_partitioning(nn.initializers.normal(1e-6), axes[1:]), name=name)
 
 
-def make_attention(cfg: ViTConfig, name: str = "attention") -> nn.Module:
+def make_attention(cfg: ViTConfig, plan: Optional[AttentionPlan] = None, name: str = "attention") -> nn.Module:
     """GoatAttention (2D, CLS) for 'goat', else PositionalAttention (the encoding itself for
     :data:`ATTENTION_ENCODINGS`, 'nope' for those that live on the embeddings). Shared knobs are passed identically; every variant
-    has qkv and output biases, as the official ViT."""
+    has qkv and output biases, as the official ViT. ``plan``: the model's attention plan, with
+    ``cfg.implementation`` (:meth:`goat_jax.plan.AttentionPlan.merged`)."""
     common = dict(num_heads=cfg.num_heads, out_features=cfg.embed_dim, use_bias=True,
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                  implementation=cfg.implementation, name=name)
+                  plan=AttentionPlan.merged(plan, implementation=cfg.implementation), name=name)
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
     return PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings, **common)
@@ -285,13 +287,14 @@ class EncoderBlock(nn.Module):
 
     config: ViTConfig
     drop_path: float = 0.0
+    plan: Optional[AttentionPlan] = None  # the model's (ViT.plan)
 
     @nn.compact
     def __call__(self, x: Array, grid: Tuple[int, int], train: bool) -> Array:
         cfg = self.config
         # broadcast over tokens and features: one keep/drop decision per example and branch.
         drop = nn.Dropout(self.drop_path, broadcast_dims=(1, 2), deterministic=not train)
-        h = make_attention(cfg)(_layer_norm(cfg, "attn_norm")(x), spatial_shape=grid, has_cls_token=True)
+        h = make_attention(cfg, self.plan)(_layer_norm(cfg, "attn_norm")(x), spatial_shape=grid, has_cls_token=True)
         x = nn.with_logical_constraint(x + drop(h), ("batch", "length", "embed"))
         h = _layer_norm(cfg, "mlp_norm")(x)
         h = _dense(cfg, cfg.mlp_dim, ("embed", "mlp"), "fc1")(h)
@@ -310,6 +313,7 @@ class ViT(nn.Module):
     """
 
     config: ViTConfig
+    plan: Optional[AttentionPlan] = None  # how attention runs (the task builds it from the run's config)
 
     @nn.compact
     def __call__(self, images: Array, *, train: bool = False) -> Array:
@@ -348,7 +352,7 @@ class ViT(nn.Module):
         for i in range(cfg.num_layers):
             # Stochastic depth grows linearly from 0 at the first block to drop_path_rate.
             rate = cfg.drop_path_rate * i / max(cfg.num_layers - 1, 1)
-            x = EncoderBlock(cfg, drop_path=rate, name=f"block_{i}")(x, grid, train)
+            x = EncoderBlock(cfg, drop_path=rate, plan=self.plan, name=f"block_{i}")(x, grid, train)
 
         x = _layer_norm(cfg, "final_norm")(x[:, 0])  # [B, E], the CLS token
         # Zero-initialized head (big_vision): every class starts equally likely. float32 logits

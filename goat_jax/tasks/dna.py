@@ -32,6 +32,7 @@ from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES
 from goat_jax.tasks import lm as lm_task
 from goat_jax.train import optim
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 
 
@@ -116,7 +117,8 @@ def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
 TASK = tasks.Task(
     name="dna",
     batch_keys=("inputs", "targets", "weights"),
-    build_model=lambda config: lm.TransformerLM(lm_task.model_config(config, "dna")),
+    build_model=lambda config: lm.TransformerLM(lm_task.model_config(config, "dna"),
+                                                plan=AttentionPlan.from_config(config)),
     make_datasets=make_datasets,
     loss=loss,
     dummy_batch=lm_task.dummy_batch,

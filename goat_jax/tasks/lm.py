@@ -25,6 +25,7 @@ from goat_jax.data.synthetic import is_synthetic
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 from goat_jax.train import validation
 
@@ -49,7 +50,7 @@ def model_config(config, task: str = "lm") -> lm.LMConfig:
 
 def build_model(config):
     """The ``config.model`` LM (``decode=False``)."""
-    return lm.TransformerLM(model_config(config))
+    return lm.TransformerLM(model_config(config), plan=AttentionPlan.from_config(config))
 
 
 # cuDNN takes half-precision inputs only: a float32 model runs 'flash' even on a GPU.
@@ -66,16 +67,17 @@ def document_bound(config, platform: str, context: int) -> Optional[int]:
     and with the sequence whole on each device (``context`` 1: context parallelism gives each
     device queries that start inside a document, which cuDNN's layout cannot express, so
     flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
-    where flash runs costs only fuller rows. The one place this is decided until the attention
-    plan (goat_jax/kernels) says which kernel runs; training and evaluation both ask here."""
+    where flash runs costs only fuller rows. Whether the plan's kernel may be cuDNN and its bound
+    are the run's attention plan's (:meth:`goat_jax.plan.AttentionPlan.document_bound`);
+    training and evaluation both ask here."""
     if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
         return None
-    model = model_config(config)
-    if model.implementation not in (None, "cudnn") or platform != "gpu" or context > 1:
+    bound = AttentionPlan.from_config(config).document_bound()
+    if bound is None or platform != "gpu" or context > 1:
         return None
-    if np.dtype(jnp.dtype(model.dtype)).name not in _CUDNN_DTYPES:
+    if np.dtype(jnp.dtype(model_config(config).dtype)).name not in _CUDNN_DTYPES:
         return None
-    return int(model.max_documents_per_row)
+    return int(bound)
 
 
 def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:

@@ -20,6 +20,7 @@ import numpy as np
 from goat_jax.data import images
 from goat_jax.models import vit
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 
 Batch = tasks.Batch
@@ -32,7 +33,7 @@ def model_config(config) -> vit.ViTConfig:
 
 def build_model(config):
     """The ``config.model`` ViT."""
-    return vit.ViT(model_config(config))
+    return vit.ViT(model_config(config), plan=AttentionPlan.from_config(config))
 
 
 def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:

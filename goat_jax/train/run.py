@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
-from goat_jax.kernels.balance import context_strategy
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -153,16 +152,15 @@ def make_init_fns(task: tasks_lib.Task, model: nn.Module, tx: optax.GradientTran
     :func:`goat_jax.train.sharding.logical_shardings`); ``init_state`` the unboxed
     :class:`TrainState` at step 0. Both trace the model on a dummy batch of ``batch_size`` rows
     (pick one that splits evenly over the batch shards); XLA drops the forward pass since only
-    the parameters are returned. The trace runs under the run's ``context_strategy``, so the
-    model's attention is traced (and its kernel chosen) as in the train step: at a million tokens
-    over a TPU slice, an all-gather trace with splash would process T x S masks for nothing.
+    the parameters are returned. The model carries the run's attention plan (its task built it
+    from ``config``), so its attention is traced (and its kernel chosen) as in the train step: at
+    a million tokens over a TPU slice, an all-gather trace with splash would process T x S masks
+    for nothing.
     """
     inputs = task.model_inputs(task.dummy_batch(config, batch_size))
-    strategy = validation.context_settings(config)[1]
 
     def init_params(rng):
-        with context_strategy(strategy):
-            return model.init(rng, *inputs)["params"]
+        return model.init(rng, *inputs)["params"]
 
     def init_state(rng):
         params = nn.unbox(init_params(rng))

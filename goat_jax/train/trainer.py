@@ -38,7 +38,7 @@ import numpy as np
 
 from goat_jax import _extras, files, platforms
 from goat_jax.config.fields import check_config
-from goat_jax.kernels.mesh import CONTEXT_AXIS
+from goat_jax.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -104,8 +104,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
-    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(CONTEXT_AXIS)], task.name, platform,
-                              *validation.context_settings(config))
+    plan = AttentionPlan.from_config(config)  # what the task's model carries
+    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(plan.context_axis)], task.name, platform, plan)
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
     gbs, pdbs = config.global_batch_size, config.per_device_batch_size
@@ -235,8 +235,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn, ctx=validation.context_settings(config)):  # context strategy, balancing (long_context.py)
-        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, *ctx), mesh, rules)
+    def under_mesh(fn, plan=AttentionPlan.from_config(config)):  # balancing (long_context.py); the model has the plan
+        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, plan), mesh, rules)
 
     accum, opts = config.grad_accum_steps, platforms.gpu_compiler_options(config.get("gpu_xla_flags"), mesh.devices.flat[0].platform)
     return ShardedSteps(

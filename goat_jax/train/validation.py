@@ -20,7 +20,8 @@ from typing import Any, Dict, FrozenSet, Tuple
 from goat_jax.config.fields import (REQUIRED, RESUME_ADJUSTABLE as ADJUSTABLE, RESUME_BEHAVIOURS,
                                     RESUME_FIXED as FIXED, RESUME_SAFE as SAFE, Bool, Field, Float, Int, Ints,
                                     Opaque, Section, Str)
-from goat_jax.kernels.balance import STRATEGIES
+from goat_jax.kernels import strategies
+from goat_jax.plan import DEFAULT as PLAN
 from goat_jax.train import sharding, wandb_logger
 
 __all__ = ["ENGINE", "ENGINE_FIELDS", "ENGINE_REQUIRED", "ENGINE_SECTIONS", "engine_defaults", "engine_specs",
@@ -59,11 +60,11 @@ ENGINE: Dict[str, Section] = {
                                 doc="first and last step of a jax.profiler trace into WORKDIR/profile/; () = off")),
         sharding_rules=(sharding.DEFAULT_RULES, Opaque(resume=SAFE,
                                                        doc="logical axis -> mesh axis (goat_jax/train/sharding.py)")),
-        context_load_balance=(False, Bool(resume=SAFE,
+        context_load_balance=(PLAN.load_balanced, Bool(resume=SAFE,
                                           doc="with mesh.context > 1: reorder each causal sequence once "
                                               "(dual-chunk swap) so every context shard does the same "
                                               "attention work; same results (goat_jax/kernels/balance.py)")),
-        context_strategy=("all_gather", Str(choices=STRATEGIES, resume=SAFE,
+        context_strategy=(PLAN.context_strategy, Str(choices=strategies.names(), resume=SAFE,
                                             doc="with mesh.context > 1, how attention crosses the shards: "
                                                 "'all_gather' (every device gathers all keys: K/V memory O(T)) "
                                                 "or 'ring' (keys pass around the ring: O(T / c); "
@@ -148,10 +149,3 @@ def add_engine_defaults(config: Any) -> Any:
 def with_engine_defaults(config: Any) -> Any:
     """A copy of ``config`` with :func:`add_engine_defaults` applied (``config`` is unchanged)."""
     return add_engine_defaults(type(config)(config.to_dict()))
-
-
-def context_settings(config: Any) -> Tuple[bool, str]:
-    """``(context_load_balance, context_strategy)`` of a run's config, the declared defaults where
-    it leaves them out: what the engine hands to :mod:`goat_jax.long_context`."""
-    top = ENGINE[""]
-    return bool(top.value(config, "context_load_balance")), str(top.value(config, "context_strategy"))
