@@ -92,3 +92,26 @@ def avoid_libtpu_without_tpu(root: str = "/", environ: Optional[MutableMapping[s
     if jax is not None and environ is os.environ:
         jax.config.update("jax_platforms", "cpu")
     return True
+
+
+# XLA's GPU compiler options that MaxText sets for its GPU runs (its GPU recipes' XLA_FLAGS):
+# the latency-hiding scheduler (overlaps collectives and copies with compute), cuBLAS rather than
+# Triton for matmuls, the highest-priority stream for async collectives, and while-loop double
+# buffering (a scanned layer stack prefetches the next layer's weights). Every name is checked
+# against jax 0.10.2's compiler by a GPU-target compile (tests/test_aot_gpu.py, slow, with the
+# CUDA plugin). Given per compile (``jax.jit(..., compiler_options=...)``), not through the
+# process-wide XLA_FLAGS, so they reach only programs compiled for GPUs.
+GPU_XLA_FLAGS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+_GPU_DEVICE_PLATFORMS = ("gpu", "cuda")  # what JAX's NVIDIA devices report as their platform
+
+
+def gpu_compiler_options(enabled: bool, device_platform: str) -> dict:
+    """The compiler options of a program compiled for devices of ``device_platform`` (a JAX
+    device's ``.platform``): :data:`GPU_XLA_FLAGS` when ``enabled`` (``config.gpu_xla_flags``)
+    and the devices are NVIDIA GPUs, else none (a CPU or TPU compile never sees a GPU option)."""
+    return dict(GPU_XLA_FLAGS) if enabled and device_platform in _GPU_DEVICE_PLATFORMS else {}

@@ -282,3 +282,15 @@ def test_ring_on_cudnn_blocks_compiles_for_h200x8(tmp_path):
     assert report["attention_implementation"] == "cudnn" and report["fits"] is True, report
     assert report["custom_calls"]["__cudnn$fmhaSoftmax"] >= 1, report["custom_calls"]
     assert report["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] >= 1, report["custom_calls"]
+
+
+@needs_cuda_plugin
+@pytest.mark.slow(reason="needs the aot-gpu extra (the CUDA plugin), which CI does not install; a smoke LM train step compiled for one H200 with config.gpu_xla_flags, ~20 s")
+def test_gpu_xla_flags_are_accepted_by_the_gpu_compiler(tmp_path):
+    """Every option of goat_jax.platforms.GPU_XLA_FLAGS is one jax 0.10.2's GPU compiler knows
+    (an unknown one fails the compile: 'No such compile option')."""
+    proc = _run(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                 "--config.seq_len=128", "--config.model.dtype=bfloat16", "--config.gpu_xla_flags=True",
+                 "--target", "h200x1", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "compile.json").read_text())["fits"] is True

@@ -132,3 +132,44 @@ def test_every_entry_point_starts_without_error_lines(name):
                           text=True, timeout=300)
     assert proc.returncode == 0 and "BACKEND cpu" in proc.stdout, proc.stderr[-3000:]
     assert not _errors(proc.stderr), proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# config.gpu_xla_flags: XLA's GPU options reach programs compiled for GPUs only
+# ----------------------------------------------------------------------------------------------
+
+
+def test_gpu_xla_flags_only_for_gpu_devices():
+    assert platforms.gpu_compiler_options(True, "gpu") == platforms.GPU_XLA_FLAGS
+    assert platforms.gpu_compiler_options(True, "cuda") == platforms.GPU_XLA_FLAGS
+    assert all(k.startswith("xla_gpu_") for k in platforms.GPU_XLA_FLAGS)
+    for platform in ("cpu", "tpu"):
+        assert platforms.gpu_compiler_options(True, platform) == {}
+    assert platforms.gpu_compiler_options(False, "gpu") == {}
+
+
+def test_gpu_xla_flags_are_off_in_a_cpu_train_step(monkeypatch):
+    """``gpu_xla_flags=True`` on a CPU mesh: the trainer's jitted steps get no compiler option
+    (the jit calls are watched)."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.train import sharding, tasks, trainer  # pylint: disable=g-import-not-at-top
+    from tests.config_helpers import lm_smoke_config  # pylint: disable=g-import-not-at-top
+
+    seen = []
+    real_jit = jax.jit
+
+    def watching_jit(fun, **kwargs):
+        seen.append(kwargs.get("compiler_options"))
+        return real_jit(fun, **kwargs)
+
+    monkeypatch.setattr(trainer.jax, "jit", watching_jit)
+    config = lm_smoke_config(gpu_xla_flags=True)
+    task = tasks.get_task("lm")
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    batch = task.dummy_batch(config, 2)
+    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
+    steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh)
+    assert mesh.devices.flat[0].platform == "cpu"
+    assert len(seen) == 3 and all(not opts for opts in seen), seen
+    assert steps.train_step is not None

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax.kernels import widths as kernel_widths
 from goat_jax.aot.target import Target, gpu_target, target_devices
 from goat_jax.train import memory as memory_lib
 
@@ -113,7 +114,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
                                       steps.abstract_state, steps.state_shardings)
         # The kernels the train step uses, not the init's (traced without the batch's segment
         # ids, its choice can differ: cuDNN at init, 'flash' for packed documents).
-        with kernels.record_choices() as choices:
+        with kernels.record_choices() as choices, kernel_widths.record_layout_warnings() as layout_warnings:
             lowered = steps.train_step.lower(abstract_state, abstract_batch)
     lower_seconds = time.perf_counter() - start
     error = None
@@ -154,6 +155,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
         **{key: sorted({c[key] for c in choices if key in c}) or None
            for key in ("context_strategy", "load_balanced", "ring_blocks")},
         "custom_calls": calls,  # in the compiled step: the kernels it really runs (splash, cuDNN)
+        "layout_warnings": layout_warnings,  # GOAT's packed width off the kernel's fast path (kernels/widths.py)
         "compile_seconds": round(compile_seconds, 2),  # tracing and lowering included
         "lower_seconds": round(lower_seconds, 2),  # of which tracing and lowering
     }

@@ -58,6 +58,8 @@ def markdown(report: Dict[str, Any]) -> str:
                          if k == "tpu_custom_call" or "fmha" in k]
         if kernels_found:
             lines.append(f"| attention kernels in the compiled step | {', '.join(kernels_found)} |")
+    for warning in report.get("layout_warnings") or ():
+        lines.append(f"| q/k layout | {warning} |")
     lines.append(f"| HBM per chip | {gib(report['device_memory_bytes'])} |")
     verdict = {True: "yes", False: "**no**", None: "unknown"}[report["fits"]]
     lines.append(f"| fits (leaving {report['fit_margin']:.0%} free) | {verdict}"

@@ -181,3 +181,13 @@ def section(dry_run: bool, repeats: int, deadline: float, reference, stand_in=No
     numerics = numerics_rows(128 if dry_run else 2048, reference, stand_in)
     lengths = [128, 256] if dry_run else [16384, 65536, 131072]
     return numerics, timing_rows(lengths, repeats, deadline, stand_in)
+
+
+def run_ring(check) -> None:
+    """The section as the check runs it (:class:`goat_jax.device_check.Check`)."""
+    from goat_jax.device_check.report import table  # pylint: disable=g-import-not-at-top
+
+    numerics, timing = section(check.dry_run, check.repeats, check.deadline - 60, check.reference, check.stand_in)
+    check.report.section("ring. Ring attention per step on one device (goat_jax/device_check/ring.py): bf16 "
+                         "numerics vs the float64 reference, then forward+backward wall time",
+                         table(NUMERICS_HEAD, numerics) + [""] + table(TIMING_HEAD, timing))

@@ -19,6 +19,7 @@ import numpy as np
 from goat_jax.layers import call as attention_call
 from goat_jax.layers import core as attention_core
 from goat_jax import kernels
+from goat_jax.kernels import widths as kernel_widths
 from goat_jax import partitioning
 from goat_jax.layers import linen
 from goat_jax import prior as prior_lib
@@ -191,6 +192,7 @@ class GoatLogic(attention_core.AttentionLogic):
         d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         choice = request.choose(qk_dim)
+        kernel_widths.check_layout(choice.implementation, shape.dtype, shape.head_dim, qk_dim)  # once, if off the fast path
 
         t, s = call.query.shape[1], call.key.shape[1]
         spatial_shape = call.spatial_shape

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -40,6 +40,7 @@ from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.layers import positional as positional_layer
 from goat_jax.positional import registry
 from goat_jax.prior import PriorSettings, validate_positions, widen
+from goat_jax import losses
 
 Array = jax.Array
 
@@ -54,6 +55,11 @@ BLOCKS = ("llama", "gpt2")
 # Encodings with a position table of size max_len: longer sequences cannot be represented.
 TABLE_ENCODINGS = ("learned", "naive_prior")
 DTYPES = ("float32", "bfloat16", "float16")
+# What ``remat=True`` keeps from the forward pass of each block (the rest is recomputed in the
+# backward): 'full' nothing (the least memory), 'dots' every matmul output, 'dots_no_batch' the
+# matmuls without a batch dimension (the projections' outputs; not attention's T x S products):
+# ``jax.checkpoint_policies``' nothing_saveable / dots_saveable / dots_with_no_batch_dims_saveable.
+REMAT_POLICIES = ("full", "dots", "dots_no_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,9 @@ class LMConfig:
     """
 
     vocab_size: int = declare(259, Int(min=1, doc="tokens in the vocabulary (byte tokenizer: 256 bytes + 3 specials)"))
+    vocab_pad_multiple: int = declare(1, Int(min=1, doc="embedding / output table rows rounded up to a multiple of "
+                                                       "this (128: aligned matmuls on GPUs); the padded logits never "
+                                                       "leave the model or enter the loss; 1: no padding"))
     num_layers: int = declare(2, Int(min=1, doc="decoder blocks"))
     embed_dim: int = declare(64, Int(min=1, doc="residual stream width E"))
     num_heads: int = declare(4, Int(min=1, doc="query heads N"))
@@ -112,8 +121,14 @@ class LMConfig:
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
     param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
     remat: bool = declare(False, Bool(doc="rematerialize each block in the backward pass (saves activation memory)"))
+    remat_policy: str = declare("full", Str(choices=REMAT_POLICIES, doc="with remat: what each block keeps "
+                                            "('full': nothing; 'dots': matmul outputs; 'dots_no_batch': "
+                                            "projection outputs)"))
     scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
     implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
+    loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
+        "tokens per chunk of the training loss computed from the hidden states, so the [tokens, vocab] "
+        "float32 logits are never held at once (goat_jax/losses.py); None: from the full logits")))
     max_documents_per_row: int = declare(DEFAULT.max_documents_per_row, Int(
         min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
                    "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)"))
@@ -174,6 +189,13 @@ class LMConfig:
         return positional.get_encoding(self.attention_encoding).settings_class.from_fields(self)
 
     @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding / output table: ``vocab_size`` rounded up to a multiple of
+        ``vocab_pad_multiple``."""
+        m = self.vocab_pad_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
     def kv_heads(self) -> int:
         """K, the number of key/value heads."""
         return self.kv_num_heads or self.num_heads
@@ -219,6 +241,10 @@ FIELD_SPECS = specs_of(LMConfig)
 # ----------------------------------------------------------------------------------------------
 # Blocks
 # ----------------------------------------------------------------------------------------------
+
+_REMAT_POLICY = {"full": None,  # nn.remat's default: save nothing
+                 "dots": jax.checkpoint_policies.dots_saveable,
+                 "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _normal(std: float, axes):
@@ -362,6 +388,12 @@ class TransformerLM(nn.Module):
     ``dm.apply({'params': p, 'cache': c}, chunk, mutable=['cache'])`` appends ``chunk``
     ([B, t], t >= 1) and returns its logits. Positions then come from the cache index, so
     ``positions`` must be None. Works with ``scan_layers`` (the cache is stacked per layer).
+
+    ``return_hidden=True`` returns ``(hidden [B, T, E], w [E, Vp])`` in the compute dtype instead
+    of the logits (``logits = hidden @ w``, the first ``vocab_size`` columns): what
+    :func:`goat_jax.losses.chunked_cross_entropy` takes (``model.loss_chunk_size``).
+    With ``vocab_pad_multiple`` the table has ``Vp = padded_vocab_size`` rows; the logits are
+    cut back to ``vocab_size``.
     """
 
     config: LMConfig
@@ -383,7 +415,7 @@ class TransformerLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, *, positions: Optional[Array] = None,
-                 segment_ids: Optional[Array] = None) -> Array:
+                 segment_ids: Optional[Array] = None, return_hidden: bool = False) -> Array:
         cfg = self.config
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be [batch, length] integers, got {tokens.shape} {tokens.dtype}.")
@@ -399,7 +431,7 @@ class TransformerLM(nn.Module):
             # every layer read the same ones (the layers would derive the same from the ids).
             positions = segments.segment_positions(segment_ids)
 
-        embed = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
+        embed = nn.Embed(cfg.padded_vocab_size, cfg.embed_dim, dtype=cfg.compute_dtype,
                          param_dtype=cfg.weight_dtype,
                          embedding_init=_normal(cfg.init_std, ("vocab", "embed")), name="embed")
         x = embed(tokens.astype(jnp.int32))  # [B, T, E]
@@ -424,7 +456,7 @@ class TransformerLM(nn.Module):
         block = DecoderBlock
         if cfg.remat:
             # prevent_cse=False is safe (and faster) under scan, which already blocks CSE.
-            block = nn.remat(block, prevent_cse=not cfg.scan_layers)
+            block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICY[cfg.remat_policy])
         if cfg.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
                             split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
@@ -437,15 +469,37 @@ class TransformerLM(nn.Module):
 
         x = _norm(cfg, "final_norm")(x)
         if cfg.tie_embeddings:
-            w = embed.embedding.T  # [E, V]
+            w = embed.embedding.T  # [E, Vp]
         else:
             w = self.param("lm_head", _normal(cfg.init_std, ("embed", "vocab")),
-                           (cfg.embed_dim, cfg.vocab_size), cfg.weight_dtype)
+                           (cfg.embed_dim, cfg.padded_vocab_size), cfg.weight_dtype)
+        w = w.astype(cfg.compute_dtype)
+        if return_hidden:  # the chunked loss computes the logits itself, a chunk at a time
+            return x, w
         # Inputs in the compute dtype (fast matmul), accumulation and result in float32: the
         # softmax over a large vocabulary and the loss need float32 logits.
-        logits = jnp.einsum("bte,ev->btv", x, w.astype(cfg.compute_dtype),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ev->btv", x, w, preferred_element_type=jnp.float32)
+        if cfg.padded_vocab_size != cfg.vocab_size:
+            # The matmul runs on the padded (aligned) width; the padded columns are no tokens,
+            # so no softmax, loss, argmax or sampler downstream may see them.
+            logits = logits[..., :cfg.vocab_size]
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+    def token_loss(self, tokens: Array, targets: Array, weights: Array, *, positions: Optional[Array] = None,
+                   segment_ids: Optional[Array] = None) -> Tuple[Array, Array]:
+        """``(sum_i w_i * CE_i, sum_i w_i)`` in float32 of next-token ``targets`` ([B, T] int)
+        under ``weights`` ([B, T]): from the full float32 logits, or with
+        ``config.loss_chunk_size`` a chunk of positions at a time from the hidden states
+        (:func:`goat_jax.losses.chunked_cross_entropy`; the same value and
+        gradients, without the ``[B, T, V]`` logits). Call it as
+        ``model.apply(variables, tokens, targets, weights, method='token_loss')``."""
+        cfg = self.config
+        if cfg.loss_chunk_size is None:
+            logits = self(tokens, positions=positions, segment_ids=segment_ids)
+            return losses.weighted_cross_entropy(logits, targets, weights)
+        hidden, w = self(tokens, positions=positions, segment_ids=segment_ids, return_hidden=True)
+        return losses.chunked_cross_entropy(hidden, w, targets, weights, chunk_size=cfg.loss_chunk_size,
+                                                  vocab_size=cfg.vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,6 +102,9 @@ FIELDS = tasks.TaskFields(model=lm.LMConfig, data={"dna": dna.FIELD_SPECS},
 def validate(config) -> None:
     """The LM's rules (config builds, ``seq_len`` fits a position table), for task 'dna'."""
     lm_task.validate_model(config, "dna")
+    if config.model.get("loss_chunk_size") is not None:
+        raise ValueError(f"model.loss_chunk_size={config.model.loss_chunk_size}: the DNA task's loss reads the full "
+                         "logits (5 letters; its accuracy needs them), so it would be ignored; remove it.")
 
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:

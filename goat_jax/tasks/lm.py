@@ -113,8 +113,10 @@ def loss(apply_fn, params, batch, rng):
     """Summed token cross-entropy over ``weights`` (the LM has no dropout: ``rng`` unused).
     Padding of packed documents has weight 0, so it never enters the loss."""
     del rng
-    logits = apply_fn({"params": params}, batch["inputs"], **document_inputs(batch))  # [B, T, V] float32
-    loss_sum, weight_sum = tasks.weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    # The model's own loss: from the full float32 logits, or with model.loss_chunk_size a chunk
+    # of positions at a time, never holding the [B, T, V] logits (TransformerLM.token_loss).
+    loss_sum, weight_sum = apply_fn({"params": params}, batch["inputs"], batch["targets"], batch["weights"],
+                                    method="token_loss", **document_inputs(batch))
     return loss_sum, (weight_sum, {})
 
 
@@ -199,8 +201,8 @@ TASK = tasks.Task(
     eval_metrics=eval_metrics,
     # Reading threads and eval size change nothing the checkpoint depends on; remat and the
     # attention kernel change memory and speed, not the function computed.
-    resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat",
-                        "model.implementation", "model.max_documents_per_row"),
+    resume_safe_fields=("data.read_threads", "data.num_eval_batches", "model.remat", "model.remat_policy",
+                        "model.implementation", "model.max_documents_per_row", "model.loss_chunk_size"),
     no_decay_names=NO_DECAY_NAMES,
     decay_groupings={"official_c4": official_c4_decay_mask},
 )

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax.config.fields import Section, specs_of
+from goat_jax.losses import softmax_cross_entropy, weighted_cross_entropy  # noqa: F401 -- the tasks' shared losses
 from goat_jax.train import validation
 
 Batch = Dict[str, Any]
@@ -308,44 +309,9 @@ def get_task(name: Any) -> Task:
 
 
 # ----------------------------------------------------------------------------------------------
-# Shared losses
+# Shared losses (softmax_cross_entropy and weighted_cross_entropy are goat_jax/losses.py's,
+# imported above: the models compute their loss with them too, and models never import the engine)
 # ----------------------------------------------------------------------------------------------
-
-
-def softmax_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """``-log softmax(logits)[..., target]`` per position, in float32: ``logits [..., C]``,
-    ``targets [...]`` (int) -> ``[...]``. A target outside ``[0, C)`` gives NaN.
-
-    The target's logit is picked by comparing ``targets`` with the class index and summing
-    (one nonzero term: exact), not by a gather (``optax.softmax_cross_entropy_with_integer_labels``
-    uses ``take_along_axis``). Same values; what changes is the backward pass. The gather's
-    transpose is a scatter into the ``[..., C]`` gradient, which the TPU compiler turns into an
-    elementwise one-hot while the logits are split over the batch only; once an LM's length is
-    split over ``mesh.context`` it lowers the scatter through a flattened float32 copy of the
-    local logits' gradient and bfloat16 copies for its loops instead: 5.9 GiB more per device for
-    the 125M model at 32,768 tokens on v5p-8 (benchmarks/context.md, "The LM head and the loss
-    under context"). Compare-and-sum makes the gradient one elementwise ``softmax - one_hot``
-    whatever the sharding (MaxText likewise feeds its loss ``jax.nn.one_hot`` targets).
-    """
-    logits = logits.astype(jnp.float32)
-    classes = logits.shape[-1]
-    hit = jnp.arange(classes, dtype=targets.dtype) == targets[..., None]
-    label_logits = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    ce = jax.nn.logsumexp(logits, axis=-1) - label_logits
-    # A target with no class would read 0 as its logit: NaN makes it loud, as a gather's
-    # out-of-range fill did (weights never hide it: NaN * 0 is NaN).
-    return jnp.where((targets >= 0) & (targets < classes), ce, jnp.nan)
-
-
-def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """``(sum_i w_i * CE(logits_i, targets_i), sum_i w_i)`` in float32 (the log-softmax over a
-    large vocabulary loses digits in bfloat16); CE is :func:`softmax_cross_entropy`.
-
-    Shapes: ``logits [..., C]``, ``targets [...]`` (int), ``weights [...]``.
-    """
-    ce = softmax_cross_entropy(logits, targets)
-    weights = weights.astype(jnp.float32)
-    return jnp.sum(ce * weights), jnp.sum(weights)
 
 
 def weighted_correct(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:

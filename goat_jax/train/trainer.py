@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from goat_jax import _extras, files
+from goat_jax import _extras, files, platforms
 from goat_jax.config.fields import check_config
 from goat_jax.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
@@ -238,14 +238,14 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
     def under_mesh(fn, plan=AttentionPlan.from_config(config)):  # balancing (long_context.py); the model has the plan
         return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, plan), mesh, rules)
 
-    accum = config.grad_accum_steps
+    accum, opts = config.grad_accum_steps, platforms.gpu_compiler_options(config.get("gpu_xla_flags"), mesh.devices.flat[0].platform)
     return ShardedSteps(
         model=model, tx=tx, schedule=schedule,
         init=jax.jit(sharding_lib.with_mesh_and_rules(init_state, mesh, rules), out_shardings=state_shardings),
         train_step=jax.jit(under_mesh(make_train_step(task, model, tx, schedule, accum, config.seed)),
-                           in_shardings=(state_shardings, batch_shardings),
+                           in_shardings=(state_shardings, batch_shardings), compiler_options=opts,
                            out_shardings=(state_shardings, replicated), donate_argnums=0),
-        eval_step=jax.jit(under_mesh(make_eval_step(task, model, accum)),
+        eval_step=jax.jit(under_mesh(make_eval_step(task, model, accum)), compiler_options=opts,
                           in_shardings=(param_shardings, batch_shardings), out_shardings=replicated),
         abstract_state=abstract_state, state_shardings=state_shardings, param_shardings=param_shardings)
 

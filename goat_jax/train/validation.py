@@ -69,6 +69,9 @@ ENGINE: Dict[str, Section] = {
                                                 "'all_gather' (every device gathers all keys: K/V memory O(T)) "
                                                 "or 'ring' (keys pass around the ring: O(T / c); "
                                                 "goat_jax/kernels/ring.py); same results")),
+        gpu_xla_flags=(False, Bool(resume=SAFE, doc="compile the steps with XLA's GPU throughput options "
+                                                   "(goat_jax.platforms.GPU_XLA_FLAGS: latency-hiding scheduler, ...); "
+                                                   "applied only when the mesh's devices are GPUs")),
     ),
     "mesh": Section(**{axis: (-1 if axis == "data" else 1, _MESH_AXIS) for axis in sharding.MESH_AXES}),
     "optimizer": Section(

@@ -1,0 +1,105 @@
+"""The fast path of a fused attention kernel by q/k width, and the one warning when GOAT's packed
+layout falls off it (issue #55; docs/layer.md, "Packed width").
+
+Fused attention kernels do not run every head width at its own cost: they are built for a few
+widths and run a wider head as the next one up.
+
+* **Hopper GPUs (compute capability 9.x), cuDNN**: head widths are padded to a multiple of 8 and
+  the kernels come in buckets with a cliff above 64: FlashAttention-3 rounds 65-96 up to its 96
+  kernel, other Hopper builds pad to 128, and cuDNN's release notes name native paths for 64,
+  128 and 256. So a q/k 66 wide (GOAT's official layout in bf16 for a 64 head) runs in a bucket
+  above plain attention's 64; the first GPU check measured GOAT at 1.24-1.50x plain cuDNN's
+  time on one H200 (benchmarks/gpu.md), what a 72-wide q/k run as 96 or 128 predicts.
+* **TPUs, splash**: the last dim is tiled in 128 lanes, so 64 and 66 share one tile and 130 (a
+  128 head + 2) takes two (benchmarks/packed_head_dim.md).
+
+:func:`kernel_width` states the rule: the width the kernel runs a ``width``-wide q/k at. GOAT
+falls off the fast path when its packed width runs wider than the plain head would
+(:func:`layout_warning`); ``qk_layout='lane_aligned'`` keeps q/k exactly ``head_dim`` wide and
+never does. The GOAT layer calls :func:`check_layout` after its kernel is chosen (automatic or
+explicit), so a training run and the compile tool (``experiments.compile``, which also lists
+the warnings in its report, :func:`record_layout_warnings`) each say it once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, List, Optional, Tuple
+
+HOPPER_BUCKETS = (64, 128, 256)  # cuDNN's native Hopper head widths (see the module docstring)
+TPU_LANES = 128  # the TPU compiler tiles the last dim in 128 lanes
+_FAST_KERNELS = {"gpu": "cudnn", "tpu": "splash"}  # the kernels the rule is about
+_warned: set = set()
+_recorders: List[list] = []
+
+
+class LayoutWarning(UserWarning):
+    """GOAT's packed q/k width runs in a wider kernel than the plain head would."""
+
+
+def kernel_width(platform: str, compute_capability: Optional[Tuple[int, int]], width: int) -> Optional[int]:
+    """The q/k width the fast kernel of ``platform`` runs a ``width``-wide head at: on a Hopper
+    GPU (compute capability 9.x) the smallest of :data:`HOPPER_BUCKETS` holding ``width``
+    rounded up to a multiple of 8 (that rounding beyond 256); on a TPU ``width`` rounded up to
+    128 lanes. None where the rule is not known (other GPUs, CPUs)."""
+    if platform == "tpu":
+        return -(-width // TPU_LANES) * TPU_LANES
+    if platform == "gpu" and compute_capability is not None and compute_capability[0] == 9:
+        padded = -(-width // 8) * 8
+        return next((b for b in HOPPER_BUCKETS if padded <= b), padded)
+    return None
+
+
+def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]], dtype: Any, implementation: str,
+                   head_dim: int, qk_dim: int) -> Optional[str]:
+    """The warning for a ``dtype`` run of ``implementation`` whose GOAT q/k are ``qk_dim`` wide
+    for a ``head_dim``-wide head, or None when the packed width costs nothing: not bf16, not the
+    platform's fused kernel (cuDNN on GPU, splash on TPU), a platform without a known rule, or
+    the packed width running at the plain head's kernel width."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    if np.dtype(dtype).name != "bfloat16" or _FAST_KERNELS.get(platform) != implementation:
+        return None
+    packed, plain = kernel_width(platform, compute_capability, qk_dim), kernel_width(platform, compute_capability, head_dim)
+    if packed is None or packed <= plain:
+        return None
+    where, cost = (("a Hopper GPU's cuDNN", "measured 1.24-1.50x plain cuDNN's time at 66 wide on an H200: "
+                    "benchmarks/gpu.md") if platform == "gpu" else
+                   ("a TPU's splash kernel (128-lane tiles)", "benchmarks/packed_head_dim.md"))
+    return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads, which {where} runs as "
+            f"{packed} wide against {plain} for plain attention ({cost}). qk_layout='lane_aligned' keeps q/k "
+            f"{head_dim} wide (a different function from the official layout; docs/layer.md, Packed width).")
+
+
+@contextlib.contextmanager
+def record_layout_warnings() -> Iterator[list]:
+    """Collects the layout warnings raised inside the ``with`` (each once), even those already
+    shown earlier in the process: what the compile tool reports for one compile."""
+    found: list = []
+    _recorders.append(found)
+    try:
+        yield found
+    finally:
+        _recorders.remove(found)
+
+
+def check_layout(implementation: str, dtype: Any, head_dim: int, qk_dim: int, *, like: Tuple[Any, ...] = (),
+                 mesh: Any = None) -> Optional[str]:
+    """Warns (:class:`LayoutWarning`, once per message in this process) when GOAT's packed
+    width falls off the fast path of the devices the computation is traced for
+    (:func:`goat_jax.kernels.choice.target`); returns the message or None."""
+    from goat_jax.kernels import choice  # pylint: disable=g-import-not-at-top
+
+    platform, _, device = choice.target(*like, mesh=mesh)
+    cc = choice.compute_capability(device) if platform == "gpu" else None
+    message = layout_warning(platform, cc, dtype, implementation, head_dim, qk_dim)
+    if message is None:
+        return None
+    for found in _recorders:
+        if message not in found:
+            found.append(message)
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, LayoutWarning, stacklevel=3)
+    return message
