@@ -296,15 +296,19 @@ class CudnnBlocks:
         if pair.causal and pair.base != 0:
             raise ValueError(f"cuDNN ring blocks express causal pairs at offset 0 only; got offset {pair.base}.")
 
-    def forward(self, scale, pair: Pair, q, k, v, valid, offset, q_ids, kv_ids):
-        """The pair's (out float32, lse with -inf for rows that saw no key) (module doc)."""
-        del kv_ids
+    def _prepare(self, pair: Pair, valid, q_ids, q, k, v):
+        """What the forward and the backward both start from: the pair checked, the calls, the
+        shapes (b, kh, g, r, hqk, hv), the widths cuDNN runs (q/k, v) and q/k/v in its BTNH layout."""
         self._check(pair, valid, q_ids)
-        calls = self._calls()
         b, kh, g, r, hqk = q.shape
         hv = v.shape[-1]
         wqk, wv = self._widths(hqk, hv)
-        qt, kt, vt = self._btnh(q, k, v, wqk, wv)
+        return self._calls(), (b, kh, g, r, hqk, hv), (wqk, wv), self._btnh(q, k, v, wqk, wv)
+
+    def forward(self, scale, pair: Pair, q, k, v, valid, offset, q_ids, kv_ids):
+        """The pair's (out float32, lse with -inf for rows that saw no key) (module doc)."""
+        del kv_ids
+        calls, (b, kh, g, r, hqk, hv), (wqk, wv), (qt, kt, vt) = self._prepare(pair, valid, q_ids, q, k, v)
 
         def branch(kind):
             def run_kind(qt, kt, vt):
@@ -326,12 +330,7 @@ class CudnnBlocks:
         """The pair's float32 (dq, dk, dv) from cuDNN's backward bound with the global ``out``
         and ``lse`` as its forward output and stats (module doc)."""
         del kv_ids
-        self._check(pair, valid, q_ids)
-        calls = self._calls()
-        b, kh, g, r, hqk = q.shape
-        hv = v.shape[-1]
-        wqk, wv = self._widths(hqk, hv)
-        qt, kt, vt = self._btnh(q, k, v, wqk, wv)
+        calls, (b, kh, g, r, hqk, hv), (wqk, wv), (qt, kt, vt) = self._prepare(pair, valid, q_ids, q, k, v)
         pad_v = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, wv - hv)])
         to_btnh = lambda x: jnp.moveaxis(pad_v(x), 3, 1).reshape(b, r, kh * g, wv).astype(v.dtype)
         ot, dot = to_btnh(out), to_btnh(do)
