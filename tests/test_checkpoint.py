@@ -172,7 +172,8 @@ def test_the_resume_lists_are_the_fields_declarations():
         "checkpoint_every_steps", "eval_every_steps", "log_every_steps", "keep_checkpoints", "mesh",
         "sharding_rules", "distributed", "progress_bar", "peak_flops_per_device",
         "per_device_batch_size", "profile_steps", "wandb", "context_load_balance",
-        "context_strategy"}  # added with ring attention: either strategy computes the same function
+        "context_strategy",  # added with ring attention: either strategy computes the same function
+        "gpu_xla_flags"}  # XLA's GPU scheduling options: the same function, compiled differently
     assert checkpoint.RESUME_ADJUSTABLE_FIELDS == {
         "num_train_steps", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.min_lr_ratio",
         "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip"}

@@ -62,8 +62,8 @@ def test_the_table_is_what_the_compiles_and_the_mfu_read():
         assert metrics.peak_flops_per_device(chip.device_kind) == chip.peak_bf16_flops_per_device
     assert metrics.peak_flops_per_device("cpu") is None
     assert metrics.peak_flops_per_device("cpu", override=5e12) == 5e12
-    with open(os.path.join(ROOT, "experiments", "device_check.py")) as f:
-        assert "chips.peak_flops_per_device(kind)" in f.read()
+    with open(os.path.join(ROOT, "goat_jax", "device_check", "train_step.py")) as f:  # the GPU check's MFU
+        assert "chips.peak_flops_per_device(device.device_kind)" in f.read()
 
 
 @pytest.mark.parametrize("kind, peak", [

@@ -116,7 +116,11 @@ def test_span_loss_weights_give_the_official_loss(rng):
     ce = -np.take_along_axis(_log_softmax64(logits), targets[..., None], -1)[..., 0]  # [B, T]
     hand_global, hand_span = ce.mean(), ce[:, t - k:].mean()
 
-    apply_fn = lambda variables, inputs: jnp.asarray(logits, jnp.float32)  # the model's logits
+    from goat_jax import losses
+
+    def apply_fn(variables, inputs, targets_, weights_, method=None, **_):  # the model's token_loss on these logits
+        assert method == "token_loss"
+        return losses.weighted_cross_entropy(jnp.asarray(logits, jnp.float32), targets_, weights_)
     for weight, expected in ((10.0, (hand_global + 10 * hand_span) / 11), (0.5, (hand_global + 0.5 * hand_span) / 1.5),
                              (None, hand_span)):
         weights = span if weight is None else synthetic.span_loss_weights(span, weight)
