@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.marks import SLOW_CASE
+
 from goat_jax.models import LMConfig, TransformerLM
 from goat_jax.models import sampling
 from goat_jax.losses import chunked_cross_entropy
@@ -112,7 +114,7 @@ def _loss_and_grads(cfg, params, toks, targets, weights):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=SLOW_CASE)])
 def test_lm_loss_chunked_equals_full_logits_tied_and_untied(tie):
     cfg = LMConfig(**TINY, tie_embeddings=tie)
     toks = jax.random.randint(jax.random.PRNGKey(1), (2, 10), 0, cfg.vocab_size, jnp.int32)
@@ -156,6 +158,8 @@ def test_padded_vocabulary_never_reaches_the_loss_logits_or_sampling():
     assert int(out.max()) < cfg.vocab_size
 
 
+@pytest.mark.slow(reason="18 s on 2 cores (compiles the LM's loss and gradients once per remat policy); "
+                         "the policies change what is recomputed, not the function")
 def test_remat_policies_compute_the_same_loss_and_gradients():
     cfg = LMConfig(**TINY, scan_layers=True)
     toks = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, cfg.vocab_size, jnp.int32)
