@@ -298,3 +298,24 @@ def test_the_sigterm_event_is_set_by_a_sigterm_only_and_the_handler_is_restored(
         assert event.wait(5)
     assert event.is_set()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failing_job_with_one_slot_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    """``--jobs 1`` runs the jobs in this process: an exception in one (e.g. an evaluation that
+    runs out of memory) is logged with its traceback and listed as failed, the next job still
+    trains, and the exit code is 1."""
+    monkeypatch.setitem(suites.SUITES, "smoke_fail", _suite("smoke_fail", ("goat", "rope")))
+    real = jobs_lib.train_and_evaluate
+
+    def fail_goat(job, suite, *a, **k):
+        if job.label == "goat":
+            raise MemoryError("RESOURCE_EXHAUSTED: out of memory allocating 51.6 GB")
+        return real(job, suite, *a, **k)
+
+    monkeypatch.setattr(jobs_lib, "train_and_evaluate", fail_goat)
+    assert reproduce.main(_argv("smoke_fail", tmp_path) + ["--jobs", "1"]) == 1
+    log = capsys.readouterr().out
+    assert re.search(r"lm/jargon/goat\S* FAILED:\nTraceback", log), log[-2000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "extrapolation" in results["lm/jargon/rope"]  # the job after the failure trained and was evaluated
+    assert "RESOURCE_EXHAUSTED" in (tmp_path / "out" / "REPORT.md").read_text()

@@ -132,7 +132,7 @@ def test_layout_check_is_non_inferiority_at_one_percent():
     assert lm_family.layout_checks({}, (lc,), "jargon")[0].numbers == "not measured"
 
 
-def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path):
+def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path, monkeypatch):
     """A 2-step smoke LM scored one length at a time on the first 2,049 held-out tokens: every
     length scores exactly 2,048 targets (so the columns read the same text), the numbers equal
     one evaluation of all lengths together, and each length has its seconds and peak memory."""
@@ -144,7 +144,11 @@ def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path):
                                                            "eval_every_steps": 0, "progress_bar": False})
     trainer.train_and_evaluate(config, str(tmp_path))
     run = lm_run.load_lm_run(str(tmp_path))
+    reads = []
+    heldout = ev.heldout_stream
+    monkeypatch.setattr(ev, "heldout_stream", lambda *a, **k: reads.append(1) or heldout(*a, **k))
     ext, cost = lm_family.timed_extrapolation(run, (4, 1, 32), max_tokens=2049)
+    assert len(reads) == 1  # the held-out stream is read and tokenized once for every length
     assert sorted(ext) == [64, 256, 2048] == sorted(cost)
     assert {v["tokens"] for v in ext.values()} == {2048}
     together = ev.eval_extrapolation(run, (1, 4, 32), max_tokens=2049)
@@ -154,3 +158,27 @@ def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path):
     line = lm_family.cost_line({"goat": cost})
     assert line.startswith("Cost of one evaluation by length (goat") and "2048: " in line
     assert np.isfinite([v["ppl"] for v in ext.values()]).all()
+    # The lengths from lm_chunked_from on go through the KV cache in chunks (384 does not divide
+    # 2,048): the same numbers, and the cost says which lengths were chunked.
+    chunked, chunked_cost = lm_family.timed_extrapolation(run, (1, 4, 32), max_tokens=2049, chunked_from=4,
+                                                          chunk_size=384)
+    for n in ext:
+        assert chunked[n]["nll"] == pytest.approx(ext[n]["nll"], rel=1e-5), n
+        assert chunked[n]["tokens"] == ext[n]["tokens"]
+    assert [n for n, c in sorted(chunked_cost.items()) if c.get("chunk_size") == 384] == [256, 2048]
+
+
+def test_long_lengths_are_scored_in_chunks_and_only_their_rows_change_settings():
+    """Added 2026-12-05 for memory: 512x and 1024x are scored through the KV cache in 512-query
+    chunks; only the rows that have those lengths carry the setting, so the others' records
+    stay valid."""
+    assert (TINY.lm_chunked_from, TINY.lm_eval_chunk_size) == (512, 512)
+    without = dataclasses.replace(TINY, lm_chunked_from=None)
+    for job in _jobs().values():
+        if job.kind != "lm":
+            continue
+        settings, before = jobs_lib.eval_settings(job, TINY), jobs_lib.eval_settings(job, without)
+        if job.label in LONG_ROWS:
+            assert settings == {**before, "lm_chunked_from": 512, "lm_eval_chunk_size": 512}, job.name
+        else:
+            assert settings == before, job.name

@@ -204,11 +204,11 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
         tokens_per_batch=8192, nll_fn=nll_fn, bos_id=stream.bos_id,
         progress=lambda msg: log(f"    {run.label} {msg}"))
     if not res:  # every length skipped: an empty table would read as a result
-        _no_full_window("extrapolation", run, multipliers, len(stream.tokens))
+        no_full_window("extrapolation", run, multipliers, len(stream.tokens))
     return {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
 
 
-def _no_full_window(name: str, run: LMRun, multipliers: Sequence[int], num_tokens: int) -> None:
+def no_full_window(name: str, run: LMRun, multipliers: Sequence[int], num_tokens: int) -> None:
     """Raises: no length of the request has one full window in the held-out stream."""
     lengths = [int(m * run.train_len) for m in multipliers]
     raise ValueError(f"--evals {name} on {run.workdir}: the held-out stream ({num_tokens} tokens) holds no "
@@ -288,7 +288,7 @@ def eval_diagnostics(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIER
     if stream is not None and not any(
             len(extrapolation.window_starts(len(stream.tokens), n, bos=stream.bos_id is not None)) for n in lengths):
         # Before the sink curves, which run at the longest length.
-        _no_full_window("diagnostics", run, multipliers, len(stream.tokens))
+        no_full_window("diagnostics", run, multipliers, len(stream.tokens))
     for length in lengths:
         tokens = _eval_windows(run, length, num_windows, stream)
         if not len(tokens):

@@ -22,7 +22,8 @@ import numpy as np
 
 from goat_jax.config_files import load_config
 from goat_jax.eval import plots, toy
-from goat_jax.eval import lm_run
+from goat_jax.eval import chunked, extrapolation, lm_run
+from goat_jax import cli
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import records, stats
 from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
@@ -43,8 +44,9 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
     run = load_for_evaluation(job)
     out = {"train_len": run.train_len, "step": run.step}
     if job.kind == "lm":
-        out["extrapolation"], out["extrapolation_cost"] = timed_extrapolation(run, ppl_multipliers(job, suite),
-                                                                              suite.lm_eval_tokens)
+        out["extrapolation"], out["extrapolation_cost"] = timed_extrapolation(
+            run, ppl_multipliers(job, suite), suite.lm_eval_tokens, chunked_from=chunked_from(suite),
+            chunk_size=suite.lm_eval_chunk_size)
         out["sinks"] = ev.eval_sinks(run, num_examples=suite.sink_examples)
         out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("standard",),
                                          num_trials=suite.standard_trials)
@@ -77,6 +79,10 @@ def extra_lm_settings(job: Job, suite: Suite) -> dict[str, Any]:
         out["lm_long_multipliers"] = list(suite.lm_long_multipliers)
     if suite.lm_eval_tokens:
         out["lm_eval_tokens"] = int(suite.lm_eval_tokens)
+    first = chunked_from(suite)
+    if first is not None and any(m >= first for m in ppl_multipliers(job, suite)):
+        out["lm_chunked_from"] = int(first)  # a row with no such length keeps its cached evaluation
+        out["lm_eval_chunk_size"] = int(suite.lm_eval_chunk_size)
     return out
 
 
@@ -88,26 +94,54 @@ def _peak_rss_mib() -> Optional[float]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int],
-                        max_tokens: Optional[int]) -> tuple[dict, dict]:
-    """(perplexity by length, its cost by length): :func:`goat_jax.eval.runs.eval_extrapolation`
-    one length at a time, shortest first, on the first ``max_tokens`` held-out tokens (None: the
-    whole stream), with each length's wall-clock seconds (its compile included) and the
-    process's peak resident memory after it (MiB; the peak so far, so with lengths in increasing
-    order a rise belongs to that length). A length with no full window is left out, as the
-    evaluation itself leaves it out."""
+def chunked_from(suite: Suite) -> Optional[int]:
+    """The shortest length (a multiple of the training length) that the suite scores through
+    the KV-cache chunked evaluation, or None (every length as one full-window forward)."""
+    return suite.lm_chunked_from or None
+
+
+def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_tokens: Optional[int],
+                        chunked_from: Optional[int] = None,
+                        chunk_size: int = 512) -> tuple[dict, dict]:
+    """(perplexity by length, its cost by length): the perplexity of
+    :func:`goat_jax.eval.runs.eval_extrapolation` one length at a time, shortest first, on the
+    first ``max_tokens`` held-out tokens (None: the whole stream), read and tokenized once,
+    with each length's wall-clock seconds (its compile included) and the process's peak
+    resident memory after it (MiB; the peak so far, so with lengths in increasing order a rise
+    belongs to that length). Lengths of ``chunked_from`` x the training length and longer are
+    scored through the KV cache in chunks of ``chunk_size`` queries
+    (:mod:`goat_jax.eval.chunked`: the same logits, memory chunk x length instead of length
+    squared; docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"). A length with
+    no full window is left out, as the evaluation itself leaves it out."""
     ext, cost = {}, {}
-    for m in sorted(multipliers):
+    multipliers = sorted(multipliers)
+    if run.is_synthetic:  # fresh task windows per length: nothing to read once
+        stream = None
+    else:
+        stream = ev.heldout_stream(run, max_tokens)
+    full_nll = extrapolation.make_nll_fn(run.apply_fn)
+    chunked_nll: dict[int, Any] = {}
+    for m in multipliers:
         t0 = time.time()
-        try:
-            res = ev.eval_extrapolation(run, (m,), max_tokens=max_tokens)
-        except ValueError as e:
-            if "no full window" not in str(e) and "holds no full window" not in str(e):
-                raise
-            continue
+        use_chunks = chunked_from is not None and m >= chunked_from
+        if stream is None:
+            res = ev.eval_extrapolation(run, (m,), max_tokens=max_tokens,
+                                        chunk_size=chunk_size if use_chunks else None)
+        else:
+            if use_chunks and chunk_size not in chunked_nll:
+                chunked_nll[chunk_size] = chunked.make_chunked_nll_fn(run.model, chunk_size)
+            res = extrapolation.perplexity_by_length(
+                run.apply_fn, run.params, stream.tokens, run.train_len, (m,), tokens_per_batch=8192,
+                nll_fn=chunked_nll[chunk_size] if use_chunks else full_nll, bos_id=stream.bos_id,
+                progress=lambda msg: cli.log(f"    {run.label} {msg}" + (f" (chunks of {chunk_size})"
+                                                                         if use_chunks else "")))
+            res = {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
         for n, r in res.items():
             ext[int(n)] = r
-            cost[int(n)] = {"seconds": time.time() - t0, "peak_rss_mib": _peak_rss_mib()}
+            cost[int(n)] = {"seconds": time.time() - t0, "peak_rss_mib": _peak_rss_mib(),
+                            **({"chunk_size": chunk_size} if use_chunks else {})}
+    if stream is not None and not ext:  # every length skipped: an empty table would read as a result
+        ev.no_full_window("extrapolation", run, multipliers, len(stream.tokens))
     return ext, cost
 
 

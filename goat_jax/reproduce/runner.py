@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Optional
 
@@ -244,7 +245,8 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
     run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
     ``<workdir>.log`` (a failure is recorded, the other jobs go on). ``jobs`` = 1: one after
-    another in this process (an exception stops the suite). Runs that are finished and
+    another in this process (a job's exception is logged with its traceback and recorded as its
+    failure; the other jobs go on). Runs that are finished and
     evaluated, or recorded (:func:`goat_jax.reproduce.jobs.reused`), are read first, in this
     process, and take no job slot. The others train in :func:`queue_order` (``families``: the
     order of the ``--families`` flag); an evaluated-with row, which reads another row's run,
@@ -313,7 +315,20 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 step += 1
                 cli.log(f"[{step}/{len(all_jobs)}] {each.run_name}: {each.spec} {each.overrides or ''}"
                         + (f" evaluated with {each.eval_overrides}" if not each.trains else ""))
-                record(each, jobs_lib.train_and_evaluate(each, suite))
+                if each.run_name in failed:  # its run failed above: nothing to evaluate
+                    cli.log(f"  skipped: {failed[each.run_name]}")
+                    continue
+                try:
+                    result = jobs_lib.train_and_evaluate(each, suite)
+                except jobs_lib.RunStopped:
+                    raise
+                except Exception as error:  # pylint: disable=broad-except  # one job's failure loses no other
+                    failed[each.run_name] = f"{type(error).__name__}: {error}"
+                    cli.log(f"[{step}/{len(all_jobs)}] {each.run_name} FAILED:\n{traceback.format_exc()}")
+                    for reader in readers.get(id(each), []):
+                        failed[reader.run_name] = f"not evaluated: the run it reads ({each.run_name}) failed"
+                    continue
+                record(each, result)
                 cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
         return raw, timings, failed
     stopped: list[str] = []

@@ -126,6 +126,11 @@ class Suite:
     lm_long_multipliers: tuple[int, ...] = ()
     lm_long_rows: tuple[str, ...] = ()
     lm_eval_tokens: Optional[int] = None
+    # LM lengths of lm_chunked_from x the training length and longer are scored through the KV
+    # cache in chunks of lm_eval_chunk_size queries (the same logits; memory chunk x length, not
+    # length squared, for the kernels that build a T x S bias). None: every length in one forward.
+    lm_chunked_from: Optional[int] = None
+    lm_eval_chunk_size: int = 512
     num_examples: int = 64  # synthetic passkey examples per length
     niah_examples: int = 16  # NIAH examples per (length, depth) cell
     niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # official GOAT depths
@@ -227,6 +232,9 @@ SUITES = {
         # for every LM row, 512x and 1024x for the rows whose 64x / 1x ratio was below 1.5 then.
         lm_more_multipliers=(128, 256), lm_long_multipliers=(512, 1024), lm_eval_tokens=131_073,
         lm_long_rows=("goat", "goat+linear_sink", "goat+learn_frequencies", "alibi", "kerple_log", "fox", "nope"),
+        # Added 2026-12-05 for memory (ALiBi's 'xla' kernel asked for 51.6 GB at 32,768): 512x
+        # and 1024x through the KV cache in 512-query chunks, for every row that has them.
+        lm_chunked_from=512, lm_eval_chunk_size=512,
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000,
                       # a checkpoint every 200 steps: a killed run loses at most ~2 minutes
