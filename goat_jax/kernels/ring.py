@@ -66,8 +66,8 @@ class _Ring(NamedTuple):
     blocks: Any = None  # the block kernels (goat_jax/kernels/ring_blocks.py); None: flash's loops
 
 
-def _start(cfg: _Ring, device, r: int):
-    """Sequence index of the first token of run ``r`` of ``device`` (traced device index)."""
+def _start(cfg: _Ring, device, r):
+    """Sequence index of the first token of run ``r`` (static or traced) of ``device`` (traced)."""
     if cfg.runs == 1:
         return device * cfg.run * (2 if cfg.balanced else 1)
     return jnp.where(r == 0, device, 2 * cfg.c - 1 - device) * cfg.run
@@ -77,8 +77,21 @@ def _blocks(cfg: _Ring):
     return cfg.blocks if cfg.blocks is not None else ring_blocks.FlashBlocks(cfg.block, cfg.precision)
 
 
-def _cut(x: Optional[Array], r: int, run: int, axis: int) -> Optional[Array]:
-    return None if x is None else lax.slice_in_dim(x, r * run, (r + 1) * run, axis=axis)
+def _run_of(x: Optional[Array], r, run: int, axis: int) -> Optional[Array]:
+    """Run ``r`` (static or traced) of ``x`` along ``axis``."""
+    return None if x is None else lax.dynamic_slice_in_dim(x, r * run, run, axis=axis)
+
+
+def _add_run(x: Array, r, run: int, axis: int, part: Array) -> Array:
+    """``x`` with ``part`` added to its run ``r`` (static or traced) along ``axis``."""
+    return lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, r * run, run, axis) + part, r * run, axis)
+
+
+def _peeled(cfg: _Ring) -> bool:
+    """Whether the first step runs apart from the others: a causal ring at offset 0, whose first
+    step holds the diagonal pairs (causal) and whose later steps hold only full and empty pairs,
+    so each later pair's kind is static or chosen by which run it reads (no switch over masks)."""
+    return cfg.causal and cfg.offset == 0
 
 
 def _known(cfg: _Ring, qr: int, kr: int) -> Optional[str]:
@@ -89,14 +102,36 @@ def _known(cfg: _Ring, qr: int, kr: int) -> Optional[str]:
     return None
 
 
-def _pair(cfg: _Ring, q_ids, k_cur, v_cur, keep, kv_ids, me, src, qr: int, kr: int):
+def _work(cfg: _Ring, me, src, first: bool):
+    """The block pairs of one ring step, as (query run, key run, static kind or None), runs
+    static or traced; ``first``: the peeled first step (:func:`_peeled`), where ``src == me``.
+
+    Peeled, the first step is the diagonal pair(s) (causal) and, load-balanced, the late run
+    against the early one (full); every later step of a load-balanced ring is the late run
+    against the early one and one diagonal-run pair that is full, early against early when the
+    block comes from an earlier device and late against late otherwise (the other is empty), so
+    splash and cuDNN run one static full kernel per pair instead of a switch over masks.
+    Unbalanced, a later step is full or empty (a switch of two). Not peeled: every pair, with
+    the kind the layout fixes or None (the block kernels switch over :func:`ring_blocks.kinds`)."""
+    if not _peeled(cfg):
+        items = [(qr, kr, _known(cfg, qr, kr)) for qr in range(cfg.runs) for kr in range(cfg.runs)]
+        return [item for item in items if item[2] != "empty"]
+    if first:
+        return [(r, r, "diagonal") for r in range(cfg.runs)] + ([(1, 0, "full")] if cfg.runs == 2 else [])
+    if cfg.runs == 1:
+        return [(0, 0, "off_diagonal")]
+    sel = jnp.where(src < me, 0, 1).astype(jnp.int32)
+    return [(1, 0, "full"), (sel, sel, "full")]
+
+
+def _pair(cfg: _Ring, q_ids, k_cur, v_cur, keep, kv_ids, me, src, qr, kr, known):
     """The block arguments of query run ``qr`` of this device against key run ``kr`` of the
     block from ``src``: (pair, k, v, valid, offset, query ids, key ids)."""
-    k_r, v_r = _cut(k_cur, kr, cfg.run, 2), _cut(v_cur, kr, cfg.run, 2)
-    valid = _cut(keep, kr, cfg.run, 1)
+    k_r, v_r = _run_of(k_cur, kr, cfg.run, 2), _run_of(v_cur, kr, cfg.run, 2)
+    valid = _run_of(keep, kr, cfg.run, 1)
     offset = jnp.asarray(cfg.offset + _start(cfg, me, qr) - _start(cfg, src, kr), jnp.int32)
-    pair = ring_blocks.Pair(cfg.causal, cfg.offset, cfg.run, _known(cfg, qr, kr))
-    return pair, k_r, v_r, valid, offset, _cut(q_ids, qr, cfg.run, 1), _cut(kv_ids, kr, cfg.run, 1)
+    pair = ring_blocks.Pair(cfg.causal, cfg.offset, cfg.run, known)
+    return pair, k_r, v_r, valid, offset, _run_of(q_ids, qr, cfg.run, 1), _run_of(kv_ids, kr, cfg.run, 1)
 
 
 def _rotate(cfg: _Ring, tree):
@@ -116,34 +151,40 @@ def _merge(acc, part):
     return o1 * w1[..., None] + o2 * w2[..., None], total
 
 
+def _steps(cfg: _Ring, step, carry):
+    """Runs ``step(carry, s, first)`` for s = 0 .. c - 1: the first apart when peeled (its pairs'
+    kinds differ from the others'), the rest in one scan."""
+    rest = jnp.arange(cfg.c)
+    if _peeled(cfg):
+        carry = step(carry, jnp.int32(0), True)
+        rest = rest[1:]
+    carry, _ = lax.scan(lambda cr, s: (step(cr, s, False), None), carry, rest)
+    return carry
+
+
 def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
     """q [B, K, G, Tl, H], k/v [B, K, Tl, H*] (local): (out float32, lse with -inf for rows
     that saw no key)."""
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
-    q_runs = [_cut(q, r, cfg.run, 3) for r in range(cfg.runs)]
-    b, kh, g, _, _ = q.shape
-    hv = v.shape[-1]
-    init = [(jnp.zeros((b, kh, g, cfg.run, hv), jnp.float32), jnp.full((b, kh, g, cfg.run), -jnp.inf))
-            for _ in range(cfg.runs)]
+    b, kh, g, tl, _ = q.shape
+    init = (jnp.zeros((b, kh, g, tl, v.shape[-1]), jnp.float32), jnp.full((b, kh, g, tl), -jnp.inf))
 
-    def step(carry, s):
-        block, acc = carry
+    def step(carry, s, first):
+        block, (out, lse) = carry
         arriving = _rotate(cfg, block)  # issued first: the transfer overlaps this step's compute
         k_cur, v_cur, keep_cur, ids_cur = block
         src = (me - s) % cfg.c
-        acc = list(acc)
-        for qr in range(cfg.runs):
-            for kr in range(cfg.runs):
-                pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me,
-                                                              src, qr, kr)
-                acc[qr] = _merge(acc[qr], blocks.forward(cfg.scale, pair, q_runs[qr], k_r, v_r, valid, offset,
-                                                         qi, ki))
-        return (arriving, tuple(acc)), None
+        for qr, kr, known in _work(cfg, me, src, first):
+            pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
+                                                          qr, kr, known)
+            part = blocks.forward(cfg.scale, pair, _run_of(q, qr, cfg.run, 3), k_r, v_r, valid, offset, qi, ki)
+            o_r, l_r = _merge((_run_of(out, qr, cfg.run, 3), _run_of(lse, qr, cfg.run, 3)), part)
+            out = lax.dynamic_update_slice_in_dim(out, o_r, qr * cfg.run, axis=3)
+            lse = lax.dynamic_update_slice_in_dim(lse, l_r, qr * cfg.run, axis=3)
+        return arriving, (out, lse)
 
-    (_, acc), _ = lax.scan(step, ((k, v, keep, kv_ids), tuple(init)), jnp.arange(cfg.c))
-    out = jnp.concatenate([o for o, _ in acc], axis=3)
-    lse = jnp.concatenate([l for _, l in acc], axis=3)
+    _, (out, lse) = _steps(cfg, step, ((k, v, keep, kv_ids), init))
     return out, lse
 
 
@@ -151,35 +192,27 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
     """(dq, dk, dv) float32 of the local arrays; ``lse`` uses +inf for empty rows (flash's)."""
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
-    cut_q = lambda x: [_cut(x, r, cfg.run, 3) for r in range(cfg.runs)]
-    q_runs, out_runs, lse_runs, do_runs = cut_q(q), cut_q(out), cut_q(lse), cut_q(do)
-    dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x in q_runs)
+    run_of = lambda x, r: _run_of(x, r, cfg.run, 3)
 
-    def step(carry, s):
-        block, grads, dq = carry
+    def step(carry, s, first):
+        block, (dk_cur, dv_cur), dq = carry
         k_cur, v_cur, keep_cur, ids_cur = block
-        dk_cur, dv_cur = grads
         src = (me - s) % cfg.c
-        dq = list(dq)
-        for qr in range(cfg.runs):
-            for kr in range(cfg.runs):
-                pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me,
-                                                              src, qr, kr)
-                dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, q_runs[qr], k_r, v_r, valid, offset, qi, ki,
-                                                   out_runs[qr], lse_runs[qr], do_runs[qr])
-                dq[qr] = dq[qr] + dq_p
-                at = kr * cfg.run
-                dk_cur = lax.dynamic_update_slice_in_dim(
-                    dk_cur, lax.dynamic_slice_in_dim(dk_cur, at, cfg.run, 2) + dk_p, at, axis=2)
-                dv_cur = lax.dynamic_update_slice_in_dim(
-                    dv_cur, lax.dynamic_slice_in_dim(dv_cur, at, cfg.run, 2) + dv_p, at, axis=2)
+        for qr, kr, known in _work(cfg, me, src, first):
+            pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
+                                                          qr, kr, known)
+            dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, run_of(q, qr), k_r, v_r, valid, offset, qi, ki,
+                                               run_of(out, qr), run_of(lse, qr), run_of(do, qr))
+            dq = _add_run(dq, qr, cfg.run, 3, dq_p)
+            dk_cur = _add_run(dk_cur, kr, cfg.run, 2, dk_p)
+            dv_cur = _add_run(dv_cur, kr, cfg.run, 2, dv_p)
         # The block and its gradient move on together; after c hops each is home again.
         block, grads = _rotate(cfg, (block, (dk_cur, dv_cur)))
-        return (block, grads, tuple(dq)), None
+        return block, grads, dq
 
     grads0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (_, (dk, dv), dq), _ = lax.scan(step, ((k, v, keep, kv_ids), grads0, dq0), jnp.arange(cfg.c))
-    return jnp.concatenate(dq, axis=3), dk, dv
+    _, (dk, dv), dq = _steps(cfg, step, ((k, v, keep, kv_ids), grads0, jnp.zeros(q.shape, jnp.float32)))
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

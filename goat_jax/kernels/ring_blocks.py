@@ -54,7 +54,10 @@ class Pair(NamedTuple):
     causal: bool  # the ring's mask is causal
     base: int  # the ring's static causal offset (0 for self-attention)
     run: int  # tokens per run
-    known: Optional[str] = None  # 'full' or 'empty' when the pair's kind is known statically
+    # What is known statically of the pair's kind: 'full', 'empty', 'diagonal' (the ring's own
+    # causal mask at the base offset: a run against itself), 'off_diagonal' (full or empty,
+    # never partly masked: a run against another of a ring at offset 0), or None.
+    known: Optional[str] = None
 
 
 # A pair's kind: ('empty',), ('full',) or ('causal', offset).
@@ -68,6 +71,10 @@ def kinds(pair: Pair) -> Tuple[Kind, ...]:
         return (("full",),)
     if pair.known == "empty":
         return (("empty",),)
+    if pair.known == "diagonal":
+        return (("causal", pair.base),)
+    if pair.known == "off_diagonal":
+        return (("empty",), ("full",))
     n = pair.run
     partial = tuple(("causal", d) for d in (pair.base % n - n, pair.base % n) if -n < d < n - 1)
     return (("empty",), ("full",)) + partial
