@@ -20,6 +20,7 @@ from goat_jax import segments as seglib
 from goat_jax.layers.positional import PositionalAttention
 from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
+from tests.ring_cases import ring_case
 import flax
 
 B, T, N, K, H = 2, 64, 4, 2, 8
@@ -27,19 +28,8 @@ rng = np.random.default_rng(0)
 q, k, v, ct = (rng.normal(size=s).astype(np.float32) for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
 out = {"kernel": [], "layers": []}
 for c, balanced, seg, pad in json.loads(sys.argv[1]):
-    ids = kpm = None
-    if seg:
-        cuts = np.sort(rng.integers(1, T, size=(B, 3)), axis=1)
-        ids = (np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
-    if pad:
-        kpm = np.zeros((B, T), bool)
-        kpm[1, -9:] = True
-    want = ref.attention_and_grads(q, k, v, ct, scale=0.3, is_causal=True, key_padding_mask=kpm,
-                                   q_segment_ids=ids, kv_segment_ids=ids)
-    order = balance.balance_order(T, c) if balanced else np.arange(T)
-    perm = lambda a: None if a is None else jnp.take(jnp.asarray(a), order, axis=1)
-    mesh = jax.make_mesh((8 // c, 1, c, 1), ("data", "fsdp", "context", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    ids, kpm, want, order, perm, mesh = ring_case(rng, q, k, v, ct, c=c, balanced=balanced, seg=seg, pad=pad,
+                                                  padded_tail=9)
 
     def f(q_, k_, v_, ct_, ids_, kpm_):
         kw = {} if ids_ is None else {"segment_ids": ids_}

@@ -18,11 +18,11 @@ from tests.config_helpers import run_on_fake_devices
 _SCRIPT = r'''
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from goat_jax.kernels import balance, ring, ring_blocks
+from goat_jax.kernels import ring, ring_blocks
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.plan import AttentionPlan
-from tests import goat_reference as ref
 from tests import cudnn_stand_in
+from tests.ring_cases import ring_case
 
 cases = json.loads(sys.argv[1])
 rng = np.random.default_rng(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
@@ -35,19 +35,8 @@ for backend, c, balanced, seg, pad, n, kh, causal in cases:
     k = rng.normal(size=(B, T, kh, H)).astype(np.float32)
     v = rng.normal(size=(B, T, kh, Hv)).astype(np.float32)
     ct = rng.normal(size=(B, T, n, Hv)).astype(np.float32)
-    ids = kpm = None
-    if seg:
-        cuts = np.sort(rng.integers(1, T, size=(B, 3)), axis=1)
-        ids = (np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
-    if pad:
-        kpm = np.zeros((B, T), bool)
-        kpm[1, -37:] = True
-    want = ref.attention_and_grads(q, k, v, ct, scale=0.3, is_causal=causal, key_padding_mask=kpm,
-                                   q_segment_ids=ids, kv_segment_ids=ids)
-    order = balance.balance_order(T, c) if balanced else np.arange(T)
-    perm = lambda a: None if a is None else jnp.take(jnp.asarray(a), order, axis=1)
-    mesh = jax.make_mesh((8 // c, 1, c, 1), ("data", "fsdp", "context", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    ids, kpm, want, order, perm, mesh = ring_case(rng, q, k, v, ct, c=c, balanced=balanced, seg=seg, pad=pad,
+                                                  padded_tail=37, causal=causal)
     blocks = None
     impl = backend
     if backend == "cudnn_stand_in":
@@ -157,6 +146,34 @@ def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatc
             kernels.resolve_implementation("cudnn", jnp.bfloat16, 72, shape, mesh=gpu, segments=True, plan=ring)
     # Without ring, nothing changed: cuDNN's packed layout on Hopper.
     assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "cudnn"
+
+
+def test_cudnn_under_all_gather_logs_why_a_causal_mask_is_explicit(monkeypatch, caplog):
+    """jax 0.10.2's cuDNN call has top-left causal only, so under context_strategy='all_gather' a
+    shard's offset causal mask reaches cuDNN as an explicit mask: the automatic choice keeps cuDNN
+    and its log line says why (the cuDNN row's detour), for causal masks only; flash, whose
+    loops take the offset, and ring (cuDNN blocks in their own causal mode) say nothing of it."""
+    import logging
+
+    import jax.numpy as jnp
+
+    from goat_jax import kernels
+    from goat_jax.kernels import capabilities as caps
+    from goat_jax.plan import AttentionPlan
+
+    gpu = _context_mesh("gpu", "NVIDIA H200")
+    monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", _Device("NVIDIA H200")))
+    caplog.set_level(logging.INFO, logger="goat_jax")
+    why = "jax 0.10.2's cuDNN call has no causal offset"
+    assert caps.CUDNN_GATHERED_CAUSAL_WHY.startswith(why)
+    gather = AttentionPlan(context_strategy="all_gather")
+    said = lambda: [r.getMessage() for r in caplog.records if why in r.getMessage()]
+    for implementation, causal, plan in ((None, False, gather), ("flash", True, gather),
+                                         (None, True, AttentionPlan(context_strategy="ring"))):
+        assert kernels.choose(implementation, jnp.bfloat16, 72, mesh=gpu, plan=plan, gathered_causal=causal)
+        assert not said(), (implementation, causal, plan)
+    assert kernels.choose(None, jnp.bfloat16, 72, mesh=gpu, plan=gather, gathered_causal=True).implementation == "cudnn"
+    assert len(said()) == 1 and "context strategy 'all_gather' over 4 devices" in said()[0], said()
 
 
 _ENGINE_SCRIPT = r'''

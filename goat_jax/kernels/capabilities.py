@@ -65,6 +65,9 @@ class Capability:
     attention: Optional[Callable[..., Any]] = dataclasses.field(default=None, compare=False, repr=False)
     preferred_on: Tuple[str, ...] = ()  # platforms whose automatic choice tries it first (in name order)
     static_masks: bool = False  # builds its masks statically: each context shard's offset is a branch of its own
+    # situation (a key of DETOURS) -> how the kernel runs it other than natively, and why; the
+    # automatic choice's log line says it when the call is in that situation
+    detours: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def takes(self, feature: str) -> bool:
         """Whether the kernel takes ``feature`` (one of :data:`FEATURES`)."""
@@ -82,6 +85,16 @@ CUDNN_RING_MASKS_WHY = ("cuDNN ring blocks run the plain causal / unmasked calls
                         "would be exact only on the diagonal pair (a document's query and key ranges coincide there) "
                         "and key padding has no per-pair form here, so packed documents and padding run the ring on "
                         "'flash' blocks")
+# Why cuDNN under context_strategy='all_gather' takes a causal mask as an explicit mask (said by
+# the automatic choice's log line, from the cuDNN row's detours).
+CUDNN_GATHERED_CAUSAL_WHY = (
+    "jax 0.10.2's cuDNN call has no causal offset (fused_attention_stablehlo.MaskType CAUSAL is top-left, "
+    "key j <= query i, as jax.nn's _get_causal_mask; there is no bottom-right alignment or query offset, "
+    "q_offsets / kv_offsets are the packed layout's document starts and sliding_window_length only narrows "
+    "the window below the diagonal), so each shard's causal mask at its offset goes to cuDNN as an explicit "
+    "[T / c, T] mask, materialized as a bias; context_strategy='ring' runs cuDNN blocks in its own causal mode")
+# Situations in which a kernel may take a call other than natively (Capability.detours).
+DETOURS = {"gathered_causal": "a causal mask under context_strategy='all_gather' (each shard's queries at their offset)"}
 NO_WINDOW = "a sliding window (AttentionPlan.window) is for the materializing kernels 'xla' and 'dense'"
 
 # name -> row, in name order (the order of docs/layer.md's table, of the choices and of preference).
@@ -98,10 +111,10 @@ def register(row: Capability) -> Capability:
         raise ValueError(f"implementation={row.name!r} is registered already.")
     if row.attention is None:
         raise ValueError(f"Capability {row.name!r} needs its attention function (attention=...).")
-    unknown = (set(row.features) | set(row.why_not)) - set(FEATURES)
+    unknown = (set(row.features) | set(row.why_not)) - set(FEATURES) | set(row.detours) - set(DETOURS)
     if unknown or not set(row.platforms) | set(row.preferred_on) <= set(ANY):
         raise ValueError(f"Capability {row.name!r}: unknown features {sorted(unknown)} or platforms "
-                         f"{sorted(set(row.platforms) | set(row.preferred_on))}; known: {FEATURES}, {ANY}.")
+                         f"{sorted(set(row.platforms) | set(row.preferred_on))}; known: {FEATURES}, {tuple(DETOURS)}, {ANY}.")
     rows = sorted([*CAPABILITIES.values(), row], key=lambda r: r.name)  # by name: not by import order
     CAPABILITIES.clear()
     CAPABILITIES.update((r.name, r) for r in rows)
@@ -233,13 +246,15 @@ def markdown_table() -> str:
     """The capability table as Markdown, one line per registered row (docs/layer.md holds it; a
     test keeps the two equal). "tried first on": the platforms whose automatic choice prefers it.
     "segment ids + padding / offset / cross": segment ids together with key padding, kv
-    lengths, a causal offset or keys other than the queries (what cuDNN's packed layout lacks)."""
+    lengths, a causal offset or keys other than the queries (what cuDNN's packed layout lacks).
+    "causal under all-gather": whether each shard's offset causal mask runs in the kernel's own
+    causal mode or as an explicit mask (its row's ``detours``; the reason is in the choice's log)."""
     head = ["kernel", "platforms", "tried first on", "dtypes", "max q/k dim", "head dim padded to", "lengths padded to"]
     short = {"segment_ids": "segment ids", "ragged_segments": "segment ids + padding / offset / cross",
              "bias": "additive bias", "traced_offset": "traced causal offset", "window": "sliding window",
              "return_probs": "probabilities", "ring": "ring context parallelism",
              "ring_masks": "ring with segment ids / padding"}
-    head += [short[f] for f in FEATURES]
+    head += [short[f] for f in FEATURES] + ["causal under all-gather"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in CAPABILITIES.values():
         cells = [f"`{row.name}`", ", ".join(row.platforms), ", ".join(row.preferred_on) or "-",
@@ -247,5 +262,6 @@ def markdown_table() -> str:
                  str(row.max_head_dim or "-"), str(row.head_dim_multiple), str(row.length_multiple)]
         cells += [("from compute capability " + ".".join(map(str, row.needs_capability[f]))
                    if f in row.needs_capability else "yes") if row.takes(f) else "no" for f in FEATURES]
+        cells.append("as an explicit mask" if "gathered_causal" in row.detours else "native")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -53,11 +53,13 @@ def record_choices() -> Iterator[list]:
         _choices.remove(found)
 
 
-def context_plan(implementation: str, mesh: Any, plan: AttentionPlan) -> dict:
+def context_plan(implementation: str, mesh: Any, plan: AttentionPlan, causal: bool = False) -> dict:
     """How attention with ``implementation`` on ``mesh`` under ``plan`` crosses the context axis,
     for the log line and the compile report: ``{}`` when the sequence is not split; else
     ``context_strategy``, ``context_shards``, ``load_balanced`` and, for a ring, ``ring_blocks``:
-    the kernel whose block math computes its blocks (a ring under 'xla' runs flash's)."""
+    the kernel whose block math computes its blocks (a ring under 'xla' runs flash's); and
+    ``detour``: how the kernel takes a ``causal`` mask under 'all_gather' when not natively (its
+    capability row's ``detours``, e.g. cuDNN's explicit mask), where it says so."""
     shards = mesh_lib.context_shards(mesh, plan.context_axis)
     if shards <= 1:
         return {}
@@ -65,6 +67,9 @@ def context_plan(implementation: str, mesh: Any, plan: AttentionPlan) -> dict:
              "load_balanced": plan.load_balanced}
     if plan.context_strategy == ring.NAME:
         found["ring_blocks"] = ring.block_kernel(implementation)
+    row = caps.CAPABILITIES.get(implementation)
+    if causal and plan.context_strategy != ring.NAME and row is not None and "gathered_causal" in row.detours:
+        found["detour"] = row.detours["gathered_causal"]
     return found
 
 
@@ -76,6 +81,8 @@ def describe_context(plan: dict) -> str:
             f"{'load-balanced' if plan['load_balanced'] else 'not load-balanced'}")
     if "ring_blocks" in plan:
         text += f", each block computed by {plan['ring_blocks']}'s block math"
+    if "detour" in plan:
+        text += f" ({plan['detour']})"
     return text
 
 
@@ -248,13 +255,14 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     # Masks that ride a ring with their keys (segment ids, key padding, kv lengths): a feature of
     # their own only under ring (cuDNN's ring blocks take none of them).
     key_masks = uses.pop("ring_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
+    causal = uses.pop("gathered_causal", False)  # read only for a kernel's detour under 'all_gather'
     context_features = strategy_features(mesh, plan)
     if context_features.get("ring") and key_masks:
         context_features["ring_masks"] = True
     req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **context_features)
     if implementation is None or implementation == "auto":
         name, why = _automatic(req, logits_shape, mesh, plan)
-        context = context_plan(name, mesh, plan)
+        context = context_plan(name, mesh, plan, causal)
         # A ring leads the line: its blocks, not the named kernel, are what runs.
         lead = f"{describe_context(context)}; implementation" if "ring_blocks" in context else "implementation"
         tail = f"; {describe_context(context)}" if context and "ring_blocks" not in context else ""
@@ -264,7 +272,7 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     why = caps.refusal(implementation, req)
     if why is not None:
         raise ValueError(why)
-    context = context_plan(implementation, mesh, plan)
+    context = context_plan(implementation, mesh, plan, causal)
     if context:  # an explicit kernel needs no reason, but how it crosses the shards is news
         log_once(f"goat_jax: attention implementation '{implementation}' (explicit); {describe_context(context)}.")
     return Choice(_record(implementation, req, context), req, mesh)

@@ -85,4 +85,5 @@ ROW = caps.register(caps.Capability(
      "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS, "ring_masks": caps.CUDNN_RING_MASKS_WHY},
     "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
     "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
-    needs_capability={"segment_ids": caps.HOPPER}, attention=attention, preferred_on=("gpu",)))
+    needs_capability={"segment_ids": caps.HOPPER}, attention=attention, preferred_on=("gpu",),
+    detours={"gathered_causal": caps.CUDNN_GATHERED_CAUSAL_WHY}))

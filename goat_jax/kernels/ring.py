@@ -48,6 +48,7 @@ from goat_jax.plan import AttentionPlan
 Array = jax.Array
 NAME = "ring"
 _BLOCK = 512  # the largest flash tile a run is cut into (flash.DEFAULT_BLOCK_Q)
+_LANES = 128  # a TPU vector register's lanes: the last axis of an array is tiled by them
 
 
 class _Ring(NamedTuple):
@@ -79,7 +80,23 @@ def _blocks(cfg: _Ring):
 
 def _run_of(x: Optional[Array], r, run: int, axis: int) -> Optional[Array]:
     """Run ``r`` (static or traced) of ``x`` along ``axis``."""
-    return None if x is None else lax.dynamic_slice_in_dim(x, r * run, run, axis=axis)
+    if x is None:
+        return None
+    if isinstance(r, int):
+        return lax.slice_in_dim(x, r * run, (r + 1) * run, axis=axis)
+    return lax.dynamic_slice_in_dim(x, r * run, run, axis=axis)
+
+
+def _pick(runs, r):
+    """Entry ``r`` (static, or traced with two runs) of per-run arrays."""
+    return runs[r] if isinstance(r, int) else jax.tree.map(lambda a, b: jnp.where(r == 0, a, b), *runs)
+
+
+def _put(runs, r, value):
+    """``runs`` with entry ``r`` (static, or traced with two runs) replaced by ``value``."""
+    if isinstance(r, int):
+        return tuple(value if i == r else x for i, x in enumerate(runs))
+    return tuple(jax.tree.map(lambda new, old, i=i: jnp.where(r == i, new, old), value, x) for i, x in enumerate(runs))
 
 
 def _add_run(x: Array, r, run: int, axis: int, part: Array) -> Array:
@@ -88,10 +105,14 @@ def _add_run(x: Array, r, run: int, axis: int, part: Array) -> Array:
 
 
 def _peeled(cfg: _Ring) -> bool:
-    """Whether the first step runs apart from the others: a causal ring at offset 0, whose first
-    step holds the diagonal pairs (causal) and whose later steps hold only full and empty pairs,
-    so each later pair's kind is static or chosen by which run it reads (no switch over masks)."""
-    return cfg.causal and cfg.offset == 0
+    """Whether the first step runs apart from the others: a causal ring at offset 0 on blocks
+    with static masks (splash, cuDNN), whose first step holds the diagonal pairs (causal) and
+    whose later steps hold only full and empty pairs, so each later pair's kind is static or
+    chosen by which run it reads instead of a ``lax.switch`` over masks (whose conditionals cost
+    0.28 GiB of temporaries on a 65,536-token splash ring; benchmarks/context.md). The flash
+    loops take the traced offset as trip counts and need no switch; peeling would only add the
+    first step's buffers beside the loop's (+38% temporaries at c = 2 on CPU)."""
+    return cfg.causal and cfg.offset == 0 and _blocks(cfg).static_masks
 
 
 def _known(cfg: _Ring, qr: int, kr: int) -> Optional[str]:
@@ -167,11 +188,12 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
     that saw no key)."""
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
-    b, kh, g, tl, _ = q.shape
-    init = (jnp.zeros((b, kh, g, tl, v.shape[-1]), jnp.float32), jnp.full((b, kh, g, tl), -jnp.inf))
+    b, kh, g, _, _ = q.shape
+    init = tuple((jnp.zeros((b, kh, g, cfg.run, v.shape[-1]), jnp.float32), jnp.full((b, kh, g, cfg.run), -jnp.inf))
+                 for _ in range(cfg.runs))
 
     def step(carry, s, first):
-        block, (out, lse) = carry
+        block, acc = carry
         arriving = _rotate(cfg, block)  # issued first: the transfer overlaps this step's compute
         k_cur, v_cur, keep_cur, ids_cur = block
         src = (me - s) % cfg.c
@@ -179,13 +201,11 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
             pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
                                                           qr, kr, known)
             part = blocks.forward(cfg.scale, pair, _run_of(q, qr, cfg.run, 3), k_r, v_r, valid, offset, qi, ki)
-            o_r, l_r = _merge((_run_of(out, qr, cfg.run, 3), _run_of(lse, qr, cfg.run, 3)), part)
-            out = lax.dynamic_update_slice_in_dim(out, o_r, qr * cfg.run, axis=3)
-            lse = lax.dynamic_update_slice_in_dim(lse, l_r, qr * cfg.run, axis=3)
-        return arriving, (out, lse)
+            acc = _put(acc, qr, _merge(_pick(acc, qr), part))
+        return arriving, acc
 
-    _, (out, lse) = _steps(cfg, step, ((k, v, keep, kv_ids), init))
-    return out, lse
+    _, acc = _steps(cfg, step, ((k, v, keep, kv_ids), init))
+    return jnp.concatenate([o for o, _ in acc], axis=3), jnp.concatenate([l for _, l in acc], axis=3)
 
 
 def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
@@ -193,6 +213,7 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
     run_of = lambda x, r: _run_of(x, r, cfg.run, 3)
+    dense = blocks.lane_dense_sums and cfg.run % _LANES == 0  # the sums' layout (_lanes)
 
     def step(carry, s, first):
         block, (dk_cur, dv_cur), dq = carry
@@ -203,16 +224,43 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
                                                           qr, kr, known)
             dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, run_of(q, qr), k_r, v_r, valid, offset, qi, ki,
                                                run_of(out, qr), run_of(lse, qr), run_of(do, qr))
-            dq = _add_run(dq, qr, cfg.run, 3, dq_p)
-            dk_cur = _add_run(dk_cur, kr, cfg.run, 2, dk_p)
-            dv_cur = _add_run(dv_cur, kr, cfg.run, 2, dv_p)
+            dq = _put(dq, qr, _pick(dq, qr) + _lanes(dq_p, dense))
+            dk_cur = _add_lanes(dk_cur, kr, cfg.run, dk_p, dense)
+            dv_cur = _add_lanes(dv_cur, kr, cfg.run, dv_p, dense)
         # The block and its gradient move on together; after c hops each is home again.
         block, grads = _rotate(cfg, (block, (dk_cur, dv_cur)))
         return block, grads, dq
 
-    grads0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    _, (dk, dv), dq = _steps(cfg, step, ((k, v, keep, kv_ids), grads0, jnp.zeros(q.shape, jnp.float32)))
-    return dq, dk, dv
+    zeros = lambda x: _lanes(jnp.zeros(x.shape, jnp.float32), dense)
+    dq0 = tuple(zeros(x) for x in (_run_of(q, r, cfg.run, 3) for r in range(cfg.runs)))
+    _, (dk, dv), dq = _steps(cfg, step, ((k, v, keep, kv_ids), (zeros(k), zeros(v)), dq0))
+    dq = jnp.concatenate([x.reshape(x.shape[:3] + (cfg.run, q.shape[-1])) for x in dq], axis=3)
+    return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _lanes(x: Array, dense: bool) -> Array:
+    """``x`` [..., T, H] as the ring's backward holds its float32 sums: [..., T * H / 128, 128]
+    when ``dense`` (T a multiple of 128), else unchanged.
+
+    A TPU tiles an array's last axis over 128 lanes, so a head dim of 64 (or GOAT's packed 66)
+    stored last takes the memory of 128: a float32 [8, 8192, 64] sum takes 32 MiB, not 16. The
+    flash loops' sums get a layout with the sequence last from XLA, but splash's kernels return
+    the head dim last, and XLA keeps that layout for the dq / dk / dv sums the ring carries
+    across its steps (and sends around it). Folding the head dim into whole rows of 128 makes
+    them dense: 0.68 -> 0.53 GiB of temporaries on a 65,536-token splash ring (benchmarks/context.md);
+    on flash blocks it costs (0.49 -> 0.52), so only splash blocks ask for it."""
+    if not dense:
+        return x
+    t, h = x.shape[-2:]
+    return x.reshape(x.shape[:-2] + (t * h // _LANES, _LANES))
+
+
+def _add_lanes(x: Array, r, run: int, part: Array, dense: bool) -> Array:
+    """``x`` (held as :func:`_lanes`) with ``part`` [..., run, H] added to its run ``r``."""
+    if not dense:
+        return _add_run(x, r, run, x.ndim - 2, part)
+    rows = run * part.shape[-1] // _LANES
+    return _add_run(x, r, rows, x.ndim - 2, part.reshape(part.shape[:-2] + (rows, _LANES)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

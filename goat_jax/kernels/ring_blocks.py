@@ -99,6 +99,8 @@ class FlashBlocks:
     block: int
     precision: Any = None
     name: str = "flash"
+    static_masks = False  # masks built before the run (a switch per kind), not from the traced offset
+    lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
     def _cfg(self, scale: float, pair: Pair) -> flash.Config:
         b = self.block
@@ -154,6 +156,8 @@ class SplashBlocks:
 
     interpret: bool = False
     name: str = "splash"
+    static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
+    lane_dense_sums = True  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
     def _kernel(self, kind: Kind, heads: int, run: int):
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -280,6 +284,8 @@ class CudnnBlocks:
     calls: Optional[Callable[[], CudnnCalls]] = None
     narrow_values: bool = True
     name: str = "cudnn"
+    static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
+    lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
     def _calls(self) -> CudnnCalls:
         return jax_cudnn_calls() if self.calls is None else self.calls()
