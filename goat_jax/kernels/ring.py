@@ -87,6 +87,13 @@ def _run_of(x: Optional[Array], r, run: int, axis: int) -> Optional[Array]:
     return lax.dynamic_slice_in_dim(x, r * run, run, axis=axis)
 
 
+def _query_runs(cfg: _Ring, x: Array):
+    """``r -> run r of x`` (a per-query array, runs along axis 3): the static runs cut once,
+    outside the ring's loop (as XLA plans the flash ring best), a traced run sliced where asked."""
+    runs = [_run_of(x, r, cfg.run, 3) for r in range(cfg.runs)]
+    return lambda r: runs[r] if isinstance(r, int) else _run_of(x, r, cfg.run, 3)
+
+
 def _pick(runs, r):
     """Entry ``r`` (static, or traced with two runs) of per-run arrays."""
     return runs[r] if isinstance(r, int) else jax.tree.map(lambda a, b: jnp.where(r == 0, a, b), *runs)
@@ -135,8 +142,7 @@ def _work(cfg: _Ring, me, src, first: bool):
     Unbalanced, a later step is full or empty (a switch of two). Not peeled: every pair, with
     the kind the layout fixes or None (the block kernels switch over :func:`ring_blocks.kinds`)."""
     if not _peeled(cfg):
-        items = [(qr, kr, _known(cfg, qr, kr)) for qr in range(cfg.runs) for kr in range(cfg.runs)]
-        return [item for item in items if item[2] != "empty"]
+        return [(qr, kr, _known(cfg, qr, kr)) for qr in range(cfg.runs) for kr in range(cfg.runs)]
     if first:
         return [(r, r, "diagonal") for r in range(cfg.runs)] + ([(1, 0, "full")] if cfg.runs == 2 else [])
     if cfg.runs == 1:
@@ -189,6 +195,7 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
     b, kh, g, _, _ = q.shape
+    q_run = _query_runs(cfg, q)
     init = tuple((jnp.zeros((b, kh, g, cfg.run, v.shape[-1]), jnp.float32), jnp.full((b, kh, g, cfg.run), -jnp.inf))
                  for _ in range(cfg.runs))
 
@@ -200,7 +207,7 @@ def _forward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids):
         for qr, kr, known in _work(cfg, me, src, first):
             pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
                                                           qr, kr, known)
-            part = blocks.forward(cfg.scale, pair, _run_of(q, qr, cfg.run, 3), k_r, v_r, valid, offset, qi, ki)
+            part = blocks.forward(cfg.scale, pair, q_run(qr), k_r, v_r, valid, offset, qi, ki)
             acc = _put(acc, qr, _merge(_pick(acc, qr), part))
         return arriving, acc
 
@@ -212,7 +219,7 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
     """(dq, dk, dv) float32 of the local arrays; ``lse`` uses +inf for empty rows (flash's)."""
     me = lax.axis_index(cfg.axis)
     blocks = _blocks(cfg)
-    run_of = lambda x, r: _run_of(x, r, cfg.run, 3)
+    q_run, out_run, lse_run, do_run = (_query_runs(cfg, x) for x in (q, out, lse, do))
     dense = blocks.lane_dense_sums and cfg.run % _LANES == 0  # the sums' layout (_lanes)
 
     def step(carry, s, first):
@@ -222,8 +229,8 @@ def _backward(cfg: _Ring, q, k, v, keep, q_ids, kv_ids, out, lse, do):
         for qr, kr, known in _work(cfg, me, src, first):
             pair, k_r, v_r, valid, offset, qi, ki = _pair(cfg, q_ids, k_cur, v_cur, keep_cur, ids_cur, me, src,
                                                           qr, kr, known)
-            dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, run_of(q, qr), k_r, v_r, valid, offset, qi, ki,
-                                               run_of(out, qr), run_of(lse, qr), run_of(do, qr))
+            dq_p, dk_p, dv_p = blocks.backward(cfg.scale, pair, q_run(qr), k_r, v_r, valid, offset, qi, ki,
+                                               out_run(qr), lse_run(qr), do_run(qr))
             dq = _put(dq, qr, _pick(dq, qr) + _lanes(dq_p, dense))
             dk_cur = _add_lanes(dk_cur, kr, cfg.run, dk_p, dense)
             dv_cur = _add_lanes(dv_cur, kr, cfg.run, dv_p, dense)
