@@ -24,8 +24,11 @@ by ``implementation``: splash kernels ('splash', 'splash_interpret'), cuDNN's fu
 log-sum-exp for the merge, and its backward takes the global output and log-sum-exp. Under load
 balancing (:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk
 pairs: a device's late chunk against another's early chunk is always full, its early chunk against
-a late one always empty (skipped), and the other two depend on the step (the flash loops' causal
-trip counts, or a switch over the fused kernels' static masks), so every device does the same work.
+a late one always empty (skipped), and the other two depend on the step, so every device does the
+same work. The flash loops take that as causal trip counts; blocks whose masks are static (splash,
+cuDNN) run the first step apart (its diagonal pairs causal) and, in every later step, the one
+diagonal-chunk pair that is full, chosen by which runs it reads, so no pair switches over masks
+(:func:`_work`; the memory this saves is in benchmarks/context.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ of the four chunk pairs of a step always full or always empty).
   log-sum-exp: splash forms ``sum(o * do)`` from the output it is given, so each block returns
   its exact dq, dk, dv. Splash builds masks statically, so a pair whose kind depends on the
   device and the step runs ``lax.switch`` over the static kinds (empty, full, causal at each
-  offset a pair can have); segment ids and key padding go through splash's segment ids.
+  offset a pair can have; the ring hands it pairs of one known kind where it can, since the
+  switches cost memory: goat_jax/kernels/ring.py); segment ids and key padding go through
+  splash's segment ids.
 * :class:`CudnnBlocks`: jax's private cuDNN call with ``return_residual=True`` (float32 stats
   [B, N, T]) and its backward primitive bound with the global stats and output; the causal
   kinds it takes are cuDNN's own (top-left causal on the diagonal, none below, empty above).
