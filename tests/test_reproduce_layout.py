@@ -215,3 +215,47 @@ def test_family_rows_and_checks_refuse_what_they_cannot_be():
         suites.LayoutCheck("a", "b", "t", metric="accuracy")
     with pytest.raises(ValueError, match="margin_in='points' needs a metric that is a fraction"):
         suites.LayoutCheck("a", "b", "t", family="dna", metric="bits_per_base", margin_in="points")
+
+
+def _smoke_suite(name: str) -> suites.Suite:
+    """The smoke suite's ViT and DNA families with only the two bf16 layout rows each and their
+    checks (no encodings' rows, no other genome, no memory compile): the cheapest suite that runs
+    the layout rows."""
+    bf16, lane = {"model.dtype": "bfloat16"}, {"model.qk_layout": "lane_aligned"}
+    rows = tuple((f, suites.LMVariant(label, "goat", {**bf16, **extra}))
+                 for f in ("dna", "vit") for label, extra in zip(LABELS, ({}, lane)))
+    checks = (suites.LayoutCheck(LABELS[1], LABELS[0], "DNA lane_aligned", family="dna", metric="bits_per_base",
+                                 shown_multiplier=4),
+              suites.LayoutCheck(LABELS[1], LABELS[0], "ViT lane_aligned", family="vit", metric="top1",
+                                 margin_in="points", shown_multiplier=2))
+    return dataclasses.replace(suites.SUITES["smoke"], name=name, vit_encodings=(), dna_encodings=(),
+                               dna_memory_lengths=(), dna_genomes=(), family_variants=rows, layout_checks=checks)
+
+
+@pytest.mark.slow(reason="trains and evaluates four smoke runs in bf16 through the harness (~2 CPU-minutes); "
+                  "the default suite checks the rows, checks and status at unit level above")
+def test_layout_rows_train_evaluate_and_report_through_the_harness(tmp_path, monkeypatch, capsys):
+    """The smoke-sized layout rows through ``experiments.reproduce``: --status lists them missing,
+    a run trains them in bf16 with their layout and reports them in their families' tables and
+    checks, and a second run reuses every one of them (nothing recomputed)."""
+    monkeypatch.setitem(suites.SUITES, "smoke_layout", _smoke_suite("smoke_layout"))
+    argv = ["--suite", "smoke_layout", "--families", "vit,dna", "--workdir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out"), "--compilation_cache", "none"]
+    assert reproduce.main(argv + ["--status"]) == 0
+    status = capsys.readouterr().out
+    assert all(f"{n}: seeds +0" in status for n in FAMILY_ROWS)
+    assert reproduce.main(argv) == 0
+    log = capsys.readouterr().out
+    for family, folder in (("vit", "vit"), ("dna", "dna")):
+        section = (tmp_path / "out" / "sections" / f"{family}.md").read_text()
+        checks = section.split("### Headline checks", 1)[1].split("\n### ", 1)[0]
+        assert f"{family.upper() if family == 'dna' else 'ViT'} lane_aligned: " in checks
+        assert f"| {stats.ONE_SEED} |" in checks.split(" lane_aligned: ", 1)[1].splitlines()[0]
+        for label, layout_name in zip(LABELS, ("official", "lane_aligned")):
+            assert f"| {label} |" in section  # a row of the family's tables
+            config = records.read_config(next(j for j in suites.plan(suites.SUITES["smoke_layout"], str(tmp_path / "runs"),
+                                                                     families=[family]) if j.label == label))
+            assert (config.model.dtype, config.model.qk_layout) == ("bfloat16", layout_name)
+        assert os.path.isdir(tmp_path / "runs" / folder / LABELS[1])
+    assert reproduce.main(argv) == 0
+    assert "reused 4 finished and evaluated run(s); 0 to go" in capsys.readouterr().out
