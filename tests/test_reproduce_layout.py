@@ -251,10 +251,11 @@ def test_layout_rows_train_evaluate_and_report_through_the_harness(tmp_path, mon
         checks = section.split("### Headline checks", 1)[1].split("\n### ", 1)[0]
         assert f"{family.upper() if family == 'dna' else 'ViT'} lane_aligned: " in checks
         assert f"| {stats.ONE_SEED} |" in checks.split(" lane_aligned: ", 1)[1].splitlines()[0]
+        planned = {j.label: j for j in suites.plan(suites.SUITES["smoke_layout"], str(tmp_path / "runs"),
+                                                   families=[family])}
         for label, layout_name in zip(LABELS, ("official", "lane_aligned")):
             assert f"| {label} |" in section  # a row of the family's tables
-            config = records.read_config(next(j for j in suites.plan(suites.SUITES["smoke_layout"], str(tmp_path / "runs"),
-                                                                     families=[family]) if j.label == label))
+            config = records.read_config(planned[label])
             assert (config.model.dtype, config.model.qk_layout) == ("bfloat16", layout_name)
         assert os.path.isdir(tmp_path / "runs" / folder / LABELS[1])
     assert reproduce.main(argv) == 0

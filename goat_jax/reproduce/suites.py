@@ -237,8 +237,8 @@ def _family_layout_rows() -> tuple[tuple[str, LMVariant], ...]:
     (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout")."""
     bf16 = {"model.dtype": "bfloat16"}
     lane = {"model.qk_layout": "lane_aligned"}
-    return tuple((family, row) for family in ("dna", "vit")
-                 for row in (LMVariant("goat+bf16", "goat", bf16), LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane})))
+    rows = (LMVariant("goat+bf16", "goat", bf16), LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}))
+    return tuple((family, row) for family in ("dna", "vit") for row in rows)
 
 
 SUITES = {
@@ -414,7 +414,9 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
     ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
     retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
     ``vit_encodings`` in ``ROOT/<suite.vit_dir>/<enc>``. DNA: a genome LM per ``dna_encodings`` in
-    ``ROOT/<suite.dna_dir>/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
+    ``ROOT/<suite.dna_dir>/<enc>``. Each of those two families' extra rows
+    (``suite.family_variants``) follow its encodings, in ``ROOT/<dir>/<label>``. Defaults: the
+    suite's encodings of each family. ``seeds`` > 1 adds
     the runs of seeds 1.. (:func:`with_seeds`)."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
