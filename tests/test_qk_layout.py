@@ -4,7 +4,8 @@
 channels (130 for a 128 head in bf16); 'lane_aligned' carves those channels from the content
 dims too, so the kernel sees exactly ``head_dim``. Checked: the widths, the lane-aligned layer
 against the float64 reference with the narrower content, identity with 'official' in float32,
-the LM config field, and (with libtpu) the TPU compiler's operands of splash: 130 lanes tiled
+the LM and ViT config fields (the ViT's 2D layer with its CLS token against the reference too),
+and (with libtpu) the TPU compiler's operands of splash: 130 lanes tiled
 to 128-lane tiles (padded) for 'official', 128 for 'lane_aligned'."""
 
 import json
@@ -76,6 +77,55 @@ def test_layout_is_a_model_field_and_bad_values_name_the_choices():
         trainer.validate_config(lm_smoke_config(**{"model.qk_layout": "aligned"}), 1)
     with pytest.raises(ValueError, match=r"qk_layout"):
         PriorSettings(qk_layout="lanes")
+
+
+def _vit(layout, dtype="float32"):
+    """The canvas protocol's ViT shape (head dim 64, R = 16, M = 2), one block, in ``dtype``."""
+    from goat_jax.models import vit  # pylint: disable=g-import-not-at-top
+    return vit.ViT(vit.ViTConfig(num_classes=10, image_size=28, patch_size=7, channels=1, num_layers=1,
+                                 embed_dim=128, num_heads=2, mlp_dim=64, pos_rank=16, abs_rank=2,
+                                 qk_layout=layout, dtype=dtype))
+
+
+def test_vit_takes_the_layout_and_its_float32_path_is_the_official_function(rng):
+    """``model.qk_layout`` of the ViT configs (the tiny report's bf16 layout rows): in bf16 the
+    64-wide heads pack 66 channels under 'official' and 64 under 'lane_aligned'; in float32 the
+    two layouts are one function of the same parameters."""
+    from goat_jax.config_files import load_config  # pylint: disable=g-import-not-at-top
+    from goat_jax.train import tasks, trainer  # pylint: disable=g-import-not-at-top
+    images = jnp.asarray(rng.normal(size=(2, 28, 28, 1)), jnp.float32)
+    widths = {}
+    for layout in ("official", "lane_aligned"):
+        config = load_config("configs/vit_tiny.py:goat,canvas",
+                             {"model.dtype": "bfloat16", "model.qk_layout": layout})
+        trainer.validate_config(config, 1)
+        model = tasks.get_task("vit").build_model(config)
+        with kernels.record_choices() as found:
+            jax.eval_shape(lambda m=model: m.init(jax.random.key(0), images))
+        widths[layout] = {c["qk_dim"] for c in found}
+    assert widths == {"official": {66}, "lane_aligned": {64}}
+    official, aligned = _vit("official"), _vit("lane_aligned")
+    params = flax.core.meta.unbox(official.init(jax.random.key(1), images))
+    params = jax.tree.map(lambda x: x + jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), params)  # a prior that moves
+    np.testing.assert_array_equal(official.apply(params, images), aligned.apply(params, images))
+    with pytest.raises(ValueError, match=r"qk_layout"):
+        trainer.validate_config(load_config("configs/vit_tiny.py:goat,canvas", {"model.qk_layout": "aligned"}), 1)
+
+
+def test_lane_aligned_2d_layer_with_cls_equals_the_float64_reference(rng):
+    """The ViT's attention (2D prior, CLS token) with the bf16 layout's three sink channels, in
+    float32: the float64 reference with two content dims fewer than the official layout's."""
+    grid, fields = (4, 3), dict(pos_encoding="2d", has_cls_token_default=True, pos_rank=5, abs_rank=3)
+    module, params = make_module_and_params(rng, 13, init_kwargs=dict(spatial_shape=grid, has_cls_token=True),
+                                            sink_channels=3, qk_layout="lane_aligned", **fields)
+    x = jnp.asarray(rng.normal(size=(2, 13, E)), jnp.float32)
+    out = module.apply(params, x, x, x, spatial_shape=grid, has_cls_token=True)
+    cfg = dict(ref_cfg(module), content_dims=16 - 2 * 5 - 3)
+    want = ref.goat_attention(params, cfg, x, x, x, grid=grid, has_cls=True, offset_q=(0, 0), offset_k=(0, 0))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    official = ref.goat_attention(params, ref_cfg(module), x, x, x, grid=grid, has_cls=True,
+                                  offset_q=(0, 0), offset_k=(0, 0))
+    assert np.abs(official - want).max() > 1e-3 * np.abs(want).max()
 
 
 _TPU_SCRIPT = r'''

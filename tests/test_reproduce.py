@@ -159,8 +159,9 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     variant_retrieval = len(tiny.tasks) * (sum(1 for v in tiny.lm_variants if v.retrieval and (v.trained_as or not v.spec))
                                            + len(tiny.retrieval_rows))
     assert variant_retrieval == 2 * 8
+    # The ViT and DNA families' extra rows (the bf16 layout rows) are rows of those families alone.
     one_seed = (5 * len(tiny.encodings) + 1 + len(tiny.lm_variants) + variant_retrieval
-                + len(tiny.vit_encodings) + len(tiny.dna_encodings))
+                + len(tiny.vit_encodings) + len(tiny.dna_encodings) + len(tiny.family_variants))
     assert len(lines) == 3 * one_seed - 2
     assert sum("toy" in line for line in lines) == 1
     # Seed 0 keeps the 1-seed workdir (a finished run is reused); seed k its sibling <dir>_seed<k>.
@@ -177,11 +178,12 @@ def test_dry_run_of_cpu_suite_lists_the_plan(capsys):
     for enc in suites.DNA_ENCODINGS:
         assert any(f"(configs/dna_tiny.py:{enc},long, overrides {{}}) in runs/reproduce_tiny/dna_long/{enc}" in l
                    for l in lines)
-    # One family alone, with its own encodings.
+    # One family alone, with its own encodings (and its extra rows, as the LM's trained variants).
     assert reproduce.main(["--suite", "tiny", "--dry_run", "--families", "vit", "--vit_encodings",
                            "goat,ape", "--seeds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [l.split()[5] for l in lines] == ["vit/vit/goat", "vit/vit/ape"]
+    assert [l.split()[5] for l in lines] == ["vit/vit/goat", "vit/vit/ape", "vit/vit/goat+bf16",
+                                             "vit/vit/goat+bf16+lane_aligned"]
     with pytest.raises(ValueError, match="--families: unknown \\['images'\\]"):
         reproduce.main(["--suite", "tiny", "--dry_run", "--families", "lm,images"])
     # The language family without its retrieval variants; a variant the suite lacks is named.

@@ -36,21 +36,43 @@ FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many 
 
 _logger = logging.getLogger("goat_jax")
 _logged: set = set()
-_choices: list = []  # the open record_choices() lists
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-@contextlib.contextmanager
-def record_choices() -> Iterator[list]:
+class Recorders:
+    """The lists of the ``with`` blocks open on one kind of event: :meth:`record` opens one
+    (nested blocks each receive every event), :meth:`add` appends an event to each open list
+    (``unique``: once per list). The compile tool reads what one compile did through them."""
+
+    def __init__(self, unique: bool = False):
+        self._open: list = []
+        self._unique = unique
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[list]:
+        """A list that receives every event added until the ``with`` ends."""
+        found: list = []
+        self._open.append(found)
+        try:
+            yield found
+        finally:
+            self._open.remove(found)
+
+    def add(self, event: Any) -> None:
+        """Appends ``event`` to every open list (once per list when ``unique``)."""
+        for found in self._open:
+            if not (self._unique and event in found):
+                found.append(event)
+
+
+_choices = Recorders()  # the open record_choices() lists
+
+
+def record_choices():
     """Collects every kernel choice made while tracing inside the ``with`` (one dict per
     :func:`resolve_implementation` call: implementation, packed q/k dim ``qk_dim``, dtype,
     platform and where it was read); :mod:`goat_jax.aot` reports what a compiled step uses."""
-    found: list = []
-    _choices.append(found)
-    try:
-        yield found
-    finally:
-        _choices.remove(found)
+    return _choices.record()
 
 
 def context_plan(implementation: str, mesh: Any, plan: AttentionPlan, causal: bool = False) -> dict:
@@ -87,9 +109,8 @@ def describe_context(plan: dict) -> str:
 
 
 def _record(choice: str, req: caps.Request, plan: dict) -> str:
-    for found in _choices:
-        found.append({"implementation": choice, "qk_dim": req.qk_dim, "dtype": req.dtype,
-                      "platform": req.platform, "devices_from": req.where, **plan})
+    _choices.add({"implementation": choice, "qk_dim": req.qk_dim, "dtype": req.dtype,
+                  "platform": req.platform, "devices_from": req.where, **plan})
     return choice
 
 

@@ -23,15 +23,16 @@ the warnings in its report, :func:`record_layout_warnings`) each say it once per
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Optional, Tuple
+
+from goat_jax.kernels import choice
 
 HOPPER_BUCKETS = (64, 128, 256)  # cuDNN's native Hopper head widths (see the module docstring)
 TPU_LANES = 128  # the TPU compiler tiles the last dim in 128 lanes
 _FAST_KERNELS = {"gpu": "cudnn", "tpu": "splash"}  # the kernels the rule is about
 _warned: set = set()
-_recorders: List[list] = []
+_recorders = choice.Recorders(unique=True)
 
 
 class LayoutWarning(UserWarning):
@@ -72,16 +73,10 @@ def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]],
             f"{head_dim} wide (a different function from the official layout; docs/layer.md, Packed width).")
 
 
-@contextlib.contextmanager
-def record_layout_warnings() -> Iterator[list]:
+def record_layout_warnings():
     """Collects the layout warnings raised inside the ``with`` (each once), even those already
     shown earlier in the process: what the compile tool reports for one compile."""
-    found: list = []
-    _recorders.append(found)
-    try:
-        yield found
-    finally:
-        _recorders.remove(found)
+    return _recorders.record()
 
 
 def check_layout(implementation: str, dtype: Any, head_dim: int, qk_dim: int, *, like: Tuple[Any, ...] = (),
@@ -89,16 +84,12 @@ def check_layout(implementation: str, dtype: Any, head_dim: int, qk_dim: int, *,
     """Warns (:class:`LayoutWarning`, once per message in this process) when GOAT's packed
     width falls off the fast path of the devices the computation is traced for
     (:func:`goat_jax.kernels.choice.target`); returns the message or None."""
-    from goat_jax.kernels import choice  # pylint: disable=g-import-not-at-top
-
     platform, _, device = choice.target(*like, mesh=mesh)
     cc = choice.compute_capability(device) if platform == "gpu" else None
     message = layout_warning(platform, cc, dtype, implementation, head_dim, qk_dim)
     if message is None:
         return None
-    for found in _recorders:
-        if message not in found:
-            found.append(message)
+    _recorders.add(message)
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, LayoutWarning, stacklevel=3)

@@ -102,6 +102,7 @@ class ViTConfig:
     prior_init: str = borrow(PriorSettings, "prior_init", default="uniform")  # official ViT: a flat prior
     enable_key_bias: bool = borrow(PriorSettings, "enable_key_bias")
     learn_frequencies: bool = borrow(PriorSettings, "learn_frequencies")  # rows' and columns'
+    qk_layout: str = borrow(PriorSettings, "qk_layout")  # docs/layer.md, Packed width
     rope_base: float = borrow(rope.RopeSettings, "rope_base", default=100.0)  # 'rope2d' (Heo et al. 2024: 100)
     rope_mixed_base: float = borrow(rope_mixed.RopeMixedSettings, "rope_mixed_base", default=10.0)  # Heo et al.: 10
     sincos_temperature: float = declare(10_000.0, Float(min=1.0, min_inclusive=False,

@@ -31,8 +31,8 @@ from goat_jax.eval import dna as dna_eval
 from goat_jax.eval import lm_run
 from goat_jax.eval.runs import table
 from goat_jax.reproduce import dna_bench
-from goat_jax.reproduce import records, stats
-from goat_jax.reproduce.suites import Job, Suite
+from goat_jax.reproduce import layout, records, stats
+from goat_jax.reproduce.suites import Job, LayoutCheck, Suite
 from goat_jax.train import run as run_lib
 
 MEMORY_DTYPE = "bfloat16"  # the official recipe's compute dtype
@@ -111,11 +111,25 @@ def _total(row: dict) -> float:
     return row["arguments"] + row["temporaries"]
 
 
-def feeds_checks(job: Job, suite: Suite) -> bool:  # pylint: disable=unused-argument
-    """Whether :func:`dna_checks` reads ``job``'s result: the GOAT and RoPE genome LMs (every
-    DNA check is GOAT against RoPE; ALiBi and NoPE are table rows). ``suite``: as for every
-    family's ``feeds_checks`` (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`)."""
-    return job.kind == "dna" and not job.variant and job.encoding in ("goat", "rope")
+def feeds_checks(job: Job, suite: Suite) -> bool:
+    """Whether the DNA checks read ``job``'s result: the GOAT and RoPE genome LMs (every check
+    of :func:`dna_checks` is GOAT against RoPE; ALiBi and NoPE are table rows) and the rows of
+    ``suite``'s DNA layout checks (:func:`layout_checks`). As every family's ``feeds_checks``
+    (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`)."""
+    return job.kind == "dna" and ((not job.variant and job.encoding in ("goat", "rope")) or layout.feeds(job, suite))
+
+
+def layout_checks(results: dict[str, dict], checks: Sequence[LayoutCheck]) -> list[stats.Check]:
+    """The DNA family's non-inferiority checks among ``checks`` (family 'dna'; docs/protocols.md,
+    "Extrapolation to 1024x and the 64-wide layout"): the check's metric (e.g. bits per base) on
+    the held-out region by window length, judged by :func:`goat_jax.reproduce.layout.judge`; a
+    row without results is "not measured"."""
+    def by_length(label, metric):
+        entry = results.get(f"dna/dna/{label}")
+        return _scores(entry, metric) if entry else None
+
+    return [layout.judge(lc, by_length(lc.candidate, lc.metric), by_length(lc.reference, lc.metric), unit="bases")
+            for lc in layout.of_family(checks, "dna")]
 
 
 def dna_checks(jobs: Sequence[Job], results: dict[str, dict], memory: list[dict]) -> list[stats.Check]:

@@ -25,7 +25,7 @@ from goat_jax.eval import plots, toy
 from goat_jax.eval import chunked, extrapolation, lm_run
 from goat_jax import cli
 from goat_jax.eval import runs as ev
-from goat_jax.reproduce import records, stats
+from goat_jax.reproduce import layout, records, stats
 from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
 
 
@@ -205,8 +205,7 @@ def feeds_checks(job: Job, suite: Suite) -> bool:
         if job.kind in ("passkey", "niah") and job.dataset == job.kind and job.label in (rival.candidate,
                                                                                           rival.retrieval_rival):
             return True
-    if job.kind == "lm" and job.dataset == headline_dataset(suite) and any(
-            job.label in (lc.candidate, lc.reference) for lc in suite.layout_checks):
+    if job.kind == "lm" and job.dataset == headline_dataset(suite) and layout.feeds(job, suite):
         return True
     if job.variant:
         return False
@@ -327,33 +326,19 @@ def rival_checks(results: dict[str, dict], rival: RivalChecks, dataset: str) -> 
 
 
 def layout_checks(results: dict[str, dict], checks: Sequence[LayoutCheck], dataset: str) -> list[stats.Check]:
-    """The non-inferiority checks of :class:`~goat_jax.reproduce.suites.LayoutCheck` (docs/
-    protocols.md, "Extrapolation to 1024x and the 64-wide layout"): per check, the paired relative
-    perplexity difference ``candidate / reference - 1`` at ``multiplier`` x the training length
-    on the LMs of ``dataset``, judged against ``margin`` (supported when its interval lies below
-    it); the difference at ``shown_multiplier`` goes into the numbers, unjudged. A row without
-    results is a "not measured" check."""
-    out = []
-    for lc in checks:
-        claim = (f"{lc.title}: perplexity at {lc.multiplier}x no worse than {lc.reference}'s by more "
-                 f"than {100 * lc.margin:g}%")
-        cand, ref = (results.get(f"lm/{dataset}/{e}", {}).get("extrapolation") for e in (lc.candidate, lc.reference))
-        if not cand or not ref:
-            out.append(stats.Check(claim, None, "not measured"))
-            continue
-        c, r = ({int(n): v["ppl"] for n, v in x.items()} for x in (cand, ref))
-        n = lc.multiplier * min(c)
-        if n not in c or n not in r:
-            out.append(stats.Check(claim, None, f"not measured ({n} tokens not evaluated)"))
-            continue
-        d = c[n] / r[n] - 1
-        shown = lc.shown_multiplier * min(c)
-        extra = (f"; at {lc.shown_multiplier}x {100 * (c[shown] / r[shown] - 1):+.2f}% (not judged)"
-                 if shown in c and shown in r else "")
-        out.append(stats.judged(claim, d <= lc.margin, f"{lc.candidate} {c[n]:.3f}, {lc.reference} {r[n]:.3f} "
-                                f"at {n} ({100 * d:+.2f}%){extra}", 100 * (d - lc.margin), -1,
-                                f"{lc.candidate} / {lc.reference} - 1 - {100 * lc.margin:g}% (points)", ".2f"))
-    return out
+    """The language family's non-inferiority checks among ``checks`` (:class:`~goat_jax.reproduce.
+    suites.LayoutCheck` of family 'lm'; docs/protocols.md, "Extrapolation to 1024x and the 64-wide
+    layout"): per check, the paired relative perplexity difference ``candidate / reference - 1``
+    at ``multiplier`` x the training length on the LMs of ``dataset``, judged against ``margin``
+    by :func:`goat_jax.reproduce.layout.judge` (supported when its interval lies below it); the
+    difference at ``shown_multiplier`` goes into the numbers, unjudged. A row without results is
+    a "not measured" check."""
+    def by_length(label, metric):
+        ext = results.get(f"lm/{dataset}/{label}", {}).get("extrapolation")
+        return {int(n): v[metric] for n, v in ext.items()} if ext else None
+
+    return [layout.judge(lc, by_length(lc.candidate, lc.metric), by_length(lc.reference, lc.metric))
+            for lc in layout.of_family(checks, "lm")]
 
 
 def cost_line(costs: dict[str, dict[int, Any]]) -> str:

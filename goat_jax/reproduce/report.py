@@ -202,8 +202,8 @@ def headline_checks(family: str, suite: Suite, jobs: Sequence[Job], results: dic
         checks += lm_family.layout_checks(results, suite.layout_checks, lm_family.headline_dataset(suite))
         return checks
     if family == "vit":
-        return vit_family.vision_checks(jobs, results)
-    return dna_family.dna_checks(jobs, results, list(memory))
+        return vit_family.vision_checks(jobs, results) + vit_family.layout_checks(results, suite.layout_checks)
+    return dna_family.dna_checks(jobs, results, list(memory)) + dna_family.layout_checks(results, suite.layout_checks)
 
 
 def write_report(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out: str,

@@ -4,8 +4,8 @@ scale), the runs of a suite (:class:`Job`, :func:`plan`) and their families.
 This is the bottom layer of :mod:`goat_jax.reproduce`: the family modules (``lm_family``,
 ``vit_family``, ``dna_family``), the jobs, the paper commands and the report writer build on
 it, and it imports none of them. A suite is a :class:`Suite` in :data:`SUITES`; extra LM rows
-(:class:`LMVariant`) and retrieval variants (:class:`RetrievalVariant`) are one-line entries
-there (docs/experiments.md, "Adding rows").
+(:class:`LMVariant`, also the vision and DNA families' extra rows) and retrieval variants
+(:class:`RetrievalVariant`) are one-line entries there (docs/experiments.md, "Adding rows").
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ ROOT = config_files.REPO_ROOT  # config specs and the git revision are read from
 @dataclasses.dataclass(frozen=True)
 class LMVariant:
     """An extra row of the LM tables (e.g. an ablation of GOAT's prior): one more run per LM
-    dataset of the suite, evaluated like the encodings and shown next to them, never judged by
-    the headline checks. Its workdir is ``ROOT/<dataset>/<label>``."""
+    dataset of the suite, evaluated like the encodings and shown next to them, judged only by
+    the checks that name it (rival and layout checks). Its workdir is ``ROOT/<dataset>/<label>``.
+    The same entry is an extra row of the vision or DNA family in ``Suite.family_variants``
+    (label, encoding and overrides only)."""
 
     label: str  # the row label and workdir name, e.g. 'goat+<option>'
     encoding: str  # fills {enc} of the dataset's config spec (and must be its position encoding)
@@ -86,20 +88,45 @@ class RivalChecks:
     flat_ratio: float = 1.05
 
 
+# What a LayoutCheck can compare: the key of a row's per-length results (the LM's perplexity, the
+# genome LM's held-out bits per base, the ViT's top-1) -> its name in the claim, whether higher
+# is better, and how a value is printed ('%': a fraction, as a percentage).
+LAYOUT_METRICS = {"ppl": ("perplexity", False, ".3f"), "bits_per_base": ("bits per base", False, ".4f"),
+                  "top1": ("top-1", True, "%")}
+# How a LayoutCheck's margin is read: 'relative' (the candidate's value over the reference's, a
+# fraction: 0.01 = 1%) or 'points' (the difference of two fractions: 0.01 = 1 point).
+MARGIN_KINDS = ("relative", "points")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutCheck:
-    """A non-inferiority check of one LM row against another trained the same way but for one
-    setting (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"): the paired
-    relative perplexity difference ``candidate / reference - 1`` at ``multiplier`` x the training
-    length must lie below ``margin`` (supported when its interval does); the same difference at
-    ``shown_multiplier`` is reported beside it, not judged."""
+    """A non-inferiority check of one row against another of its family trained the same way
+    but for one setting (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"):
+    the paired amount by which ``candidate`` is worse than ``reference`` in ``metric`` at
+    ``multiplier`` x the training length (resolution) must lie below ``margin`` (supported when
+    its interval does, contradicted when it lies above, inconclusive otherwise); the change at
+    ``shown_multiplier`` is reported beside it, not judged. How worse is measured is data: the
+    metric's direction (:data:`LAYOUT_METRICS`) and the margin's kind (``margin_in``). The
+    judging is one function for every family (:func:`goat_jax.reproduce.layout.judge`)."""
 
     candidate: str  # row label, e.g. 'goat+bf16+lane_aligned'
     reference: str  # row label, e.g. 'goat+bf16'
     title: str  # what differs, for the check's wording, e.g. 'lane_aligned (head dim 32, bf16)'
-    margin: float = 0.01  # relative
+    margin: float = 0.01  # in the unit of margin_in
     multiplier: int = 1
     shown_multiplier: int = 16
+    family: str = "lm"  # whose rows: 'lm' (the headline dataset's LMs), 'vit' or 'dna'
+    metric: str = "ppl"  # a key of LAYOUT_METRICS
+    margin_in: str = "relative"  # one of MARGIN_KINDS
+
+    def __post_init__(self):
+        for name, value, allowed in (("family", self.family, FAMILIES), ("metric", self.metric, tuple(LAYOUT_METRICS)),
+                                     ("margin_in", self.margin_in, MARGIN_KINDS)):
+            if value not in allowed:
+                raise ValueError(f"LayoutCheck {self.candidate!r}: {name}={value!r}; choose from {', '.join(allowed)}.")
+        if self.margin_in == "points" and LAYOUT_METRICS[self.metric][2] != "%":
+            raise ValueError(f"LayoutCheck {self.candidate!r}: margin_in='points' needs a metric that is a fraction "
+                             f"(top1), not {self.metric!r}; give the margin as 'relative'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +201,12 @@ class Suite:
     dna_memory_lengths: tuple[int, ...] = (1024, 4096)  # compiled train-step memory, GOAT vs RoPE
     dna_memory_model: dict = dataclasses.field(default_factory=dict)  # model fields changed there (tests)
     dna_dir: str = "dna"  # ROOT/<dna_dir>/<enc>
+    # Extra rows of the vision and DNA families, as (family, row) pairs, e.g.
+    #   ("dna", LMVariant("goat+bf16", "goat", {"model.dtype": "bfloat16"})):
+    # one more run of the family's config (``vit`` / ``dna``, the row's encoding filled in) with
+    # the row's overrides on top of the family's, in ROOT/<vit_dir or dna_dir>/<label>, shown in
+    # the family's tables. Model overrides only (no spec, no evaluated-with rows).
+    family_variants: tuple[tuple[str, LMVariant], ...] = ()
     # Seeds: every run (but the toy figure) trains once per seed, seed = the config's + k
     # (k = 0 .. seeds-1); the report gives mean ± 95% t interval over them (goat_jax/reproduce/stats.py).
     seeds: int = 1  # --seeds default
@@ -195,6 +228,17 @@ def _layout_rows() -> tuple[LMVariant, ...]:
             LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}, retrieval=False),
             LMVariant("goat+bf16+h64", "goat", {**bf16, **h64}, retrieval=False),
             LMVariant("goat+bf16+h64+lane_aligned", "goat", {**bf16, **h64, **lane}, retrieval=False))
+
+
+def _family_layout_rows() -> tuple[tuple[str, LMVariant], ...]:
+    """GOAT trained in bf16 compute with each q/k layout in the DNA config (head dim 32: 27
+    against 25 content dims) and the canvas ViT (head dim 64, R = 16: 31 against 29, the share of
+    the official ViT-S/16's heads): rows of those families, run after the language rows
+    (docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout")."""
+    bf16 = {"model.dtype": "bfloat16"}
+    lane = {"model.qk_layout": "lane_aligned"}
+    rows = (LMVariant("goat+bf16", "goat", bf16), LMVariant("goat+bf16+lane_aligned", "goat", {**bf16, **lane}))
+    return tuple((family, row) for family in ("dna", "vit") for row in rows)
 
 
 SUITES = {
@@ -285,8 +329,16 @@ SUITES = {
                       eval_overrides={"model.sink_extrapolation": "linear"})),
         rival_checks=RivalChecks("goat+linear_sink", lm_rival="fox", retrieval_rival="fox+gate_bias5",
                                  ppl_multipliers=(16, 64, 256, 1024), flat_multiplier=1024),
+        # The same layouts in the DNA and ViT configs (decided with the LM rows, 2026-12-04): bits
+        # per base at 1x within 1% relative, top-1 at the training resolution within 1 point; the
+        # change at the DNA's longest length (8x) and on the ViT's 2x canvas shown, not judged.
+        family_variants=_family_layout_rows(),
         layout_checks=(LayoutCheck("goat+bf16+lane_aligned", "goat+bf16", "lane_aligned (head dim 32, bf16)"),
-                       LayoutCheck("goat+bf16+h64+lane_aligned", "goat+bf16+h64", "lane_aligned (head dim 64, bf16)"))),
+                       LayoutCheck("goat+bf16+h64+lane_aligned", "goat+bf16+h64", "lane_aligned (head dim 64, bf16)"),
+                       LayoutCheck("goat+bf16+lane_aligned", "goat+bf16", "DNA lane_aligned (head dim 32, bf16)",
+                                   family="dna", metric="bits_per_base", shown_multiplier=8),
+                       LayoutCheck("goat+bf16+lane_aligned", "goat+bf16", "ViT lane_aligned (head dim 64, bf16)",
+                                   family="vit", metric="top1", margin_in="points", shown_multiplier=2))),
     # The paper's scale, for a cluster: 125M on C4 and 1.23B on FineWeb, official retrieval sizes.
     "paper": Suite(
         name="paper", lm=(("c4_125m", "configs/lm_c4_125m.py:{enc}"),
@@ -362,7 +414,9 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
     ``suite.encodings``): per LM dataset the encodings then the LM variants, per task the
     retrieval models (then each retrieval variant's), the toy. Vision: a ViT per
     ``vit_encodings`` in ``ROOT/<suite.vit_dir>/<enc>``. DNA: a genome LM per ``dna_encodings`` in
-    ``ROOT/<suite.dna_dir>/<enc>``. Defaults: the suite's encodings of each family. ``seeds`` > 1 adds
+    ``ROOT/<suite.dna_dir>/<enc>``. Each of those two families' extra rows
+    (``suite.family_variants``) follow its encodings, in ``ROOT/<dir>/<label>``. Defaults: the
+    suite's encodings of each family. ``seeds`` > 1 adds
     the runs of seeds 1.. (:func:`with_seeds`)."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
@@ -376,6 +430,9 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
         if family in families and spec:
             jobs += [Job(family, family, enc, spec.format(enc=enc), dict(overrides),
                          os.path.join(root, folder, enc)) for enc in encs]
+            jobs += [Job(family, family, v.encoding, spec.format(enc=v.encoding), {**overrides, **v.overrides},
+                         os.path.join(root, folder, v.label), variant=v.label)
+                     for v in family_variants(suite, family)]
     names = [j.name for j in jobs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # two rows under one name would be averaged as if they were seeds of one
@@ -383,6 +440,23 @@ def plan(suite: Suite, root: str, encodings: Optional[Sequence[str]] = None, *,
                          "retrieval models and a retrieval_rows entry of the same label); give one of them "
                          "another label.")
     return with_seeds(jobs, seeds)
+
+
+def family_variants(suite: Suite, family: str) -> list[LMVariant]:
+    """The extra rows of vision or DNA ``family`` (``suite.family_variants``), in suite order;
+    ValueError naming the entry for a family without such rows or a row that is not model
+    overrides of the family's config."""
+    out = []
+    for fam, v in suite.family_variants:
+        if fam not in FAMILIES[1:]:
+            raise ValueError(f"family_variants {v.label!r}: family {fam!r}; these rows are for 'vit' and 'dna' "
+                             "(the language family's are lm_variants).")
+        if v.spec or v.trained_as or v.eval_overrides:
+            raise ValueError(f"family_variants {v.label!r}: give model overrides only (no spec, trained_as or "
+                             "eval_overrides); the row trains the family's config with them.")
+        if fam == family:
+            out.append(v)
+    return out
 
 
 def _retrieval_variant_rows(suite: Suite, root: str, task: str, encodings: list[str]) -> list[Job]:

@@ -25,8 +25,8 @@ from goat_jax import cli
 from goat_jax.config_files import load_config
 from goat_jax.eval import canvas as canvas_lib
 from goat_jax.eval import vision
-from goat_jax.reproduce import records, stats
-from goat_jax.reproduce.suites import Job, Suite
+from goat_jax.reproduce import layout, records, stats
+from goat_jax.reproduce.suites import Job, LayoutCheck, Suite
 from goat_jax.tasks import vit as vit_task
 from goat_jax.train import run as run_lib
 
@@ -110,9 +110,11 @@ def setup_line(config: dict) -> str:
             f"seed {config['seed']}")
 
 
-def _runs(jobs: Sequence[Job], results: dict[str, dict]) -> dict[str, dict]:
-    """``{label: result}`` of the evaluated ViT runs, in plan order."""
-    return {j.label: results[j.name] for j in jobs if j.kind == "vit" and j.name in results}
+def _runs(jobs: Sequence[Job], results: dict[str, dict], variants: bool = True) -> dict[str, dict]:
+    """``{label: result}`` of the evaluated ViT runs, in plan order (``variants`` False: the
+    encodings' rows only, without ``Suite.family_variants``' extra rows)."""
+    return {j.label: results[j.name] for j in jobs if j.kind == "vit" and j.name in results
+            and (variants or not j.variant)}
 
 
 def _top1(entry: dict, r: int, key: str = "resolution") -> Optional[float]:
@@ -120,11 +122,31 @@ def _top1(entry: dict, r: int, key: str = "resolution") -> Optional[float]:
     return None if v is None else v["top1"]
 
 
-def feeds_checks(job: Job, suite: Suite) -> bool:  # pylint: disable=unused-argument
-    """Whether :func:`vision_checks` reads ``job``'s result: every ViT run (GOAT's top-1 is
-    compared with the best encoding's). ``suite``: as for every family's ``feeds_checks``
+def feeds_checks(job: Job, suite: Suite) -> bool:
+    """Whether the vision checks read ``job``'s result: every encoding's ViT (GOAT's top-1 is
+    compared with the best encoding's in :func:`vision_checks`) and the rows of ``suite``'s
+    vision layout checks (:func:`layout_checks`). As every family's ``feeds_checks``
     (:data:`goat_jax.reproduce.jobs.FEEDS_CHECKS`)."""
-    return job.kind == "vit" and not job.variant
+    return job.kind == "vit" and (not job.variant or layout.feeds(job, suite))
+
+
+def layout_checks(results: dict[str, dict], checks: Sequence[LayoutCheck]) -> list[stats.Check]:
+    """The vision family's non-inferiority checks among ``checks`` (family 'vit'; docs/protocols.md,
+    "Extrapolation to 1024x and the 64-wide layout"): the check's metric (top-1) by resolution,
+    judged at the training resolution by :func:`goat_jax.reproduce.layout.judge`; the change shown
+    beside it is on the canvas protocol's canvases when both rows have them (the object
+    unchanged), else on the upsampled resolutions. A row without results is "not measured"."""
+    def by_size(entry, key, metric):  # {resolution or canvas px: value}, None when not evaluated
+        return {int(r): v[metric] for r, v in entry[key].items()} if entry and key in entry else None
+
+    out = []
+    for lc in layout.of_family(checks, "vit"):
+        c, r = (results.get(f"vit/vit/{label}") for label in (lc.candidate, lc.reference))
+        canvas = bool(c and r and "canvas" in c and "canvas" in r)
+        shown = (by_size(c, "canvas", lc.metric), by_size(r, "canvas", lc.metric)) if canvas else None
+        out.append(layout.judge(lc, by_size(c, "resolution", lc.metric), by_size(r, "resolution", lc.metric),
+                                shown=shown, shown_where=" canvas" if canvas else "", unit="px"))
+    return out
 
 
 def vision_checks(jobs: Sequence[Job], results: dict[str, dict]) -> list[stats.Check]:
@@ -140,7 +162,7 @@ def vision_checks(jobs: Sequence[Job], results: dict[str, dict]) -> list[stats.C
       (shift: a quarter of it), where the prior was learned, and on a 16 x 16 grid (shift
       (3, 5)), where u(j) is extrapolated.
     """
-    runs = _runs(jobs, results)
+    runs = _runs(jobs, results, variants=False)  # the encodings compared; extra rows have their own checks
     checks = []
     if not runs:
         return checks
