@@ -258,7 +258,7 @@ def _lanes(x: Array, dense: bool) -> Array:
     the head dim last, and XLA keeps that layout for the dq / dk / dv sums the ring carries
     across its steps (and sends around it). Folding the head dim into whole rows of 128 makes
     them dense: 0.68 -> 0.53 GiB of temporaries on a 65,536-token splash ring (benchmarks/context.md);
-    on flash blocks it costs (0.49 -> 0.52), so only splash blocks ask for it."""
+    on flash blocks it cost (0.49 -> 0.52 GiB in a trial loop), so only splash blocks ask for it."""
     if not dense:
         return x
     t, h = x.shape[-2:]
