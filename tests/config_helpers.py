@@ -60,6 +60,15 @@ def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
     return lm_run.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0)
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess with ``devices`` fake CPU devices: the session's flags
+    (tests/conftest.py) and the device count."""
+    import os  # pylint: disable=g-import-not-at-top
+
+    return " ".join(f for f in (os.environ.get("XLA_FLAGS", ""),
+                                f"--xla_force_host_platform_device_count={devices}") if f)
+
+
 def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
     """Runs ``python -c script *args`` from the repository root in a fresh process with
     ``devices`` fake CPU devices (XLA_FLAGS must be set before jax is imported, hence the
@@ -69,7 +78,7 @@ def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int 
     import sys  # pylint: disable=g-import-not-at-top
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from goat_jax.train import checkpoint
+from tests import config_helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {"seed": 0, "num_train_steps": 10, "log_every_steps": 1, "mesh": {"data": -1},
@@ -237,7 +238,7 @@ def _command(workdir):
 
 
 def _env():
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=config_helpers.xla_flags(1))
 
 
 def _losses(workdir):

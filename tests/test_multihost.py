@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 
+from tests import config_helpers
 from tests.config_helpers import lm_smoke_config
 from goat_jax.train import run as run_lib
 from goat_jax.train import tasks
@@ -69,7 +70,7 @@ def _free_port():
 
 
 def _env(devices):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return dict(os.environ, XLA_FLAGS=config_helpers.xla_flags(devices),
                 JAX_PLATFORMS="cpu")
 
 

@@ -18,6 +18,7 @@ import pytest
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.models.lm import LMConfig, TransformerLM
 from goat_jax.tasks import lm as lm_task
+from tests import config_helpers
 from tests.config_helpers import lm_smoke_config
 from tests.marks import SLOW_CASE
 
@@ -56,7 +57,7 @@ def test_dummy_batch_has_the_document_fields():
 
 
 def _env():
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=config_helpers.xla_flags(1),
                 PYTHONPATH=ROOT)
 
 
