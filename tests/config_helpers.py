@@ -69,6 +69,25 @@ def xla_flags(devices: int) -> str:
                                 f"--xla_force_host_platform_device_count={devices}") if f)
 
 
+def run_at_xla_defaults(script: str, *args: str, timeout: int = 600) -> str:
+    """Runs ``python -c script *args`` from the repository root in a fresh CPU process with
+    XLA's default optimization level (without tests/conftest.py's TEST_XLA_FLAGS): for the
+    tests that compare bits with a recording made at the defaults (the CPU backend's level 0
+    rounds transcendental functions differently in the last bit). Returns its stdout."""
+    import os  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_backend_optimization_level"))
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
     """Runs ``python -c script *args`` from the repository root in a fresh process with
     ``devices`` fake CPU devices (XLA_FLAGS must be set before jax is imported, hence the
