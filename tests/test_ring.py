@@ -88,7 +88,7 @@ for enc, c, balanced, with_seg in json.loads(sys.argv[2]):
 from jax.sharding import NamedSharding, PartitionSpec as P
 memory = {}
 for strategy in ("all_gather", "ring"):
-    for c in (1, 2, 8):
+    for c in ((1, 2, 8) if strategy == "ring" else (8,)):  # all-gather: only the comparison at 8
         mesh = jax.make_mesh((1, 1, c, 1), ("data", "fsdp", "context", "tensor"), devices=jax.devices()[:c],
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
         sh = NamedSharding(mesh, P(None, "context"))
@@ -112,7 +112,8 @@ LAYER_TOLERANCE = 1e-4
 
 def test_ring_kernel_and_layers_equal_the_reference():
     cases = [[2, False, False, False], [4, True, True, True], [8, True, True, False]]
-    layers = [["goat", 4, True, True], ["rope", 2, False, False], ["goat", 8, False, True]]
+    # Layers at c = 8 run in the slow matrix below (the kernel case here covers c = 8).
+    layers = [["goat", 4, True, True], ["rope", 2, False, False]]
     out = json.loads(run_on_fake_devices(_KERNEL_SCRIPT, json.dumps(cases), json.dumps(layers),
                                          timeout=1200).split("RESULT ")[-1])
     for row in out["kernel"]:
