@@ -80,13 +80,19 @@ def test_bad_multipliers_are_refused_naming_the_flag_before_any_work(tmp_path, v
     assert evaluate.parse_multipliers("1, 2,4") == [1, 2, 4]
 
 
-def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_path):
-    workdir = _run_dir(tmp_path / "run", "lm")
+def _earlier_out(tmp_path, figure):
+    """``tmp_path/o`` holding an earlier evaluation's results (with ``figure``) and a file of
+    the user's."""
     out = tmp_path / "o"
     out.mkdir()
-    for name in ("results.json", "results.md", "perplexity.png"):
+    for name in ("results.json", "results.md", figure):
         (out / name).write_text("first evaluation")
     (out / "notes.txt").write_text("the user's")
+    return out
+
+
+def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_path):
+    workdir, out = _run_dir(tmp_path / "run", "lm"), _earlier_out(tmp_path, "perplexity.png")
     argv = ["--workdir", workdir, "--evals", "sinks", "--out", str(out)]
     with pytest.raises(ValueError, match=r"--out .* already holds an evaluation's results; .*--overwrite"):
         evaluate.main(argv)
@@ -109,12 +115,7 @@ def test_overwrite_keeps_the_old_results_until_the_new_ones_exist(tmp_path, monk
     """--overwrite: while the new evaluation runs (and if it is interrupted), --out still holds
     the previous results; once it finishes they are replaced, the user's other files stay, and
     no temporary folder is left beside --out."""
-    workdir = _run_dir(tmp_path / "run", "lm")
-    out = tmp_path / "o"
-    out.mkdir()
-    for name in ("results.json", "results.md", "old_figure.png"):
-        (out / name).write_text("first evaluation")
-    (out / "notes.txt").write_text("the user's")
+    workdir, out = _run_dir(tmp_path / "run", "lm"), _earlier_out(tmp_path, "old_figure.png")
     seen = []
 
     def evaluate_run(run, evals, mults, into, **kwargs):
