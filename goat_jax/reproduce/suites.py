@@ -276,9 +276,10 @@ SUITES = {
         # for every LM row, 512x and 1024x for the rows whose 64x / 1x ratio was below 1.5 then.
         lm_more_multipliers=(128, 256), lm_long_multipliers=(512, 1024), lm_eval_tokens=131_073,
         lm_long_rows=("goat", "goat+linear_sink", "goat+learn_frequencies", "alibi", "kerple_log", "fox", "nope"),
-        # Added 2026-12-05 for memory (ALiBi's 'xla' kernel asked for 51.6 GB at 32,768): 512x
-        # and 1024x through the KV cache in 512-query chunks, for every row that has them.
-        lm_chunked_from=512, lm_eval_chunk_size=512,
+        # Added 2026-12-05 for memory (ALiBi's 'xla' kernel asked for 51.6 GB at 32,768; FIRE's
+        # [T, S, 32] hidden layer was killed at 8,192): 128x and longer through the KV cache in
+        # 512-query chunks, for every LM row.
+        lm_chunked_from=128, lm_eval_chunk_size=512,
         lm_overrides={"seq_len": 64, "global_batch_size": 32, "model.kv_num_heads": 4,
                       "num_train_steps": 1000, "eval_every_steps": 1000,
                       # a checkpoint every 200 steps: a killed run loses at most ~2 minutes
