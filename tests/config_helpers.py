@@ -69,39 +69,44 @@ def xla_flags(devices: int) -> str:
                                 f"--xla_force_host_platform_device_count={devices}") if f)
 
 
-def run_at_xla_defaults(script: str, *args: str, timeout: int = 600) -> str:
-    """Runs ``python -c script *args`` from the repository root in a fresh CPU process with
-    XLA's default optimization level (without tests/conftest.py's TEST_XLA_FLAGS): for the
-    tests that compare bits with a recording made at the defaults (the CPU backend's level 0
-    rounds transcendental functions differently in the last bit). Returns its stdout."""
+def default_level_flags() -> str:
+    """This process's XLA_FLAGS without tests/conftest.py's optimization level: XLA's default
+    level, for a subprocess whose time is running rather than compiling, or whose bits must
+    equal a recording made at the defaults."""
+    import os  # pylint: disable=g-import-not-at-top
+
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_backend_optimization_level"))
+
+
+def _run_script(script: str, args, xla_flags_value: str, timeout: int) -> str:
+    """``python -c script *args`` from the repository root on CPU with ``XLA_FLAGS`` set to
+    ``xla_flags_value``; asserts it exits 0 (its stderr tail in the message), returns stdout."""
     import os  # pylint: disable=g-import-not-at-top
     import subprocess  # pylint: disable=g-import-not-at-top
     import sys  # pylint: disable=g-import-not-at-top
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_backend_optimization_level"))
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_value, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def run_at_xla_defaults(script: str, *args: str, timeout: int = 600) -> str:
+    """Runs ``python -c script *args`` like :func:`run_on_fake_devices`, one device, at XLA's
+    default optimization level (:func:`default_level_flags`): for the tests that compare bits
+    with a recording made at the defaults (the CPU backend's level 0 rounds transcendental
+    functions differently in the last bit). Returns its stdout."""
+    return _run_script(script, args, default_level_flags(), timeout)
 
 
 def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
     """Runs ``python -c script *args`` from the repository root in a fresh process with
     ``devices`` fake CPU devices (XLA_FLAGS must be set before jax is imported, hence the
     subprocess); asserts it exits 0 (its stderr tail in the message) and returns its stdout."""
-    import os  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return _run_script(script, args, xla_flags(devices), timeout)
 
 
 def run_compile_only(args, timeout: int = 300, gpu: bool = False):

@@ -93,12 +93,13 @@ def _errors(stderr):
 
 
 def _env():
+    from tests import config_helpers  # pylint: disable=g-import-not-at-top
+
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)  # as a newcomer's shell has it
     # ... and XLA's own optimization level (tests/conftest.py lowers it for the test session's
     # small programs; the README's job is a training run, whose time is running, not compiling).
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_backend_optimization_level"))
+    env["XLA_FLAGS"] = config_helpers.default_level_flags()
     return env
 
 

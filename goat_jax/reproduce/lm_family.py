@@ -119,8 +119,7 @@ def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_token
         stream = None
     else:
         stream = ev.heldout_stream(run, max_tokens)
-    full_nll = extrapolation.make_nll_fn(run.apply_fn)
-    chunked_nll: dict[int, Any] = {}
+    full_nll, chunked_nll = extrapolation.make_nll_fn(run.apply_fn), None
     for m in multipliers:
         t0 = time.time()
         use_chunks = chunked_from is not None and m >= chunked_from
@@ -128,11 +127,11 @@ def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_token
             res = ev.eval_extrapolation(run, (m,), max_tokens=max_tokens,
                                         chunk_size=chunk_size if use_chunks else None)
         else:
-            if use_chunks and chunk_size not in chunked_nll:
-                chunked_nll[chunk_size] = chunked.make_chunked_nll_fn(run.model, chunk_size)
+            if use_chunks and chunked_nll is None:
+                chunked_nll = chunked.make_chunked_nll_fn(run.model, chunk_size)
             res = extrapolation.perplexity_by_length(
                 run.apply_fn, run.params, stream.tokens, run.train_len, (m,), tokens_per_batch=8192,
-                nll_fn=chunked_nll[chunk_size] if use_chunks else full_nll, bos_id=stream.bos_id,
+                nll_fn=chunked_nll if use_chunks else full_nll, bos_id=stream.bos_id,
                 progress=lambda msg: cli.log(f"    {run.label} {msg}" + (f" (chunks of {chunk_size})"
                                                                          if use_chunks else "")))
             res = {int(n): {"ppl": r.ppl, "nll": r.nll, "tokens": r.num_tokens} for n, r in res.items()}
