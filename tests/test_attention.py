@@ -12,7 +12,6 @@ from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import split_exact
 from tests import goat_reference as ref
-from tests.marks import SLOW_CASE
 
 E = 64
 
@@ -31,8 +30,8 @@ def make_module_and_params(rng, length, kv_length=None, scale=0.5, init_kwargs=N
     module = ref.goat_module(**fields)
     x = jnp.zeros((1, length, E))
     xk = jnp.zeros((1, kv_length or length, E))
-    params = flax.core.meta.unbox(
-        module.init(jax.random.key(int(rng.integers(1 << 30))), x, xk, xk, **(init_kwargs or {})))
+    init = jax.jit(lambda key: module.init(key, x, xk, xk, **(init_kwargs or {})))  # one compile, not op by op
+    params = flax.core.meta.unbox(init(jax.random.key(int(rng.integers(1 << 30)))))
 
     def randomize(path, leaf):
         names = [getattr(p, "key", "") for p in path]
@@ -89,7 +88,10 @@ def _run_case(name, implementation, rng, length_override=None, dtype=None):
         kwargs.update(spatial_shape=call["grid"], has_cls_token=call.get("has_cls", False))
     if "offset_q" in call:
         kwargs.update(position_offset_q=call["offset_q"], position_offset_k=call["offset_k"])
-    out = module.apply(params, jnp.asarray(xq), jnp.asarray(xk), jnp.asarray(xv), **kwargs)
+    mask = kwargs.pop("key_padding_mask")  # the rest (flags, grid, offsets) are Python values, static as in eager use
+    apply = jax.jit(lambda p, q, k, v, m: module.apply(p, q, k, v, key_padding_mask=m, **kwargs))
+    out = apply(params, jnp.asarray(xq), jnp.asarray(xk), jnp.asarray(xv), mask)
+    kwargs["key_padding_mask"] = mask
     want = ref.goat_attention(
         params, ref_cfg(module), xq, xk, xv, is_causal=kwargs["is_causal"], key_padding_mask=kpm,
         offset_q=call.get("offset_q", 0 if "grid" not in call else (0, 0)),
@@ -98,15 +100,9 @@ def _run_case(name, implementation, rng, length_override=None, dtype=None):
     return out, want
 
 
-# 'xla' (jax.nn.dot_product_attention's XLA path) compiles slowly on CPU (~7-13 s a case on an
-# idle core): the default suite runs it on the cases that cover its masks (padding, GQA, offsets,
-# the linear sink, no key bias, query norm and gate); 'flash' and 'dense' run on every case.
-_XLA_DEFAULT = {"bidir_gqa_padding", "linear_sink_gqa_offsets", "no_key_bias", "query_norm_gate"}
-
-
-@pytest.mark.parametrize("name,implementation", [
-    (n, i) if i != "xla" or n in _XLA_DEFAULT else pytest.param(n, i, marks=SLOW_CASE)
-    for n in CASES for i in ("xla", "flash", "dense")])
+# Every case on every kernel. The layer runs jitted (one compile per case): run op by op, each
+# case compiled a few hundred small programs (5-8 s on a busy core, against ~1 s jitted).
+@pytest.mark.parametrize("name,implementation", [(n, i) for n in CASES for i in ("xla", "flash", "dense")])
 def test_matches_float64_reference(name, implementation, rng):
     out, want = _run_case(name, implementation, rng)
     assert out.shape == want.shape

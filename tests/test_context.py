@@ -9,10 +9,11 @@ On 8 fake CPU devices (one subprocess per test: XLA_FLAGS must precede JAX):
   float32 round-off, and the compiled program really all-gathers over ``context``. The default
   suite runs a subset in which every setting meets every kernel; the slow suite runs every
   combination (56 cases).
-* the engine: ``configs/lm_tiny.py:goat,smoke`` trains with the same losses at ``mesh.context``
-  1 and 4 (balanced or not, packed documents too), resumes exactly across a change of
-  ``mesh.context`` (4 -> 1 and 1 -> 4), and the compiled step's per-device temporaries fall
-  with ``mesh.context``.
+* the engine (tests/engine_cases.py): ``configs/lm_tiny.py:goat,smoke`` trains with the same
+  losses at ``mesh.context`` 1 and 4 under all-gather and ring (balanced or not, packed
+  documents and contiguous windows), resumes exactly across a change of ``mesh.context`` and of
+  strategy (4 -> 1, 1 -> 4, all-gather -> ring), and the compiled step's per-device
+  temporaries fall with ``mesh.context``.
 * bad input: one clear error naming the field before any compilation.
 """
 
@@ -21,6 +22,7 @@ import json
 import numpy as np
 import pytest
 
+from tests import engine_cases
 from tests.config_helpers import lm_smoke_config, run_on_fake_devices
 
 _LAYER_SCRIPT = r'''
@@ -155,94 +157,59 @@ def test_layer_under_context_parallelism_equals_unsharded():
     _check_layer_cases(_DEFAULT_CASES)
 
 
-_ENGINE_SCRIPT = r'''
-import json, shutil, sys
-import jax
-from goat_jax.train import trainer, sharding, tasks
-from tests.config_helpers import lm_smoke_config
-root = sys.argv[1]
+def _context(c, strategy="all_gather", balance=False, **extra):
+    return {"mesh.context": c, "context_strategy": strategy, "context_load_balance": balance, **extra}
 
 
-def losses(workdir):
-    return [r["train_loss"] for r in map(json.loads, open(workdir + "/metrics.jsonl")) if "train_loss" in r]
+# The default plan: packed documents (segment ids reach every kernel), the context-1 baseline
+# trained once for all-gather and ring.
+_DEFAULT_PLAN = {
+    "common": {"data.packing": "documents", "num_train_steps": 4, "checkpoint_every_steps": 2,
+               "eval_every_steps": 4},
+    "runs": [["c1", _context(1), None],
+             ["c4_balanced", _context(4, balance=True), "c1"],
+             ["ring_c4", _context(4, "ring"), "c1"],
+             ["ring_c4_balanced", _context(4, "ring", True), "c1"]],
+    "resumes": [["c1_to_c4", "c1", _context(4)], ["c1_to_ring_c4", "c1", _context(4, "ring")]],
+    "memory": [1, 4],  # the slow plan adds context 2's compile
+}
 
-
-def config(context, balance=False, **extra):
-    return lm_smoke_config(**{"mesh.context": context, "mesh.data": -1, "context_load_balance": balance,
-                              "num_train_steps": 6, "log_every_steps": 1, "checkpoint_every_steps": 3,
-                              "eval_every_steps": 3, **extra})
-
-
-full = sys.argv[2] == "full"
-out = {}
-runs = [("c1", config(1)), ("c4_balanced", config(4, True))]
-if full:
-    runs += [("c4", config(4)), ("c2_balanced_docs", config(2, True, **{"data.packing": "documents"})),
-             ("c1_docs", config(1, **{"data.packing": "documents"}))]
-for name, cfg in runs:
-    summary = trainer.train_and_evaluate(cfg, f"{root}/{name}")
-    out[name] = {"losses": losses(f"{root}/{name}"), "eval_loss": summary.get("eval_loss")}
-# Resume across a change of mesh.context: a copy of a finished run without its step-6
-# checkpoint (as if stopped after step 3) resumes under the other context size.
-for name, source, second in [("c1_to_c4", "c1", config(4))] + ([("c4_to_c1", "c4_balanced", config(1))] if full else []):
-    workdir = f"{root}/{name}"
-    shutil.copytree(f"{root}/{source}", workdir)
-    shutil.rmtree(f"{workdir}/checkpoints/6")
-    out[name] = {"resumed_at": trainer.train_and_evaluate(second, workdir)["step"], "losses": losses(workdir)}
-# Per-device temporaries of the compiled train step against mesh.context at a fixed per-device
-# batch (data 2, on 2 x context devices; xla kernel, whose T x S logits dominate).
-memory = {}
-for c in ((1, 2, 4) if full else (1, 4)):  # the default suite skips context 2's compile
-    cfg = config(c, **{"seq_len": 256, "model.implementation": "xla", "mesh.data": 2})
-    task = tasks.get_task(cfg.task)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2 * c])
-    dummy = task.dummy_batch(cfg, cfg.global_batch_size)
-    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
-    steps = trainer.make_sharded_steps(task, cfg, mesh, sharding.rules_from_config(cfg.sharding_rules), bsh)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            steps.abstract_state, steps.state_shardings)
-    compiled = steps.train_step.lower(abstract, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
-    memory[c] = compiled.memory_analysis().temp_size_in_bytes
-out["temporaries"] = memory
-print("RESULT " + json.dumps(out))
-'''
-
-
-def _check_engine(out, full):
-    base = out["c1"]["losses"]
-    assert len(base) == 6
-    for name in ("c4_balanced",) + (("c4",) if full else ()):
-        np.testing.assert_allclose(out[name]["losses"], base, rtol=2e-6, atol=0, err_msg=name)
-        np.testing.assert_allclose(out[name]["eval_loss"], out["c1"]["eval_loss"], rtol=2e-6)
-    if full:
-        np.testing.assert_allclose(out["c2_balanced_docs"]["losses"], out["c1_docs"]["losses"], rtol=2e-6)
-    for name in ("c1_to_c4",) + (("c4_to_c1",) if full else ()):
-        assert out[name]["resumed_at"] == 6
-        np.testing.assert_allclose(out[name]["losses"], base, rtol=2e-6, err_msg=name)
-    temps = {int(k): v for k, v in out["temporaries"].items()}
-    if full:
-        assert temps[4] < temps[2] < temps[1], temps
-    assert temps[4] < 0.6 * temps[1], temps  # most of the step's temporaries are split
+# The slow plan: contiguous windows (no segment ids) unbalanced and balanced, documents balanced
+# at context 2, and a balanced context-4 run resumed at context 1.
+_FULL_PLAN = {
+    "common": {"num_train_steps": 6, "checkpoint_every_steps": 3, "eval_every_steps": 3},
+    "runs": [["c1", _context(1), None],
+             ["c4_balanced", _context(4, balance=True), "c1"],
+             ["c4", _context(4), "c1"],
+             ["c1_docs", _context(1, **{"data.packing": "documents"}), None],
+             ["c2_balanced_docs", _context(2, balance=True, **{"data.packing": "documents"}), "c1_docs"]],
+    "resumes": [["c1_to_c4", "c1", _context(4)], ["c4_to_c1", "c4_balanced", _context(1)]],
+    "memory": [1, 2, 4],
+}
 
 
 def test_engine_trains_resumes_and_saves_memory_under_context(tmp_path):
-    """The issue's done-when on 8 fake devices: the smoke LM at mesh.context=4 (load-balanced)
-    trains with the losses of mesh.context=1, a context-1 run stopped after step 3 resumes
-    exactly at mesh.context=4, and the compiled step's temporaries per device fall as the
-    context axis grows at a fixed per-device batch (the T x S logits are split over it; contexts 1
-    and 4 here, 1, 2 and 4 in the slow test below)."""
-    out = json.loads(run_on_fake_devices(_ENGINE_SCRIPT, str(tmp_path), "default", timeout=1200).split("RESULT ")[-1])
-    _check_engine(out, full=False)
+    """The engine's done-when on 8 fake devices, all-gather and ring in one process: the smoke LM
+    with packed documents at mesh.context=4, data=2 trains with the losses and evaluation loss
+    of mesh.context=1 under all-gather (load-balanced) and ring (balanced or not); a context-1
+    run stopped after step 2 resumes exactly at context 4 under all-gather and under ring; and
+    the compiled step's temporaries per device fall with the context axis at a fixed
+    per-device batch (the T x S logits are split over it; contexts 1 and 4 here, 1, 2 and 4 in
+    the slow test below)."""
+    temps = engine_cases.run_plan(_DEFAULT_PLAN, str(tmp_path), timeout=1200)
+    assert temps[4] < 0.6 * temps[1], temps  # most of the step's temporaries are split
 
 
-@pytest.mark.slow(reason="five more training runs; the default suite runs the balanced one and one resume")
-def test_engine_under_context_unbalanced_documents_and_resume_back():
-    """As above, plus: unbalanced context 4, packed documents (segment ids) balanced at context
-    2 against context 1, and a balanced context-4 run resumed at context 1."""
+@pytest.mark.slow(reason="six more training runs; the default suite runs the documents plan with all-gather and ring")
+def test_engine_under_context_unbalanced_windows_documents_and_resume_back():
+    """As above on contiguous windows (no segment ids): context 4 balanced and not against
+    context 1; packed documents balanced at context 2 against context 1; a balanced context-4
+    run resumed at context 1; temporaries at contexts 1, 2 and 4 in decreasing order."""
     import tempfile  # pylint: disable=g-import-not-at-top
     with tempfile.TemporaryDirectory() as root:
-        out = json.loads(run_on_fake_devices(_ENGINE_SCRIPT, root, "full", timeout=1800).split("RESULT ")[-1])
-    _check_engine(out, full=True)
+        temps = engine_cases.run_plan(_FULL_PLAN, root)
+    assert temps[4] < temps[2] < temps[1], temps
+    assert temps[4] < 0.6 * temps[1], temps
 
 
 # ----------------------------------------------------------------------------------------------

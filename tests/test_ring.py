@@ -1,8 +1,9 @@
 """Ring attention (goat_jax/kernels/ring.py; ``context_strategy='ring'``) on 8 fake CPU devices:
 the kernel against the float64 reference (c = 2, 4, 8, balanced and not, segment ids, padding),
 GOAT and RoPE layers under ring equal to all-gather and to one device (values and gradients),
-the engine's losses with packed documents against mesh.context=1 and a resume across a change of
-strategy, per-device memory falling as 1/c, and the refusals."""
+per-device memory falling as 1/c, and the refusals. The engine under ring (losses with packed
+documents against mesh.context=1, a resume across a change of strategy) runs in the same
+process as the all-gather engine runs: tests/test_context.py, tests/engine_cases.py."""
 
 import json
 
@@ -143,53 +144,6 @@ def test_ring_kernel_every_combination():
         assert max(row["errors"]) <= TOLERANCE, row
     for row in out["layers"]:
         assert row["all_gather"] <= TOLERANCE and row["ring"] <= LAYER_TOLERANCE, row
-
-
-_ENGINE_SCRIPT = r'''
-import json, shutil, sys
-import jax
-from goat_jax.train import trainer, sharding, tasks
-from tests.config_helpers import lm_smoke_config
-root = sys.argv[1]
-
-
-def losses(workdir):
-    return [r["train_loss"] for r in map(json.loads, open(workdir + "/metrics.jsonl")) if "train_loss" in r]
-
-
-def config(context, strategy="all_gather", balance=False, **extra):
-    return lm_smoke_config(**{"mesh.context": context, "mesh.data": -1, "context_load_balance": balance,
-                              "context_strategy": strategy, "data.packing": "documents",
-                              "num_train_steps": 4, "log_every_steps": 1, "checkpoint_every_steps": 2,
-                              "eval_every_steps": 4, **extra})
-
-
-out = {}
-for name, cfg in [("c1", config(1)), ("ring_c4", config(4, "ring")), ("ring_c4_balanced", config(4, "ring", True))]:
-    summary = trainer.train_and_evaluate(cfg, f"{root}/{name}")
-    out[name] = {"losses": losses(f"{root}/{name}"), "eval_loss": summary.get("eval_loss")}
-# A context-1 all-gather run stopped after step 2 resumes under ring at context 4.
-workdir = f"{root}/resume"
-shutil.copytree(f"{root}/c1", workdir)
-shutil.rmtree(f"{workdir}/checkpoints/4")
-out["resume"] = {"resumed_at": trainer.train_and_evaluate(config(4, "ring"), workdir)["step"], "losses": losses(workdir)}
-print("RESULT " + json.dumps(out))
-'''
-
-
-def test_engine_ring_trains_packed_documents_like_one_device_and_resumes(tmp_path):
-    """The issue's done-when on 8 fake devices: the smoke LM with packed documents at
-    mesh.context=4, data=2, context_strategy='ring', balanced or not, trains with the losses of
-    mesh.context=1; a context-1 all-gather run stopped after step 2 resumes exactly under ring at
-    context 4."""
-    out = json.loads(run_on_fake_devices(_ENGINE_SCRIPT, str(tmp_path), timeout=1800).split("RESULT ")[-1])
-    base = out["c1"]["losses"]
-    assert len(base) == 4
-    for name in ("ring_c4", "ring_c4_balanced"):
-        np.testing.assert_allclose(out[name]["losses"], base, rtol=2e-6, atol=0, err_msg=name)
-        np.testing.assert_allclose(out[name]["eval_loss"], out["c1"]["eval_loss"], rtol=2e-6, err_msg=name)
-    assert out["resume"]["resumed_at"] == 4
-    np.testing.assert_allclose(out["resume"]["losses"], base, rtol=2e-6)
 
 
 def _validate(**overrides):
