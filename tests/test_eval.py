@@ -19,6 +19,7 @@ from goat_jax.data import synthetic, text
 from goat_jax.data.tokenizers import ByteTokenizer
 from goat_jax.eval import extrapolation, plots, retrieval, sinks
 from goat_jax.models import LMConfig, TransformerLM
+from tests import jitted
 from tests.config_helpers import random_params
 
 V = 259
@@ -256,9 +257,9 @@ def test_sown_probabilities_equal_the_float64_softmax(layer):
     else:
         module = PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="alibi",
                                      implementation="dense")
-    params = flax.core.meta.unbox(module.init(jax.random.PRNGKey(0), x))
+    params = flax.core.meta.unbox(jitted.init(module, jax.random.PRNGKey(0), x))
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
-    _, state = module.apply(params, x, is_causal=True, key_padding_mask=jnp.asarray(pad),
+    _, state = jitted.apply(module, params, x, is_causal=True, key_padding_mask=jnp.asarray(pad),
                             mutable=["intermediates"])
     probs = np.asarray(state["intermediates"]["attention_probs"][0])  # [B, N, T, S]
 

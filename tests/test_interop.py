@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 goat = pytest.importorskip("goat")
 
 from goat_jax.interop import from_official, to_official  # noqa: E402
+from tests import jitted
 
 E = 64
 
@@ -54,7 +55,7 @@ def test_from_official_matches_official_outputs(name, rng):
         want = m(x, x, x, key_padding_mask=kpm, need_weights=False, **call)[0].numpy()
     module, params = from_official(m)
     xj = jnp.asarray(x.numpy())
-    got = module.apply(params, xj, xj, xj, key_padding_mask=None if kpm is None else jnp.asarray(kpm.numpy()), **call)
+    got = jitted.apply(module, params, xj, xj, xj, key_padding_mask=None if kpm is None else jnp.asarray(kpm.numpy()), **call)
     err = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
     assert err <= 1e-5, err
 
@@ -96,7 +97,7 @@ def test_sequence_first_module_warns_and_matches_after_transposing(rng):
     x = torch.randn(12, 2, E, generator=gen)  # [L, B, E], the official default layout
     with torch.no_grad():
         want = m(x, x, x, need_weights=False, is_causal=True)[0].numpy().transpose(1, 0, 2)
-    got = module.apply(params, jnp.asarray(x.numpy().transpose(1, 0, 2)), is_causal=True)
+    got = jitted.apply(module, params, jnp.asarray(x.numpy().transpose(1, 0, 2)), is_causal=True)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
@@ -109,7 +110,7 @@ def test_attention_dropout_warns_and_matches_eval_mode(rng):
     x = torch.randn(2, 12, E, generator=gen)
     with torch.no_grad():
         want = m.eval()(x, x, x, need_weights=False)[0].numpy()
-    np.testing.assert_allclose(np.asarray(module.apply(params, jnp.asarray(x.numpy()))), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jitted.apply(module, params, jnp.asarray(x.numpy()))), want, atol=1e-5)
     # Without either setting there is no warning.
     import warnings
     with warnings.catch_warnings():
@@ -128,13 +129,13 @@ def test_weights_with_learned_frequencies_are_refused_by_a_fixed_ladder_module(r
 
     x = jnp.asarray(rng.standard_normal((1, 8, E)), jnp.float32)
     learned = GoatAttention(num_heads=4, prior=PriorSettings(pos_rank=4, abs_rank=2, learn_frequencies=True))
-    params = learned.init(jax.random.PRNGKey(0), x, is_causal=True)
+    params = jitted.init(learned, jax.random.PRNGKey(0), x, is_causal=True)
     fixed = GoatAttention(num_heads=4, prior=PriorSettings(pos_rank=4, abs_rank=2))
     with pytest.raises(ValueError, match=r"params hold prior.pos_freqs .*fixed ladder"):
         to_official(fixed, params)
     with pytest.raises(ValueError, match="learn_frequencies=True"):
         to_official(learned, params)
-    to_official(fixed, fixed.init(jax.random.PRNGKey(0), x, is_causal=True))  # the fixed ladder exports
+    to_official(fixed, jitted.init(fixed, jax.random.PRNGKey(0), x, is_causal=True))  # the fixed ladder exports
 
 
 @pytest.mark.parametrize("name", ["gqa_fused", "grid_2d_cls"])
@@ -182,7 +183,7 @@ def _layer(prior=None, **fields):
 
 def _run_both(module, params, x, kv=None):
     kv = x if kv is None else kv
-    got = np.asarray(module.apply(params, x, kv, is_causal=kv is x), np.float32)
+    got = np.asarray(jitted.apply(module, params, x, kv, is_causal=kv is x), np.float32)
     official = to_official(module, params)
     t = lambda a: torch.tensor(np.asarray(a, np.float32))
     with torch.no_grad():
@@ -200,7 +201,7 @@ def test_a_setting_the_official_package_cannot_represent_is_refused_naming_it(rn
     kwargs, words = _REFUSED[name]
     x = jnp.asarray(rng.standard_normal((2, 12, E)), jnp.float32)
     module = _layer(**kwargs)
-    params = module.init(jax.random.PRNGKey(0), x, is_causal=True)
+    params = jitted.init(module, jax.random.PRNGKey(0), x, is_causal=True)
     with pytest.raises(ValueError, match=words):
         to_official(module, params)
 
@@ -222,7 +223,7 @@ def test_every_setting_is_placed_in_the_export_table_and_lane_aligned_without_th
     # Without the sink both layouts are one function, in any dtype: exported, and equal.
     x = jnp.asarray(rng.standard_normal((2, 12, E)), jnp.float32)
     module = _layer(prior=dict(qk_layout="lane_aligned", enable_key_bias=False))
-    got, want = _run_both(module, module.init(jax.random.PRNGKey(0), x, is_causal=True), x)
+    got, want = _run_both(module, jitted.init(module, jax.random.PRNGKey(0), x, is_causal=True), x)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -231,7 +232,7 @@ def test_bf16_layer_in_the_official_layout_exports_within_bf16_noise(rng):
 
     x = jnp.asarray(rng.standard_normal((2, 12, E)), jnp.float32)
     module = _layer(dtype=jnp.bfloat16)
-    got, want = _run_both(module, module.init(jax.random.PRNGKey(0), x, is_causal=True), x)
+    got, want = _run_both(module, jitted.init(module, jax.random.PRNGKey(0), x, is_causal=True), x)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
@@ -243,7 +244,7 @@ def test_cross_attention_from_another_width_exports_with_kdim(rng):
     x = jnp.asarray(rng.standard_normal((2, 12, E)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((2, 10, 48)), jnp.float32)
     module = _layer()
-    got, want = _run_both(module, module.init(jax.random.PRNGKey(0), x, kv), x, kv)
+    got, want = _run_both(module, jitted.init(module, jax.random.PRNGKey(0), x, kv), x, kv)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 

@@ -19,6 +19,7 @@ import pytest
 from goat_jax import kernels
 from goat_jax.prior import PriorSettings
 from tests import goat_reference as ref
+from tests import jitted
 from tests.config_helpers import lm_smoke_config, run_on_fake_devices
 from tests.test_attention import make_module_and_params, ref_cfg
 
@@ -105,7 +106,7 @@ def test_vit_takes_the_layout_and_its_float32_path_is_the_official_function(rng)
         widths[layout] = {c["qk_dim"] for c in found}
     assert widths == {"official": {66}, "lane_aligned": {64}}
     official, aligned = _vit("official"), _vit("lane_aligned")
-    params = flax.core.meta.unbox(official.init(jax.random.key(1), images))
+    params = flax.core.meta.unbox(jitted.init(official, jax.random.key(1), images))
     params = jax.tree.map(lambda x: x + jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), params)  # a prior that moves
     np.testing.assert_array_equal(official.apply(params, images), aligned.apply(params, images))
     with pytest.raises(ValueError, match=r"qk_layout"):
@@ -119,7 +120,7 @@ def test_lane_aligned_2d_layer_with_cls_equals_the_float64_reference(rng):
     module, params = make_module_and_params(rng, 13, init_kwargs=dict(spatial_shape=grid, has_cls_token=True),
                                             sink_channels=3, qk_layout="lane_aligned", **fields)
     x = jnp.asarray(rng.normal(size=(2, 13, E)), jnp.float32)
-    out = module.apply(params, x, x, x, spatial_shape=grid, has_cls_token=True)
+    out = jitted.apply(module, params, x, x, x, spatial_shape=grid, has_cls_token=True)
     cfg = dict(ref_cfg(module), content_dims=16 - 2 * 5 - 3)
     want = ref.goat_attention(params, cfg, x, x, x, grid=grid, has_cls=True, offset_q=(0, 0), offset_k=(0, 0))
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())

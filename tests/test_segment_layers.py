@@ -16,6 +16,7 @@ from goat_jax import segments
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests import jitted
 from tests.marks import SLOW_CASE
 
 E, N, K, H = 16, 4, 2, 8  # model dim, query heads, kv heads (GQA), head dim
@@ -287,8 +288,8 @@ def test_automatic_kernel_never_picks_cudnn_for_segment_ids_before_hopper(monkey
     x = jnp.zeros((1, 6, E), jnp.bfloat16)
     layer = _layer(name, None, dtype=jnp.bfloat16)
     with kernels.record_choices() as choices:
-        layer.init(jax.random.key(0), x, is_causal=True, segment_ids=ids)
-        layer.init(jax.random.key(0), x, is_causal=True)
+        jitted.init(layer, jax.random.key(0), x, is_causal=True, segment_ids=ids)
+        jitted.init(layer, jax.random.key(0), x, is_causal=True)
     assert used[0] != "cudnn" and used[-1] == "cudnn", used
     assert [c["implementation"] for c in choices] == used, (choices, used)
 

@@ -15,6 +15,7 @@ from configs import lm_tiny
 from goat_jax import interop
 from goat_jax import prior as prior_lib
 from goat_jax.models import lm
+from tests import jitted
 from tests.test_attention import E, make_module_and_params
 
 L = 8  # training_seq_len of these tests
@@ -26,7 +27,7 @@ def _pair(rng, length, randomize, implementation="xla"):
                                               implementation=implementation)
     if not randomize:  # the official initialization, as a training run starts
         x = jnp.zeros((1, length, E))
-        params = flax.core.meta.unbox(official.init(jax.random.key(int(rng.integers(1 << 30))), x))
+        params = flax.core.meta.unbox(jitted.init(official, jax.random.key(int(rng.integers(1 << 30))), x))
     linear = official.clone(prior=prior_lib.PriorSettings(
         pos_rank=4, abs_rank=4, training_seq_len=L, sink_extrapolation="linear"))
     return official, linear, params
