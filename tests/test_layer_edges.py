@@ -11,6 +11,7 @@ from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests import jitted
 from tests.marks import SLOW_CASE
 
 CPU_KERNELS = ["dense", "xla", "flash", "splash_interpret"]
@@ -101,10 +102,10 @@ def test_rows_with_keys_static_shortcut():
 def test_goat_layer_with_a_fully_padded_example_outputs_the_out_bias(implementation, rng):
     module = ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, implementation=implementation)
     x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
-    params = module.init(jax.random.key(0), x)
+    params = jitted.init(module, jax.random.key(0), x)
     params = jax.tree_util.tree_map(lambda a: a + 0.1, params)  # a non-zero out_proj bias
     pad = jnp.asarray(np.stack([np.zeros(16, bool), np.ones(16, bool)]))
-    out = np.asarray(module.apply(params, x, key_padding_mask=pad))
+    out = np.asarray(jitted.apply(module, params, x, key_padding_mask=pad))
     bias = np.asarray(ref.unboxed(params)["out_proj"]["bias"])
     np.testing.assert_allclose(out[1], np.broadcast_to(bias, out[1].shape), rtol=1e-6)
     expected0 = ref.goat_attention(params, dict(num_heads=4, kv_num_heads=4, head_dim=8,
@@ -126,7 +127,7 @@ LAYERS = {
 def test_invalid_positions_raise_naming_the_argument(layer):
     module = LAYERS[layer]()
     x = jnp.ones((1, 8, 32))
-    params = module.init(jax.random.key(0), x)
+    params = jitted.init(module, jax.random.key(0), x)
     ok = jnp.arange(8, dtype=jnp.int32)
     cases = [
         (dict(q_positions=ok.astype(jnp.float32), k_positions=ok), r"q_positions must be integer"),
@@ -153,7 +154,7 @@ def test_position_errors_name_what_the_caller_passed():
 
     module = LAYERS["goat"]()
     x = jnp.ones((1, 8, 32))
-    params = module.init(jax.random.key(0), x)
+    params = jitted.init(module, jax.random.key(0), x)
     long = jax.ShapeDtypeStruct((1, prior_lib.MAX_POSITION + 1, 32), jnp.float32)
     with pytest.raises(ValueError, match=r"^the key length: 16777217 tokens reaches past MAX_POSITION=16777216"):
         jax.eval_shape(lambda k: module.apply(params, x, k), long)
@@ -180,7 +181,7 @@ def test_position_errors_name_what_the_caller_passed():
 def test_traced_invalid_positions_give_nan_not_a_wrong_prior(layer):
     module = LAYERS[layer]()
     x = jnp.ones((1, 8, 32))
-    params = module.init(jax.random.key(0), x)
+    params = jitted.init(module, jax.random.key(0), x)
     run = jax.jit(lambda p: module.apply(params, x, q_positions=p, k_positions=p))
     good = jnp.arange(8, dtype=jnp.int32)
     assert np.isfinite(np.asarray(run(good))).all()
@@ -192,7 +193,7 @@ def test_traced_invalid_positions_give_nan_not_a_wrong_prior(layer):
 def test_2d_offsets_are_validated():
     module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d")
     x = jnp.ones((1, 6, 32))
-    params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
+    params = jitted.init(module, jax.random.key(0), x, spatial_shape=(2, 3))
     with pytest.raises(ValueError, match=r"^position_offset_q\[0\] spans \[-1, -1\]"):
         module.apply(params, x, spatial_shape=(2, 3), position_offset_q=(-1, 0))
     with pytest.raises(ValueError, match=r"^position_offset_k\[1\] must be integer"):
@@ -205,7 +206,7 @@ def test_2d_goat_refuses_explicit_positions(pos_encoding):
     positions, even out of range, were silently ignored. Refused in one line, as rope2d does."""
     module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding=pos_encoding)
     x = jnp.ones((1, 6, 32))
-    params = module.init(jax.random.key(0), x, spatial_shape=(2, 3))
+    params = jitted.init(module, jax.random.key(0), x, spatial_shape=(2, 3))
     for kwargs in (dict(q_positions=jnp.arange(6)), dict(k_positions=jnp.arange(6) + 2 ** 30)):
         with pytest.raises(ValueError, match=rf"^pos_encoding='{pos_encoding}' chose 2D .*q_positions/k_positions "
                                              r"are 1D and are not supported") as info:
@@ -220,8 +221,8 @@ def test_2d_offsets_may_be_traced_and_grids_past_the_bound_are_refused():
     module = ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, pos_encoding="2d", implementation="xla")
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 7, 32)), jnp.float32)
     kw = dict(spatial_shape=(2, 3), has_cls_token=True)
-    params = module.init(jax.random.key(0), x, **kw)
-    want = module.apply(params, x, position_offset_q=(5, 9), position_offset_k=(5, 9), **kw)
+    params = jitted.init(module, jax.random.key(0), x, **kw)
+    want = jitted.apply(module, params, x, position_offset_q=(5, 9), position_offset_k=(5, 9), **kw)
     pair = jax.jit(lambda o: module.apply(params, x, position_offset_q=o, position_offset_k=o, **kw))
     np.testing.assert_allclose(np.asarray(pair(jnp.asarray([5, 9], jnp.int32))), np.asarray(want), rtol=1e-5, atol=1e-6)
     row = jax.jit(lambda r: module.apply(params, x, position_offset_q=(r, 9), position_offset_k=(r, 9), **kw))
@@ -315,9 +316,9 @@ def test_a_decoding_call_of_another_batch_than_the_cache_names_both(layer, rng):
     module = (ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, training_seq_len=16, decode=True)
               if layer == "goat" else PositionalAttention(num_heads=4, position_encoding="rope", decode=True))
     x = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
-    variables = module.init(jax.random.key(0), x, is_causal=True)
+    variables = jitted.init(module, jax.random.key(0), x, is_causal=True)
     for batch in (1, 3):
         with pytest.raises(ValueError, match=rf"^decode=True: this call has batch {batch}, but the KV cache holds "
                                              rf"batch 2 .*init \(its 'cache' collection\) on an input of batch {batch}"):
             module.apply(variables, jnp.zeros((batch, 1, 32)), is_causal=True, mutable=["cache"])
-    module.apply(variables, x[:, :1], is_causal=True, mutable=["cache"])  # the cache's batch decodes
+    jitted.apply(module, variables, x[:, :1], is_causal=True, mutable=["cache"])  # the cache's batch decodes

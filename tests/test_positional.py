@@ -11,6 +11,7 @@ import pytest
 from goat_jax import positional as pos_lib
 from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional import LearnedPositionEmbedding
+from tests import jitted
 
 E, N, H = 32, 4, 8  # model dim, query heads, head dim
 MAX_LEN = 64
@@ -94,7 +95,7 @@ def make(enc, kv_heads=N, **kw):
 
 def init(module, rng, *args, **kw):
     """Params with every parameter random (the naive prior table is zero at init)."""
-    params = nn.meta.unbox(module.init(jax.random.PRNGKey(int(rng.integers(2**31))), *args, **kw)["params"])
+    params = nn.meta.unbox(jitted.init(module, jax.random.PRNGKey(int(rng.integers(2**31))), *args, **kw)["params"])
     if "naive_prior" in params:
         params["naive_prior"] = jnp.asarray(rng.normal(size=params["naive_prior"].shape), jnp.float32)
     params["q_proj"]["bias"] = jnp.asarray(rng.normal(size=params["q_proj"]["bias"].shape) * 0.1, jnp.float32)
@@ -122,8 +123,8 @@ def test_matches_reference(enc, causal, kv_heads, rng):
         pad = np.arange(t)[None, :] >= rng.integers(1, t + 1, size=(b, 1))
     module = make(enc, kv_heads)
     params = init(module, rng, x, is_causal=causal)
-    y = module.apply({"params": params}, x, is_causal=causal, key_padding_mask=None if pad is None else jnp.asarray(pad),
-                     position_offset_q=offset, position_offset_k=offset)
+    y = jitted.apply(module, {"params": params}, x, is_causal=causal,
+                     key_padding_mask=None if pad is None else jnp.asarray(pad), position_offset_q=offset, position_offset_k=offset)
     p = offset + np.arange(t, dtype=np.float64)
     ref = np_reference(params, x, x, enc, kv_heads, causal, p, p, pad)
     assert rel_err(y, ref) <= 1e-5
@@ -139,7 +140,7 @@ def test_attention_scale_matches_reference(enc, rng):
     for scale in (1.0, float(rng.uniform(0.05, 2.0))):
         module = make(enc, 2, attention_scale=scale)
         params = init(module, rng, x, is_causal=True)
-        y = module.apply({"params": params}, x, is_causal=True)
+        y = jitted.apply(module, {"params": params}, x, is_causal=True)
         ref = np_reference(params, x, x, enc, 2, True, p, p, scale=scale)
         assert rel_err(y, ref) <= 1e-5, scale
         if scale == 1.0:  # sqrt(8) x the default: the option changes the output
@@ -155,7 +156,7 @@ def test_cross_attention_explicit_positions(enc, rng):
     k_pos = np.sort(rng.choice(MAX_LEN, 11, replace=False)).astype(np.float64)
     module = make(enc, 2)
     params = init(module, rng, xq, xkv)
-    y = module.apply({"params": params}, xq, xkv, q_positions=jnp.asarray(q_pos, jnp.int32),
+    y = jitted.apply(module, {"params": params}, xq, xkv, q_positions=jnp.asarray(q_pos, jnp.int32),
                      k_positions=jnp.asarray(k_pos, jnp.int32))
     assert rel_err(y, np_reference(params, xq, xkv, enc, 2, False, q_pos, k_pos)) <= 1e-5
 
