@@ -20,8 +20,8 @@ LAYERS = {
 }
 
 
-# Slow: alibi and naive_prior (long compiles) and goat (tests/test_attention.py compares it in depth).
-@pytest.mark.parametrize("layer", [pytest.param(name, marks=[SLOW_CASE] if name in ("alibi", "naive_prior", "goat") else [])
+# Slow: goat (its bridge's eager lazy_init; tests/test_nnx_native.py compares the native layer).
+@pytest.mark.parametrize("layer", [pytest.param(name, marks=[SLOW_CASE] if name == "goat" else [])
                                    for name in LAYERS])
 def test_nnx_forward_and_grad_equal_linen(layer, rng):
     x = jnp.asarray(rng.normal(size=(2, 12, 32)), jnp.float32)
@@ -31,14 +31,15 @@ def test_nnx_forward_and_grad_equal_linen(layer, rng):
     params = nnx.state(model, nnx.Param).to_pure_dict()
     assert set(params) >= {"q_proj", "k_proj", "v_proj", "out_proj"}
 
-    y_nnx = model(x, is_causal=True)
-    y_linen = linen_module.apply({"params": params}, x, is_causal=True)
+    # Compiled calls (op by op, each compiled a few hundred one-op programs).
+    y_nnx = nnx.jit(lambda m: m(x, is_causal=True))(model)
+    y_linen = jax.jit(lambda p: linen_module.apply({"params": p}, x, is_causal=True))(params)
     np.testing.assert_allclose(np.asarray(y_nnx), np.asarray(y_linen), rtol=1e-6, atol=1e-6)
 
     target = jnp.asarray(rng.normal(size=y_linen.shape), jnp.float32)
-    g_nnx = nnx.grad(lambda m: jnp.sum((m(x, is_causal=True) - target) ** 2))(model)
-    g_linen = jax.grad(lambda p: jnp.sum((linen_module.apply({"params": p}, x, is_causal=True)
-                                          - target) ** 2))(params)
+    g_nnx = nnx.jit(nnx.grad(lambda m: jnp.sum((m(x, is_causal=True) - target) ** 2)))(model)
+    g_linen = jax.jit(jax.grad(lambda p: jnp.sum((linen_module.apply({"params": p}, x, is_causal=True)
+                                          - target) ** 2)))(params)
     g_nnx = g_nnx.to_pure_dict()
     flat_nnx = jax.tree_util.tree_leaves_with_path(g_nnx)
     flat_linen = dict(jax.tree_util.tree_leaves_with_path(g_linen))
