@@ -13,6 +13,7 @@ from goat_jax.models import lm
 from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional import rope_scaling as rs
 from tests import goat_reference as goat_ref
+from tests import jitted
 from tests.marks import SLOW_CASE
 
 E, N, H = 32, 4, 16  # model dim, query heads, head dim
@@ -103,7 +104,7 @@ def make(enc, kv=N, **kw):
 
 
 def init(module, rng, x, **kw):
-    params = nn.meta.unbox(module.init(jax.random.PRNGKey(int(rng.integers(2**31))), x, **kw)["params"])
+    params = nn.meta.unbox(jitted.init(module, jax.random.PRNGKey(int(rng.integers(2**31))), x, **kw)["params"])
     params["q_proj"]["bias"] = jnp.asarray(rng.normal(size=params["q_proj"]["bias"].shape) * 0.1, jnp.float32)
     return params
 
@@ -175,7 +176,7 @@ def test_layer_matches_reference(enc, causal, kv, factor, rng):
     module = make(enc, kv, rope_scaling_factor=factor)
     params = init(module, rng, x, is_causal=causal)
     offset = int(rng.integers(0, 50))
-    y = module.apply({"params": params}, x, is_causal=causal, position_offset_q=offset, position_offset_k=offset)
+    y = jitted.apply(module, {"params": params}, x, is_causal=causal, position_offset_q=offset, position_offset_k=offset)
     f = t / TRAIN if factor is None else factor
     pos = offset + np.arange(t, dtype=np.float64)
     assert rel_err(y, np_layer(params, x, enc, kv, causal, pos, f)) <= 2e-5
@@ -259,7 +260,8 @@ def test_logn_matches_reference(enc, causal, rng):
     for mode in ("content", "all"):
         module = make(enc, 2, training_seq_len=8, logn_scaling=mode)
         params = init(module, rng, x, is_causal=causal)
-        y = module.apply({"params": params}, x, is_causal=causal, position_offset_q=offset, position_offset_k=offset)
+        y = jitted.apply(module, {"params": params}, x, is_causal=causal, position_offset_q=offset,
+                         position_offset_k=offset)
         if enc == "alibi":
             ref = _np_alibi(params, x, pos, factors, mode)
         else:
@@ -293,9 +295,9 @@ def test_logn_goat_matches_reference(mode, impl, rng):
     cfg = dict(num_heads=4, kv_num_heads=2, head_dim=16, pos_rank=2, abs_rank=2, training_seq_len=length)
     module = goat_ref.goat_module(**cfg, logn_scaling=mode, implementation=impl)
     x = jnp.asarray(rng.normal(size=(2, t, E)), jnp.float32)
-    params = module.init(jax.random.PRNGKey(int(rng.integers(2**31))), x, is_causal=True)
+    params = jitted.init(module, jax.random.PRNGKey(int(rng.integers(2**31))), x, is_causal=True)
     offset = int(rng.integers(0, 30))
-    y = module.apply(params, x, is_causal=True, position_offset_q=offset, position_offset_k=offset)
+    y = jitted.apply(module, params, x, is_causal=True, position_offset_q=offset, position_offset_k=offset)
     factors = np_logn(offset + np.arange(t, dtype=np.float64), True, t, length)
     kw = dict(is_causal=True, offset_q=offset, offset_k=offset)
     ref = goat_ref.goat_attention(params, cfg, x, x, x, logn=factors, logn_mode=mode, **kw)

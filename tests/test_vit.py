@@ -17,6 +17,7 @@ from goat_jax.models.vit import (POSITION_ENCODINGS, ViT, ViTConfig, bicubic_mat
                                  resize_position_table)
 from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional import sincos_2d_embedding
+from tests import jitted
 
 TINY = dict(image_size=16, patch_size=4, channels=1, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64,
             num_classes=5, pos_rank=4, abs_rank=2, drop_path_rate=0.0)
@@ -245,9 +246,9 @@ def test_rope2d_matches_float64_reference(grid, has_cls, rng):
     length = grid[0] * grid[1] + int(has_cls)
     attn = PositionalAttention(num_heads=heads, position_encoding="rope2d", rope_base=100.0)
     x = rng.standard_normal((1, length, e))
-    v = attn.init(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32), spatial_shape=grid, has_cls_token=has_cls)
+    v = jitted.init(attn, jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32), spatial_shape=grid, has_cls_token=has_cls)
     v = _perturbed(v, rng)
-    got = np.asarray(attn.apply(v, jnp.asarray(x, jnp.float32), spatial_shape=grid, has_cls_token=has_cls))[0]
+    got = np.asarray(jitted.apply(attn, v, jnp.asarray(x, jnp.float32), spatial_shape=grid, has_cls_token=has_cls))[0]
     want = _rope2d_reference(x[0], v["params"], grid, has_cls, heads, 100.0)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
