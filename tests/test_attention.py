@@ -12,6 +12,7 @@ from goat_jax import kernels
 from goat_jax import prior as prior_lib
 from goat_jax.prior.packing import split_exact
 from tests import goat_reference as ref
+from tests import jitted
 
 E = 64
 
@@ -219,8 +220,8 @@ def test_cudnn_packed_documents_match_reference_in_bf16(kv_heads, t, rng):
 def test_uniform_init_is_standard_attention_on_content_dims(is_causal, rng):
     module = ref.goat_module(num_heads=4, pos_rank=4, abs_rank=4, prior_init="uniform")
     x = jnp.asarray(rng.normal(size=(2, 24, E)), jnp.float32)
-    params = flax.core.meta.unbox(module.init(jax.random.key(0), x))
-    out = module.apply(params, x, is_causal=is_causal)
+    params = flax.core.meta.unbox(jitted.init(module, jax.random.key(0), x))
+    out = jitted.apply(module, params, x, is_causal=is_causal)
     p = ref.unboxed(params)
     d_c = 16 - 2 * 4 - 1
     q = np.einsum("bte,enh->btnh", np.asarray(x, np.float64), p["q_proj"]["kernel"]) + p["q_proj"]["bias"]
@@ -241,9 +242,10 @@ def test_shift_leaves_relative_logits_unchanged(rng):
               "lambda_asym": jnp.asarray(rng.normal(size=(2, 8)), jnp.float32)}
     shift = int(rng.integers(1, 5000))
 
-    def rel_logits(offset):
-        q_rel, _ = prior_lib.query_features(spec, params, prior_lib.positions_1d(32, offset))
-        k_rel = prior_lib.fourier_features(prior_lib.positions_1d(40, offset + 3), prior_lib.frequencies(8, 1e4))
+    def rel_logits(offset):  # compiled once per offset (op by op: ~100 one-op programs)
+        q_rel, k_rel = jax.jit(lambda: (
+            prior_lib.query_features(spec, params, prior_lib.positions_1d(32, offset))[0],
+            prior_lib.fourier_features(prior_lib.positions_1d(40, offset + 3), prior_lib.frequencies(8, 1e4))))()
         return np.einsum("tnr,sr->nts", np.asarray(q_rel, np.float64), np.asarray(k_rel, np.float64))
 
     base, shifted = rel_logits(0), rel_logits(shift)
@@ -251,9 +253,9 @@ def test_shift_leaves_relative_logits_unchanged(rng):
     assert np.abs(base - shifted).max() <= 2e-6 * (shift + 40) * np.abs(base).max()
     # The same through the dense log-prior (relative part only: no sink).
     spec_nokb = prior_lib.PriorSpec(num_heads=4, kv_num_heads=2, pos_rank=8, abs_rank=4, enable_key_bias=False)
-    lp = lambda off: np.asarray(prior_lib.log_prior(
+    lp = lambda off: np.asarray(jax.jit(lambda: prior_lib.log_prior(
         spec_nokb, params, prior_lib.positions_1d(32, off), prior_lib.positions_1d(40, off + 3),
-        is_causal=False), np.float64)
+        is_causal=False))(), np.float64)
     assert np.abs(lp(0) - lp(shift)).max() <= 2e-6 * (shift + 40) * np.abs(lp(0)).max()
 
 
@@ -398,7 +400,7 @@ def test_layers_init_and_run_under_a_global_mesh_with_logical_rules(layer, rng):
     module = (ref.goat_module(num_heads=4, kv_num_heads=2, pos_rank=2, abs_rank=2) if layer == "goat"
               else PositionalAttention(num_heads=4, kv_num_heads=2, position_encoding="rope"))
     x = jnp.asarray(rng.normal(size=(2, 16, E)), jnp.float32)
-    plain = module.apply(module.init(jax.random.key(0), x), x, is_causal=True)
+    plain = jitted.apply(module, jitted.init(module, jax.random.key(0), x), x, is_causal=True)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         params = jax.jit(module.init)(jax.random.key(0), x)
         out = jax.jit(lambda p, x: module.apply(p, x, is_causal=True))(params, x)

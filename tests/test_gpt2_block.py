@@ -45,11 +45,11 @@ def test_gpt2_block_matches_numpy_float64(rng):
                    position_encoding="nope", block="gpt2", use_bias=True, norm_eps=1e-5)
     block = DecoderBlock(cfg)
     x = rng.normal(size=(1, 7, 32)).astype(np.float32)
-    params = nn.unbox(block.init(jax.random.PRNGKey(0), jnp.asarray(x), None))["params"]
+    params = nn.unbox(jax.jit(lambda k, x: block.init(k, x, None))(jax.random.PRNGKey(0), jnp.asarray(x)))["params"]
     # Random (non-zero) biases and norm parameters so that every term is exercised.
     params = jax.tree_util.tree_map(lambda v: v + 0.3 * rng.normal(size=v.shape).astype(v.dtype), params)
     assert set(params["mlp"]) == {"wi", "wo"} and "bias" in params["attn_norm"]
-    got = np.asarray(block.apply({"params": params}, jnp.asarray(x), None), np.float64)
+    got = np.asarray(jax.jit(lambda p, x: block.apply({"params": p}, x, None))(params, jnp.asarray(x)), np.float64)
     p64 = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64), params)
     want = _numpy_gpt2_block(p64, x[0].astype(np.float64), 4, 1e-5)
     np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=2e-5)

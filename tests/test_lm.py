@@ -189,7 +189,7 @@ def test_causal_and_kv_cache_matches_full_forward(encoding):
     assert not np.allclose(changed[:, 5:], full[:, 5:])
 
     decoder = model.clone(decode=True)
-    cache = decoder.init(jax.random.PRNGKey(0), toks)["cache"]
+    cache = jax.jit(decoder.init)(jax.random.PRNGKey(0), toks)["cache"]
     step = jax.jit(lambda c, x: decoder.apply({"params": params, "cache": c}, x, mutable=["cache"]))
     out, state = step(cache, toks[:, :5])  # prefill in one chunk
     pieces = [out]
