@@ -275,7 +275,7 @@ def test_init_scale_prior_scales_the_sink_mlp_init():
     key, 3e-3 draws exactly 3x the 1e-3 kernels, and nothing else changes."""
     def init(scale):
         cfg = LMConfig(num_layers=1, pos_rank=2, abs_rank=2, init_scale_prior=scale)
-        return TransformerLM(cfg).init(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"]
+        return jax.jit(TransformerLM(cfg).init)(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"]
 
     small, large = nn.unbox(init(1e-3)), nn.unbox(init(3e-3))
     for path, a in jax.tree_util.tree_leaves_with_path(small):

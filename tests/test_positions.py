@@ -23,6 +23,7 @@ from goat_jax.positional import apply_rope, apply_rope_2d, sinusoidal_embedding
 from goat_jax.positional.rope_mixed import apply_rope_mixed
 from goat_jax.positional.rope_scaling import ntk_frequencies, yarn_frequencies
 from tests import goat_reference as ref
+from tests import jitted
 
 WINDOW = 64
 STARTS = (1_000, 60_000, 120_000, 1_000_000, 4_000_000, 2 ** 24 - WINDOW)
@@ -263,7 +264,7 @@ def test_relative_layers_give_the_same_output_shifted_by_millions(layer, is_caus
     once through position offsets, once through explicit positions."""
     module = LAYERS[layer]()
     x = jnp.asarray(rng.normal(size=(2, 48, 64)), jnp.float32)
-    params = module.init(jax.random.key(0), x)
+    params = jitted.init(module, jax.random.key(0), x)
     if layer.startswith("goat"):  # a prior that matters: O(1) amplitudes, not the 1e-2 init
         prior = params["params"]["prior"]
         for name in ("lambda_sym", "lambda_asym"):
@@ -277,7 +278,7 @@ def test_relative_layers_give_the_same_output_shifted_by_millions(layer, is_caus
         err = np.abs(np.asarray(run(shift), np.float64) - base).max() / scale
         assert err <= 1e-5, (shift, err)
     idx = jnp.arange(48, dtype=jnp.int32) + 4_000_000
-    out = module.apply(params, x, is_causal=is_causal, q_positions=idx, k_positions=idx)
+    out = jitted.apply(module, params, x, is_causal=is_causal, q_positions=idx, k_positions=idx)
     assert np.abs(np.asarray(out, np.float64) - base).max() / scale <= 1e-5
 
 
