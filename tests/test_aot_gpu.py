@@ -245,9 +245,10 @@ def test_odd_lengths_are_padded_exactly_for_cudnn(t, s, causal, masking):
 
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(a, jnp.float64) for a in (q, k, v))
-        np.testing.assert_allclose(padded(q, k, v), reference(q, k, v), rtol=1e-10, atol=1e-12)
-        g_ref = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2))(q, k, v)
-        g_pad = jax.grad(lambda *a: jnp.sum(jnp.sin(padded(*a))), argnums=(0, 1, 2))(q, k, v)
+        # Compiled (op by op, each side compiled ~50 one-op programs); float64 either way.
+        np.testing.assert_allclose(jax.jit(padded)(q, k, v), jax.jit(reference)(q, k, v), rtol=1e-10, atol=1e-12)
+        g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a))), argnums=(0, 1, 2)))(q, k, v)
+        g_pad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(padded(*a))), argnums=(0, 1, 2)))(q, k, v)
         for a, b in zip(g_pad, g_ref):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import jitted
 from tests.marks import SLOW_CASE
 
 from goat_jax.models import LMConfig, TransformerLM
@@ -128,7 +129,7 @@ def test_lm_loss_chunked_equals_full_logits_tied_and_untied(tie):
     assert_rel(chunked, full, 1e-5)
     assert_trees_rel(g_chunked, g_full, 1e-5)
     # ... and both are the float64 reference of the model's own hidden states and output weights.
-    hidden, w = TransformerLM(cfg).apply({"params": params}, toks, return_hidden=True)
+    hidden, w = jitted.apply(TransformerLM(cfg), {"params": params}, toks, return_hidden=True)
     want, _, _ = reference_loss_and_grads(hidden, w, targets, weights, cfg.vocab_size)
     assert_rel(full, want, 1e-5)
 
@@ -141,18 +142,18 @@ def test_padded_vocabulary_never_reaches_the_loss_logits_or_sampling():
     params = _params(model, toks)
     assert params["embed"]["embedding"].shape == (40, cfg.embed_dim)
     # Padded rows aligned with the hidden states: their logits would win every softmax and argmax.
-    hidden, _ = model.apply({"params": params}, toks, return_hidden=True)
+    hidden, _ = jitted.apply(model, {"params": params}, toks, return_hidden=True)
     direction = jnp.mean(hidden.reshape(-1, cfg.embed_dim), axis=0)
     params["embed"]["embedding"] = params["embed"]["embedding"].at[37:].set(1e3 * direction)
-    logits = model.apply({"params": params}, toks)
+    logits = jitted.apply(model, {"params": params}, toks)
     assert logits.shape == (2, 6, cfg.vocab_size)
     targets, weights = jnp.roll(toks, -1, axis=1), jnp.ones((2, 6))
-    hidden, w = model.apply({"params": params}, toks, return_hidden=True)
+    hidden, w = jitted.apply(model, {"params": params}, toks, return_hidden=True)
     assert w.shape == (cfg.embed_dim, 40)
     want, _, _ = reference_loss_and_grads(hidden, w, targets, weights, cfg.vocab_size)
     for chunk in (None, 4):
-        got, _ = TransformerLM(dataclasses.replace(cfg, loss_chunk_size=chunk)).apply(
-            {"params": params}, toks, targets, weights, method="token_loss")
+        got, _ = jitted.apply(TransformerLM(dataclasses.replace(cfg, loss_chunk_size=chunk)),
+                              {"params": params}, toks, targets, weights, method="token_loss")
         assert_rel(got, want, 1e-5)
     out = sampling.generate(model, params, toks[:, :2], 4, use_cache=False)
     assert int(out.max()) < cfg.vocab_size

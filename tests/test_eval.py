@@ -442,7 +442,7 @@ def test_a_text_file_shorter_than_one_window_is_refused_naming_it(tmp_path):
     task = tasks.get_task("lm")
     config = tasks.with_field_defaults(lm_tiny.get_config("goat,smoke"), task)  # as load_run gives it
     model = task.build_model(config)
-    params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
     path = tmp_path / "short.txt"
     path.write_text("too short", encoding="utf-8")  # 9 bytes + BOS + EOS = 11 tokens

@@ -21,6 +21,7 @@ from goat_jax.tasks import NO_DECAY_NAMES
 from goat_jax.tasks.lm import official_c4_decay_mask
 from goat_jax.train import optim, sharding
 from tests import goat_reference as ref
+from tests import jitted
 from tests.test_attention import CASES, E, _rel_err, _run_case, make_module_and_params, ref_cfg
 from tests.marks import SLOW_CASE
 
@@ -97,9 +98,9 @@ def test_kv_cache_decoding_equals_full_forward(rng):
     module, params = make_module_and_params(rng, length, kv_num_heads=2, training_seq_len=16,
                                             learn_frequencies=True)
     x = jnp.asarray(rng.normal(size=(2, length, E)), jnp.float32)
-    full = module.apply(params, x, is_causal=True)
+    full = jitted.apply(module, params, x, is_causal=True)
     dec = module.clone(decode=True)
-    cache = dec.init(jax.random.key(0), x, is_causal=True)["cache"]
+    cache = jitted.init(dec, jax.random.key(0), x, is_causal=True)["cache"]
     step = jax.jit(lambda v, x: dec.apply(v, x, is_causal=True, mutable=["cache"]))  # 2 compiles, not eager ops
     outs = []
     for start, stop in [(0, 5)] + [(i, i + 1) for i in range(5, length)]:

@@ -17,7 +17,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 def _flat_params(cfg: lm_lib.LMConfig, seed: int = 0, length: int = 8) -> dict:
     """``{'path/to/leaf': float64 array}`` of a freshly initialized LM."""
-    variables = lm_lib.TransformerLM(cfg).init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
+    variables = jax.jit(lm_lib.TransformerLM(cfg).init)(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
     params = jax.tree_util.tree_map(lambda x: getattr(x, "value", x), variables["params"],
                                     is_leaf=lambda x: hasattr(x, "value"))
     return {"/".join(k): np.asarray(v, np.float64) for k, v in traverse_util.flatten_dict(params).items()}

@@ -13,6 +13,7 @@ from goat_jax.layers.positional import PositionalAttention
 from goat_jax.positional import PositionEncoding
 from goat_jax.positional import registry
 from goat_jax.positional.base import as_batched
+from tests import jitted
 
 E, N, K, H = 16, 4, 2, 4  # model dim, query heads, kv heads, head dim
 
@@ -73,22 +74,23 @@ def test_registry_names_every_encoding_once():
 def test_an_encoding_written_against_the_protocol(registered, rng):
     x = jnp.asarray(rng.normal(size=(2, 7, E)), jnp.float32)
     module = registered()
-    variables = module.init(jax.random.PRNGKey(int(rng.integers(2**31))), x, is_causal=True)
+    variables = jitted.init(module, jax.random.PRNGKey(int(rng.integers(2**31))), x, is_causal=True)
     params = variables["params"]
     # Its parameter sits beside the shared projections, with the shared names.
     assert sorted(params) == ["distance_slope", "k_proj", "out_proj", "q_proj", "v_proj"]
     offset = int(rng.integers(0, 50))
-    y = module.apply({"params": params}, x, is_causal=True, position_offset_q=offset, position_offset_k=offset)
+    y = jitted.apply(module, {"params": params}, x, is_causal=True, position_offset_q=offset, position_offset_k=offset)
     ref = np_reference(params, x, offset)
     assert np.max(np.abs(np.asarray(y, np.float64) - ref)) <= 1e-5 * np.max(np.abs(ref))
 
     # The shared KV cache: decoding a chunk, one token, then a chunk reproduces the full forward, the
     # bias reading the cached keys' positions.
     dec = registered(decode=True)
-    cache = dec.init(jax.random.PRNGKey(0), x, is_causal=True)["cache"]
+    cache = jitted.init(dec, jax.random.PRNGKey(0), x, is_causal=True)["cache"]
     outs = []
     for lo, hi in ((0, 3), (3, 4), (4, 7)):
-        out, state = dec.apply({"params": params, "cache": cache}, x[:, lo:hi], is_causal=True, mutable=["cache"])
+        out, state = jitted.apply(dec, {"params": params, "cache": cache}, x[:, lo:hi], is_causal=True,
+                                  mutable=["cache"])
         cache = state["cache"]
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), np_reference(params, x, 0), rtol=1e-5, atol=1e-5)

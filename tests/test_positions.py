@@ -291,11 +291,11 @@ def test_bf16_sink_channels_stay_exact_to_a_million(rng):
     module = ref.goat_module(num_heads=2, pos_rank=4, abs_rank=4, training_seq_len=1024, prior_init="seeded",
                              implementation="xla")
     x = jnp.asarray(rng.normal(size=(1, length, e)), jnp.float32)
-    params = module.init(jax.random.key(int(rng.integers(1 << 30))), x[:, :16], is_causal=True)
+    params = jitted.init(module, jax.random.key(int(rng.integers(1 << 30))), x[:, :16], is_causal=True)
     off = 1_000_000 - length
 
     def out(m, dtype):
-        y = m.apply(params, x.astype(dtype), is_causal=True, position_offset_q=off, position_offset_k=off)
+        y = jitted.apply(m, params, x.astype(dtype), is_causal=True, position_offset_q=off, position_offset_k=off)
         return np.asarray(y.astype(jnp.float32), np.float64)[0]
 
     def windows(y, want):
