@@ -31,6 +31,26 @@ def lm_smoke_config(**overrides):
     return set_fields(config, **overrides)
 
 
+def compile_train_step(config, devices, abstract_mesh: bool = False):
+    """The engine's sharded train step for ``config`` on ``devices`` (fake CPU devices, or a
+    target's from ``goat_jax.aot.target_devices``), compiled from abstract state and batch; returns
+    the compiled program (``memory_analysis()``, ``as_text()``). ``abstract_mesh``: build the steps
+    under the mesh's abstract mesh (devices of another platform)."""
+    import contextlib  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.train import sharding, tasks, trainer  # pylint: disable=g-import-not-at-top
+    task = tasks.get_task(config.task)
+    config = tasks.with_field_defaults(config, task)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    dummy = task.dummy_batch(config, config.global_batch_size)
+    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if abstract_mesh else contextlib.nullcontext():
+        steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         steps.abstract_state, steps.state_shardings)
+    return steps.train_step.lower(state, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
+
+
 def random_params(model, length: int, rng: np.random.Generator, std: float = 0.3):
     """Parameters of ``model`` (an LM taking ``[1, length]`` token ids) filled with N(0, std)
     NumPy draws (norm scales 1 + 0.1 N(0, std)), from ``eval_shape``: no init compile."""

@@ -27,8 +27,8 @@ from tests.config_helpers import run_on_fake_devices
 SCRIPT = r'''
 import json, shutil, sys
 import jax
-from goat_jax.train import trainer, sharding, tasks
-from tests.config_helpers import lm_smoke_config
+from goat_jax.train import trainer
+from tests.config_helpers import compile_train_step, lm_smoke_config
 root, plan = sys.argv[1], json.loads(sys.argv[2])
 
 
@@ -54,14 +54,7 @@ for name, source, overrides in plan["resumes"]:
 memory = {}
 for c in plan["memory"]:
     cfg = config({"mesh.context": c, "seq_len": 256, "model.implementation": "xla", "mesh.data": 2})
-    task = tasks.get_task(cfg.task)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2 * c])
-    dummy = task.dummy_batch(cfg, cfg.global_batch_size)
-    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
-    steps = trainer.make_sharded_steps(task, cfg, mesh, sharding.rules_from_config(cfg.sharding_rules), bsh)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            steps.abstract_state, steps.state_shardings)
-    compiled = steps.train_step.lower(abstract, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
+    compiled = compile_train_step(cfg, jax.devices()[:2 * c])
     memory[c] = compiled.memory_analysis().temp_size_in_bytes
 out["temporaries"] = memory
 print("RESULT " + json.dumps(out))

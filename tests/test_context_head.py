@@ -61,22 +61,14 @@ def test_cross_entropy_equals_optax_and_refuses_targets_without_a_class():
 _CPU_SCRIPT = r'''
 import json, re
 import jax
-from goat_jax.train import sharding, tasks, trainer
-from tests.config_helpers import lm_smoke_config
+from tests.config_helpers import compile_train_step, lm_smoke_config
 
 T, V = 256, 2048
 out = {}
 for name, (data, context) in {"data4": (4, 1), "context4": (1, 4)}.items():
     cfg = lm_smoke_config(**{"mesh.data": data, "mesh.context": context, "seq_len": T, "global_batch_size": data,
                              "model.vocab_size": V, "model.implementation": "xla"})
-    task = tasks.get_task(cfg.task)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:4])
-    dummy = task.dummy_batch(cfg, cfg.global_batch_size)
-    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
-    steps = trainer.make_sharded_steps(task, cfg, mesh, sharding.rules_from_config(cfg.sharding_rules), bsh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         steps.abstract_state, steps.state_shardings)
-    compiled = steps.train_step.lower(state, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
+    compiled = compile_train_step(cfg, jax.devices()[:4])
     text = compiled.as_text()
     # [.., L, V] arrays (rank >= 2 ending in the vocabulary, not the [V, E] embedding): their L.
     lengths = sorted({int(m.group(1)) for m in re.finditer(r"\[(?:\d+,)*(\d+),%d\]" % V, text) if int(m.group(1)) != V})
@@ -107,24 +99,14 @@ _TPU_SCRIPT = r'''
 import json
 import jax, numpy as np
 from goat_jax import aot
-from goat_jax.train import sharding, tasks, trainer
-from tests.config_helpers import lm_smoke_config
+from tests.config_helpers import compile_train_step, lm_smoke_config
 
 devices = aot.target_devices(aot.parse_target("v5p-8"))
 out = {}
 for name, (data, context) in {"data4": (4, 1), "context4": (1, 4)}.items():
     cfg = lm_smoke_config(**{"mesh.data": data, "mesh.context": context, "seq_len": 4096, "global_batch_size": data,
                              "model.vocab_size": 32768, "model.dtype": "bfloat16"})
-    task = tasks.get_task(cfg.task)
-    cfg = tasks.with_field_defaults(cfg, task)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    dummy = task.dummy_batch(cfg, cfg.global_batch_size)
-    bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        steps = trainer.make_sharded_steps(task, cfg, mesh, sharding.rules_from_config(cfg.sharding_rules), bsh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         steps.abstract_state, steps.state_shardings)
-    compiled = steps.train_step.lower(state, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
+    compiled = compile_train_step(cfg, devices, abstract_mesh=True)
     out[name] = compiled.memory_analysis().temp_size_in_bytes
 print("RESULT " + json.dumps(out))
 '''
