@@ -31,8 +31,8 @@ def make_module_and_params(rng, length, kv_length=None, scale=0.5, init_kwargs=N
     module = ref.goat_module(**fields)
     x = jnp.zeros((1, length, E))
     xk = jnp.zeros((1, kv_length or length, E))
-    init = jax.jit(lambda key: module.init(key, x, xk, xk, **(init_kwargs or {})))  # one compile, not op by op
-    params = flax.core.meta.unbox(init(jax.random.key(int(rng.integers(1 << 30)))))
+    params = flax.core.meta.unbox(
+        jitted.init(module, jax.random.key(int(rng.integers(1 << 30))), x, xk, xk, **(init_kwargs or {})))
 
     def randomize(path, leaf):
         names = [getattr(p, "key", "") for p in path]
@@ -89,10 +89,7 @@ def _run_case(name, implementation, rng, length_override=None, dtype=None):
         kwargs.update(spatial_shape=call["grid"], has_cls_token=call.get("has_cls", False))
     if "offset_q" in call:
         kwargs.update(position_offset_q=call["offset_q"], position_offset_k=call["offset_k"])
-    mask = kwargs.pop("key_padding_mask")  # the rest (flags, grid, offsets) are Python values, static as in eager use
-    apply = jax.jit(lambda p, q, k, v, m: module.apply(p, q, k, v, key_padding_mask=m, **kwargs))
-    out = apply(params, jnp.asarray(xq), jnp.asarray(xk), jnp.asarray(xv), mask)
-    kwargs["key_padding_mask"] = mask
+    out = jitted.apply(module, params, jnp.asarray(xq), jnp.asarray(xk), jnp.asarray(xv), **kwargs)
     want = ref.goat_attention(
         params, ref_cfg(module), xq, xk, xv, is_causal=kwargs["is_causal"], key_padding_mask=kpm,
         offset_q=call.get("offset_q", 0 if "grid" not in call else (0, 0)),

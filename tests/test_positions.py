@@ -9,7 +9,6 @@ Before the exact phases (float32 ``w * p``) the feature error grew linearly, 0.4
 positions; Positions are built directly where a test needs positions past the old bound.
 """
 
-import functools
 import math
 
 import jax
@@ -396,7 +395,7 @@ def _narrow_cases(rng):
     for name, module in (("goat", _goat()), ("rope", LAYERS["rope"]()),
                          ("alibi_packed", PositionalAttention(num_heads=4, position_encoding="alibi_packed",
                                                               implementation="xla"))):
-        params = jax.jit(functools.partial(module.init, is_causal=True))(jax.random.key(0), x)  # one compile, not op by op
+        params = jitted.init(module, jax.random.key(0), x, is_causal=True)
         cases[name] = (lambda p, via, m=module, v=params: m.apply(
             v, x, is_causal=True, **({"q_positions": p, "k_positions": p} if via == "positions"
                                      else {"position_offset_q": p, "position_offset_k": p})))
