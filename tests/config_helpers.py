@@ -129,6 +129,19 @@ def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: int 
     return _run_script(script, args, xla_flags(devices), timeout)
 
 
+def computed_in_batches(compute, default_keys):
+    """``get(key)``: ``compute``'s value for ``key``, memoized. ``compute(keys)`` returns
+    ``{key: value}`` for a list of keys (one subprocess, say); the first call computes its key
+    and every one of ``default_keys`` in one call, a later key missing from those alone."""
+    found: dict = {}
+
+    def get(key):
+        if key not in found:
+            found.update(compute([key] + ([] if found else [k for k in default_keys if k != key])))
+        return found[key]
+    return get
+
+
 def run_compile_only(args, timeout: int = 300, gpu: bool = False):
     """``python *args`` from the repository root as an ahead-of-time compile runs it
     (docs/aot.md): ``JAX_PLATFORMS=cpu``, and for GPU targets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``

@@ -154,17 +154,12 @@ def at_defaults(tmp_path_factory):
     the first call, any other case in a process of its own."""
     from tests import config_helpers  # pylint: disable=g-import-not-at-top
 
-    found: dict = {}
-
-    def get(name):
-        if not any(k.startswith(name + "/") for k in found):
-            names = [name] + ([] if found else [n for n in sorted(CASES) if n not in SLOW and n != name])
-            path = str(tmp_path_factory.mktemp("fingerprints") / "arrays.npz")
-            config_helpers.run_at_xla_defaults(_SCRIPT, ",".join(names), path)
-            with np.load(path) as f:
-                found.update({key: f[key] for key in f.files})
-        return {key.split("/", 1)[1]: value for key, value in found.items() if key.startswith(name + "/")}
-    return get
+    def compute(names):
+        path = str(tmp_path_factory.mktemp("fingerprints") / "arrays.npz")
+        config_helpers.run_at_xla_defaults(_SCRIPT, ",".join(names), path)
+        with np.load(path) as f:
+            return {n: {key.split("/", 1)[1]: f[key] for key in f.files if key.startswith(n + "/")} for n in names}
+    return config_helpers.computed_in_batches(compute, [n for n in sorted(CASES) if n not in SLOW])
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW_CASE) if n in SLOW else n

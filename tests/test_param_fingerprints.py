@@ -105,22 +105,17 @@ def at_defaults():
     first call, any other case in a process of its own."""
     from tests import config_helpers  # pylint: disable=g-import-not-at-top
 
-    found: dict = {}
-
-    def get(module, arg):
-        if f"{module}:{arg}" not in found:
-            cases = [(module, arg)] + ([] if found else [c for c in DEFAULT_CASES if c != (module, arg)])
-            out = config_helpers.run_at_xla_defaults(_SCRIPT, json.dumps(cases))
-            found.update(json.loads(out.split("RESULT ")[-1]))
-        return found[f"{module}:{arg}"]
-    return get
+    def compute(cases):
+        out = json.loads(config_helpers.run_at_xla_defaults(_SCRIPT, json.dumps(cases)).split("RESULT ")[-1])
+        return {case: out[f"{case[0]}:{case[1]}"] for case in cases}
+    return config_helpers.computed_in_batches(compute, list(DEFAULT_CASES))
 
 
 @pytest.mark.parametrize("module,arg", list(DEFAULT_CASES) + [
     pytest.param(m, a, marks=SLOW_CASE) for m, a in SLOW_CASES])
 def test_params_bit_identical(module, arg, at_defaults):
     want = _load()[f"{module}:{arg}"]
-    got = at_defaults(module, arg)
+    got = at_defaults((module, arg))
     assert list(got["params"]) == list(want["params"]), "parameter tree structure changed"
     changed = [k for k in want["params"] if got["params"][k] != want["params"][k]]
     assert not changed, f"parameters differ from main @ aff7b72: {changed}"
