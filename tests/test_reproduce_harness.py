@@ -319,3 +319,58 @@ def test_a_failing_job_with_one_slot_is_recorded_and_the_others_go_on(tmp_path, 
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "extrapolation" in results["lm/jargon/rope"]  # the job after the failure trained and was evaluated
     assert "RESOURCE_EXHAUSTED" in (tmp_path / "out" / "REPORT.md").read_text()
+
+
+def test_an_evaluation_killed_part_way_resumes_at_its_first_unscored_length(tmp_path, monkeypatch, capsys):
+    """A sitting that ends mid-evaluation keeps the lengths it scored (``reproduce_eval.lengths.json``
+    beside the run); the next evaluation of the same weights under the same settings scores only
+    the rest, and its result is the one of an uninterrupted evaluation. Lengths kept for other
+    weights are never taken back; the file is gone once the evaluation is cached whole."""
+    from goat_jax.eval import extrapolation
+
+    monkeypatch.setitem(suites.SUITES, "smoke_lengths",
+                        dataclasses.replace(_suite("smoke_lengths", ("goat",)), lm_ppl_multipliers=(1, 2, 4)))
+    assert reproduce.main(_argv("smoke_lengths", tmp_path)) == 0
+    suite = suites.SUITES["smoke_lengths"]
+    job = suites.plan(suite, str(tmp_path / "runs"), families=["lm"])[0]
+    cache, lengths = tmp_path / "runs" / "jargon" / "goat" / jobs_lib.EVAL_CACHE, jobs_lib.lengths_path(job)
+    whole = json.loads(cache.read_text())
+    assert not os.path.exists(lengths)  # cached whole: nothing per length is left behind
+    assert sorted(map(int, whole["extrapolation"])) == [32, 64, 128]
+
+    real, scored = extrapolation.perplexity_by_length, []
+
+    def killed_at(stop):
+        def score(*args, **kw):
+            n = args[3] * args[4][0]  # train_len x the one multiplier
+            if n == stop:
+                raise RuntimeError(f"killed while scoring {n}")
+            scored.append(n)
+            return real(*args, **kw)
+        return score
+
+    cache.unlink()
+    monkeypatch.setattr(extrapolation, "perplexity_by_length", killed_at(128))
+    with pytest.raises(RuntimeError, match="killed while scoring 128"):
+        jobs_lib.evaluate(job, suite)
+    assert scored == [32, 64] and not cache.exists()
+    assert reproduce.main(_argv("smoke_lengths", tmp_path) + ["--status"]) == 0
+    assert "evaluation part done (2 length(s) scored, up to 64 tokens" in capsys.readouterr().out
+
+    scored.clear()
+    monkeypatch.setattr(extrapolation, "perplexity_by_length", killed_at(None))
+    resumed = jobs_lib.evaluate(job, suite)
+    assert scored == [128]  # only the unscored length
+    assert "taking back the lengths an earlier sitting finished: 32, 64" in capsys.readouterr().out
+    assert resumed["extrapolation"] == whole["extrapolation"]
+    assert not os.path.exists(lengths) and cache.exists()
+
+    # Lengths kept under another key (other weights) are scored again, never taken back.
+    key = jobs_lib.lengths_key(job, suite, {**jobs_lib.evaluated_weights(job), "checkpoint_step": 1})
+    from goat_jax.reproduce.progress import LengthProgress
+    LengthProgress(lengths, key).put(32, {"ppl": 999.0, "nll": 6.9, "tokens": 1}, {"seconds": 1.0})
+    cache.unlink()
+    scored.clear()
+    again = jobs_lib.evaluate(job, suite)
+    assert scored == [32, 64, 128] and again["extrapolation"] == whole["extrapolation"]
+    assert "made with other settings or of other weights" in capsys.readouterr().out

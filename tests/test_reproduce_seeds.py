@@ -367,7 +367,7 @@ def test_a_torn_evaluation_cache_is_evaluated_again_and_rewritten_whole(tmp_path
     with open(jobs_lib.cache_path(job), "w") as f:
         f.write('{"extrapolation": {"32": {"ppl"')
     calls = []
-    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s: calls.append(j.name) or {"value": 1.5})
+    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s, p: calls.append(j.name) or {"value": 1.5})
     # A finished run (only finished runs are evaluated), its newest checkpoint at step 20.
     monkeypatch.setattr(jobs_lib.trainer, "is_finished", lambda config, workdir: True)
     monkeypatch.setattr(jobs_lib.run_lib, "checkpoint_steps", lambda workdir: (20,))
@@ -389,7 +389,7 @@ def test_a_finished_evaluated_run_is_reused_without_a_trainer_and_a_changed_one_
     suite = suites.SUITES["smoke"]
     job = next(j for j in suites.plan(suite, str(tmp_path)) if j.name == "lm/jargon/goat")
     assert jobs_lib.reused(job, suite) is None  # nothing trained yet
-    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s: {"value": 1.5})
+    monkeypatch.setitem(jobs_lib._EVALUATORS, "lm", lambda j, s, p: {"value": 1.5})
     first = jobs_lib.train_and_evaluate(job, suite)
     again = jobs_lib.reused(job, suite)
     assert again is not None and again["wall_seconds"] == 0.0

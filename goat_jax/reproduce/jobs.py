@@ -13,6 +13,7 @@ from typing import Optional
 from goat_jax import cli, files
 from goat_jax.config_files import load_config
 from goat_jax.reproduce import dna_family, lm_family, records, vit_family
+from goat_jax.reproduce.progress import LengthProgress, finished_lengths
 from goat_jax.reproduce.suites import Job, Suite
 from goat_jax.train import run as run_lib
 from goat_jax.train import tasks as tasks_lib
@@ -81,8 +82,12 @@ def train(job: Job) -> dict:
     return {"seconds": run_lib.training_seconds(job.workdir), "summary": summary}
 
 
-_EVALUATORS = {"lm": lm_family.evaluate_lm_job, "vit": vit_family.evaluate_vit_job,
-               "dna": dna_family.evaluate_dna_job}
+# Per family: its evaluations of one job, ``f(job, suite, progress)``; ``progress`` (a
+# :class:`~goat_jax.reproduce.progress.LengthProgress`) keeps the LM perplexity lengths one by one.
+# The ViT and DNA evaluations take minutes, so they are redone whole after a kill.
+_EVALUATORS = {"lm": lm_family.evaluate_lm_job,
+               "vit": lambda job, suite, progress: vit_family.evaluate_vit_job(job, suite),
+               "dna": lambda job, suite, progress: dna_family.evaluate_dna_job(job, suite)}
 # Per family: whether a job's result enters one of its headline checks, ``f(job, suite)``
 # (defined next to the checks); the runner trains these first, --status counts them apart.
 FEEDS_CHECKS = {"lm": lm_family.feeds_checks, "vit": vit_family.feeds_checks, "dna": dna_family.feeds_checks}
@@ -109,6 +114,26 @@ def cache_path(job: Job) -> str:
     evaluated-with row (which shares another row's workdir) ``reproduce_eval_<label>.json``."""
     name = EVAL_CACHE if job.trains else EVAL_CACHE.replace(".json", f"_{job.label}.json")
     return os.path.join(job.workdir, name)
+
+
+def lengths_path(job: Job) -> str:
+    """Where ``job``'s evaluation keeps the lengths it has finished while it runs
+    (:class:`goat_jax.reproduce.progress.LengthProgress`): :func:`cache_path` with
+    ``.lengths.json`` for ``.json``; removed once the whole evaluation is cached."""
+    return cache_path(job)[:-len(".json")] + ".lengths.json"
+
+
+def lengths_key(job: Job, suite: Suite, weights: dict) -> dict:
+    """What the per-length results of ``job``'s evaluation depend on, the key of its
+    :func:`lengths_path`: the suite's evaluation settings and the weights read."""
+    return {"eval_settings": eval_settings(job, suite), "weights": weights}
+
+
+def lengths_finished(job: Job, suite: Suite) -> list[int]:
+    """The lengths of ``job``'s evaluation that an unfinished sitting has scored under this suite's
+    settings, of the weights the run holds now (``[]`` if none): what ``--status`` shows."""
+    path = lengths_path(job)
+    return finished_lengths(path, lengths_key(job, suite, evaluated_weights(job))) if os.path.exists(path) else []
 
 
 def evaluated_weights(job: Job) -> dict:
@@ -158,7 +183,9 @@ def evaluate(job: Job, suite: Suite) -> dict:
     evaluated (:class:`RunStopped` otherwise, nothing written). The cache is written whole
     (:func:`goat_jax.files.write_whole`), and a fresh evaluation is returned exactly as a later
     read of its cache returns it (JSON's string keys, lists): a report over seeds evaluated in
-    different sittings is the report of one sitting."""
+    different sittings is the report of one sitting. An LM evaluation killed part way resumes at
+    its first unscored length (:func:`lengths_path`; the lengths scored before are taken back,
+    under the same settings and weights only)."""
     config = job_config(job)
     if not trainer.is_finished(config, job.workdir):
         steps = run_lib.checkpoint_steps(job.workdir) if os.path.isdir(job.workdir) else ()
@@ -170,7 +197,8 @@ def evaluate(job: Job, suite: Suite) -> dict:
     if cached is not None:
         return cached
     t0 = time.time()
-    out = _EVALUATORS[job.family](job, suite)
+    progress = LengthProgress(lengths_path(job), lengths_key(job, suite, weights), name=job.run_name, log=True)
+    out = _EVALUATORS[job.family](job, suite, progress)
     read = out.get("step")
     if read is not None and weights["checkpoint_step"] is not None and int(read) != weights["checkpoint_step"]:
         # load_run skipped a newest checkpoint that does not restore and read an older one: those
@@ -181,11 +209,12 @@ def evaluate(job: Job, suite: Suite) -> dict:
             f"(`python -m experiments.train --config {job.spec} --workdir {job.workdir}` with the same "
             "overrides, or the same reproduce command once the damaged step is set aside: the trainer moves "
             "it to corrupt_checkpoints/ and trains that step again), then evaluate.")
-    out["eval_seconds"] = time.time() - t0
+    out["eval_seconds"] = time.time() - t0 + progress.earlier_seconds()  # a resumed one: every sitting's
     out["eval_settings"] = eval_settings(job, suite)
     out["weights"] = weights
     text = json.dumps(out, default=float)
     files.write_whole(cache_path(job), text)
+    progress.remove()  # the whole evaluation is cached: its lengths are in it
     cli.log(f"  {job.run_name}: evaluated in {out['eval_seconds']:.0f}s (checkpoint step {weights['checkpoint_step']})")
     return json.loads(text)
 

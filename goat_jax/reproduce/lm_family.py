@@ -26,17 +26,20 @@ from goat_jax.eval import chunked, extrapolation, lm_run
 from goat_jax import cli
 from goat_jax.eval import runs as ev
 from goat_jax.reproduce import layout, records, stats
+from goat_jax.reproduce.progress import LengthProgress
 from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
 
 
 CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)
 
 
-def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
+def evaluate_lm_job(job: Job, suite: Suite, progress: Optional[LengthProgress] = None) -> dict[str, Any]:
     """The evaluations of one language-family ``job`` (uncached;
     :func:`goat_jax.reproduce.jobs.evaluate` caches them): LMs get extrapolation, sinks and the
     standard passkey prompt; passkey models the synthetic passkey; NIAH models the grid; the toy
-    its prior figure and checks."""
+    its prior figure and checks. ``progress``: the LM perplexity lengths an earlier sitting of
+    this evaluation finished, taken back, and where each new one is recorded as it finishes
+    (:func:`timed_extrapolation`)."""
     if job.kind == "toy":
         res = toy.run_toy(load_config(job.spec, job.overrides), job.workdir, all_heads=True, train=False)
         return {"summary": res["summary"], "sink": res["checks"]["sink"],
@@ -46,7 +49,7 @@ def evaluate_lm_job(job: Job, suite: Suite) -> dict[str, Any]:
     if job.kind == "lm":
         out["extrapolation"], out["extrapolation_cost"] = timed_extrapolation(
             run, ppl_multipliers(job, suite), suite.lm_eval_tokens, chunked_from=chunked_from(suite),
-            chunk_size=suite.lm_eval_chunk_size)
+            chunk_size=suite.lm_eval_chunk_size, progress=progress)
         out["sinks"] = ev.eval_sinks(run, num_examples=suite.sink_examples)
         out["passkey"] = ev.eval_passkey(run, suite.multipliers, variants=("standard",),
                                          num_trials=suite.standard_trials)
@@ -102,7 +105,7 @@ def chunked_from(suite: Suite) -> Optional[int]:
 
 def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_tokens: Optional[int],
                         chunked_from: Optional[int] = None,
-                        chunk_size: int = 512) -> tuple[dict, dict]:
+                        chunk_size: int = 512, progress: Optional[LengthProgress] = None) -> tuple[dict, dict]:
     """(perplexity by length, its cost by length): the perplexity of
     :func:`goat_jax.eval.runs.eval_extrapolation` one length at a time, shortest first, on the
     first ``max_tokens`` held-out tokens (None: the whole stream), read and tokenized once,
@@ -112,15 +115,27 @@ def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_token
     scored through the KV cache in chunks of ``chunk_size`` queries
     (:mod:`goat_jax.eval.chunked`: the same logits, memory chunk x length instead of length
     squared; docs/protocols.md, "Extrapolation to 1024x and the 64-wide layout"). A length with
-    no full window is left out, as the evaluation itself leaves it out."""
+    no full window is left out, as the evaluation itself leaves it out.
+
+    ``progress``: a length it holds is taken back with its cost (seconds and memory as measured
+    in the sitting that scored it), not scored again; each length scored here is put into it
+    as soon as it finishes, so a killed evaluation resumes at its first unscored length. The
+    numbers are those of one uninterrupted evaluation: every length is scored on its own, on
+    the same held-out tokens."""
     ext, cost = {}, {}
     multipliers = sorted(multipliers)
+    pending = [m for m in multipliers if progress is None or progress.get(m * run.train_len) is None]
+    for m in multipliers:
+        if m not in pending:
+            ext[m * run.train_len], cost[m * run.train_len] = progress.get(m * run.train_len)
+    if not pending:
+        return ext, cost
     if run.is_synthetic:  # fresh task windows per length: nothing to read once
         stream = None
     else:
         stream = ev.heldout_stream(run, max_tokens)
     full_nll, chunked_nll = extrapolation.make_nll_fn(run.apply_fn), None
-    for m in multipliers:
+    for m in pending:
         t0 = time.time()
         use_chunks = chunked_from is not None and m >= chunked_from
         if stream is None:
@@ -139,6 +154,9 @@ def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_token
             ext[int(n)] = r
             cost[int(n)] = {"seconds": time.time() - t0, "peak_rss_mib": _peak_rss_mib(),
                             **({"chunk_size": chunk_size} if use_chunks else {})}
+            if progress is not None:
+                progress.put(int(n), ext[int(n)], cost[int(n)])
+    ext, cost = dict(sorted(ext.items())), dict(sorted(cost.items()))
     if stream is not None and not ext:  # every length skipped: an empty table would read as a result
         ev.no_full_window("extrapolation", run, multipliers, len(stream.tokens))
     return ext, cost

@@ -42,6 +42,7 @@ class RunState:
     total: int = 0
     train_seconds: Optional[float] = None
     eval_seconds: Optional[float] = None
+    lengths_scored: tuple[int, ...] = ()  # a trained run: the lengths its unfinished evaluation scored
 
 
 def run_state(job: Job, suite: Suite) -> RunState:
@@ -75,7 +76,16 @@ def run_state(job: Job, suite: Suite) -> RunState:
     done = state == "done"
     return RunState(job, state, step, total,
                     train_seconds=run_lib.training_seconds(job.workdir) if done and job.trains else (0.0 if done else None),
-                    eval_seconds=float(cached.get("eval_seconds", 0.0)) if done else None)
+                    eval_seconds=float(cached.get("eval_seconds", 0.0)) if done else None,
+                    lengths_scored=tuple(jobs_lib.lengths_finished(job, suite)) if state == "trained" else ())
+
+
+def _to_evaluate(s: RunState) -> str:
+    """'trained, to evaluate', with the lengths an unfinished evaluation of it has scored."""
+    if not s.lengths_scored:
+        return "trained, to evaluate"
+    return (f"trained, evaluation part done ({len(s.lengths_scored)} length(s) scored, up to "
+            f"{max(s.lengths_scored)} tokens; an evaluation of it takes them back)")
 
 
 def remaining_seconds(states: Sequence[RunState]) -> tuple[float, list[str]]:
@@ -120,7 +130,7 @@ def render(states: Sequence[RunState], suite: Suite, root: str, seeds: int, jobs
     unfinished = [s for s in states if s.state in ("trained", "partial", "started", "changed")]
     if unfinished:
         lines += ["", "In progress:"] + [
-            f"  {s.job.run_name}: " + {"trained": "trained, to evaluate", "partial": f"partial (step {s.step}/{s.total})",
+            f"  {s.job.run_name}: " + {"trained": _to_evaluate(s), "partial": f"partial (step {s.step}/{s.total})",
                                        "started": "started, no checkpoint yet",
                                        "changed": f"trained by another config than the job's (in {s.job.workdir}: "
                                                   "move it away to retrain, or restore the config)"}[s.state]
