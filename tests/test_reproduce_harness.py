@@ -330,9 +330,9 @@ def test_an_evaluation_killed_part_way_resumes_at_its_first_unscored_length(tmp_
 
     monkeypatch.setitem(suites.SUITES, "smoke_lengths",
                         dataclasses.replace(_suite("smoke_lengths", ("goat",)), lm_ppl_multipliers=(1, 2, 4)))
-    assert reproduce.main(_argv("smoke_lengths", tmp_path)) == 0
     suite = suites.SUITES["smoke_lengths"]
     job = suites.plan(suite, str(tmp_path / "runs"), families=["lm"])[0]
+    jobs_lib.train_and_evaluate(job, suite)  # one sitting: trained, then evaluated whole
     cache, lengths = tmp_path / "runs" / "jargon" / "goat" / jobs_lib.EVAL_CACHE, jobs_lib.lengths_path(job)
     whole = json.loads(cache.read_text())
     assert not os.path.exists(lengths)  # cached whole: nothing per length is left behind
