@@ -57,8 +57,7 @@ def _random_params(module, rng, t, **call):
     """Params with every leaf drawn N(0, 0.5) (the inits leave the priors near zero, where a
     wrong position would not move the output)."""
     call.setdefault("is_causal", True)  # 'alibi_packed' is causal only
-    init = jax.jit(lambda key: module.init(key, jnp.zeros((1, t, E)), **call))
-    params = flax.core.meta.unbox(init(jax.random.key(0)))
+    params = flax.core.meta.unbox(jitted.init(module, jax.random.key(0), jnp.zeros((1, t, E)), **call))
     return jax.tree.map(lambda a: np.asarray(rng.normal(0, 0.5, a.shape), np.float32), params)
 
 
