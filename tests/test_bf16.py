@@ -15,7 +15,7 @@ import pytest
 import jax.numpy as jnp
 import numpy as np
 
-from tests import goat_reference
+from tests import goat_reference, jitted
 from tests.marks import SLOW_CASE
 
 LENGTH, CHUNK, E = 16384, 2048, 128
@@ -47,7 +47,7 @@ def test_bf16_mean_relative_error_below_one_percent_up_to_16k(rng, chunks):
     module = goat_reference.goat_module(num_heads=2, pos_rank=4, abs_rank=4, training_seq_len=1024,
                                         prior_init="seeded", implementation="xla")
     x = jnp.asarray(rng.normal(size=(1, LENGTH, E)), jnp.float32)
-    params = module.init(jax.random.key(int(rng.integers(1 << 30))), x[:, :16], is_causal=True)
+    params = jitted.init(module, jax.random.key(int(rng.integers(1 << 30))), x[:, :16], is_causal=True)
     ref = _outputs(module, params, x, jnp.float32, chunks)
     ours = _window_errors(_outputs(module.clone(dtype=jnp.bfloat16), params, x, jnp.bfloat16, chunks), ref)
     assert ours.max() <= 0.01, (ours.max(), int(ours.argmax()))

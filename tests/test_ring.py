@@ -22,6 +22,7 @@ from goat_jax.layers.positional import PositionalAttention
 from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests.ring_cases import ring_case
+from tests import jitted
 import flax
 
 B, T, N, K, H = 2, 64, 4, 2, 8
@@ -62,7 +63,7 @@ for enc, c, balanced, with_seg in json.loads(sys.argv[2]):
         cuts = np.sort(rng.integers(1, t, size=(B, 3)), axis=1)
         seg = jnp.asarray((np.arange(t)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t), (B, t)) if seg is None else seglib.segment_positions(seg)
-    params = flax.core.meta.unbox(module.init(jax.random.key(0), x, is_causal=True))
+    params = flax.core.meta.unbox(jitted.init(module, jax.random.key(0), x, is_causal=True))
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
     def grad_of(m):
         loss = lambda p, x_, pos_, seg_, w_: jnp.sum(m.apply(p, x_, is_causal=True, q_positions=pos_,
