@@ -28,6 +28,7 @@ from goat_jax import kernels
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
+from tests import jitted
 
 B, T, E, H = 4, 128, 16, 8
 RULES = (("batch", ("data", "fsdp")), ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", None))
@@ -58,7 +59,7 @@ for name, n, k, with_segments, hows in CASES:
     if with_segments:  # documents of different lengths per row
         cuts = np.sort(rng.integers(1, T, size=(B, 3)), axis=1)
         seg = jnp.asarray((np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
-    params = flax.core.meta.unbox(module.init(jax.random.key(0), x[:, :T], is_causal=True))
+    params = flax.core.meta.unbox(jitted.init(module, jax.random.key(0), x[:, :T], is_causal=True))
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.5, a.shape), a.dtype), params)
 
     def loss(p, x, seg):
