@@ -156,8 +156,9 @@ def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path, monkey
     for n in ext:
         assert ext[n]["nll"] == pytest.approx(together[n]["nll"], rel=1e-6)
     assert all(c["seconds"] > 0 and c["peak_rss_mib"] > 0 for c in cost.values())
-    line = lm_family.cost_line({"goat": cost})
-    assert line.startswith("Cost of one evaluation by length (goat") and "2048: " in line
+    table = lm_family.cost_table({"goat": cost})
+    assert table[0].startswith("Cost of one evaluation by length") and table[4].startswith("| 64 | whole windows | 1 |")
+    assert [line.split(" | ")[0] for line in table[4:]] == ["| 64", "| 256", "| 2048"]
     assert np.isfinite([v["ppl"] for v in ext.values()]).all()
     # The lengths from lm_chunked_from on go through the KV cache in chunks (384 does not divide
     # 2,048): the same numbers, and the cost says which lengths were chunked.
@@ -167,6 +168,22 @@ def test_each_length_is_scored_on_the_same_tokens_with_its_cost(tmp_path, monkey
         assert chunked[n]["nll"] == pytest.approx(ext[n]["nll"], rel=1e-5), n
         assert chunked[n]["tokens"] == ext[n]["tokens"]
     assert [n for n, c in sorted(chunked_cost.items()) if c.get("chunk_size") == 384] == [256, 2048]
+
+
+def test_the_cost_table_takes_every_row_and_seed_at_each_length():
+    """Per length: how it was scored, the count of evaluations, the median and range of their
+    seconds over rows and seeds, the row with the largest median, the largest peak memory."""
+    costs = {"goat": {64: {"seconds": E([4.0, 6.0]), "peak_rss_mib": E([600.0, 650.0])},
+                      65536: {"seconds": E([150.0, 430.0]), "peak_rss_mib": E([2100.0, 2188.0]),
+                              "chunk_size": E([512.0, 512.0])}},
+             "alibi": {64: {"seconds": E([5.0, 5.0]), "peak_rss_mib": E([610.0, 620.0])},
+                       65536: {"seconds": E([1164.0, 3758.0]), "peak_rss_mib": E([2188.0, 2300.0]),
+                               "chunk_size": E([512.0, 512.0])}},
+             "rope": {64: {"seconds": 3.0, "peak_rss_mib": None}}}
+    table = lm_family.cost_table(costs)
+    assert table[4] == "| 64 | whole windows | 5 | 5 | 3-6 | goat (5) | 650 |"
+    assert table[5] == "| 65536 | 512-query chunks | 4 | 797 | 150-3758 | alibi (2461) | 2300 |"
+    assert len(table) == 6 and lm_family.cost_table({}) == []
 
 
 def test_long_lengths_are_scored_in_chunks_and_only_the_lm_rows_change_settings():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -358,20 +359,46 @@ def layout_checks(results: dict[str, dict], checks: Sequence[LayoutCheck], datas
             for lc in layout.of_family(checks, "lm")]
 
 
-def cost_line(costs: dict[str, dict[int, Any]]) -> str:
-    """A line under the perplexity table: the evaluation's seconds and the process's peak
-    resident memory at each length (the longest-evaluated row's, first seed: what one
-    evaluation of that length costs on this machine)."""
-    if not costs:
-        return ""
-    row = max(costs, key=lambda e: len(costs[e]))
-    first = lambda v: v.values[0] if hasattr(v, "values") else v  # noqa: E731  # an Estimate: seed 0
-    parts = []
-    for n, c in sorted(costs[row].items()):
-        rss = first(c.get("peak_rss_mib"))
-        parts.append(f"{n}: {first(c['seconds']):.0f} s" + (f", {rss:.0f} MiB" if rss is not None else ""))
-    return (f"Cost of one evaluation by length ({row}, first seed; wall-clock seconds with its compile, and "
-            "the process's peak resident memory after it): " + "; ".join(parts))
+def _per_seed(value: Any) -> list[float]:
+    """The seeds' values of a number of the aggregated results (an Estimate), or [value]."""
+    if value is None:
+        return []
+    return [float(x) for x in value.values] if hasattr(value, "values") else [float(value)]
+
+
+def cost_table(costs: dict[str, dict[int, Any]]) -> list[str]:
+    """The lines under the perplexity table on what one evaluation at each length cost: per
+    length, how it was scored (whole windows or query chunks through the KV cache), how many
+    evaluations (rows x seeds) measured it, the median and the range of their wall-clock seconds
+    (compile included), the row whose median is the largest, and the largest peak resident
+    memory of an evaluating process after that length. ``costs``: ``{row: {length: {'seconds',
+    'peak_rss_mib'[, 'chunk_size']}}}``, each number one per seed (an Estimate) or a float.
+    Every evaluation counts, not one row's first seed: on a shared machine a length scored
+    beside other work takes several times longer, so one sample can mislead by that much."""
+    lengths = sorted({int(n) for r in costs.values() for n in r})
+    if not lengths:
+        return []
+    lines = ["Cost of one evaluation by length: wall-clock seconds of one row's evaluation at that length "
+             "(its compile included) and the evaluating process's peak resident memory after it (a running "
+             "maximum: a chunked length shows at least the peak of the whole-window lengths scored before it in "
+             "the same process), over every row and seed evaluated there. The machine is shared and most runs had another beside them "
+             "(2 cores, 2 jobs), some also the test suite: the median is the typical cost, the range "
+             "shows the load.", "",
+             "| length | scored as | evaluations | median s | range s | slowest row (its median s) | "
+             "peak memory, max (MiB) |", "|---|---|---|---|---|---|---|"]
+    for n in lengths:
+        here = {e: r[n] for e, r in costs.items() if n in r}
+        seconds = {e: _per_seed(c.get("seconds")) for e, c in here.items()}
+        every = [x for v in seconds.values() for x in v]
+        slowest = max(seconds, key=lambda e: statistics.median(seconds[e]) if seconds[e] else -1.0)
+        rss = [x for c in here.values() for x in _per_seed(c.get("peak_rss_mib"))]
+        chunks = sorted({int(x) for c in here.values() for x in _per_seed(c.get("chunk_size"))})
+        how = (f"{'/'.join(map(str, chunks))}-query chunks" if chunks else "whole windows") + \
+            (" (some rows whole)" if chunks and any(c.get("chunk_size") is None for c in here.values()) else "")
+        lines.append(f"| {n} | {how} | {len(every)} | {statistics.median(every):.0f} | "
+                     f"{min(every):.0f}-{max(every):.0f} | {slowest} ({statistics.median(seconds[slowest]):.0f}) | "
+                     + (f"{max(rss):.0f}" if rss else "-") + " |")
+    return lines
 
 
 def ratio_line(ext: dict[str, dict[int, Any]]) -> str:
@@ -428,8 +455,8 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
             md += [f"## Perplexity by evaluation length ({dataset}, byte level, non-overlapping windows)", "",
                    length_table(ext, _train_len(results, "lm", dataset)), "",
                    ratio_line(ext), "",
-                   *([line, ""] if (line := cost_line({e: {int(n): c for n, c in r.items()} for e, r in
-                                                       rows("lm", dataset, "extrapolation_cost").items()})) else []),
+                   *((lines + [""]) if (lines := cost_table({e: {int(n): c for n, c in r.items()} for e, r in
+                                                           rows("lm", dataset, "extrapolation_cost").items()})) else []),
                    f"![perplexity](perplexity_{dataset}.png)", ""]
             plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
                                             train_len=min(next(iter(ext.values()))),
