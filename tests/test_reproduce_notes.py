@@ -14,6 +14,8 @@ PROTOCOL_DECIMALS = {
     "0.02": "the token-embedding init scale of lm_tiny (configs/lm_tiny.py)",
     "0.993": "sigmoid(5): FoX's forget gate at the gate bias 5 decided in docs/protocols.md",
     "0.05": "the 95% half-width of a correlation over 1,600 windows (docs/protocols.md, DNA)",
+    "1.5": "the 64x / 1x ratio below which a row gets the 512x and 1024x columns, applied once to the "
+           "report of 2026-12-04 (docs/protocols.md, 'Extrapolation to 1024x and the 64-wide layout')",
 }
 PROTOCOL_PERCENTS = {
     "95%": "the confidence of every interval (docs/protocols.md, 'Seeds and intervals')",

@@ -63,6 +63,23 @@ LM_NOTES = (
     "1x. Its retrieval rows are GOAT's own retrieval models evaluated with the option (the same "
     "weights), so any difference between the goat and goat+linear_sink retrieval rows is the "
     "sink's alone.",
+    "Lengths past 64x (docs/protocols.md, 'Extrapolation to 1024x and the 64-wide layout', "
+    "decided before these runs): every length scores the same 131,072 held-out bytes (2,048 "
+    "windows of 64 bytes at 1x, halving with each doubling, down to 2 windows of 65,536 at "
+    "1024x), the same windows for every row and seed. 512x and 1024x are scored only for the "
+    "rows whose 64x / 1x ratio was below 1.5 in the report of 2026-12-04 (goat, "
+    "goat+linear_sink, goat+learn_frequencies, alibi, kerple_log, fox, nope); a '-' there is a "
+    "length not evaluated, not a failure. 128x and longer go through the KV cache in 512-query "
+    "chunks (the same logits as one forward, to float32 round-off), which bounds the memory.",
+    "goat+bf16, goat+bf16+lane_aligned, goat+bf16+h64 and goat+bf16+h64+lane_aligned weigh the "
+    "64-wide layout: GOAT trained in bf16 compute with q/k packed head_dim + 2 wide (official) "
+    "or head_dim wide (lane_aligned, which gives the sink's extra bf16 channels two of the "
+    "content dimensions). In float32 the two layouts are one function, so only bf16 rows can "
+    "tell them apart. At the tiny LM's head dim 32, lane_aligned keeps 21 content dims against "
+    "the official 23, a larger share carved than at the 125M configs' head dim 64 (53 against "
+    "55); the h64 pair (2 heads of 64 instead of 4 of 32) is the comparison at that share. The "
+    "bf16 rows differ from the goat row by their compute dtype as well; their checks compare "
+    "each lane_aligned row with its own official row only.",
 )
 
 VIT_NOTES = (
