@@ -350,6 +350,15 @@ def test_status_counts_states_and_estimates_what_is_left(tmp_path, capsys):
     assert "| lm | +0 | 1 | 0 | 1 | 0 | 0 | 0 |" in text and "| lm | +2 | 0 | 1 | 0 | 0 | 0 | 0 |" in text
     assert "lm/jargon/rope: partial (step 2/4)" in text and "~0.3 h of one job slot, ~0.1 h with 2 jobs" in text
 
+    # Medians, and a row's own seeds first: a row slowed once by other work (fire) does not
+    # inflate the others' estimate, and its own next seed is estimated from it.
+    fire, nope = (dataclasses.replace(lm_goat, encoding=e) for e in ("fire", "nope"))  # rows of the tiny suite
+    runs = [done, status.RunState(fire, "done", 4, 4, train_seconds=6000.0, eval_seconds=600.0),
+            status.RunState(nope, "done", 4, 4, train_seconds=700.0, eval_seconds=70.0)]
+    assert status.remaining_seconds(runs + [fresh])[0] == pytest.approx(700 + 70)  # the group's median
+    fire1 = status.RunState(dataclasses.replace(fire, seed_offset=1), "missing", 0, 4)
+    assert status.remaining_seconds(runs + [fire1])[0] == pytest.approx(6000 + 600)  # fire's own seed
+
     # Through the command line: prints, trains and writes nothing.
     assert reproduce.main(["--suite", "smoke", "--status", "--workdir", str(tmp_path / "none")]) == 0
     assert "runs (1 seed(s))" in capsys.readouterr().out and not (tmp_path / "none").exists()

@@ -89,26 +89,32 @@ def _to_evaluate(s: RunState) -> str:
 
 
 def remaining_seconds(states: Sequence[RunState]) -> tuple[float, list[str]]:
-    """Compute still to go, in seconds of one job slot: per unfinished run, the mean train and
-    evaluation seconds of the finished runs of its kind and dataset (``Job.kind``/``dataset``, e.g.
-    every ``lm/jargon`` row), the training scaled by the fraction of steps left. Returns the
-    total and the kind/dataset groups that have no finished run to estimate from (left out)."""
+    """Compute still to go, in seconds of one job slot: per unfinished run, the median train and
+    evaluation seconds of the finished seeds of its own row (``Job.name``) when it has any, else
+    of the finished runs of its kind and dataset (``Job.kind``/``dataset``, e.g. every
+    ``lm/jargon`` row), the training scaled by the fraction of steps left. Medians, not means:
+    on a shared machine a run that had the test suite beside it took several times longer, and
+    a row's own seeds carry what sets it apart (a materialized-bias row's long evaluation).
+    Returns the total and the kind/dataset groups that have no finished run to estimate from
+    (left out)."""
     finished: dict[tuple[str, str, bool], list[RunState]] = {}
+    by_row: dict[tuple[str, bool], list[RunState]] = {}
     for s in states:
         if s.state == "done":
             finished.setdefault((s.job.kind, s.job.dataset, s.job.trains), []).append(s)
+            by_row.setdefault((s.job.name, s.job.trains), []).append(s)
     total, unknown = 0.0, []
     for s in states:
         if s.state == "done":
             continue
-        group = finished.get((s.job.kind, s.job.dataset, s.job.trains))
+        group = by_row.get((s.job.name, s.job.trains)) or finished.get((s.job.kind, s.job.dataset, s.job.trains))
         if not group:
             name = f"{s.job.kind}/{s.job.dataset}" + ("" if s.job.trains else " (evaluated-with rows)")
             if name not in unknown:
                 unknown.append(name)
             continue
-        train = statistics.mean(g.train_seconds or 0.0 for g in group)
-        evaluate = statistics.mean(g.eval_seconds or 0.0 for g in group)
+        train = statistics.median(g.train_seconds or 0.0 for g in group)
+        evaluate = statistics.median(g.eval_seconds or 0.0 for g in group)
         left = 1.0 - (s.step / s.total if s.total and s.state == "partial" else 0.0)
         total += (train * left if s.state in ("partial", "started", "missing") else 0.0) + evaluate
     return total, unknown
@@ -157,7 +163,7 @@ def render(states: Sequence[RunState], suite: Suite, root: str, seeds: int, jobs
               + (" for the kinds with a finished run" if unknown else "")
               + f": ~{left / 3600:.1f} h of one job slot"
               + (f", ~{left / 3600 / jobs:.1f} h with {jobs} jobs at once" if jobs > 1 else "")
-              + " (from the finished runs' own train/eval times)"]
+              + " (medians of the finished runs' own train/eval times: the row's other seeds, else its kind's)"]
     if unknown:
         lines.append("  not counted (no finished run of that kind yet; docs/experiments.md, 'Compute of "
                      "the tiny suite', has measured costs): " + ", ".join(unknown))
