@@ -125,10 +125,13 @@ def timed_extrapolation(run: lm_run.LMRun, multipliers: Sequence[int], max_token
     the same held-out tokens."""
     ext, cost = {}, {}
     multipliers = sorted(multipliers)
-    pending = [m for m in multipliers if progress is None or progress.get(m * run.train_len) is None]
+    pending = []
     for m in multipliers:
-        if m not in pending:
-            ext[m * run.train_len], cost[m * run.train_len] = progress.get(m * run.train_len)
+        held = progress.get(m * run.train_len) if progress is not None else None
+        if held is None:
+            pending.append(m)
+        else:
+            ext[m * run.train_len], cost[m * run.train_len] = held
     if not pending:
         return ext, cost
     if run.is_synthetic:  # fresh task windows per length: nothing to read once
