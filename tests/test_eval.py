@@ -463,3 +463,31 @@ def test_a_diverging_row_goes_off_scale_and_says_so_instead_of_flattening_the_re
     assert plots.off_scale(curves, None) == (None, {"goat": "goat", "sinusoidal": "sinusoidal"})
     assert plots.off_scale({"goat": curves["goat"]}, 10.0) == (None, {"goat": "goat"})
     assert os.path.exists(plots.plot_perplexity_vs_length(curves, str(tmp_path / "ppl.png")))
+
+
+def test_a_wide_interval_is_cut_at_half_its_mean_and_the_figure_says_so(tmp_path):
+    """With two seeds a t interval reaches below zero, which a log axis cannot draw: it had
+    stretched the tiny report's axis down to 0.1. The lower arm stops at half the value, and
+    only a cut interval is reported as cut."""
+    assert plots.lower_errors([6.0, 2.0], [1.0, 3.0]) == ([1.0, 1.0], True)
+    assert plots.lower_errors([6.0, 2.0], [1.0, 0.5]) == ([1.0, 0.5], False)
+    assert plots.lower_errors([6.0], [0.0]) == ([0.0], False)
+
+
+def test_panels_share_one_axis_and_refuse_a_row_left_out_or_unknown(tmp_path):
+    curves = {"goat": {64: 6.0, 128: 7.7}, "rope": {64: 6.1, 128: 30.0}, "rope+yarn": {64: 6.1, 128: 9.0}}
+    panels = [("encodings", ["goat", "rope"]), ("variants", ["rope", "rope+yarn"])]
+    path = plots.plot_perplexity_vs_length(curves, str(tmp_path / "ppl.png"), panels=panels)
+    one = plots.plot_perplexity_vs_length(curves, str(tmp_path / "one.png"))
+    from PIL import Image  # pylint: disable=g-import-not-at-top  # matplotlib's own dependency
+
+    with Image.open(path) as a, Image.open(one) as b:
+        assert a.size[0] > 1.5 * b.size[0]  # two panels side by side
+    with pytest.raises(ValueError, match=r"leave out \['rope\+yarn'\]"):
+        plots.plot_perplexity_vs_length(curves, str(tmp_path / "x.png"), panels=[("e", ["goat", "rope"])])
+    with pytest.raises(ValueError, match=r"name \['fox'\], which results has no row"):
+        plots.plot_perplexity_vs_length(curves, str(tmp_path / "x.png"),
+                                        panels=panels + [("more", ["fox"])])
+    assert not os.path.exists(tmp_path / "x.png")
+    assert plots.length_label(65536, compact=True) == "64k" and plots.length_label(65536) == "65536"
+    assert plots.length_label(640, compact=True) == "640"

@@ -5,7 +5,8 @@
   log-prior matrix and the causal prior probabilities; :func:`plot_prior_grid` shows one of
   those panels for every layer/head.
 * :func:`plot_perplexity_vs_length` -- perplexity against evaluation length, one line per
-  position encoding (log y), from ``extrapolation.perplexity_by_length`` results.
+  position encoding (log y), from ``extrapolation.perplexity_by_length`` results; optionally
+  in side-by-side panels (e.g. encodings, their variants, the bf16 layout rows).
 * :func:`plot_passkey_accuracy` -- passkey accuracy against length, one line per model.
 * :func:`plot_niah_heatmap` -- NIAH accuracy over (length x depth).
 
@@ -154,10 +155,16 @@ def _legend(fig, ax, lines: int) -> None:
     fig.tight_layout()
 
 
-def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int]) -> None:
+def length_label(n: int, compact: bool = False) -> str:
+    """A length's tick label: '65536', or with ``compact`` '64k' (multiples of 1024 from 1024)."""
+    n = int(n)
+    return f"{n // 1024}k" if compact and n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _log2_length_axis(ax, lengths: Sequence[int], train_len: Optional[int], compact: bool = False) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(lengths))
-    ax.set_xticklabels([str(int(x)) for x in lengths], rotation=0)
+    ax.set_xticklabels([length_label(x, compact) for x in lengths], rotation=0)
     ax.minorticks_off()
     if train_len:
         ax.axvline(train_len, color="gray", lw=0.8, ls=":", label=f"train length {train_len}")
@@ -180,30 +187,72 @@ def off_scale(curves: Mapping[str, Mapping[int, Any]], max_ratio: Optional[float
     return top, shown
 
 
+def lower_errors(values: Sequence[float], half_widths: Sequence[float]) -> tuple[list[float], bool]:
+    """The lower arms of a log-axis error bar: each interval's half-width, cut at half its value.
+
+    With two or three seeds a t interval can reach below zero (t is 12.7 at two seeds), which a
+    log axis cannot draw: matplotlib then stretched the axis down to 0.1 and pressed every line
+    together. Returns the arms and whether any was cut (the figure then says so)."""
+    arms = [min(float(h), 0.5 * float(v)) for v, h in zip(values, half_widths)]
+    return arms, any(a < float(h) for a, h in zip(arms, half_widths))
+
+
 def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: str, *,
                               train_len: Optional[int] = None, title: str = "Length extrapolation",
-                              max_ratio: Optional[float] = 10.0) -> str:
+                              max_ratio: Optional[float] = 10.0,
+                              panels: Optional[Sequence[tuple[str, Sequence[str]]]] = None) -> str:
     """Perplexity vs evaluation length, one line per position encoding, log y.
 
     Args:
       results: ``{label: {length: PerplexityResult or ppl float}}`` (e.g. one
-        ``perplexity_by_length`` result per encoding).
+        ``perplexity_by_length`` result per encoding). A value with a ``half_width`` (a mean
+        over seeds) gets its 95% interval as an error bar; a lower arm that would reach below
+        half the value is cut there, and the figure says so (:func:`lower_errors`).
       max_ratio: the y axis stops at ``max_ratio`` x the lowest perplexity plotted, so that one
         diverging row (e.g. sinusoidal at 10^4) does not press every other line onto the bottom
         of the plot; a row that leaves the axis says so in the legend ("off scale from N"),
         and its numbers are in the table beside the figure. None: the axis holds every point.
+      panels: ``[(panel title, [labels]), ...]``: side-by-side panels with one shared y axis,
+        each drawing its labels (a label may stand in several panels, e.g. a reference row; it
+        keeps its colour in all of them). Every label of ``results`` must be in a panel. None:
+        one panel with every row.
     """
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    labels = list(results)
+    if panels is None:
+        panels = [(title, labels)]
+    else:
+        panels = [(str(t), list(ls)) for t, ls in panels]
+        unknown = [l for _, ls in panels for l in ls if l not in results]
+        if unknown:
+            raise ValueError(f"panels name {unknown}, which results has no row for; rows: {labels}.")
+        missing = [l for l in labels if not any(l in ls for _, ls in panels)]
+        if missing or not panels:
+            raise ValueError(f"panels leave out {missing or labels}: put every row of results in a panel.")
+    many = len(panels) > 1
+    fig = Figure(figsize=(5.2 * len(panels), 5.4) if many else (6.4, 4.2))
+    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     all_lengths = sorted({int(n) for r in results.values() for n in r})
-    styles = line_styles(list(results))
     curves = {label: {n: getattr(v, "ppl", v) for n, v in sorted(by_len.items())}
               for label, by_len in results.items()}
     top, shown = off_scale(curves, max_ratio)
-    for label, by_len in curves.items():
-        ppl = list(by_len.values())
-        ax.errorbar(list(by_len), ppl, yerr=error_bars(ppl), marker="o", capsize=3, label=shown[label],
-                    **styles[label])
+    cut = False
+    for ax, (panel_title, panel_labels) in zip(axes, panels):
+        # Colours per panel (each has its own legend): a reference row put first in every panel
+        # (e.g. goat) keeps its colour, and ten or fewer lines stay on tab10's strong colours.
+        styles = line_styles(panel_labels)
+        for label in panel_labels:
+            ppl = list(curves[label].values())
+            highs = error_bars(ppl)
+            lows, was_cut = lower_errors([float(v) for v in ppl], highs)
+            cut = cut or was_cut
+            ax.errorbar(list(curves[label]), ppl, yerr=[lows, highs], marker="o", capsize=3,
+                        label=shown[label], **styles[label])
+        _log2_length_axis(ax, all_lengths, train_len, compact=many)
+        ax.grid(True, which="both", alpha=0.3)
+        if many:
+            ax.set_title(panel_title, fontsize="medium")
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small")
+    ax = axes[0]
     ax.set_yscale("log")
     if top is not None:
         ax.set_ylim(top=top)
@@ -214,11 +263,14 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
         ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-    _log2_length_axis(ax, all_lengths, train_len)
     ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    _legend(fig, ax, len(results))
+    note = " (intervals cut at half the mean)" if cut else ""
+    if many:
+        fig.suptitle(title + note)
+        fig.tight_layout()
+    else:
+        ax.set_title(title + note)
+        _legend(fig, ax, len(results))
     return _save(fig, path)
 
 

@@ -417,6 +417,29 @@ def ratio_line(ext: dict[str, dict[int, Any]]) -> str:
                             for e, r in ext.items())
 
 
+def perplexity_panels(labels: Sequence[str], layout_checks: Sequence[LayoutCheck] = ()
+                      ) -> Optional[list[tuple[str, list[str]]]]:
+    """The panels of the report's perplexity figure (:func:`plots.plot_perplexity_vs_length`):
+    the position encodings (rows without '+'), their variants (rescalings, sink and frequency
+    options: the other '+' rows) beside the goat and rope rows they vary, and the layout rows
+    of ``layout_checks`` beside goat. Twenty lines in one panel could not be told apart. None
+    (one panel) when only one of those groups has rows."""
+    in_layout = {name for lc in layout_checks if lc.family == "lm" for name in (lc.candidate, lc.reference)}
+    layout_rows = [l for l in labels if l in in_layout]
+    base = [l for l in labels if "+" not in l and "@" not in l and l not in in_layout]
+    variants = [l for l in labels if l not in base and l not in in_layout]
+    groups = [g for g in (base, variants, layout_rows) if g]
+    if len(groups) < 2:
+        return None
+    panels = [("position encodings", base)] if base else []
+    if variants:
+        panels.append(("variants, beside the rows they vary",
+                       [r for r in ("goat", "rope") if r in base] + variants))
+    if layout_rows:
+        panels.append(("bf16 layout rows, beside float32 goat", [r for r in ("goat",) if r in base] + layout_rows))
+    return panels
+
+
 def length_table(rows: dict[str, dict[int, float]], train_len: int, pct: bool = False) -> str:
     """Runs x lengths, each length header also given as a multiple of the training length."""
     return ev.table(rows, pct=pct, first_col="encoding", header_fmt=lambda n: f"{n} ({n / train_len:g}x)")
@@ -463,7 +486,8 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
                    f"![perplexity](perplexity_{dataset}.png)", ""]
             plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
                                             train_len=min(next(iter(ext.values()))),
-                                            title=f"Length extrapolation ({dataset})")
+                                            title=f"Length extrapolation ({dataset})",
+                                            panels=perplexity_panels(list(ext), suite.layout_checks))
     for suffix, title in [("", "")] + [(f"_{v.label}", f", {v.label} variant") for v in suite.retrieval_variants]:
         pk = {e: synthetic_passkey({"passkey": r}) for e, r in rows("passkey", "passkey" + suffix, "passkey").items()}
         if pk:
