@@ -472,6 +472,11 @@ def test_a_wide_interval_is_cut_at_half_its_mean_and_the_figure_says_so(tmp_path
     assert plots.lower_errors([6.0, 2.0], [1.0, 3.0]) == ([1.0, 1.0], True)
     assert plots.lower_errors([6.0, 2.0], [1.0, 0.5]) == ([1.0, 0.5], False)
     assert plots.lower_errors([6.0], [0.0]) == ([0.0], False)
+    assert plots.accuracy_errors([96.0, 10.0], [18.0, 42.0]) == ([18.0, 10.0], [4.0, 42.0], True)
+    assert plots.accuracy_errors([50.0], [20.0]) == ([20.0], [20.0], False)
+    path = plots.plot_passkey_accuracy({"goat": {64: 0.96, 128: 0.7}, "rope": {64: 0.96, 128: 0.1}},
+                                       str(tmp_path / "pk.png"), panels=[("a", ["goat"]), ("b", ["rope"])])
+    assert os.path.getsize(path) > 5000
 
 
 def test_panels_share_one_axis_and_refuse_a_row_left_out_or_unknown(tmp_path):

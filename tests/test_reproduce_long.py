@@ -203,11 +203,11 @@ def test_long_lengths_are_scored_in_chunks_and_only_the_lm_rows_change_settings(
     assert checked > 10
 
 
-def test_the_perplexity_figure_puts_encodings_variants_and_layout_rows_in_their_own_panels(tmp_path):
+def test_the_report_figures_put_encodings_variants_and_layout_rows_in_their_own_panels(tmp_path):
     """Twenty rows in one panel could not be told apart: the encodings, their variants beside
     goat and rope, and the layout rows beside goat each get a panel, every row in one of them."""
     labels = [j.label for j in _jobs().values() if j.kind == "lm" and j.seed_offset == 0]
-    panels = lm_family.perplexity_panels(labels, TINY.layout_checks)
+    panels = lm_family.figure_panels(labels, TINY.layout_checks)
     by_title = dict(panels)
     assert [t for t, _ in panels] == ["position encodings", "variants, beside the rows they vary",
                                       "bf16 layout rows, beside float32 goat"]
@@ -217,7 +217,7 @@ def test_the_perplexity_figure_puts_encodings_variants_and_layout_rows_in_their_
     assert by_title["bf16 layout rows, beside float32 goat"] == [
         "goat", "goat+bf16", "goat+bf16+lane_aligned", "goat+bf16+h64", "goat+bf16+h64+lane_aligned"]
     assert {l for _, ls in panels for l in ls} == set(labels)
-    assert lm_family.perplexity_panels(["goat", "rope"], TINY.layout_checks) is None  # one group: one panel
+    assert lm_family.figure_panels(["goat", "rope"], TINY.layout_checks) is None  # one group: one panel
     ext = {l: {64: E([5.0 + i, 5.5 + i]), 4096: E([6.0, 60.0])} for i, l in enumerate(labels)}
     path = lm_family.plots.plot_perplexity_vs_length(ext, str(tmp_path / "ppl.png"), train_len=64, panels=panels)
     with open(path, "rb") as f:

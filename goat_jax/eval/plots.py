@@ -197,6 +197,41 @@ def lower_errors(values: Sequence[float], half_widths: Sequence[float]) -> tuple
     return arms, any(a < float(h) for a, h in zip(arms, half_widths))
 
 
+def checked_panels(results: Mapping[str, Any], panels: Optional[Sequence[tuple[str, Sequence[str]]]],
+                   title: str) -> list[tuple[str, list[str]]]:
+    """``panels`` (``[(panel title, [labels]), ...]``) as lists, checked against the rows of
+    ``results`` before anything is drawn: a label with no row, or a row in no panel, is a
+    ValueError naming it. None: one panel titled ``title`` with every row."""
+    labels = list(results)
+    if panels is None:
+        return [(title, labels)]
+    panels = [(str(t), list(ls)) for t, ls in panels]
+    unknown = [l for _, ls in panels for l in ls if l not in results]
+    if unknown:
+        raise ValueError(f"panels name {unknown}, which results has no row for; rows: {labels}.")
+    missing = [l for l in labels if not any(l in ls for _, ls in panels)]
+    if missing or not panels:
+        raise ValueError(f"panels leave out {missing or labels}: put every row of results in a panel.")
+    return panels
+
+
+def _panel_axes(panels: Sequence[tuple[str, Sequence[str]]]):
+    """A figure with one axes per panel, side by side on a shared y axis."""
+    many = len(panels) > 1
+    fig = Figure(figsize=(5.2 * len(panels), 5.4) if many else (6.4, 4.2))
+    return fig, np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
+
+
+def _finish_panel(ax, panel_title: str, lengths: Sequence[int], train_len: Optional[int], many: bool,
+                  which: str = "both") -> None:
+    """The length axis, grid, and (several panels) the panel's title and its legend below it."""
+    _log2_length_axis(ax, lengths, train_len, compact=many)
+    ax.grid(True, which=which, alpha=0.3)
+    if many:
+        ax.set_title(panel_title, fontsize="medium")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small")
+
+
 def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: str, *,
                               train_len: Optional[int] = None, title: str = "Length extrapolation",
                               max_ratio: Optional[float] = 10.0,
@@ -217,20 +252,9 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
         keeps its colour in all of them). Every label of ``results`` must be in a panel. None:
         one panel with every row.
     """
-    labels = list(results)
-    if panels is None:
-        panels = [(title, labels)]
-    else:
-        panels = [(str(t), list(ls)) for t, ls in panels]
-        unknown = [l for _, ls in panels for l in ls if l not in results]
-        if unknown:
-            raise ValueError(f"panels name {unknown}, which results has no row for; rows: {labels}.")
-        missing = [l for l in labels if not any(l in ls for _, ls in panels)]
-        if missing or not panels:
-            raise ValueError(f"panels leave out {missing or labels}: put every row of results in a panel.")
+    panels = checked_panels(results, panels, title)
     many = len(panels) > 1
-    fig = Figure(figsize=(5.2 * len(panels), 5.4) if many else (6.4, 4.2))
-    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
+    fig, axes = _panel_axes(panels)
     all_lengths = sorted({int(n) for r in results.values() for n in r})
     curves = {label: {n: getattr(v, "ppl", v) for n, v in sorted(by_len.items())}
               for label, by_len in results.items()}
@@ -247,11 +271,7 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
             cut = cut or was_cut
             ax.errorbar(list(curves[label]), ppl, yerr=[lows, highs], marker="o", capsize=3,
                         label=shown[label], **styles[label])
-        _log2_length_axis(ax, all_lengths, train_len, compact=many)
-        ax.grid(True, which="both", alpha=0.3)
-        if many:
-            ax.set_title(panel_title, fontsize="medium")
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small")
+        _finish_panel(ax, panel_title, all_lengths, train_len, many)
     ax = axes[0]
     ax.set_yscale("log")
     if top is not None:
@@ -274,24 +294,47 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
     return _save(fig, path)
 
 
+def accuracy_errors(acc: Sequence[float], half_widths: Sequence[float]
+                    ) -> tuple[list[float], list[float], bool]:
+    """The lower and upper arms of accuracy error bars (in %), each interval cut at 0 and 100,
+    and whether any was cut."""
+    lows = [min(float(h), float(a)) for a, h in zip(acc, half_widths)]
+    highs = [min(float(h), 100.0 - float(a)) for a, h in zip(acc, half_widths)]
+    return lows, highs, any(l < h or u < h for l, u, h in zip(lows, highs, half_widths))
+
+
 def plot_passkey_accuracy(results: Mapping[str, Mapping[int, float]], path: str, *,
-                          train_len: Optional[int] = None, title: str = "Passkey retrieval") -> str:
-    """Passkey accuracy vs length, one line per model: ``{label: {length: accuracy}}``."""
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+                          train_len: Optional[int] = None, title: str = "Passkey retrieval",
+                          panels: Optional[Sequence[tuple[str, Sequence[str]]]] = None) -> str:
+    """Passkey accuracy vs length, one line per model: ``{label: {length: accuracy}}``.
+
+    A mean over seeds gets its 95% interval as an error bar, cut at 0% and 100% (an accuracy
+    lies between; with two or three seeds a t interval reaches far past both), which the title
+    then says. ``panels``: as in :func:`plot_perplexity_vs_length`."""
+    panels = checked_panels(results, panels, title)
+    many = len(panels) > 1
+    fig, axes = _panel_axes(panels)
     all_lengths = sorted({int(n) for r in results.values() for n in r})
-    styles = line_styles(list(results))
-    for label, by_len in results.items():
-        lengths = sorted(by_len)
-        acc = [by_len[n] for n in lengths]
-        ax.errorbar(lengths, [100.0 * a for a in acc], yerr=[100.0 * e for e in error_bars(acc)],
-                    marker="o", capsize=3, label=label, **styles[label])
-    _log2_length_axis(ax, all_lengths, train_len)
-    ax.set_ylim(-3, 103)
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    _legend(fig, ax, len(results))
+    cut = False
+    for ax, (panel_title, panel_labels) in zip(axes, panels):
+        styles = line_styles(panel_labels)
+        for label in panel_labels:
+            lengths = sorted(results[label])
+            acc = [100.0 * float(results[label][n]) for n in lengths]
+            half = [100.0 * e for e in error_bars([results[label][n] for n in lengths])]
+            lows, highs, was_cut = accuracy_errors(acc, half)
+            cut = cut or was_cut
+            ax.errorbar(lengths, acc, yerr=[lows, highs], marker="o", capsize=3, label=label, **styles[label])
+        _finish_panel(ax, panel_title, all_lengths, train_len, many, which="major")
+    axes[0].set_ylim(-3, 103)
+    axes[0].set_ylabel("accuracy (%)")
+    note = " (intervals cut at 0% and 100%)" if cut else ""
+    if many:
+        fig.suptitle(title + note)
+        fig.tight_layout()
+    else:
+        axes[0].set_title(title + note)
+        _legend(fig, axes[0], len(results))
     return _save(fig, path)
 
 

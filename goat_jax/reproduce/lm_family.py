@@ -417,9 +417,10 @@ def ratio_line(ext: dict[str, dict[int, Any]]) -> str:
                             for e, r in ext.items())
 
 
-def perplexity_panels(labels: Sequence[str], layout_checks: Sequence[LayoutCheck] = ()
+def figure_panels(labels: Sequence[str], layout_checks: Sequence[LayoutCheck] = ()
                       ) -> Optional[list[tuple[str, list[str]]]]:
-    """The panels of the report's perplexity figure (:func:`plots.plot_perplexity_vs_length`):
+    """The panels of the report's perplexity and passkey figures
+    (:func:`plots.plot_perplexity_vs_length`, :func:`plots.plot_passkey_accuracy`):
     the position encodings (rows without '+'), their variants (rescalings, sink and frequency
     options: the other '+' rows) beside the goat and rope rows they vary, and the layout rows
     of ``layout_checks`` beside goat. Twenty lines in one panel could not be told apart. None
@@ -487,7 +488,7 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
             plots.plot_perplexity_vs_length(ext, os.path.join(out, f"perplexity_{dataset}.png"),
                                             train_len=min(next(iter(ext.values()))),
                                             title=f"Length extrapolation ({dataset})",
-                                            panels=perplexity_panels(list(ext), suite.layout_checks))
+                                            panels=figure_panels(list(ext), suite.layout_checks))
     for suffix, title in [("", "")] + [(f"_{v.label}", f", {v.label} variant") for v in suite.retrieval_variants]:
         pk = {e: synthetic_passkey({"passkey": r}) for e, r in rows("passkey", "passkey" + suffix, "passkey").items()}
         if pk:
@@ -495,7 +496,8 @@ def lm_sections(suite: Suite, jobs: Sequence[Job], results: dict[str, dict], out
                    "8-digit key)", "", length_table(pk, _train_len(results, "passkey", "passkey" + suffix), pct=True),
                    ""] + answer_loss("passkey", "passkey" + suffix) + [f"![passkey](passkey_synthetic{suffix}.png)", ""]
             plots.plot_passkey_accuracy(pk, os.path.join(out, f"passkey_synthetic{suffix}.png"),
-                                        train_len=min(next(iter(pk.values()))), title=f"Synthetic passkey{title}")
+                                        train_len=min(next(iter(pk.values()))), title=f"Synthetic passkey{title}",
+                                        panels=figure_panels(list(pk), suite.layout_checks))
         if suffix:
             continue
         std = {e: {int(n): a for n, a in r["standard"].items()}
