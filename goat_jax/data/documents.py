@@ -110,6 +110,8 @@ def decode_utf8(data: bytes, source: str) -> str:
 
 
 def read_text(path: str) -> str:
+    """The text of a file (gzip when the name ends in .gz) as UTF-8, invalid bytes replaced and
+    warned about (:func:`decode_utf8`)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         return decode_utf8(f.read(), path)
@@ -238,6 +240,10 @@ class Split:
 
 
 def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
+    """(train, eval) documents of plain-text files: ``data.paths`` cut by ``data.doc_split``;
+    the held-out split is ``data.eval_paths`` when set, else the ``data.eval_fraction`` of
+    documents of smallest CRC32 key (the same documents for every seed). Raises ValueError
+    naming the field when nothing is left to train on."""
     def load(files):
         return [d for f in files for d in split_documents(read_text(f), cfg.doc_split)]
 
@@ -255,6 +261,10 @@ def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
 
 
 def tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> Split:
+    """The documents of one TFDS split (``data.tfds_name`` read from ``data.tfds_data_dir``;
+    nothing is downloaded), each record's ``data.text_key`` as a string; ``field`` names the
+    config field that gave ``split`` in errors. Raises ValueError for a text key the dataset
+    lacks, listing its features."""
     source = tfds_source.open_data_source(cfg.tfds_name, split, cfg.tfds_data_dir, name_field="data.tfds_name",
                                           split_field=f"data.{field}", dir_field="data.tfds_data_dir")
     if len(source) and cfg.text_key not in source[0]:
@@ -265,6 +275,9 @@ def tfds_split(cfg: ml_collections.ConfigDict, split: str, field: str) -> Split:
 
 
 def block_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
+    """(train, eval) of jsonl / parquet corpora as blocks read lazily (byte ranges of jsonl
+    files, parquet row groups): the held-out blocks are ``data.eval_paths``' when set, else the
+    ``data.eval_fraction`` of blocks of smallest CRC32 key of their file name and range."""
     read = functools.partial(_read_block, source=cfg.source, text_key=cfg.text_key)
     train_blocks = _list_blocks(expand_paths(cfg.paths, "paths"), cfg)
     if cfg.eval_paths:

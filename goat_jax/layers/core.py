@@ -91,6 +91,7 @@ class DecodeCache(NamedTuple):
 
     @property
     def length(self) -> int:
+        """The cache's capacity in tokens (the length it was sized for at init)."""
         return self.keys.value.shape[1]
 
 

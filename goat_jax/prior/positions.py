@@ -49,6 +49,7 @@ class Positions(NamedTuple):
 
     @property
     def is_2d(self) -> bool:
+        """Whether the positions are 2D grid coordinates (one (row, column) per token)."""
         return self.coords.ndim == self.index.ndim + 1
 
 

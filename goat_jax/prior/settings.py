@@ -137,6 +137,7 @@ class PriorSpec(PriorSettings):
 
     @property
     def group_size(self) -> int:
+        """Query heads per KV head (1 for multi-head attention, more for GQA)."""
         return self.num_heads // self.kv_num_heads
 
     def content_dim(self, head_dim: int, sink_channels: int = 1) -> int:

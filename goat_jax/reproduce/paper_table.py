@@ -151,6 +151,7 @@ class Row:
 
     @property
     def total_tokens(self) -> int:
+        """Training tokens over the whole run (tokens per step x steps)."""
         return self.tokens_per_step * self.steps
 
 
