@@ -232,6 +232,19 @@ def _finish_panel(ax, panel_title: str, lengths: Sequence[int], train_len: Optio
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small")
 
 
+def _finish_figure(fig: Figure, axes, title: str, lines: int, path: str) -> str:
+    """Titles and saves a figure of :func:`_panel_axes`: several panels get ``title`` above
+    them (each panel has its legend already, :func:`_finish_panel`); one panel gets it on its
+    axes and the legend of :func:`_legend`."""
+    if len(axes) > 1:
+        fig.suptitle(title)
+        fig.tight_layout()
+    else:
+        axes[0].set_title(title)
+        _legend(fig, axes[0], lines)
+    return _save(fig, path)
+
+
 def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: str, *,
                               train_len: Optional[int] = None, title: str = "Length extrapolation",
                               max_ratio: Optional[float] = 10.0,
@@ -248,9 +261,9 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
         of the plot; a row that leaves the axis says so in the legend ("off scale from N"),
         and its numbers are in the table beside the figure. None: the axis holds every point.
       panels: ``[(panel title, [labels]), ...]``: side-by-side panels with one shared y axis,
-        each drawing its labels (a label may stand in several panels, e.g. a reference row; it
-        keeps its colour in all of them). Every label of ``results`` must be in a panel. None:
-        one panel with every row.
+        each drawing its labels with its own legend and colours (a label may stand in several
+        panels, e.g. a reference row: put it first in each and it keeps tab10's first colour).
+        Every label of ``results`` must be in a panel. None: one panel with every row.
     """
     panels = checked_panels(results, panels, title)
     many = len(panels) > 1
@@ -284,14 +297,8 @@ def plot_perplexity_vs_length(results: Mapping[str, Mapping[int, Any]], path: st
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_ylabel("perplexity")
-    note = " (intervals cut at half the mean)" if cut else ""
-    if many:
-        fig.suptitle(title + note)
-        fig.tight_layout()
-    else:
-        ax.set_title(title + note)
-        _legend(fig, ax, len(results))
-    return _save(fig, path)
+    return _finish_figure(fig, axes, title + (" (intervals cut at half the mean)" if cut else ""),
+                          len(results), path)
 
 
 def accuracy_errors(acc: Sequence[float], half_widths: Sequence[float]
@@ -328,14 +335,8 @@ def plot_passkey_accuracy(results: Mapping[str, Mapping[int, float]], path: str,
         _finish_panel(ax, panel_title, all_lengths, train_len, many, which="major")
     axes[0].set_ylim(-3, 103)
     axes[0].set_ylabel("accuracy (%)")
-    note = " (intervals cut at 0% and 100%)" if cut else ""
-    if many:
-        fig.suptitle(title + note)
-        fig.tight_layout()
-    else:
-        axes[0].set_title(title + note)
-        _legend(fig, axes[0], len(results))
-    return _save(fig, path)
+    return _finish_figure(fig, axes, title + (" (intervals cut at 0% and 100%)" if cut else ""),
+                          len(results), path)
 
 
 def plot_niah_heatmap(grid: Mapping[str, np.ndarray], path: str, *,
