@@ -95,10 +95,15 @@ def test_existing_dna_and_vit_rows_keep_their_records_and_cached_evaluations():
 
 
 def test_status_lists_the_layout_rows_as_missing(tmp_path, capsys):
-    """``--status`` on copies of the tiny report's DNA and ViT records: the encodings' rows are
-    done, the four layout rows are listed as not started at every seed."""
+    """``--status`` on copies of the tiny report's DNA and ViT records with the layout rows' own
+    records left out (however many of them have landed in the repository): the encodings' rows
+    are done, the four layout rows are listed as not started at every seed."""
+    layout_folders = shutil.ignore_patterns(*(f"{label}{seed}" for label in LABELS for seed in ("", "_seed1", "_seed2")))
     for folder in ("vit_canvas", "dna_long"):
-        shutil.copytree(os.path.join(suites.ROOT, "reports", "tiny", "runs", folder), tmp_path / "records" / folder)
+        shutil.copytree(os.path.join(suites.ROOT, "reports", "tiny", "runs", folder), tmp_path / "records" / folder,
+                        ignore=layout_folders)
+        assert not set(os.listdir(tmp_path / "records" / folder)) & {f"{label}{s}" for label in LABELS
+                                                                       for s in ("", "_seed1", "_seed2")}
     argv = ["--suite", "tiny", "--seeds", "3", "--families", "vit,dna", "--workdir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out"), "--records", str(tmp_path / "records"), "--status"]
     assert reproduce.main(argv) == 0
