@@ -2,7 +2,8 @@
 the Python files outside tests/ (function-local imports included, since a local import that
 closes a circle is still a circle, only hidden), no ``experiments/*.py`` importing another
 ``experiments`` module (entry points are thin command lines over the library), and no file
-outside tests/ over 600 lines.
+outside tests/ over 600 lines. The floors of docs/architecture.md are :data:`RULES`: which part of the
+package never imports which (one test each).
 
 An edge ``a -> b`` means module ``a`` names module ``b`` in an ``import`` or ``from ... import``
 anywhere in its source. ``from pkg import name`` points at ``pkg.name`` when that is a module of
@@ -199,3 +200,43 @@ def test_the_package_docstring_names_modules_that_exist_and_where_packing_lives(
         with open(modules[m]) as f:
             assert re.search(r"^def pack_query\b", f.read(), re.M), (
                 f"the package docstring of goat_jax says {m} holds the packing, but pack_query is defined elsewhere")
+
+
+# docs/architecture.md, "Rules": (the importing part, the parts it never imports). A part is a
+# module or package prefix of goat_jax.
+RULES = (
+    ("goat_jax.prior", ("goat_jax.layers", "goat_jax.kernels", "goat_jax.positional", "goat_jax.models",
+                        "goat_jax.train")),
+    ("goat_jax.kernels", ("goat_jax.layers", "goat_jax.positional", "goat_jax.models", "goat_jax.train",
+                          "goat_jax.tasks", "goat_jax.eval")),
+    ("goat_jax.positional", ("goat_jax.layers", "goat_jax.models", "goat_jax.train", "goat_jax.tasks",
+                             "goat_jax.eval")),
+    ("goat_jax.layers", ("goat_jax.models", "goat_jax.train", "goat_jax.tasks", "goat_jax.data", "goat_jax.eval")),
+    ("goat_jax.models", ("goat_jax.train", "goat_jax.tasks", "goat_jax.data", "goat_jax.eval")),
+    ("goat_jax.train", ("goat_jax.models", "goat_jax.tasks", "goat_jax.data", "goat_jax.eval")),
+    ("goat_jax.data", ("goat_jax.models", "goat_jax.layers", "goat_jax.kernels", "goat_jax.train",
+                       "goat_jax.tasks")),
+    ("goat_jax.tasks", ("goat_jax.eval", "goat_jax.reproduce")),
+)
+
+
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+@pytest.mark.parametrize("part,never", RULES, ids=[r[0] for r in RULES])
+def test_the_floors_of_the_architecture_page(part, never):
+    """Each rule of docs/architecture.md: no module of ``part`` imports a module of ``never``."""
+    graph = _repository_graph()
+    bad = sorted(f"{a} -> {b}" for a, bs in graph.items() if _within(a, part)
+                 for b in bs for n in never if _within(b, n))
+    assert not bad, f"docs/architecture.md: {part} never imports {never}; found {bad}"
+
+
+def test_the_architecture_page_states_every_rule():
+    """The page names this file, and every rule's importing part appears in its Rules section."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        page = f.read()
+    assert "tests/test_import_graph.py" in page
+    rules = page.split("## Rules", 1)[1]
+    assert len(RULES) == rules.count("\n- ") - 1  # one bullet per rule, plus circles/lines/entry points

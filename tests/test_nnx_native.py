@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from goat_jax import nnx as gnnx
+from goat_jax.layers import core as attention_core
 from goat_jax.layers import nnx as nnx_layers
 from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
@@ -356,7 +357,6 @@ def test_a_call_that_fails_after_writing_leaves_the_cache_untouched(name, rng, m
     """The class of item 3: whatever fails during a decoding call (here the kernel, after the
     cache write and fox's running forget sum), the layer's cache is as before the call, eager
     and under nnx.jit."""
-    from goat_jax.layers import core as attention_core
 
     module = CASES[name][0]("xla")
     layer = gnnx.like_linen(module.clone(decode=True), E, rngs=nnx.Rngs(0))
@@ -381,14 +381,14 @@ def test_a_call_that_fails_after_attending_sows_nothing(rng, monkeypatch):
     output projection, after the kernel, leaves no Intermediate behind."""
     layer = gnnx.like_linen(_goat(implementation="dense"), E, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
-    project = gnnx.AttentionShell._projection
+    project = attention_core.project
 
-    def broken(self, name, *args):
-        if name == "out_proj":
+    def broken(projection, *args):
+        if projection.name == "out_proj":
             raise RuntimeError("the projection failed")
-        return project(self, name, *args)
+        return project(projection, *args)
 
-    monkeypatch.setattr(gnnx.AttentionShell, "_projection", broken)
+    monkeypatch.setattr(attention_core, "project", broken)
     with pytest.raises(RuntimeError, match="the projection failed"):
         layer(x, is_causal=True)
     assert not nnx.pop(layer, nnx.Intermediate).to_pure_dict()

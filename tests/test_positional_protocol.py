@@ -25,8 +25,11 @@ class LearnedDistanceBias(PositionEncoding):
     name = "test_distance_bias"
     materialized_bias = True
 
-    def bias(self, layer, ctx):
-        r = layer.param("distance_slope", nn.initializers.normal(1.0), (ctx.shape.num_heads,), jnp.float32)
+    def parameters(self, sizes, settings):
+        return (("distance_slope", nn.initializers.normal(1.0), ((sizes.num_heads,), jnp.float32)),)
+
+    def bias(self, params, ctx):
+        r = params["distance_slope"]
         q, k = as_batched(ctx.q_pos), as_batched(ctx.attended_k_pos)  # [B|1, T], [B|1, S]
         return -jax.nn.softplus(r)[:, None, None] * jnp.abs(q[:, None, :, None] - k[:, None, None, :])
 

@@ -11,7 +11,7 @@
 
   The windows run through the KV cache in query chunks (:mod:`goat_jax.eval.chunked`) on the
   'dense' kernel, whose layers sow each chunk's probabilities over the cache
-  (``goat_jax.layers.linen.sow_attention_probs``): memory holds one chunk x window block per layer,
+  (``goat_jax.layers.core.run``): memory holds one chunk x window block per layer,
   never window x window, so the statistics exist at 16x the training length too.
 * Per-layer ``u(j)`` curves (:func:`sink_curves`): GOAT's learned key-only sink term of the
   prior, ``u_h(j) = gain_h mlp(phi(j)) + bump_h [j = 0] + softplus(slope_h) j`` (the causal

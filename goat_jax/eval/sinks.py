@@ -15,7 +15,7 @@ Two views, comparable across position encodings:
 
 The attention probabilities are read from the model itself: run with the 'dense' kernel and a
 mutable 'intermediates' collection, every attention layer sows the softmax it applied, its
-content keys and values (``goat_jax.layers.linen.sow_attention_maps``), so a new position encoding
+content keys and values (``goat_jax.layers.core.run``), so a new position encoding
 needs no code here. Dense means O(T^2) memory per layer: use moderate lengths.
 
 Shape legend: Y layers, B batch, T queries, S keys (= T), N query heads, K kv heads, H head dim.
@@ -219,7 +219,7 @@ def summarize_prior(model, params: Params, seq_len: int = 64, min_query: int = 4
 def attention_maps(model, params: Params, tokens) -> dict[str, np.ndarray]:
     """Causal attention probabilities of every layer and head on ``tokens`` [B, T], read from
     the model itself: its attention layers run the 'dense' kernel and sow what they computed
-    (:func:`goat_jax.layers.linen.sow_attention_maps`), so any position encoding works unchanged.
+    (:func:`goat_jax.layers.core.run`), so any position encoding works unchanged.
 
     Returns (numpy float32):
       ``probs`` [Y, B, N, T, S]; ``keys`` [Y, B, S, K, Hk] -- the content keys before any

@@ -1,5 +1,5 @@
 """The arguments and results of one attention call, shared by every layer of this package
-(:class:`goat_jax.layers.linen.AttentionBase` and its subclasses) and the position encodings:
+(:class:`goat_jax.layers.linen.Attention` and its subclasses) and the position encodings:
 :class:`AttentionCall` (the call's arguments), :func:`resolve_call_segments` (packed-document
 ids and the positions they imply), :class:`LayerShape` (head bookkeeping), :class:`Encoded`
 (what position handling hands to the kernel) and log-n scaling of the logits
@@ -80,9 +80,9 @@ Offset = Union[None, int, Array, Tuple[int, int]]
 
 class CallOptions(NamedTuple):
     """The keywords of every attention layer's call, declared once: both shells' ``__call__``
-    (Linen, :class:`goat_jax.layers.linen.AttentionBase`; NNX, :mod:`goat_jax.layers.nnx`) take
+    (Linen, :class:`goat_jax.layers.linen.Attention`; NNX, :mod:`goat_jax.layers.nnx`) take
     ``layer(query, key=None, value=None, **options)`` and :func:`goat_jax.layers.core.run` reads
-    the options here (:meth:`of`). Their meaning: :class:`goat_jax.layers.linen.AttentionBase`."""
+    the options here (:meth:`of`). Their meaning: :class:`goat_jax.layers.linen.Attention`."""
 
     is_causal: bool = False
     key_padding_mask: Optional[Array] = None  # [B, S] bool, True = padding
@@ -107,7 +107,7 @@ class CallOptions(NamedTuple):
 
 
 class AttentionCall(NamedTuple):
-    """The arguments of one attention call (see :class:`AttentionBase`), with ``key`` and
+    """The arguments of one attention call (see :class:`goat_jax.layers.linen.Attention`), with ``key`` and
     ``value`` already defaulted; while decoding, both offsets are the cache index."""
 
     query: Array

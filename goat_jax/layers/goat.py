@@ -1,15 +1,18 @@
-"""GOAT attention: the prior module and the Flax Linen layer (and its framework-free logic).
+"""GOAT attention: the prior's parameter declarations, the :class:`GoatPrior` module, GOAT as a
+position encoding (:class:`GoatEncoding`, a value) and the Linen layer that holds it
+(:class:`GoatAttention`).
 
-The packing of the prior into q/k channels (and its bf16-exact sink channels) is
-:mod:`goat_jax.prior.packing`; this module holds the Flax side.
+The prior's math is :mod:`goat_jax.prior` (pure functions) and its packing into q/k channels
+(with the bf16-exact sink channels) :mod:`goat_jax.prior.packing`; this module holds the Flax side.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -17,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.layers import call as attention_call
-from goat_jax.layers import core as attention_core
-from goat_jax import kernels
+from goat_jax.layers import encoding as encoding_lib
 from goat_jax.kernels import widths as kernel_widths
 from goat_jax import partitioning
 from goat_jax.layers import linen
@@ -151,12 +153,9 @@ def _infer_square_grid(s: int, t: int, has_cls: bool) -> Optional[Tuple[int, int
     return None
 
 
-class _GoatPlan(NamedTuple):
-    """What GoatAttention decides before any work (see :class:`goat_jax.layers.linen.AttentionBase`)."""
+class _GoatDetail(NamedTuple):
+    """What GOAT decides about one call before any work (:attr:`Prepared.detail`)."""
 
-    qk_dim: int  # d_c + 2R + sink channels: the packed width the kernel and the cache see
-    implementation: str
-    choice: kernels.Choice
     spec: prior_lib.PriorSpec
     d_c: int  # content dims
     sink_channels: int
@@ -165,26 +164,45 @@ class _GoatPlan(NamedTuple):
     spatial_shape: Optional[Tuple[int, int]]
 
 
-class GoatLogic(attention_core.AttentionLogic):
-    """GOAT's variant of the attention call (framework-free; see
-    :class:`goat_jax.layers.core.AttentionLogic`): the plan (prior spec, packed width,
-    sink channels, 1D/2D), the positions and the packing. Both shells inherit it: the Linen
-    :class:`GoatAttention` and :class:`goat_jax.nnx.GoatAttention`; each supplies
-    ``_prior_settings()`` (the :class:`goat_jax.prior.PriorSettings`) and
-    ``_prior_params(spec)`` (the :func:`prior_declarations` parameters under ``prior``).
+def _check_settings(settings: Any) -> prior_lib.PriorSettings:
+    if not isinstance(settings, prior_lib.PriorSettings):
+        raise ValueError(
+            f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
+            f"{type(settings).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
+    return settings
+
+
+@dataclasses.dataclass(frozen=True)
+class GoatEncoding(encoding_lib.Encoding):
+    """GOAT's learned prior as a position encoding (:mod:`goat_jax.layers.encoding`): the prior's
+    parameters under ``prior/`` (:func:`prior_declarations`), its 1D or 2D positions, and q/k
+    packed so that ``q~ . k~`` is the content logit plus the log-prior
+    (:mod:`goat_jax.prior.packing`); with the 'dense' kernel, the content logits plus the
+    materialized log-prior as a bias (the reference).
+
+    Attributes: ``prior`` (:class:`goat_jax.prior.PriorSettings`), ``pos_encoding`` ('1d', '2d'
+    or 'auto'), ``has_cls_token_default``, ``sink_channels`` (None: the compute dtype's
+    default). Their meaning: :class:`GoatAttention`.
     """
 
-    def _training_len(self) -> Optional[int]:
-        return self._prior_settings().training_seq_len if isinstance(self._prior_settings(), prior_lib.PriorSettings) else None
+    prior: Any = prior_lib.PriorSettings()
+    pos_encoding: str = "1d"
+    has_cls_token_default: bool = False
+    sink_channels: Optional[int] = None
 
-    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
-              request: attention_call.KernelRequest) -> _GoatPlan:
-        settings = self._prior_settings()
-        if not isinstance(settings, prior_lib.PriorSettings):
-            raise ValueError(
-                f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
-                f"{type(settings).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
-        spec = settings.for_heads(self.num_heads, shape.kv_heads)
+    @property
+    def training_len(self) -> Optional[int]:  # type: ignore[override]
+        return self.prior.training_seq_len if isinstance(self.prior, prior_lib.PriorSettings) else None
+
+    def declarations(self, sizes: encoding_lib.Sizes) -> Tuple[encoding_lib.ParamDecl, ...]:
+        spec = _check_settings(self.prior).for_heads(sizes.num_heads, sizes.kv_heads)
+        return tuple(encoding_lib.ParamDecl(("prior", name), init, tuple(args))
+                     for name, init, args in prior_declarations(spec))
+
+    def prepare(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+                request: attention_call.KernelRequest, sizes: encoding_lib.Sizes) -> encoding_lib.Prepared:
+        settings = _check_settings(self.prior)
+        spec = settings.for_heads(shape.num_heads, shape.kv_heads)
         sink_channels = int(settings.enable_key_bias) * (
             self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
         if settings.enable_key_bias and sink_channels < 1:
@@ -226,23 +244,25 @@ class GoatLogic(attention_core.AttentionLogic):
                 "sink normalizes positions by the window's key length, not each document's, so a "
                 "packed document would not see the prior it sees alone. Set training_seq_len to "
                 "the training context length.")
-        if use_2d and self.decode:
+        if use_2d and sizes.decode:
             raise ValueError("KV-cache decoding supports 1D positions only.")
-        if self.decode and settings.enable_key_bias and settings.training_seq_len is None:
+        if sizes.decode and settings.enable_key_bias and settings.training_seq_len is None:
             raise ValueError(
                 "KV-cache decoding needs training_seq_len (the sink normalizes positions by "
                 "it; without it the normalization follows the key length, which grows while "
                 "decoding). Set training_seq_len to the training context length.")
-        return _GoatPlan(qk_dim, choice.implementation, choice, spec, d_c, sink_channels, use_2d, has_cls,
-                         spatial_shape)
+        detail = _GoatDetail(spec, d_c, sink_channels, use_2d, has_cls, spatial_shape)
+        return encoding_lib.Prepared(qk_dim, choice, self.declarations(sizes), (), detail)
 
-    def _positions(self, call: attention_call.AttentionCall, plan: _GoatPlan, t: int, s: int):
-        if not plan.use_2d:
-            return self._positions_1d(call, t, s)
+    def positions(self, call: attention_call.AttentionCall, prepared: encoding_lib.Prepared, t: int, s: int,
+                  decoding: bool):
+        detail: _GoatDetail = prepared.detail
+        if not detail.use_2d:
+            return encoding_lib.positions_1d(call, t, s, decoding)
         out = []
         for name, length, offset in (("position_offset_q", t, call.position_offset_q),
                                      ("position_offset_k", s, call.position_offset_k)):
-            prior_lib.check_grid(length, plan.spatial_shape, plan.has_cls)
+            prior_lib.check_grid(length, detail.spatial_shape, detail.has_cls)
             if offset is None:
                 offset = (0, 0)
             if isinstance(offset, (int, np.integer)):
@@ -254,41 +274,45 @@ class GoatLogic(attention_core.AttentionLogic):
             if shape != (2,):  # a traced scalar, say, has no (row, col) to take
                 raise ValueError(f"{name} must be a (row, col) pair of integers in 2D mode, got "
                                  f"{'an array of shape ' + str(shape) if hasattr(offset, 'shape') else repr(offset)}.")
-            out.append(prior_lib.positions_2d(plan.spatial_shape, plan.has_cls, tuple(offset), name=name))
+            out.append(prior_lib.positions_2d(detail.spatial_shape, detail.has_cls, tuple(offset), name=name))
         return tuple(out)
 
-    def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
-                plan: _GoatPlan, q: Array, k: Array, q_pos: prior_lib.Positions, k_pos: prior_lib.Positions,
-                cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:
+    def encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+               prepared: encoding_lib.Prepared, params: Mapping[str, Any], q: Array, k: Array,
+               q_pos: prior_lib.Positions, k_pos: prior_lib.Positions, cache: Optional[Mapping[str, Any]]):
+        detail: _GoatDetail = prepared.detail
         # Causal masking is by sequence index, shifted by the 1D offsets (official semantics).
         causal_offset = 0
-        if not plan.use_2d:
+        if not detail.use_2d:
             causal_offset = (0 if call.position_offset_q is None else call.position_offset_q) - (
                 0 if call.position_offset_k is None else call.position_offset_k)
-        d_c, spec, params = plan.d_c, plan.spec, self._prior_params(plan.spec)
+        d_c, spec, params = detail.d_c, detail.spec, dict(params)
         q_content, k_content = q[..., :d_c], k[..., :d_c]
-        if plan.implementation == "dense" and cache is None:
+        if prepared.implementation == "dense" and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior_log_prior(spec, params, q_pos, k_pos, call.is_causal, q_content)  # [B|1, N, T, S]
-            return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset, bias)
+            return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset,
+                                          bias), {}
         # The relative features of a window from its first key's position (shift-invariant: the
         # learned frequencies' gradient keeps float32 precision far out). Not while decoding: the
         # cache holds keys of earlier calls, encoded from position 0.
-        origin = k_pos.coords[..., :1] if cache is None and not plan.use_2d else None
+        origin = k_pos.coords[..., :1] if cache is None and not detail.use_2d else None
         q_rel, q_sink, _ = prior_query(spec, params, q_pos, q_content, origin)
         k_rel, u = prior_lib.key_features(spec, params, k_pos, call.is_causal, origin)
-        q_packed = pack_query(q_content, q_rel, q_sink, plan.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
+        q_packed = pack_query(q_content, q_rel, q_sink, detail.sink_channels, shape.dtype)  # [B, T, N, qk_dim]
         # Learned frequencies give the key features a head axis ([.., S, K, 2R]).
-        k_packed = pack_key(k_content, k_rel, u, plan.sink_channels, shape.dtype,
+        k_packed = pack_key(k_content, k_rel, u, detail.sink_channels, shape.dtype,
                             rel_per_head=k_rel.ndim > u.ndim)  # [B, S, K, qk_dim]
-        return attention_call.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset)
+        return attention_call.Encoded(q_packed, k_packed, 1.0, k_content, causal_offset), {}
 
 
-class GoatAttention(GoatLogic, linen.AttentionBase):
-    """Multi-head attention with the GOAT learned prior, run on unmodified kernels.
+class GoatAttention(linen.Attention):
+    """Multi-head attention with the GOAT learned prior, run on unmodified kernels: the Linen
+    attention layer (:class:`goat_jax.layers.linen.Attention`) holding a :class:`GoatEncoding`
+    of the fields below.
 
     Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.linen.AttentionBase`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
+    (:class:`goat_jax.layers.linen.Attention`). ``query`` [B, T, E], ``key``/``value`` [B, S, E']
     (default ``query``); returns [B, T, out_features or E].
 
     * 1D positions: ``arange + position_offset_*`` (default 0, and the cache index while
@@ -320,9 +344,8 @@ class GoatAttention(GoatLogic, linen.AttentionBase):
     has_cls_token_default: bool = False
     sink_channels: Optional[int] = None
 
-    def _prior_settings(self):
-        return self.prior
-
-    def _prior_params(self, spec: prior_lib.PriorSpec) -> dict:
-        """The prior's parameters, made by the :class:`GoatPrior` submodule ``prior``."""
-        return GoatPrior(spec, name="prior").params()
+    @classmethod
+    def encoding_of(cls, fields: Mapping[str, Any]) -> GoatEncoding:
+        """The :class:`GoatEncoding` of these fields."""
+        return GoatEncoding(fields["prior"], fields["pos_encoding"], fields["has_cls_token_default"],
+                            fields["sink_channels"])

@@ -1,22 +1,24 @@
-""":class:`PositionalAttention`, the layer that runs the registered position encodings
-(:mod:`goat_jax.positional.registry`) with GoatAttention's call signature, projections and KV cache
-(:class:`goat_jax.layers.linen.AttentionBase`).
+"""The baselines in the attention layer: :class:`BaselineEncoding`, any registered position encoding
+(:mod:`goat_jax.positional.registry`) as the value the layer holds (:mod:`goat_jax.layers.encoding`),
+and :class:`PositionalAttention`, the Linen layer (:class:`goat_jax.layers.linen.Attention`)
+holding one, with GoatAttention's call signature, projections and KV cache.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from goat_jax.layers import core as attention_core
 from goat_jax import kernels
 from goat_jax.layers import call as attention_call
 from goat_jax.layers import linen
+from goat_jax.layers.encoding import CacheDecl, Encoding, ParamDecl, Prepared, Sizes
 from goat_jax.prior.packing import default_sink_channels
 from goat_jax.config.fields import check_section
 from goat_jax.positional import registry
@@ -34,122 +36,137 @@ KEYWORDS = tuple(n for n in dict.fromkeys(
     if n not in _LAYER_SETTINGS)
 
 # The keywords as module fields, made from the registry (never listed by hand).
-_SettingKeywords = type("_SettingKeywords", (linen.AttentionBase,), {
+_SettingKeywords = type("_SettingKeywords", (linen.Attention,), {
     "__module__": __name__, "__annotations__": {n: "Optional[Any]" for n in KEYWORDS}, **dict.fromkeys(KEYWORDS),
     "__doc__": "The encodings' settings as keywords of PositionalAttention (None: not given)."})
 
 
-class _Plan(NamedTuple):
-    """What PositionalAttention decides before any work (see :class:`goat_jax.layers.linen.AttentionBase`)."""
+def encoding_settings(position_encoding: str, settings: Optional[EncodingSettings],
+                      keywords: Mapping[str, Any]) -> EncodingSettings:
+    """The checked settings of the encoding ``position_encoding``: ``settings``, or the ones of
+    the layer's ``keywords`` (``{name: value}``, None = not given; when both are given they must
+    agree)."""
+    enc = get_encoding(position_encoding)
+    cls = enc.settings_class
+    given = cls.keyword_values({n: keywords.get(n) for n in KEYWORDS + _LAYER_SETTINGS})
+    if settings is None:
+        return cls(**given)
+    if not isinstance(settings, cls):
+        raise TypeError(f"position_encoding={enc.name!r} takes settings={cls.__name__}(...), got "
+                        f"{type(settings).__name__}.")
+    clash = {n: v for n, v in given.items() if getattr(settings, n) != v}
+    if clash:
+        raise ValueError(f"PositionalAttention: the keyword(s) {clash} disagree with settings="
+                         f"{settings!r}; pass each setting once.")
+    return settings
 
-    qk_dim: int  # H plus the channels the encoding packs into q/k
-    implementation: str
-    choice: kernels.Choice
-    encoding: PositionEncoding
-    channels: int
-    settings: EncodingSettings
 
+@dataclasses.dataclass(frozen=True)
+class BaselineEncoding(Encoding):
+    """A registered position encoding (:mod:`goat_jax.positional`) as the value the attention
+    layer holds (:mod:`goat_jax.layers.encoding`): its settings and checks, the kernel choice
+    (a bias needs a kernel that takes one), its parameters as declarations, and its hooks.
 
-class PositionalLogic(attention_core.AttentionLogic):
-    """The baselines' variant of the attention call (framework-free; see
-    :class:`goat_jax.layers.core.AttentionLogic`): the encoding's settings and checks, the
-    kernel choice and the encoding's hooks, which make their parameters with ``self.param``.
-    Both shells inherit it: the Linen :class:`PositionalAttention` and
-    :class:`goat_jax.nnx.PositionalAttention` (fields ``position_encoding``, ``settings``,
-    ``training_seq_len``, ``attention_scale`` and the :data:`KEYWORDS`)."""
+    Attributes: ``position_encoding`` (its registered name), ``settings`` (the checked
+    :class:`goat_jax.positional.EncodingSettings`; :func:`encoding_settings`),
+    ``attention_scale`` (None: ``1 / sqrt(head_dim)``) and ``training_seq_len`` (log-n
+    scaling's length when the settings have none).
+    """
 
-    def _training_len(self) -> Optional[int]:
+    position_encoding: str = "rope"
+    settings: Optional[EncodingSettings] = None
+    attention_scale: Optional[float] = None
+    training_seq_len: Optional[int] = None
+
+    @property
+    def training_len(self) -> Optional[int]:  # type: ignore[override]
         if self.training_seq_len is not None:
             return self.training_seq_len
         return getattr(self.settings, "training_seq_len", None)
 
-    def encoding_settings(self, enc: Optional[PositionEncoding] = None) -> EncodingSettings:
-        """The checked settings of the encoding (``enc``, default this layer's): ``settings``, or
-        the ones of the keywords (the other's values must agree)."""
-        enc = enc or get_encoding(self.position_encoding)
-        cls = enc.settings_class
-        given = cls.keyword_values({n: getattr(self, n) for n in KEYWORDS + _LAYER_SETTINGS})
-        if self.settings is None:
-            return cls(**given)
-        if not isinstance(self.settings, cls):
-            raise TypeError(f"position_encoding={enc.name!r} takes settings={cls.__name__}(...), got "
-                            f"{type(self.settings).__name__}.")
-        clash = {n: v for n, v in given.items() if getattr(self.settings, n) != v}
-        if clash:
-            raise ValueError(f"PositionalAttention: the keyword(s) {clash} disagree with settings="
-                             f"{self.settings!r}; pass each setting once.")
-        return self.settings
-
-    def _plan(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
-              request: attention_call.KernelRequest) -> _Plan:
-        check_section({"attention_scale": self.attention_scale}, {"attention_scale": ATTENTION_SCALE}, None,
-                      owner=type(self).__name__)
+    def _resolved(self) -> Tuple[PositionEncoding, EncodingSettings]:
         enc = get_encoding(self.position_encoding)
-        settings = self.encoding_settings(enc)
-        enc.check_layer(self)
-        self._check_call(enc, call)
+        return enc, encoding_settings(self.position_encoding, self.settings, {})
+
+    def declarations(self, sizes: Sizes) -> Tuple[ParamDecl, ...]:
+        enc, settings = self._resolved()
+        return tuple(ParamDecl((name,), init, tuple(args)) for name, init, args in enc.parameters(sizes, settings))
+
+    def prepare(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
+                request: attention_call.KernelRequest, sizes: Sizes) -> Prepared:
+        check_section({"attention_scale": self.attention_scale}, {"attention_scale": ATTENTION_SCALE}, None,
+                      owner="PositionalAttention")
+        enc, settings = self._resolved()
+        enc.check_layer(sizes)
+        _check_call(enc, call, sizes.decode)
         enc.check_head_dim(shape.head_dim)
         channels = default_sink_channels(shape.dtype)
         qk_dim = shape.head_dim + enc.extra_qk_dims(shape, channels)
-        choice = self._choose(enc, qk_dim, request)
-        return _Plan(qk_dim, choice.implementation, choice, enc, channels, settings)
+        choice = _choose(enc, qk_dim, request)
+        cache = tuple(CacheDecl(name, init, tuple(args))
+                      for name, init, args in enc.cache_slots(sizes, call.query.shape[0])) if sizes.decode else ()
+        return Prepared(qk_dim, choice, self.declarations(sizes), cache, (enc, channels, settings))
 
-    def _check_call(self, enc: PositionEncoding, call: attention_call.AttentionCall) -> None:
-        """What the encoding's attributes rule out for this call, as one clear error."""
-        name = enc.name
-        if call.spatial_shape is not None and enc.positions == "1d":
-            grids = ", ".join(repr(e.name) for e in registry.ENCODINGS if e.positions == "2d")
-            raise ValueError(
-                f"position_encoding={name!r} is 1D; for 2D inputs use {grids}, GoatAttention, or "
-                "'nope' with absolute position embeddings on the patches.")
-        if enc.positions == "2d":
-            if call.spatial_shape is None:
-                raise ValueError(f"position_encoding={name!r} needs spatial_shape=(rows, cols) of the patch grid.")
-            if self.decode or call.key is not call.query:
-                raise ValueError(f"position_encoding={name!r} supports self-attention over one patch "
-                                 "grid only (no cross-attention, no decoding).")
-            if any(a is not None for a in (call.position_offset_q, call.position_offset_k, call.q_positions,
-                                           call.k_positions)):
-                raise ValueError(f"position_encoding={name!r} takes positions from spatial_shape; "
-                                 "position offsets and explicit positions are not supported.")
-        if enc.causal_only and not call.is_causal:
-            raise ValueError(f"position_encoding={name!r} needs is_causal=True: {enc.causal_only}")
-
-    def _choose(self, enc: PositionEncoding, qk_dim: int, request: attention_call.KernelRequest) -> kernels.Choice:
-        """The call's kernel (:meth:`goat_jax.layers.call.KernelRequest.choose`): bias-based
-        encodings need a kernel that takes an additive bias, which the capability table says
-        ('xla', 'dense'); naming another is refused with the encoding's alternative, whatever else
-        it lacks."""
-        bias = bool(enc.materialized_bias)
-        implementation = request.plan.implementation
-        row = kernels.CAPABILITIES.get(implementation)
-        if bias and row is not None and not row.takes("bias"):
-            alternative = f", or position_encoding={enc.flash_alternative}" if enc.flash_alternative else ""
-            raise ValueError(
-                f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, which "
-                f"implementation={implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
-                f"'dense'{alternative}.")
-        return request.choose(qk_dim, bias)
-
-    def _encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, plan: _Plan, q: Array, k: Array,
-                q_pos, k_pos, cache: Optional[attention_core.DecodeCache]) -> attention_call.Encoded:
-        key_len = k.shape[1] if cache is None else cache.length
+    def encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, prepared: Prepared,
+               params: Mapping[str, Any], q: Array, k: Array, q_pos, k_pos, cache: Optional[Mapping[str, Any]]):
+        enc, channels, settings = prepared.detail
+        key_len = k.shape[1] if cache is None else cache["cached_key"].shape[1]
         attended = k_pos.index if cache is None else jnp.arange(key_len, dtype=jnp.float32)  # whole cache
         ctx = EncodingContext(
             call=call, shape=shape, q_pos=q_pos.index, k_pos=k_pos.index, attended_k_pos=attended,
-            key_len=key_len, decoding=cache is not None, channels=plan.channels,
+            key_len=key_len, decoding=cache is not None, channels=channels,
             scale=1.0 / math.sqrt(shape.head_dim) if self.attention_scale is None else self.attention_scale,
-            settings=plan.settings)
-        q_enc, k_enc, scale = plan.encoding.encode(self, ctx, q, k)
+            settings=settings, attention_scale=self.attention_scale, cache=cache)
+        q_enc, k_enc, scale = enc.encode(params, ctx, q, k)
+        updates = enc.cache_update(params, ctx) if cache is not None else {}
         # k before the encoding: what a key-norm "sink" statistic reads.
-        return attention_call.Encoded(q_enc, k_enc, scale, k, 0, plan.encoding.bias(self, ctx))
+        return attention_call.Encoded(q_enc, k_enc, scale, k, 0, enc.bias(params, ctx)), updates
 
 
-class PositionalAttention(PositionalLogic, _SettingKeywords):
+def _check_call(enc: PositionEncoding, call: attention_call.AttentionCall, decode: bool) -> None:
+    """What the encoding's attributes rule out for this call, as one clear error."""
+    name = enc.name
+    if call.spatial_shape is not None and enc.positions == "1d":
+        grids = ", ".join(repr(e.name) for e in registry.ENCODINGS if e.positions == "2d")
+        raise ValueError(
+            f"position_encoding={name!r} is 1D; for 2D inputs use {grids}, GoatAttention, or "
+            "'nope' with absolute position embeddings on the patches.")
+    if enc.positions == "2d":
+        if call.spatial_shape is None:
+            raise ValueError(f"position_encoding={name!r} needs spatial_shape=(rows, cols) of the patch grid.")
+        if decode or call.key is not call.query:
+            raise ValueError(f"position_encoding={name!r} supports self-attention over one patch "
+                             "grid only (no cross-attention, no decoding).")
+        if any(a is not None for a in (call.position_offset_q, call.position_offset_k, call.q_positions,
+                                       call.k_positions)):
+            raise ValueError(f"position_encoding={name!r} takes positions from spatial_shape; "
+                             "position offsets and explicit positions are not supported.")
+    if enc.causal_only and not call.is_causal:
+        raise ValueError(f"position_encoding={name!r} needs is_causal=True: {enc.causal_only}")
+
+
+def _choose(enc: PositionEncoding, qk_dim: int, request: attention_call.KernelRequest) -> kernels.Choice:
+    """The call's kernel (:meth:`goat_jax.layers.call.KernelRequest.choose`): bias-based
+    encodings need a kernel that takes an additive bias, which the capability table says
+    ('xla', 'dense'); naming another is refused with the encoding's alternative, whatever else
+    it lacks."""
+    bias = bool(enc.materialized_bias)
+    implementation = request.plan.implementation
+    row = kernels.CAPABILITIES.get(implementation)
+    if bias and row is not None and not row.takes("bias"):
+        alternative = f", or position_encoding={enc.flash_alternative}" if enc.flash_alternative else ""
+        raise ValueError(
+            f"position_encoding={enc.name!r} adds a materialized [N, T, S] bias, which "
+            f"implementation={implementation!r} does not take ({row.why_not['bias']}); use 'xla' or "
+            f"'dense'{alternative}.")
+    return request.choose(qk_dim, bias)
+
+
+class PositionalAttention(_SettingKeywords):
     """Multi-head attention with a baseline positional encoding, GoatAttention's interface.
 
     Call signature, projections, KV cache, sowing and ``kernel_init_std``: as every layer
-    (:class:`goat_jax.layers.linen.AttentionBase`), so models swap this layer and
+    (:class:`goat_jax.layers.linen.Attention`), so models swap this layer and
     :class:`goat_jax.layers.goat.GoatAttention` freely. ``query`` [B, T, E], ``key``/``value``
     [B, S, E'] (default ``query``); returns [B, T, out_features or E]. Positions
     (``arange + position_offset_*`` or explicit ``q_positions``/``k_positions``, [T] / [B, T])
@@ -188,3 +205,14 @@ class PositionalAttention(PositionalLogic, _SettingKeywords):
     settings: Optional[EncodingSettings] = None
     training_seq_len: Optional[int] = None
     attention_scale: Optional[float] = None
+
+    def encoding_settings(self) -> EncodingSettings:
+        """The checked settings of this layer's encoding (:func:`encoding_settings`)."""
+        return encoding_settings(self.position_encoding, self.settings, vars(self))
+
+    @classmethod
+    def encoding_of(cls, fields: Mapping[str, Any]) -> BaselineEncoding:
+        """The :class:`BaselineEncoding` of these fields (the keywords resolved into settings)."""
+        settings = encoding_settings(fields["position_encoding"], fields["settings"], fields)
+        return BaselineEncoding(fields["position_encoding"], settings, fields["attention_scale"],
+                                fields["training_seq_len"])

@@ -2,7 +2,7 @@
 
 Relative encodings act inside attention, in :class:`goat_jax.layers.positional.PositionalAttention` (same call signature,
 projections, parameter names and cache collection as :class:`goat_jax.layers.goat.GoatAttention`:
-both are :class:`goat_jax.layers.linen.AttentionBase`, so models swap the two freely), chosen by
+both are :class:`goat_jax.layers.linen.Attention`, so models swap the two freely), chosen by
 ``position_encoding``, one of ``POSITION_ENCODINGS``:
 
 ==============  ==============  ==============================================================
@@ -60,18 +60,23 @@ which checks each field against its declaration) the rules between knobs, e.g. '
 ``settings_class``. The class also says, as attributes: its ``name``; ``positions`` ('1d', '2d' or
 'any'); ``causal_only`` (the reason, if it needs ``is_causal=True``); ``materialized_bias`` (True:
 it returns a [.., N, T, S] bias and runs on the 'xla'/'dense' kernels only; False: it runs on
-every kernel). It overrides only the hooks it needs, each given the layer (``layer.param`` for its
-parameters) and an :class:`EncodingContext` (its checked settings ``ctx.settings``, positions, the
-keys attended while decoding, head shapes, dtype, scale):
+every kernel). It declares its parameters (``parameters(sizes, settings)``: ``(name, init,
+(shape, dtype))`` each) and, if it keeps decoding state, its cache slots (``cache_slots(sizes,
+batch)``); the layer makes them and hands their values to the hooks, which take values and return
+values (never the layer): the parameters' values ``params`` (``{name: value}``) and an
+:class:`EncodingContext` (its checked settings ``ctx.settings``, positions, the keys attended
+while decoding, head shapes, dtype, scale, the cache's values while decoding). It overrides only
+the hooks it needs:
 
-* ``check_layer(layer)``: raise for a layer it cannot run in (its settings' rules are checked
+* ``check_layer(sizes)``: raise for a layer it cannot run in (its settings' rules are checked
   when the settings are built);
 * ``check_head_dim(head_dim)``: raise for a head size it cannot run on (the layer and the model
   configs call it);
 * ``extra_qk_dims(shape, channels)``: channels appended to each q/k head when it packs a term
   into q/k (the KV cache is sized with them);
-* ``encode(layer, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);
-* ``bias(layer, ctx)``: an additive bias, or None.
+* ``encode(params, ctx, q, k) -> (q, k, scale)``: what it does to q and k (the cache stores that k);
+* ``bias(params, ctx)``: an additive bias, or None;
+* ``cache_update(params, ctx)``: while decoding, the new values of its cache slots.
 
 Nothing else is written for it: the models offer the registered encodings
 (``goat_jax.models.lm``: the '1d' and 'any' ones; ``goat_jax.models.vit``: '2d' and 'any'), their
@@ -99,10 +104,10 @@ every CPU kernel (the slow suite; a few in the default one): a packed row equals
 alone.
 
 Projections, positions, the KV cache, the kernel call and sowing are written once, in
-:class:`goat_jax.layers.linen.AttentionBase`.
+:mod:`goat_jax.layers.core`, which the Linen and NNX layers both run.
 
 Log-n scaling is not an encoding but a field of every layer (``logn_scaling``, in
-:class:`goat_jax.layers.linen.AttentionBase`), so any 1D encoding and GOAT can add it.
+:class:`goat_jax.layers.linen.Attention`), so any 1D encoding and GOAT can add it.
 
 Shape legend: B batch, T queries, S keys, E model dim, N query heads, K kv heads, G = N // K,
 H head dim, c split channels (``goat_jax.prior.packing.default_sink_channels``).
@@ -114,7 +119,8 @@ from goat_jax.positional.base import EncodingContext, EncodingSettings, Position
 from goat_jax.positional.fire import fire_bias
 from goat_jax.positional.fox import fox_cumulative, fox_log_forget, pack_fox_key
 from goat_jax.positional.kerple import kerple_log_bias
-from goat_jax.positional.registry import ENCODINGS, POSITION_ENCODINGS, get_encoding, register
+from goat_jax.positional import registry as _registry
+from goat_jax.positional.registry import get_encoding, register
 from goat_jax.positional.naive_prior import naive_prior_bias
 from goat_jax.positional.rope import apply_rope, apply_rope_2d, rope_frequencies
 from goat_jax.positional.rope_mixed import apply_rope_mixed
@@ -126,3 +132,11 @@ __all__ = [
     "fox_cumulative", "fox_log_forget", "get_encoding", "kerple_log_bias", "naive_prior_bias", "pack_alibi_key",
     "pack_alibi_query", "pack_fox_key", "register", "rope_frequencies", "sincos_2d_embedding", "sinusoidal_embedding",
 ]
+
+
+def __getattr__(name: str):
+    """``ENCODINGS`` and ``POSITION_ENCODINGS``, read from the registry when asked (so an
+    encoding added with :func:`register` is in them, with no write into this package)."""
+    if name in ("ENCODINGS", "POSITION_ENCODINGS"):
+        return getattr(_registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,9 +11,8 @@ c split channels.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -93,7 +92,7 @@ class Alibi(PositionEncoding):
     materialized_bias = True
     flash_alternative = "'alibi_packed' (causal)"
 
-    def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
+    def bias(self, params: Mapping[str, Any], ctx: EncodingContext) -> Array:
         return alibi_bias(ctx.shape.num_heads, ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 
 
@@ -108,9 +107,9 @@ class AlibiPacked(PositionEncoding):
     def extra_qk_dims(self, shape: Any, channels: int) -> int:
         return shape.group * channels
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         dtype = ctx.shape.dtype
-        q = pack_alibi_query(q, ctx.shape.group, ctx.channels, dtype, layer.attention_scale)  # [B, T, N, H + G c]
+        q = pack_alibi_query(q, ctx.shape.group, ctx.channels, dtype, ctx.attention_scale)  # [B, T, N, H + G c]
         k = pack_alibi_key(k, ctx.k_pos, ctx.shape.num_heads, ctx.channels, dtype)  # [B, S, K, H + G c]
         return q, k, 1.0
 

@@ -3,11 +3,12 @@ follows (how to add one: the :mod:`goat_jax.positional` package docstring).
 
 An encoding is a :class:`PositionEncoding` instance: a few class attributes that say where it
 runs, the class of its settings (an :class:`EncodingSettings` dataclass: each knob declared once,
-with its default, range and doc, and the rules between knobs), and up to five hooks that the
-layer calls once per call. The layer owns everything else (call signature, projections,
-positions, KV cache, kernel call, sowing: :func:`goat_jax.layers.core.run`, called by the Linen
-:class:`goat_jax.layers.linen.AttentionBase` and the NNX :mod:`goat_jax.nnx` shells alike; ``layer.param``
-is either shell's), so an encoding is only its own math and its own settings.
+with its default, range and doc, and the rules between knobs), its parameters and cache slots as
+declarations (data: names, initializers, shapes), and hooks that take values (the parameters'
+values, an :class:`EncodingContext`) and return values. The attention layer holds it inside a
+:class:`goat_jax.layers.positional.BaselineEncoding` and owns everything else (call signature,
+projections, positions, KV cache, kernel call, sowing: :mod:`goat_jax.layers.core`), so an
+encoding is only its own math and its own settings; it never sees the layer.
 
 Shape legend: B batch, T queries, S keys (the cache while decoding), N query heads, K kv heads,
 G = N // K, H head dim, c split channels (``goat_jax.prior.packing.default_sink_channels``).
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Dict, Mapping, NamedTuple, Optional, Tuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -100,6 +100,10 @@ class EncodingContext(NamedTuple):
       channels: c, the parts an unbounded packed term is split into (1 in float32, 3 in bf16).
       scale: the layer's factor on ``q . k`` (``attention_scale`` or ``1 / sqrt(H)``).
       settings: the layer's :attr:`PositionEncoding.settings_class` instance (checked).
+      attention_scale: the layer's ``attention_scale`` field as given (None: ``1 / sqrt(H)``),
+        for an encoding that folds the scale into packed queries.
+      cache: while decoding, the cache's values before this call (``{slot: value}``: the
+        encoding's own :meth:`PositionEncoding.cache_slots` among them); None otherwise.
     """
 
     call: Any  # goat_jax.layers.call.AttentionCall
@@ -112,6 +116,8 @@ class EncodingContext(NamedTuple):
     channels: int
     scale: float
     settings: Any = None
+    attention_scale: Optional[float] = None
+    cache: Optional[Mapping[str, Any]] = None
 
 
 class PositionEncoding:
@@ -140,9 +146,11 @@ class PositionEncoding:
     flash_alternative: Optional[str] = None
     settings_class: type = EncodingSettings
 
-    def check_layer(self, layer: nn.Module) -> None:
-        """Raises ValueError for a layer the encoding cannot run in (its settings' own rules are
-        checked when the settings are built, in ``settings_class.__post_init__``)."""
+    def check_layer(self, sizes: Any) -> None:
+        """Raises ValueError for a layer the encoding cannot run in (``sizes``: the layer's
+        :class:`goat_jax.layers.encoding.Sizes`: heads, head dim, key width, parameter dtype,
+        whether it decodes); its settings' own rules are checked when the settings are built, in
+        ``settings_class.__post_init__``."""
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError unless the encoding runs on heads of ``head_dim`` dims (called by the
@@ -153,15 +161,33 @@ class PositionEncoding:
         ``shape`` is the call's :class:`goat_jax.layers.call.LayerShape`."""
         return 0
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array) -> Tuple[Array, Array, float]:
+    def parameters(self, sizes: Any, settings: EncodingSettings) -> Tuple[Tuple[str, Any, Tuple[Any, ...]], ...]:
+        """The encoding's parameters, declared: ``((name, init, (shape, dtype)), ...)`` in creation
+        order, for a layer of ``sizes`` (:class:`goat_jax.layers.encoding.Sizes`) and these
+        checked ``settings``; ``init`` is a Flax initializer (boxed with logical axis names where
+        the parameter is sharded). The layer makes them (Linen at ``init``, NNX at construction)
+        and hands their values to :meth:`encode` and :meth:`bias` as ``params`` (``{name: value}``)."""
+        return ()
+
+    def cache_slots(self, sizes: Any, batch: int) -> Tuple[Tuple[str, Any, Tuple[Any, ...]], ...]:
+        """Slots of its own in the KV cache collection, ``((name, init, args), ...)`` for a cache of
+        ``batch`` rows (made when the layer decodes; read as ``ctx.cache[name]``, advanced by
+        :meth:`cache_update`)."""
+        return ()
+
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array) -> Tuple[Array, Array, float]:
         """``(q, k, scale)`` for the kernel from the raw projections q [B, T, N, H], k [B, S, K, H]
-        (k as the cache will store it). Parameters, if any, are made with ``layer.param``."""
+        (k as the cache will store it); ``params``: the values of :meth:`parameters`."""
         return q, k, ctx.scale
 
-    def bias(self, layer: nn.Module, ctx: EncodingContext) -> Optional[Array]:
+    def bias(self, params: Mapping[str, Any], ctx: EncodingContext) -> Optional[Array]:
         """None, or the additive [B or 1, N, T, S attended] float32 bias (``materialized_bias``);
         added to the scaled logits, unscaled."""
         return None
+
+    def cache_update(self, params: Mapping[str, Any], ctx: EncodingContext) -> Dict[str, Any]:
+        """While decoding, the new values of :meth:`cache_slots` after this call's tokens."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<position encoding {self.name!r}>"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -81,20 +81,22 @@ class Fire(PositionEncoding):
     materialized_bias = True
     settings_class = FireSettings
 
-    def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
-        n = ctx.shape.num_heads
+    def parameters(self, sizes: Any, settings: FireSettings):
+        n = sizes.num_heads
         specs = {  # name: (initializer, shape, logical axes)
             "c": (nn.initializers.constant(C_INIT), (), ()),
-            "L_multiplier": (nn.initializers.constant(ctx.settings.fire_threshold_init / L_INIT), (), ()),
+            "L_multiplier": (nn.initializers.constant(settings.fire_threshold_init / L_INIT), (), ()),
             "fc1_kernel": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc1_bias": (_torch_linear_init(1), (WIDTH,), (None,)),
             "fc2_kernel": (_torch_linear_init(WIDTH), (WIDTH, n), (None, "heads")),
             "fc2_bias": (_torch_linear_init(WIDTH), (n,), ("heads",)),
         }
-        params = {name: layer.param(f"fire_{name}", partitioning.with_logical_partitioning(init, axes), shape,
-                                    layer.param_dtype)
-                  for name, (init, shape, axes) in specs.items()}
-        return fire_bias(params, ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
+        return tuple((f"fire_{name}", partitioning.with_logical_partitioning(init, axes), (shape, sizes.param_dtype))
+                     for name, (init, shape, axes) in specs.items())
+
+    def bias(self, params: Mapping[str, Any], ctx: EncodingContext) -> Array:
+        own = {name[len("fire_"):]: value for name, value in params.items()}
+        return fire_bias(own, ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 
 
 FIRE = Fire()

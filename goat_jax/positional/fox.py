@@ -37,7 +37,7 @@ H head dim, c split channels.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -55,6 +55,8 @@ Dtype = Any
 
 # The official FoX code draws every Linear, the forget-gate projection included, N(0, 0.02).
 GATE_INIT_STD = 0.02
+# The cache slot of the running sum of log forget gates (while decoding).
+CACHE_SLOT = "fox_log_forget_sum"
 
 
 def fox_log_forget(x: Array, w: Array, b: Array) -> Array:
@@ -116,24 +118,31 @@ class Fox(PositionEncoding):
     def extra_qk_dims(self, shape: Any, channels: int) -> int:
         return shape.group * channels
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
-        x = ctx.call.key  # [B, S, E'] the inputs at the keys
-        n, f32 = ctx.shape.num_heads, prior_lib.real_dtype()
-        w = layer.param("fox_gate", partitioning.with_logical_partitioning(
-            nn.initializers.normal(GATE_INIT_STD), ("embed", "heads")), (x.shape[-1], n), layer.param_dtype)
-        bias = layer.param("fox_gate_bias", partitioning.with_logical_partitioning(
-            nn.initializers.constant(ctx.settings.fox_gate_bias_init), ("heads",)), (n,), layer.param_dtype)
-        log_f = fox_log_forget(x, jnp.asarray(w), jnp.asarray(bias))  # [B, S, N]
-        start = None
-        if layer.decode:  # created at init (which sizes the cache), read and advanced while decoding
-            total = layer.variable("cache", "fox_log_forget_sum", jnp.zeros, (x.shape[0], n), f32)
-            if ctx.decoding:
-                start = total.value
-        c = fox_cumulative(log_f, start)  # [B, S, N]
-        if ctx.decoding:
-            total.value = c[:, -1]
+    def parameters(self, sizes: Any, settings: FoxSettings):
+        n = sizes.num_heads
+        return (("fox_gate", partitioning.with_logical_partitioning(
+                    nn.initializers.normal(GATE_INIT_STD), ("embed", "heads")), ((sizes.kv_features, n), sizes.param_dtype)),
+                ("fox_gate_bias", partitioning.with_logical_partitioning(
+                    nn.initializers.constant(settings.fox_gate_bias_init), ("heads",)), ((n,), sizes.param_dtype)))
+
+    def cache_slots(self, sizes: Any, batch: int):
+        # The running sum of log forget gates before the cache index: sized at init, read and
+        # advanced while decoding.
+        return ((CACHE_SLOT, jnp.zeros, ((batch, sizes.num_heads), prior_lib.real_dtype())),)
+
+    def _cumulative(self, params: Mapping[str, Any], ctx: EncodingContext) -> Array:
+        """``c`` [B, S, N] of this call's keys, from the cache's running sum while decoding."""
+        log_f = fox_log_forget(ctx.call.key, jnp.asarray(params["fox_gate"]),
+                               jnp.asarray(params["fox_gate_bias"]))  # [B, S, N]
+        return fox_cumulative(log_f, ctx.cache[CACHE_SLOT] if ctx.decoding else None)
+
+    def cache_update(self, params: Mapping[str, Any], ctx: EncodingContext):
+        return {CACHE_SLOT: self._cumulative(params, ctx)[:, -1]}
+
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
+        c = self._cumulative(params, ctx)  # [B, S, N]
         dtype = ctx.shape.dtype
-        q = pack_alibi_query(q, ctx.shape.group, ctx.channels, dtype, layer.attention_scale)  # [B, T, N, H + G c]
+        q = pack_alibi_query(q, ctx.shape.group, ctx.channels, dtype, ctx.attention_scale)  # [B, T, N, H + G c]
         k = pack_fox_key(k, c, ctx.channels, dtype)  # [B, S, K, H + G c]
         return q, k, 1.0
 

@@ -14,7 +14,8 @@ Shape legend: B batch, T queries, S keys, N query heads.
 
 from __future__ import annotations
 
-import flax.linen as nn
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -54,11 +55,13 @@ class KerpleLog(PositionEncoding):
     name = "kerple_log"
     materialized_bias = True
 
-    def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
-        n = ctx.shape.num_heads
-        raw = [layer.param(name, partitioning.with_logical_partitioning(_raw_uniform_init(high), ("heads",)), (n,),
-                           layer.param_dtype)
-               for name, high in (("kerple_r1_raw", R1_INIT_MAX), ("kerple_r2_raw", R2_INIT_MAX))]
+    def parameters(self, sizes: Any, settings: Any):
+        return tuple((name, partitioning.with_logical_partitioning(_raw_uniform_init(high), ("heads",)),
+                      ((sizes.num_heads,), sizes.param_dtype))
+                     for name, high in (("kerple_r1_raw", R1_INIT_MAX), ("kerple_r2_raw", R2_INIT_MAX)))
+
+    def bias(self, params: Mapping[str, Any], ctx: EncodingContext) -> Array:
+        raw = (params["kerple_r1_raw"], params["kerple_r2_raw"])
         r1, r2 = (jax.nn.softplus(jnp.asarray(r, jnp.float32)) for r in raw)
         return kerple_log_bias(r1, r2, ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 

@@ -7,6 +7,8 @@ added to the logits as a materialized bias, so it runs on the XLA / dense kernel
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import dataclasses
 
 import flax.linen as nn
@@ -57,7 +59,11 @@ class NaivePrior(PositionEncoding):
     materialized_bias = True
     settings_class = NaivePriorSettings
 
-    def bias(self, layer: nn.Module, ctx: EncodingContext) -> Array:
+    def parameters(self, sizes: Any, settings: NaivePriorSettings):
+        return (("naive_prior", partitioning.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
+                 ((sizes.num_heads, settings.max_len, settings.max_len), sizes.param_dtype)),)
+
+    def bias(self, params: Mapping[str, Any], ctx: EncodingContext) -> Array:
         call, max_len = ctx.call, ctx.settings.max_len
         if not ctx.decoding:  # while decoding, the cache length was checked at init
             for what, p, explicit, offset, length in (
@@ -68,11 +74,7 @@ class NaivePrior(PositionEncoding):
                 else:
                     span = prior_lib.concrete_range(p)
                 check_max_len(max_len, span, f"naive_prior {what}")
-        n = ctx.shape.num_heads
-        table = layer.param(
-            "naive_prior", partitioning.with_logical_partitioning(nn.initializers.zeros, ("heads", None, None)),
-            (n, max_len, max_len), layer.param_dtype)
-        return naive_prior_bias(jnp.asarray(table), ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
+        return naive_prior_bias(jnp.asarray(params["naive_prior"]), ctx.q_pos, ctx.attended_k_pos)  # [B|1, N, T, S] float32
 
 
 NAIVE_PRIOR = NaivePrior()

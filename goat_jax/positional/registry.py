@@ -80,7 +80,8 @@ def register(encoding: PositionEncoding) -> None:
     entry of :data:`ENCODINGS` does. Call it before importing :mod:`goat_jax.models`, whose
     choices and config fields are read from the registry when they are imported; a built layer
     takes its settings as ``PositionalAttention(settings=...)`` (the keywords are the built-in
-    encodings')."""
+    encodings'). ``goat_jax.positional.ENCODINGS`` / ``POSITION_ENCODINGS`` read this module's
+    tables when asked, so they include it from then on."""
     global ENCODINGS, POSITION_ENCODINGS  # pylint: disable=global-statement
     if encoding.name in _BY_NAME:
         raise ValueError(f"position_encoding={encoding.name!r} is registered already.")
@@ -92,5 +93,3 @@ def register(encoding: PositionEncoding) -> None:
     ENCODINGS = ENCODINGS + (encoding,)
     POSITION_ENCODINGS = tuple(e.name for e in ENCODINGS)
     _BY_NAME[encoding.name] = encoding
-    package = sys.modules["goat_jax.positional"]
-    package.ENCODINGS, package.POSITION_ENCODINGS = ENCODINGS, POSITION_ENCODINGS

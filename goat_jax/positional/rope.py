@@ -12,9 +12,8 @@ Shape legend: B batch, L/T/S tokens, N heads, H head dim.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Mapping, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,7 +129,7 @@ class Rope(PositionEncoding):
     name = "rope"
     settings_class = RopeSettings
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         base = ctx.settings.rope_base
         return apply_rope(q, ctx.q_pos, base), apply_rope(k, ctx.k_pos, base), ctx.scale
 
@@ -145,7 +144,7 @@ class RopePI(PositionEncoding):
     name = "rope_pi"
     settings_class = RopePISettings
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         call, base, length = ctx.call, ctx.settings.rope_base, ctx.settings.training_seq_len
         if call.q_segment_ids is not None:
             # Per token: the length of the document it belongs to, [B, T] / [B, S].
@@ -169,7 +168,7 @@ class Rope2D(PositionEncoding):
             raise ValueError(f"position_encoding='rope2d' needs a head dim divisible by 4 (two axes of "
                              f"rotated pairs), got {head_dim}.")
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
         coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]

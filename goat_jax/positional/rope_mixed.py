@@ -21,10 +21,11 @@ Shape legend: B batch, L tokens, N query heads, K kv heads, H head dim.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import dataclasses
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -125,14 +126,15 @@ class RopeMixed(PositionEncoding):
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def parameters(self, sizes: Any, settings: RopeMixedSettings):
+        init = init_mixed_frequencies(settings.rope_mixed_base)
+        return ((PARAM_NAME, partitioning.with_logical_partitioning(init, ("kv_heads", None, None)),
+                 ((sizes.kv_heads, sizes.head_dim // 2, 2), jnp.float32)),)  # float32: angles need it
+
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         has_cls = bool(ctx.call.has_cls_token)
         prior_lib.check_grid(q.shape[1], ctx.call.spatial_shape, has_cls)
-        init = init_mixed_frequencies(ctx.settings.rope_mixed_base)
-        freqs = layer.param(
-            PARAM_NAME, partitioning.with_logical_partitioning(init, ("kv_heads", None, None)),
-            (ctx.shape.kv_heads, ctx.shape.head_dim // 2, 2), jnp.float32)  # float32: angles need it
-        freqs = jnp.asarray(freqs)
+        freqs = jnp.asarray(params[PARAM_NAME])
         coords = prior_lib.positions_2d(ctx.call.spatial_shape, has_cls).coords  # [L, 2]
         return apply_rope_mixed(q, coords, freqs), apply_rope_mixed(k, coords, freqs), ctx.scale
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Mapping, Optional, Tuple
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -153,7 +152,7 @@ class _ScaledRope(PositionEncoding):
         """``(inverse frequencies or None for plain RoPE's, logit factor)`` at factor f."""
         raise NotImplementedError
 
-    def encode(self, layer: nn.Module, ctx: EncodingContext, q: Array, k: Array):
+    def encode(self, params: Mapping[str, Any], ctx: EncodingContext, q: Array, k: Array):
         settings = ctx.settings
         if (ctx.call.q_segment_ids is not None and settings.rope_scaling_factor is None
                 and ctx.key_len > settings.training_seq_len):
