@@ -108,7 +108,9 @@ def write(folder: str, config: Any, model_max_length: int) -> Dict[str, Optional
     tok, specials = build(config)
     tok.save(os.path.join(folder, "tokenizer.json"))
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(model_max_length),
-                "clean_up_tokenization_spaces": False, **specials}
+                "clean_up_tokenization_spaces": False,
+                # A literal "<s>" in the text is text, as the run's own encode reads it.
+                "split_special_tokens": True, **specials}
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(settings, f, indent=1)
     with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:

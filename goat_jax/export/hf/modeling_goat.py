@@ -396,7 +396,7 @@ class GoatPreTrainedModel(PreTrainedModel):
     config_class = GoatConfig
     base_model_prefix = "model"
     _no_split_modules = ["GoatBlock"]
-    _keep_in_fp32_modules = ["prior"]  # the prior's parameters stay float32, as in goat-jax
+    _keep_in_fp32_modules_strict = ["prior"]  # the prior's parameters stay float32, as in goat-jax
     _supports_sdpa = True
 
     def _init_weights(self, module):
