@@ -10,6 +10,7 @@ import pytest
 
 from experiments import export as export_cli
 from tests import export_helpers as H
+from tests.marks import SLOW_CASE
 
 pytest.importorskip("transformers")
 
@@ -22,14 +23,14 @@ CASES = [
     pytest.param("alibi", "gpt2", {"model.kv_num_heads": 1}, id="alibi-gpt2-mqa"),
     pytest.param("goat", "llama", {"model.kv_num_heads": 1, "model.logn_scaling": "content",
                                    "model.tie_embeddings": False}, id="goat-llama-mqa-logn-untied",
-                 marks=pytest.mark.slow),
-    pytest.param("rope", "gpt2", {"model.logn_scaling": "all"}, id="rope-gpt2-logn", marks=pytest.mark.slow),
-    pytest.param("yarn", "llama", {"model.rope_scaling_factor": 4.0}, id="yarn-fixed", marks=pytest.mark.slow),
-    pytest.param("ntk", "llama", {"model.rope_scaling_factor": 2.0}, id="ntk-fixed", marks=pytest.mark.slow),
-    pytest.param("alibi_packed", "llama", {}, id="alibi_packed", marks=pytest.mark.slow),
-    pytest.param("nope", "llama", {}, id="nope", marks=pytest.mark.slow),
-    pytest.param("sinusoidal", "gpt2", {}, id="sinusoidal", marks=pytest.mark.slow),
-    pytest.param("learned", "gpt2", {"model.max_len": 160}, id="learned", marks=pytest.mark.slow),
+                 marks=SLOW_CASE),
+    pytest.param("rope", "gpt2", {"model.logn_scaling": "all"}, id="rope-gpt2-logn", marks=SLOW_CASE),
+    pytest.param("yarn", "llama", {"model.rope_scaling_factor": 4.0}, id="yarn-fixed", marks=SLOW_CASE),
+    pytest.param("ntk", "llama", {"model.rope_scaling_factor": 2.0}, id="ntk-fixed", marks=SLOW_CASE),
+    pytest.param("alibi_packed", "llama", {}, id="alibi_packed", marks=SLOW_CASE),
+    pytest.param("nope", "llama", {}, id="nope", marks=SLOW_CASE),
+    pytest.param("sinusoidal", "gpt2", {}, id="sinusoidal", marks=SLOW_CASE),
+    pytest.param("learned", "gpt2", {"model.max_len": 160}, id="learned", marks=SLOW_CASE),
 ]
 
 
