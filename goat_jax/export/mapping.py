@@ -68,13 +68,11 @@ def content_dim(cfg: LMConfig) -> int:
     """GOAT's content dims ``d_c`` of ``cfg``'s heads: ``head_dim - 2R - 1`` in the official layout;
     with ``qk_layout='lane_aligned'`` and the sink, the sink channels are carved from the head too.
 
-    The one place the carve is read (issue #67): today the layer carves
-    ``default_sink_channels(compute dtype)`` channels (1 in float32, 3 in bfloat16); once the
-    carve is fixed by the layout, this follows it through ``PriorSpec.content_dim``.
+    The carve is read in one place, :func:`goat_jax.export.official.carved_sink_channels` (issue
+    #67: today the compute dtype's default, 1 in float32 and 3 in bfloat16; later the layout's).
     """
-    from goat_jax.prior.packing import default_sink_channels  # pylint: disable=g-import-not-at-top
-    spec = cfg.prior.for_heads(cfg.num_heads, cfg.kv_heads)
-    return spec.content_dim(cfg.head_size, default_sink_channels(cfg.compute_dtype))
+    from goat_jax.export import official  # pylint: disable=g-import-not-at-top
+    return official.content_dims(cfg.prior, cfg.head_size, cfg.compute_dtype)[0]
 
 
 def hf_config(cfg: LMConfig, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
