@@ -67,8 +67,9 @@ def test_auto_tokenizer_gives_the_runs_token_ids(trained):
     _, folder = trained
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     for text in ("Hello, world!", "  spaces\tand\nnewlines ", "héllo ✓ 日本", "<s> literal"):
-        assert tok(text).input_ids == ByteTokenizer().encode(text), text
-        assert tok.decode(tok(text).input_ids) == text
+        assert tok(text, add_special_tokens=False).input_ids == ByteTokenizer().encode(text), text
+        assert tok(text).input_ids == [1] + ByteTokenizer().encode(text), text  # BOS first, as training
+        assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
 
 
@@ -158,3 +159,24 @@ def test_import_refuses_a_folder_not_written_by_the_export(tmp_path):
     with pytest.raises(ValueError, match="--dtype belong"):
         export_cli.main(["--from_hf", str(folder), "--workdir", str(tmp_path / "new"), "--dtype", "bfloat16"])
     assert not (tmp_path / "new").exists()
+
+
+def test_lm_eval_hf_model_on_the_folder_matches_our_adapter(trained):
+    """lm-evaluation-harness's ``hf`` model (``pretrained=DIR,trust_remote_code=True``, BOS first as
+    the run trained) gives our adapter's log-likelihoods (goat_jax/eval/harness.py) within 1e-4."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (the test extra installs it)")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from goat_jax.eval import harness
+    run, folder = trained
+    requests = [Instance("loglikelihood", {}, (context, continuation), i) for i, (context, continuation) in enumerate([
+        ("The cat sat on the", " mat"), ("Hacker slang, as the Jargon File records it,", " begins"),
+        ("A context much longer than the window of the tiny model, " * 2, "so"), ("", "Hello")])]
+    ours = harness.GoatLM(run, batch_size=4).loglikelihood(requests)
+    hf = HFLM(pretrained=folder, trust_remote_code=True, add_bos_token=True, max_length=int(run.config.seq_len),
+              batch_size=2, device="cpu", dtype="float32")
+    theirs = hf.loglikelihood(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(ours, theirs):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (a, b)
+        assert greedy_a == greedy_b

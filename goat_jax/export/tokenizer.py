@@ -8,7 +8,10 @@ the token ids of the run's own tokenizer.
 * DNA (``task='dna'``, bases ACGNT = 0..4): one token per base; lower case and the IUPAC codes
   read as the genome pipeline reads them (N).
 
-None adds BOS/EOS: ids equal the run's ``encode(text)``. SentencePiece runs are refused (export
+The text tokenizers put BOS first when asked for special tokens (the default, as Llama's; every
+training document starts with BOS), so ``tokenizer(text, add_special_tokens=False).input_ids`` is
+the run's ``encode(text)`` and ``tokenizer(text).input_ids`` is ``[BOS] + encode(text)``; a
+literal special token in the text is text. SentencePiece runs are refused (export
 them with ``--tokenizer none`` and bring the ``.model`` file along yourself).
 """
 
@@ -50,8 +53,8 @@ def check_tokenizer(config: Any, tokenizer: str) -> None:
                          "along yourself.")
 
 
-def _byte_level(vocab: Dict[str, int], merges: list, specials: Dict[str, int], pattern: Optional[str]):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+def _byte_level(vocab: Dict[str, int], merges: list, specials: Dict[str, int], pattern: Optional[str], bos: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors  # pylint: disable=g-import-not-at-top
     from tokenizers import AddedToken  # pylint: disable=g-import-not-at-top
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -60,6 +63,10 @@ def _byte_level(vocab: Dict[str, int], merges: list, specials: Dict[str, int], p
         [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), level])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sorted(specials, key=specials.get)])
+    # With add_special_tokens (the default), BOS first, as every training document and goat-jax's
+    # lm-eval adapter start: Llama's convention; add_special_tokens=False gives the bare ids.
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, specials[bos])])
     return tok
 
 
@@ -81,7 +88,7 @@ def build(config: Any):
         offset = ByteTokenizer._OFFSET  # pylint: disable=protected-access
         specials = {"<pad>": 0, "<s>": 1, "</s>": 2}
         vocab = {**specials, **{chars[b]: b + offset for b in range(256)}}
-        return _byte_level(vocab, [], specials, None), {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+        return _byte_level(vocab, [], specials, None, "<s>"), {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
     from goat_jax.data import tokenizers as goat_tokenizers  # pylint: disable=g-import-not-at-top
     encoding = goat_tokenizers.load_gpt2_tokenizer(config.data)._encoding  # pylint: disable=protected-access
     ranks = encoding._mergeable_ranks  # pylint: disable=protected-access
@@ -96,7 +103,7 @@ def build(config: Any):
             if left in ranks and right in ranks:
                 merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
     merges = [(a, b) for *_, a, b in sorted(merges)]
-    return (_byte_level(vocab, merges, {end: encoding.eot_token}, goat_tokenizers.GPT2_PATTERN),
+    return (_byte_level(vocab, merges, {end: encoding.eot_token}, goat_tokenizers.GPT2_PATTERN, end),
             {"pad_token": end, "bos_token": end, "eos_token": end})
 
 
