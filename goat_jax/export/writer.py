@@ -14,8 +14,6 @@ import re
 import shutil
 from typing import Any, Dict, Optional
 
-import numpy as np
-
 from goat_jax.export import mapping, safetensors_io
 from goat_jax.export import tokenizer as tokenizer_lib
 
@@ -214,7 +212,3 @@ def import_hf(folder: str, workdir: str, *, step: Optional[int] = None) -> str:
         ckpt.close()
     return workdir
 
-
-def stored_dtype(tensors: Dict[str, np.ndarray]) -> str:
-    """'bfloat16' when any stored weight is bfloat16, else 'float32' (for messages and tests)."""
-    return "bfloat16" if any(str(v.dtype) == "bfloat16" for v in tensors.values()) else "float32"
