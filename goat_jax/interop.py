@@ -64,7 +64,10 @@ EXPORT_SETTINGS = {
     "decode": "how, not what", "kernel_init_std": "how, not what", "sink_channels": "how, not what",
     "max_documents_per_row": "how, not what", "plan": "how, not what",  # but a window: refused below
     "head_dim": "refused", "out_features": "refused", "logn_scaling": "refused",
-    "sink_extrapolation": "refused", "learn_frequencies": "refused", "qk_layout": "refused",
+    "sink_extrapolation": "refused", "learn_frequencies": "refused",
+    # 'lane_aligned' with the sink: converted exactly (goat_jax/export/official.py: the official
+    # layout's extra content dims get zero weights, the content scales' ratio folds into q).
+    "qk_layout": "converted",
 }
 _SINK_VECTORS = ("sink_gain", "sink_bump", "recency_slope_raw")
 
@@ -183,15 +186,6 @@ def _check_exportable(module: GoatAttention) -> None:
             "the official package, whose sink MLP would give other outputs past training_seq_len. "
             "Export a module with sink_extrapolation='official' (same parameters, official "
             "behaviour) if that is what you want.")
-    if pr.qk_layout != "official" and pr.enable_key_bias:
-        # Without the sink both layouts are one function; with it, 'lane_aligned' gives the
-        # content two (bf16) or one (fp16) dims fewer than the official layout does.
-        raise ValueError(
-            f"to_official: prior.qk_layout={pr.qk_layout!r} has no counterpart in the official "
-            "package: its sink channels are carved from the content dims, so the official module "
-            "(qk_layout='official') would be another function of these weights (docs/layer.md, "
-            "'Packed width'). Keep this run in goat_jax, or export a module trained with "
-            "qk_layout='official'.")
     if module.plan is not None and module.plan.window is not None:
         raise ValueError(
             f"to_official: plan.window={module.plan.window} (a sliding window) has no counterpart in the "
@@ -216,7 +210,8 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
       ValueError: for settings the official package lacks, so that the exported module would
         be another function (:data:`EXPORT_SETTINGS`: ``learn_frequencies=True``, or ``params``
         holding ``prior.pos_freqs`` under any module; ``sink_extrapolation='linear'``;
-        ``qk_layout='lane_aligned'`` with the sink; ``logn_scaling``) or shapes it cannot hold
+        ``logn_scaling``; ``qk_layout='lane_aligned'`` is converted exactly,
+        goat_jax/export/official.py) or shapes it cannot hold
         (``head_dim`` other than ``embed_dim / num_heads``, ``out_features`` other than
         ``embed_dim``); TypeError for a module other than a Linen ``GoatAttention``.
     """
@@ -233,6 +228,10 @@ def to_official(module: GoatAttention, params: Any, embed_dim: int | None = None
             "which the official layout cannot carry: its frequencies are the fixed ladder of pos_base, "
             "so the exported module would give other outputs. Export weights trained with "
             "learn_frequencies=False, or keep this run in goat_jax.")
+    if module.prior.qk_layout != "official":  # the official layout of the same function (exact)
+        from goat_jax.export import official  # pylint: disable=g-import-not-at-top
+        p = official.to_official_layout(module.prior, p, int(np.shape(p["q_proj"]["kernel"])[-1]),
+                                        module.dtype or jnp.float32, module.sink_channels)
     import torch
     import goat
 
