@@ -56,7 +56,8 @@ def check_out(out: Optional[str], overwrite: bool) -> None:
         return
     path = os.path.abspath(out)
     if os.path.isdir(path):
-        raise ValueError(f"--out {out} is a directory; give a file name, e.g. --out {os.path.join(out, 'samples.jsonl')}.")
+        raise ValueError(f"--out {out} is a directory; give a file name, e.g. "
+                         f"--out {os.path.join(out, 'samples.jsonl')}.")
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"--out {out} exists; give another file, or add --overwrite to replace it.")
     probe = os.path.dirname(path)

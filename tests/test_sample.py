@@ -92,7 +92,8 @@ def test_a_prompt_file_batches_samples_reproducibly_at_the_step_asked(lm_workdir
     assert [(r["prompt_index"], r["sample_index"]) for r in first] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["step"] for r in first} == {1} and all(len(r["tokens"]) == 5 for r in first)
     assert [r["prompt_source"] for r in first[::2]] == [f"{prompts} line 1", f"{prompts} line 2"]
-    assert "=== prompt 2/2" in printed and "sample 2/2 ===" in printed and printed.splitlines()[-1].startswith("tokens/s")
+    assert "=== prompt 2/2" in printed and "sample 2/2 ===" in printed
+    assert printed.splitlines()[-1].startswith("tokens/s")
     assert sample_cli.main(argv) == first  # the same command, the same samples
     again = sample_cli.main([a if a != "3" else "4" for a in argv])  # --seed 4
     assert [r["tokens"] for r in again] != [r["tokens"] for r in first]
@@ -171,7 +172,8 @@ def test_each_refusal_names_the_flag_before_any_weights_are_read(lm_workdir, tmp
 @pytest.mark.slow(reason="trains a second run, a genome one (~16 s on 2 cores); the text run's tests run by default")
 def test_a_dna_prompt_with_a_non_base_is_refused_naming_its_position(dna_workdir, monkeypatch):
     monkeypatch.setattr(lm_run, "load_lm_run", lambda *a, **k: pytest.fail("weights read"))
-    with pytest.raises(ValueError, match="--prompt: a genome prompt holds bases only .* but has 'x' at position 4 \\(1 such"):
+    match = "--prompt: a genome prompt holds bases only .* but has 'x' at position 4 \\(1 such"
+    with pytest.raises(ValueError, match=match):
         sample_cli.main(["--workdir", dna_workdir, "--prompt", "ACGTx"])
 
 

@@ -279,7 +279,8 @@ def prepare(workdir: str, prompts: Sequence[tuple[str, str]], *, max_new_tokens:
             if ambiguous:
                 notes.append(f"{where}: {ambiguous} IUPAC code(s) ({fasta.AMBIGUOUS}) read as N, as the "
                              "genome pipeline reads them")
-    return Request(notes=tuple(notes), workdir=workdir, step=step, task=str(config.task), tokenizer=tokenizer, prompts=tuple(prompts),
+    return Request(notes=tuple(notes), workdir=workdir, step=step, task=str(config.task), tokenizer=tokenizer,
+                   prompts=tuple(prompts),
                    prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_k=top_k, seed=0 if seed is None else int(seed), num_samples=num_samples)
 
