@@ -1,7 +1,8 @@
-"""Compile a run's train step for a TPU slice or a GPU node on this host, before booking it.
+"""Compile a run's train step (or one decode step) for a TPU slice or a GPU node on this host, before booking it.
 
     python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5p-8 --out DIR
     python -m experiments.compile --config configs/lm_c4_125m.py:goat --target h200x8 --out DIR
+    python -m experiments.compile --config configs/lm_c4_125m.py:goat --target v5e-8 --step decode --out DIR
     python -m experiments.compile --config FILE[:ARG] --target SLICE --out DIR [--config.x=y ...]
 
 ``--target`` names a TPU slice as Google Cloud does: ``v5e-N`` / ``v6e-N`` (N chips),
@@ -20,6 +21,13 @@ Every flag and ``--out`` are checked before the compile: an ``--out`` that holds
 compile's or search's results is refused unless ``--overwrite``, which replaces all of them (a
 folder never mixes two runs' files). Ctrl-C stops a compile at once (one line, exit status
 130), as SIGTERM does. See docs/aot.md and goat_jax/aot.py.
+
+``--step decode`` compiles one KV-cache decode step instead (goat_jax/aot/decode.py): the
+config's global batch, one new token per row, against a cache of its full window (``seq_len``
+slots) laid out on the config's mesh (rows over data x fsdp, slots over context, KV heads over
+tensor); compile.json records ``step: "decode"``, ``cache_length``, ``kv_cache_bytes_total`` and
+``kv_cache_bytes_per_chip`` (the train step's records ``step: "train"``). ``mesh.context > 1`` is
+refused for it until the attention layer decodes against a cache split over context (issue #64).
 """
 
 import json
@@ -60,6 +68,10 @@ _SEARCH_START = flags.DEFINE_integer("search_start", 1, "With --search_batch: th
                                      "(start near the expected answer to spend fewer compiles).")
 _MAX_COMPILES = flags.DEFINE_integer("max_compiles", 8, "With --search_batch: compiles per remat setting at most; "
                                      "a search that runs out reports its bracket.")
+_STEP = flags.DEFINE_enum("step", "train", ["train", "decode"], "What to compile: the train step (default), or "
+                          "one KV-cache decode step of the config's global batch (one new token per row) against a "
+                          "cache of its full window (seq_len slots), sharded as the config's mesh says; compile.json "
+                          "then records step 'decode', kv_cache_bytes_total and kv_cache_bytes_per_chip.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the results of an earlier compile or search in --out "
                                 "(without it such an --out is refused before any work).")
 flags.mark_flags_as_required(["config", "target", "out"])
@@ -140,17 +152,23 @@ def main(argv):
     # Before any work (a real compile takes minutes): the target, the flags and --out.
     target = aot.parse_target(_TARGET.value)
     search = _search_options()
+    if search is not None and _STEP.value == "decode":
+        raise ValueError("--search_batch searches the train step's batch; drop it with --step decode (the decode "
+                         "step compiles the config's global batch as it is).")
     check_out(_OUT.value, _OVERWRITE.value)
     if search is not None:
         return _search(target, *search)
-    report = aot.compile_train_step(_CONFIG.value, target)
+    compile_step = aot.compile_decode_step if _STEP.value == "decode" else aot.compile_train_step
+    report = compile_step(_CONFIG.value, target)
     report["config"] = _config_arguments(sys.argv[1:])
     _replace_results(_OUT.value)
     files.write_whole(os.path.join(_OUT.value, "compile.json"), json.dumps(report, indent=2) + "\n")
     files.write_whole(os.path.join(_OUT.value, "compile.md"), aot.markdown(report))
     mem = report["per_device_bytes"] or {}
     total = mem.get("total", report.get("compiler_used_bytes"))
-    cli.log(f"{report['target']}: {report['num_devices']} devices, "
+    cache = (f", KV cache {report['kv_cache_bytes_per_chip'] / aot.GiB:.3f} GiB per chip of "
+             f"{report['kv_cache_bytes_total'] / aot.GiB:.3f} GiB" if report.get("step") == "decode" else "")
+    cli.log(f"{report['target']} ({report.get('step', 'train')} step): {report['num_devices']} devices{cache}, "
             f"{'n/a' if total is None else f'{total / aot.GiB:.3f} GiB'} per device of "
             f"{report['device_memory_bytes'] / aot.GiB:.0f} GiB, fits={report['fits']}, "
             f"attention {_attention(report)}, compiled in {report['compile_seconds']:.1f} s "

@@ -106,3 +106,18 @@ def test_prefill_multiple_gives_the_exact_paths_tokens_with_one_compile_per_buck
     for p in (5, 6, 7):
         generate(model, params, prompts[:, :p], 3, prefill_multiple=4)
     assert sampling._generate_bucketed._cache_size() == before + 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(use_cache=False), dict(prefill_multiple=4)],
+                         ids=["cached", "uncached", "bucketed"])
+def test_on_token_sees_every_step_in_order_with_the_returned_tokens(lm, kwargs):
+    """``on_token(step, tokens)`` runs on the host once per drawn token, steps 0 .. n - 1 in
+    order, with the ids ``generate`` returns (what experiments.sample streams and times)."""
+    model, params, prompt = lm
+    seen = []
+    out = generate(model, params, prompt, 4, jax.random.PRNGKey(5), temperature=1.0,
+                   on_token=lambda step, tokens: seen.append((int(step), np.asarray(tokens).tolist())), **kwargs)
+    assert [s for s, _ in seen] == [0, 1, 2, 3]
+    np.testing.assert_array_equal(np.asarray([t for _, t in seen]).T, out[:, prompt.shape[1]:])
+    with pytest.raises(ValueError, match="on_token must be None or a function"):
+        generate(model, params, prompt, 2, on_token="print")

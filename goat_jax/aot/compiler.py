@@ -136,7 +136,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     per_device = memory(compiled) if compiled is not None else None
     calls = custom_calls(compiled.as_text()) if compiled is not None else None
     report: Dict[str, Any] = {
-        "target": target.name, "topology": target.topology_name, "device_kind": devices[0].device_kind,
+        "step": "train", "target": target.name, "topology": target.topology_name, "device_kind": devices[0].device_kind,
         "num_devices": len(devices), "num_hosts": hosts, "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "global_batch_size": global_batch, "tokens_per_step": tokens,
         "per_device_bytes": per_device,

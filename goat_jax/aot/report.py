@@ -41,8 +41,13 @@ def markdown(report: Dict[str, Any]) -> str:
     lines = [f"# Ahead-of-time compile: {report['target']} ({report['topology']}, {report['device_kind']})", ""]
     if report.get("config"):
         lines += [f"Config: `{report['config']}`", ""]
-    lines += ["| | |", "|---|---|",
-              f"| devices (chips) | {report['num_devices']} on {report['num_hosts']} host(s), mesh {report['mesh']} |",
+    lines += ["| | |", "|---|---|"]
+    if report.get("step") == "decode":
+        lines += [f"| step | one decode step: a new token per row against a KV cache of {report['cache_length']:,} "
+                  "slots (the config's seq_len) |",
+                  f"| KV cache | {gib(report['kv_cache_bytes_total'])} in all, "
+                  f"{gib(report['kv_cache_bytes_per_chip'])} per chip |"]
+    lines += [f"| devices (chips) | {report['num_devices']} on {report['num_hosts']} host(s), mesh {report['mesh']} |",
               f"| global batch | {report['global_batch_size']} ({report['tokens_per_step']} tokens/step) |",
               f"| parameters | {report['parameters']:,} |",
               f"| attention | {report['attention_implementation']}, packed q/k head dim {report['packed_head_dim']} |"]

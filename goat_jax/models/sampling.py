@@ -12,7 +12,7 @@ collection sized by ``init`` on a full-length input.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -69,7 +69,8 @@ def _check_cache_unsplit(use_cache: bool) -> None:
 def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new_tokens: int,
              rng: Optional[Array] = None, *, temperature: float = 0.0, top_k: Optional[int] = None,
              use_cache: bool = True, prefill_multiple: Optional[int] = None,
-             cache_length: Optional[int] = None) -> Array:
+             cache_length: Optional[int] = None,
+             on_token: Optional[Callable[[Any, Any], None]] = None) -> Array:
     """Continues ``prompt`` by ``max_new_tokens`` tokens.
 
     Args:
@@ -91,6 +92,10 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
         The tokens are those of the exact path: the extra slots are masked until written.
       cache_length: with ``prefill_multiple``, the most cache slots to make (e.g. the model's
         window); at least ``P + max_new_tokens``.
+      on_token: called on the host as each token is drawn, in order, ``on_token(step, tokens)``
+        with ``step`` 0 .. max_new_tokens - 1 and ``tokens`` the [B] ids of that step (NumPy-
+        convertible): what streams tokens to a terminal while the one compiled program runs
+        (``jax.debug.callback``, ordered). A new function compiles a new program.
     Returns:
       [B, P + max_new_tokens] int32, the prompt followed by the generated tokens.
     """
@@ -107,6 +112,8 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
     if cache_length is not None and cache_length < prompt.shape[1] + max_new_tokens:
         raise ValueError(f"cache_length={cache_length} cannot hold the prompt ({prompt.shape[1]} tokens) and "
                          f"max_new_tokens={max_new_tokens}; give at least {prompt.shape[1] + max_new_tokens}.")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be None or a function (step, tokens), got {on_token!r}.")
     if max_new_tokens == 0:
         return prompt
     variables = {"params": params["params"]} if "params" in params else {"params": params}
@@ -115,7 +122,8 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
         rng, temperature = jax.random.PRNGKey(0), 1.0  # unused; keeps the jitted signature fixed
     if prefill_multiple is None:
         return _generate(model, variables, prompt, rng, jnp.float32(temperature),
-                         max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, use_cache=use_cache)
+                         max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, use_cache=use_cache,
+                         on_token=on_token)
     m, (b, p) = prefill_multiple, prompt.shape
     head = m * (p // m)
     tail = jnp.zeros((b, max(m - 1, 1)), jnp.int32).at[:, :p - head].set(prompt[:, head:])
@@ -123,25 +131,31 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
     slots = max(p + max_new_tokens, min(slots, cache_length)) if cache_length is not None else slots
     new = _generate_bucketed(model, variables, prompt[:, :head], tail, jnp.int32(p - head), rng,
                              jnp.float32(temperature), max_new_tokens=max_new_tokens, cache_length=slots,
-                             greedy=greedy, top_k=top_k)
+                             greedy=greedy, top_k=top_k, on_token=on_token)
     return jnp.concatenate([prompt, new], axis=1)
 
 
-def _step_sampler(rng, temperature, greedy, top_k):
+def _step_sampler(rng, temperature, greedy, top_k, on_token=None):
     """``sample(logits [B, V], step) -> [B] int32``: step ``i`` draws with ``fold_in(rng, i)``,
-    so every decoding path draws the same samples."""
+    so every decoding path draws the same samples; each draw is passed to ``on_token`` (if
+    any) on the host, in order."""
     def sample(logits, step):
         if top_k is not None and top_k > logits.shape[-1]:
             raise ValueError(f"top_k={top_k} exceeds the vocabulary size {logits.shape[-1]}.")
-        return sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+        token = sample_logits(logits, jax.random.fold_in(rng, step), temperature, greedy, top_k)
+        if on_token is not None:
+            jax.debug.callback(on_token, step, token, ordered=True)
+        return token
     return sample
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "top_k", "use_cache"))
-def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, greedy, top_k, use_cache):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "top_k", "use_cache",
+                                             "on_token"))
+def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, greedy, top_k, use_cache,
+              on_token=None):
     b, p = prompt.shape
     total = p + max_new_tokens
-    sample = _step_sampler(rng, temperature, greedy, top_k)
+    sample = _step_sampler(rng, temperature, greedy, top_k, on_token)
 
     if use_cache:
         decoder = model.clone(decode=True)
@@ -175,9 +189,10 @@ def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, gre
     return jax.lax.fori_loop(0, max_new_tokens, body, tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_length", "greedy", "top_k"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_length", "greedy", "top_k",
+                                             "on_token"))
 def _generate_bucketed(model, variables, head, tail, n_tail, rng, temperature, *, max_new_tokens,
-                       cache_length, greedy, top_k):
+                       cache_length, greedy, top_k, on_token=None):
     """The cached path of :func:`generate` with ``prefill_multiple``: ``head`` [B, H] (H a
     multiple of m, possibly 0) is prefilled in one chunk, the first ``n_tail`` (traced) tokens
     of ``tail`` [B, m - 1] one at a time; returns the [B, max_new_tokens] new tokens. Only H,
@@ -185,7 +200,7 @@ def _generate_bucketed(model, variables, head, tail, n_tail, rng, temperature, *
     b = tail.shape[0]
     decoder = model.clone(decode=True)
     cache = decoder.init(jax.random.PRNGKey(0), jnp.zeros((b, cache_length), jnp.int32))["cache"]
-    sample = _step_sampler(rng, temperature, greedy, top_k)
+    sample = _step_sampler(rng, temperature, greedy, top_k, on_token)
 
     def feed(cache, tokens):  # -> (cache, logits of the last token [B, V])
         logits, state = decoder.apply({**variables, "cache": cache}, tokens, mutable=["cache"])
