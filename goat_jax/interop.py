@@ -68,6 +68,9 @@ EXPORT_SETTINGS = {
     # 'lane_aligned' with the sink: converted exactly (goat_jax/export/official.py: the official
     # layout's extra content dims get zero weights, the content scales' ratio folds into q).
     "qk_layout": "converted",
+    # The Linen attention layer's field for a layer on any encoding; GoatAttention builds its own
+    # from the fields above and refuses a given one, so it is always None here.
+    "encoding": "always None",
 }
 _SINK_VECTORS = ("sink_gain", "sink_bump", "recency_slope_raw")
 
