@@ -425,7 +425,6 @@ class FlashBlocks:
 
     block: int
     precision: Any = None
-    name: str = "flash"
     static_masks = False  # masks built before the run (a switch per kind), not from the traced offset
     lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 

@@ -129,7 +129,6 @@ class SplashBlocks:
     tests, 'splash_interpret')."""
 
     interpret: bool = False
-    name: str = "splash"
     static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
     lane_dense_sums = True  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
@@ -255,7 +254,6 @@ class CudnnBlocks:
 
     calls: Optional[Callable[[], CudnnCalls]] = None
     narrow_values: bool = True
-    name: str = "cudnn"
     static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
     lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
