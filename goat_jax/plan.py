@@ -110,9 +110,12 @@ class AttentionPlan:
 
     def document_bound(self) -> Optional[int]:
         """The most documents a packed row may hold under this plan, for the data packers to check
-        on the host (``max_documents_per_row``), when cuDNN's packed layout may run it (its
-        ``implementation`` is 'cudnn' or automatic); None when no kernel of the plan bounds it."""
-        return self.max_documents_per_row if self.may_use("cudnn") else None
+        on the host (``max_documents_per_row``), when a kernel whose layout bounds them (its row's
+        ``bounds_documents``: cuDNN's packed layout) may run it (its ``implementation`` is that
+        kernel or automatic); None when no kernel of the plan bounds it."""
+        # Imported here: the kernels read this module's DEFAULT while the package is imported.
+        from goat_jax.kernels import capabilities  # pylint: disable=g-import-not-at-top
+        return self.max_documents_per_row if capabilities.bounds_documents(self.implementation) else None
 
 
 def _get(config: Any, name: str) -> Any:

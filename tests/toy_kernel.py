@@ -1,5 +1,7 @@
 """A toy attention kernel, written only against the kernel table's contract: it registers its
-own row (:func:`goat_jax.kernels.capabilities.register`) when imported and touches no other file.
+own row (:func:`goat_jax.kernels.capabilities.register`, a row built with keywords) when imported
+and touches no other file. It states nothing about ring attention: a row without ring blocks
+cannot run in a ring, and the ring strategy says so.
 tests/test_plan.py imports it in a fresh process and finds it in the capability table, the
 automatic choice (it asks to be tried first on CPUs) and the docs table, and runs it.
 
@@ -26,7 +28,7 @@ def attention(q, k, v, *, scale, mask, bias=None, mesh=None):
 
 
 ROW = caps.register(caps.Capability(
-    "toy", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset"),
-    {"bias": "the toy takes no bias", "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS,
-     "ring": caps.NO_RING},
-    "a toy kernel defined outside the package (tests/toy_kernel.py)", attention=attention, preferred_on=("cpu",)))
+    name="toy", platforms=caps.ANY, features=("segment_ids", "ragged_segments", "traced_offset"),
+    why_not={"bias": "the toy takes no bias", "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
+    summary="a toy kernel defined outside the package (tests/toy_kernel.py)", attention=attention,
+    preferred_on=("cpu",)))

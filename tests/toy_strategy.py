@@ -23,4 +23,5 @@ def attend(q, k, v, *, mask, bias, mesh, plan, implementation, scale):
     return attend_local(q, k, v, mask, bias, implementation=implementation, scale=scale)
 
 
-STRATEGY = strategies.register(strategies.Strategy("toy", attend, "XLA partitions the global call (a test)"))
+STRATEGY = strategies.register(strategies.Strategy(name="toy", attend=attend,
+                                                   summary="XLA partitions the global call (a test)"))

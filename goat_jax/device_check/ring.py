@@ -34,14 +34,21 @@ NUMERIC_TOLERANCE = 2e-2  # bf16, relative to the largest entry (device_check's 
 
 
 def _blocks(name: str, stand_in, length: int):
-    """The ring blocks ``name`` ('flash' or 'cudnn'; cuDNN through ``stand_in`` when given)."""
-    from goat_jax.kernels import cudnn, ring_blocks  # pylint: disable=g-import-not-at-top
+    """The ring blocks of kernel ``name`` ('flash' or 'cudnn') as its row builds them (flash's
+    tiles up to 512); blocks that call cuDNN (a ``calls`` field) through ``stand_in`` when given."""
+    import dataclasses  # pylint: disable=g-import-not-at-top
 
-    if name == "flash":
-        return ring_blocks.FlashBlocks(min(512, length))
-    if stand_in is not None:
-        return ring_blocks.CudnnBlocks(stand_in, narrow_values=True)
-    return ring_blocks.CudnnBlocks(None, narrow_values=cudnn.narrow_values_supported())
+    from goat_jax.kernels import capabilities  # pylint: disable=g-import-not-at-top
+
+    blocks = capabilities.CAPABILITIES[name].ring_blocks.make(min(512, length), None)
+    if stand_in is not None and hasattr(blocks, "calls"):
+        return dataclasses.replace(blocks, calls=stand_in, narrow_values=True)
+    return blocks
+
+
+def _stood_in(name: str, stand_in) -> bool:
+    """Whether kernel ``name``'s ring blocks run through ``stand_in`` (they call cuDNN)."""
+    return stand_in is not None and hasattr(_blocks(name, None, 1), "calls")
 
 
 def ring_step(blocks, length: int, scale: float):
@@ -120,7 +127,7 @@ def numerics_rows(length: int, reference, stand_in=None) -> List[List]:
             pairs = [(out, w_out), (dq, w_dq), (np.concatenate([dk0, dk1], 1), w_dk), (np.concatenate([dv0, dv1], 1), w_dv)]
             errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in pairs]
             ok = "ok" if max(errs) <= NUMERIC_TOLERANCE else "**FAIL**"
-            label = f"ring:{name}" + (" (pure-JAX stand-in)" if stand_in is not None and name == "cudnn" else "")
+            label = f"ring:{name}" + (" (pure-JAX stand-in)" if _stood_in(name, stand_in) else "")
             rows.append([label, length] + errs + [NUMERIC_TOLERANCE, ok])
         except Exception as err:  # noqa: BLE001 -- an unchecked machine: record, go on
             rows.append([f"ring:{name}", length] + [None] * 4
@@ -164,7 +171,8 @@ def timing_rows(lengths: List[int], repeats: int, deadline: float, stand_in=None
             ms = 1e3 * statistics.median(times)
             plain_ms = ms if name == "plain:cudnn" else plain_ms
             ratio = None if plain_ms is None else ms / plain_ms
-            note = "pure-JAX stand-in / XLA on CPU (dry run)" if stand_in is not None and "cudnn" in name else ""
+            stood_in = stand_in is not None and (name == "plain:cudnn" or _stood_in(name.split(":")[1], stand_in))
+            note = "pure-JAX stand-in / XLA on CPU (dry run)" if stood_in else ""
             rows.append([length, name, ms, ratio, mib, note])
     return rows
 

@@ -14,8 +14,12 @@ One concern a module:
   the masking contract every kernel honours is its module docstring.
 * :mod:`~goat_jax.kernels.capabilities`: the table of kernel rows (platforms, dtypes, head dims,
   length padding, masking features and why each missing one is missing, where the automatic
-  choice prefers it, the function that runs it), read by the automatic choice, by every refusal,
-  by :func:`attend` and by docs/layer.md's table. Each kernel module registers its own row.
+  choice prefers it, the function that runs it, its ring blocks, its fast widths), read by the
+  automatic choice, by every refusal, by :func:`attend`, by the strategies and by
+  docs/layer.md's table. Each kernel module declares its own row (``ROW``); whatever a reader
+  needs to know of a kernel it asks the row (e.g. :func:`returns_probs`), never its name.
+* :mod:`~goat_jax.kernels.registry`: the one literal table of the built-in rows and strategies
+  (name -> row), imported here explicitly.
 * :mod:`~goat_jax.kernels.choice`: the target platform, :func:`resolve_implementation` /
   :func:`~goat_jax.kernels.choice.choose` (the one choice of a call, logged once with its reason)
   and :func:`record_choices`.
@@ -33,8 +37,11 @@ One concern a module:
   (load-balanced order), :mod:`~goat_jax.kernels.mesh` (the mesh, read once per call and passed
   down; how a shard_map splits batch and heads, its partition specs written once).
 
-Importing this package imports every module of it, so each kernel and strategy module registers
-its row: a new one is a new module here (or a plugin's, registered when the plugin is imported).
+Importing this package imports the registry, which lists every built-in kernel and strategy: a
+new one is a new module here and one line of the registry; a plugin's registers itself with one
+call when the plugin is imported (:func:`goat_jax.kernels.capabilities.register`,
+:func:`goat_jax.kernels.strategies.register`). :data:`IMPLEMENTATIONS` (:func:`implementations`)
+is read when asked, so it holds the plugins' names too.
 
 A query row with no visible key (every key padded, before the first key under causal masking
 with a negative offset, or no key of its segment) outputs **zeros on every kernel**, and no
@@ -43,10 +50,11 @@ gradient flows through it: the kernels themselves disagree there (NaN from a den
 zeros for such rows after the kernel (:meth:`AttentionMask.rows_with_keys`).
 """
 
-import importlib as _importlib
-import pkgutil as _pkgutil
+from typing import Any as _Any
 
-from goat_jax.kernels.capabilities import CAPABILITIES, Capability, Request, refusal
+from goat_jax.kernels import registry  # the literal table: every built-in kernel and strategy row
+from goat_jax.kernels.capabilities import (CAPABILITIES, Capability, Request, implementations, refusal,
+                                           returns_probs)
 from goat_jax.kernels.choice import (FLASH_THRESHOLD_BYTES, Choice, choose, log_once, record_choices,
                                      resolve_implementation, target_platform)
 from goat_jax.kernels.dispatch import attend
@@ -54,11 +62,16 @@ from goat_jax.kernels.local import attend_local
 from goat_jax.kernels.mask import AttentionMask, check_segment_ids
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths
 
-# Every module of the package, in name order: the kernel and strategy modules register their rows.
-for _module in _pkgutil.iter_modules(__path__):
-    _importlib.import_module(f"{__name__}.{_module.name}")
-IMPLEMENTATIONS = capabilities.IMPLEMENTATIONS  # noqa: F821  (the submodule, imported above)
 
-__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Capability", "Request", "refusal", "FLASH_THRESHOLD_BYTES",
-           "Choice", "choose", "log_once", "record_choices", "resolve_implementation", "target_platform", "attend",
-           "attend_local", "AttentionMask", "check_segment_ids", "pad_head_dims", "pad_lengths"]
+def __getattr__(name: str) -> _Any:
+    """``IMPLEMENTATIONS``: the kernel names (:func:`implementations`), read when asked, so a
+    plugin registered after this package was imported is in it."""
+    if name == "IMPLEMENTATIONS":
+        return implementations()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Capability", "Request", "implementations", "refusal", "returns_probs",
+           "FLASH_THRESHOLD_BYTES", "Choice", "choose", "log_once", "record_choices", "resolve_implementation",
+           "target_platform", "attend", "attend_local", "AttentionMask", "check_segment_ids", "pad_head_dims",
+           "pad_lengths", "registry"]

@@ -128,3 +128,15 @@ def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Ca
     def wrapped(first, batch):
         return step(first, balance_batch(batch, seq_len, num_shards))
     return wrapped
+
+
+def context_step(step: Callable[..., Any], config: Any, mesh: Any, plan: Any) -> Callable[..., Any]:
+    """``step`` (a train or eval step) on the batch in load-balanced order
+    (:func:`balanced_step`) when the run's ``plan`` (a :class:`goat_jax.plan.AttentionPlan`) is
+    balanced and ``mesh``'s context axis has more than one device; else ``step`` itself. The
+    model carries the same plan (its task builds it from the same config), so its attention
+    expects that order."""
+    num_shards = dict(mesh.shape).get(plan.context_axis, 1)
+    if num_shards <= 1 or not plan.load_balanced:
+        return step
+    return balanced_step(step, int(config.seq_len), num_shards)

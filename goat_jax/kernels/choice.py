@@ -7,9 +7,11 @@ Automatic choice (``implementation=None``) for the devices the computation runs 
 in ``preferred_on``, :func:`goat_jax.kernels.capabilities.preferred`) when their row can serve the call
 (cuDNN on GPU for bf16/fp16 when the packed head dim fits; splash on TPU for lengths of at least
 128, padded to whole 128-blocks exactly, or multiples of every chunk's blocks under context
-parallelism); otherwise (CPU, or what the preferred kernel cannot take) 'flash' when XLA would
-materialize more than ``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4``
-bytes, else 'xla' (or whichever of the two the call's features allow). Why 16 MiB: XLA keeps the
+parallelism); otherwise (CPU, or what the preferred kernel cannot take) the fallback rows (those
+with a ``fallback`` tier, lower tiers first: 'flash' and 'xla', then 'dense'): within a tier the
+rows that hold no T x S logits ('flash') first when XLA would materialize more than
+``FLASH_THRESHOLD_BYTES`` (16 MiB) of float32 logits, ``B * N * T * S * 4`` bytes, and those that
+do ('xla') first below it (whichever the call's features allow). Why 16 MiB: XLA keeps the
 logits and the probabilities (and their gradients while training), so its memory grows as L^2
 (2.1 GiB for one B=1, 8-head layer at L=4096), and on CPU the flash kernel is already faster
 from L = 1024 at 8 heads (32 MiB of logits; benchmarks/attention.md); below the threshold
@@ -28,7 +30,7 @@ import jax
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.kernels import ring, strategies
+from goat_jax.kernels import strategies
 from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.targets import chips
 
@@ -78,20 +80,22 @@ def record_choices():
 def context_plan(implementation: str, mesh: Any, plan: AttentionPlan, causal: bool = False) -> dict:
     """How attention with ``implementation`` on ``mesh`` under ``plan`` crosses the context axis,
     for the log line and the compile report: ``{}`` when the sequence is not split; else
-    ``context_strategy``, ``context_shards``, ``load_balanced`` and, for a ring, ``ring_blocks``:
-    the kernel whose block math computes its blocks (a ring under 'xla' runs flash's); and
-    ``detour``: how the kernel takes a ``causal`` mask under 'all_gather' when not natively (its
-    capability row's ``detours``, e.g. cuDNN's explicit mask), where it says so."""
+    ``context_strategy``, ``context_shards``, ``load_balanced``, what the strategy's row reports
+    of the kernel (its ``report``: for a ring, ``ring_blocks``, the kernel whose block math
+    computes its blocks: a ring under 'xla' runs flash's); and ``detour``: how the kernel takes a
+    ``causal`` mask in the strategy's situation (the strategy's ``detour``) when not natively (its
+    capability row's ``detours``, e.g. cuDNN's explicit mask under 'all_gather'), where it says so."""
     shards = mesh_lib.context_shards(mesh, plan.context_axis)
     if shards <= 1:
         return {}
     found = {"context_strategy": plan.context_strategy, "context_shards": shards,
              "load_balanced": plan.load_balanced}
-    if plan.context_strategy == ring.NAME:
-        found["ring_blocks"] = ring.block_kernel(implementation)
+    strategy = strategies.get(plan.context_strategy)
     row = caps.CAPABILITIES.get(implementation)
-    if causal and plan.context_strategy != ring.NAME and row is not None and "gathered_causal" in row.detours:
-        found["detour"] = row.detours["gathered_causal"]
+    if row is not None and strategy.report is not None:
+        found.update(strategy.report(row))
+    if causal and row is not None and strategy.detour in row.detours:
+        found["detour"] = row.detours[strategy.detour]
     return found
 
 
@@ -194,23 +198,24 @@ def target_platform(*like: Any, mesh: Any = None) -> Tuple[str, str]:
     return target(*like, mesh=mesh)[:2]
 
 
-def strategy_features(mesh: Any, plan: AttentionPlan) -> dict:
-    """The capability features a call on ``mesh`` under ``plan`` needs from its kernel for the
-    context strategy (``{'ring': True}`` for 'ring'): none unless the plan's context axis splits
-    the sequence (:attr:`goat_jax.kernels.strategies.Strategy.needs`)."""
+def split_by(mesh: Any, plan: AttentionPlan) -> Optional[strategies.Strategy]:
+    """The context strategy of a call on ``mesh`` under ``plan``, which a kernel must suit
+    (:attr:`goat_jax.kernels.strategies.Strategy.kernel_gap`): the plan's, when its context
+    axis splits the sequence; else None."""
     if mesh_lib.context_shards(mesh, plan.context_axis) <= 1:
-        return {}
-    needs = strategies.get(plan.context_strategy).needs
-    return {needs: True} if needs else {}
+        return None
+    return strategies.get(plan.context_strategy)
 
 
 def request(implementation_dtype: Any, qk_dim: int, *, like: Tuple[Any, ...] = (), mesh: Any = None,
-            **uses: bool) -> caps.Request:
+            strategy: Optional[strategies.Strategy] = None, key_masks: bool = False, **uses: bool) -> caps.Request:
     """The :class:`goat_jax.kernels.capabilities.Request` of a call in ``implementation_dtype``
-    with a ``qk_dim``-wide q/k on the target of ``like`` / ``mesh`` (:func:`target`)."""
+    with a ``qk_dim``-wide q/k on the target of ``like`` / ``mesh`` (:func:`target`), split by
+    ``strategy`` (None: not split) with masks travelling with the keys when ``key_masks``."""
     platform, where, device = target(*like, mesh=mesh)
     cc = compute_capability(device) if platform == "gpu" else None
-    return caps.Request.of((platform, where), implementation_dtype, qk_dim, cc, **uses)
+    return caps.Request.of((platform, where), implementation_dtype, qk_dim, cc, strategy=strategy,
+                           key_masks=key_masks, **uses)
 
 
 def _length_skip(row: caps.Capability, logits_shape, mesh: Any, plan: AttentionPlan) -> Optional[str]:
@@ -239,21 +244,36 @@ def _automatic(req: caps.Request, logits_shape, mesh: Any, plan: AttentionPlan) 
         skip = caps.reason_skipped(name, req) or _length_skip(row, logits_shape, mesh, plan)
         if skip is None:
             segments = ", with segment ids" if "segment_ids" in req.features else ""
-            ring = f", ring blocks on {name}" if "ring" in req.features else ""
+            report = req.strategy.report(row) if req.strategy is not None and req.strategy.report else {}
+            split = f", ring blocks on {report['ring_blocks']}" if report.get("ring_blocks") else ""
             return name, (f"{req.platform.upper()}, {req.dtype}, packed head dim "
-                          f"{caps.padded_head_dim(row, req.qk_dim)}{segments}{ring}")
+                          f"{caps.padded_head_dim(row, req.qk_dim)}{segments}{split}")
         reasons.append(f"{req.platform.upper()}, but {skip}")
     logits_bytes = 4 * math.prod(logits_shape) if logits_shape is not None else 0
     big = logits_bytes > FLASH_THRESHOLD_BYTES
-    for name in (("flash", "xla") if big else ("xla", "flash")):
-        if caps.refusal(name, req) is None:
-            if big and name == "flash":
+    fallbacks = [row for row in caps.CAPABILITIES.values() if row.fallback is not None]
+    tiers = sorted({row.fallback for row in fallbacks})
+    last = None
+    for tier in tiers:
+        # Above the threshold the rows that hold no T x S logits first, below it those that do.
+        ordered = sorted((row for row in fallbacks if row.fallback == tier),
+                         key=lambda row: (row.materializes_logits == big, row.name))
+        for row in ordered:
+            last = row
+            if caps.refusal(row.name, req) is not None:
+                continue
+            if tier != tiers[0]:
+                return row.name, ", ".join(reasons + [f"only {row.name!r} takes this call"])
+            if big and not row.materializes_logits:
                 reasons.append(f"{logits_bytes / 2**20:.0f} MiB of T x S logits > "
                                f"{FLASH_THRESHOLD_BYTES / 2**20:.0f} MiB")
             elif big:
-                reasons.append(f"flash cannot run it: {caps.reason_skipped('flash', req)}")
-            return name, ", ".join(reasons) or f"platform {req.platform}"
-    return "dense", ", ".join(reasons + ["only the dense reference takes this call"])
+                lean = next((r for r in ordered if not r.materializes_logits), None)
+                if lean is not None:
+                    reasons.append(f"{lean.name} cannot run it: {caps.reason_skipped(lean.name, req)}")
+            return row.name, ", ".join(reasons) or f"platform {req.platform}"
+    # No row serves the call: the last fallback, whose own checks say why where it runs.
+    return last.name, ", ".join(reasons + [f"no kernel takes this call; {last.name!r} will say why"])
 
 
 class Choice(NamedTuple):
@@ -273,14 +293,12 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     e.g. ``**mask.features()``), returning the :class:`Choice` (name, request, mesh)."""
     mesh = mesh_lib.ambient_mesh() if mesh is None else mesh
     plan = DEFAULT if plan is None else plan
-    # Masks that ride a ring with their keys (segment ids, key padding, kv lengths): a feature of
-    # their own only under ring (cuDNN's ring blocks take none of them).
-    key_masks = uses.pop("ring_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
-    causal = uses.pop("gathered_causal", False)  # read only for a kernel's detour under 'all_gather'
-    context_features = strategy_features(mesh, plan)
-    if context_features.get("ring") and key_masks:
-        context_features["ring_masks"] = True
-    req = request(dtype, qk_dim, like=like, mesh=mesh, **uses, **context_features)
+    # Masks that travel with the keys (segment ids, key padding, kv lengths): read only by the
+    # strategy splitting the sequence (cuDNN's ring blocks take none of them).
+    key_masks = uses.pop("key_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
+    causal = uses.pop("gathered_causal", False)  # read only for a kernel's detour under its strategy
+    req = request(dtype, qk_dim, like=like, mesh=mesh, strategy=split_by(mesh, plan), key_masks=bool(key_masks),
+                  **uses)
     if implementation is None or implementation == "auto":
         name, why = _automatic(req, logits_shape, mesh, plan)
         context = context_plan(name, mesh, plan, causal)

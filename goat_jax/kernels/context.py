@@ -157,5 +157,6 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
                          check_vma=False)(*args)
 
 
-STRATEGY = strategies.register(strategies.Strategy(
-    NAME, attend, "every device gathers all keys and values (K/V memory O(T)); any kernel"))
+STRATEGY = strategies.Strategy(
+    name=NAME, attend=attend, summary="every device gathers all keys and values (K/V memory O(T)); any kernel",
+    detour="gathered_causal")  # each shard's causal mask sits at its own offset (a row's detours say how it runs it)

@@ -14,13 +14,14 @@ call goes to jax's cuDNN attention directly (:func:`fused`, the arguments
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from goat_jax.kernels import cudnn_packed
 from goat_jax.kernels import capabilities as caps
+from goat_jax.kernels import ring_blocks
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths, pad_width
 from goat_jax.kernels.xla import dot_product_attention
@@ -28,6 +29,7 @@ from goat_jax.kernels.xla import dot_product_attention
 Array = jax.Array
 HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE = 8, 2  # what cuDNN pads q/k/v widths and lengths to
 MLA_CUDNN = 91000  # cuDNN 9.10: q/k wider than v on Hopper
+HOPPER_BUCKETS = (64, 128, 256)  # cuDNN's native Hopper head widths (goat_jax/kernels/widths.py)
 
 
 def narrow_values_supported() -> bool:
@@ -74,16 +76,39 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
         q, k, _ = pad_head_dims(q, k, v, HEAD_DIM_MULTIPLE, equal=False)
         v = pad_width(v, -(-hv // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
         return fused(q, k, v, scale, mask)[:, :t_real, :, :hv]
-    out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", HEAD_DIM_MULTIPLE)
+    out = dot_product_attention(q, k, v, scale, mask, bias, "cudnn", HEAD_DIM_MULTIPLE, full_mask=True)
     return out[:, :t_real]
 
 
-ROW = caps.register(caps.Capability(
-    "cudnn", ("gpu",), caps.HALF, 256, HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE, 0, ("segment_ids", "traced_offset", "ring"),
-    {"segment_ids": caps.CUDNN_SEGMENTS_WHY, "ragged_segments": caps.CUDNN_RAGGED_WHY,
-     "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); use 'xla'",
-     "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS, "ring_masks": caps.CUDNN_RING_MASKS_WHY},
-    "cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
-    "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
+def hopper_width(compute_capability: Optional[Tuple[int, int]], width: int) -> Optional[int]:
+    """The q/k width cuDNN runs a ``width``-wide head at on a GPU of ``compute_capability``: on
+    Hopper (9.x) the smallest of :data:`HOPPER_BUCKETS` holding ``width`` rounded up to a
+    multiple of 8 (that rounding beyond 256); None elsewhere, where no rule is known
+    (goat_jax/kernels/widths.py)."""
+    if compute_capability is None or compute_capability[0] != 9:
+        return None
+    padded = -(-width // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    return next((b for b in HOPPER_BUCKETS if padded <= b), padded)
+
+
+def _ring_blocks(block: int, precision: Any) -> ring_blocks.CudnnBlocks:
+    """cuDNN's fused calls as a ring's blocks (``block`` and ``precision`` are flash's), v kept
+    narrower than q/k where this GPU takes it (:func:`narrow_values_supported`)."""
+    del block, precision
+    return ring_blocks.CudnnBlocks(None, narrow_values_supported())
+
+
+ROW = caps.Capability(
+    name="cudnn", platforms=("gpu",), dtypes=caps.HALF, max_head_dim=256, head_dim_multiple=HEAD_DIM_MULTIPLE,
+    length_multiple=LENGTH_MULTIPLE, features=("segment_ids", "traced_offset"),
+    why_not={"segment_ids": caps.CUDNN_SEGMENTS_WHY, "ragged_segments": caps.CUDNN_RAGGED_WHY,
+             "bias": "an additive bias is not wired to cuDNN here (it needs even lengths when training); use 'xla'",
+             "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
+    summary="cuDNN fused flash attention (GPU, bf16/fp16): jax.nn.dot_product_attention, or cuDNN's packed "
+            "layout for segment ids on Hopper (goat_jax/kernels/cudnn_packed.py)",
     needs_capability={"segment_ids": caps.HOPPER}, attention=attention, preferred_on=("gpu",),
-    detours={"gathered_causal": caps.CUDNN_GATHERED_CAUSAL_WHY}))
+    detours={"gathered_causal": caps.CUDNN_GATHERED_CAUSAL_WHY}, bounds_documents=True,
+    ring_blocks=caps.RingBlocks(math="cudnn", make=_ring_blocks, no_key_masks=caps.CUDNN_RING_MASKS_WHY),
+    fast_widths=caps.FastWidths(
+        width=hopper_width, where="a Hopper GPU's cuDNN",
+        cost="measured 1.24-1.50x plain cuDNN's time at 66 wide on an H200: benchmarks/gpu.md"))

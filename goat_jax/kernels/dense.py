@@ -40,6 +40,7 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     return (out.astype(v.dtype), probs) if return_probs else out.astype(v.dtype)
 
 
-ROW = caps.register(caps.Capability(
-    "dense", caps.ANY, None, None, 1, 1, 0, tuple(f for f in caps.FEATURES if f != "ring"), {"ring": caps.NO_RING},
-    "the materialized float32 reference (and the only kernel returning probabilities)", attention=attention))
+ROW = caps.Capability(
+    name="dense", platforms=caps.ANY, features=caps.FEATURES,
+    summary="the materialized float32 reference (and the only kernel returning probabilities)", attention=attention,
+    fallback=1, materializes_logits=True)  # no ring blocks: it returns no log-sum-exp to merge blocks by

@@ -13,8 +13,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import choice as choice_lib
-from goat_jax.kernels import dense, strategies
+from goat_jax.kernels import strategies
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels.local import attend_local, zero_empty_rows
 from goat_jax.kernels.mask import AttentionMask
@@ -70,10 +71,12 @@ def attend(
         ``kv_lengths`` [B], ``segment_ids`` [B, T] for self-attention or ``q_segment_ids`` [B, T]
         with ``kv_segment_ids`` [B, S]), from which the mask is built, not both. The plan's
         window and ``max_documents_per_row`` fill the mask's where it has none.
-      bias: optional additive [B or 1, N or 1, T, S] float bias ('xla' and 'dense' only: the
-        materialized baselines, ALiBi-as-bias, the naive L x L prior). Flash kernels get none.
-      return_probs: also return the attention probabilities (only 'dense' materializes them;
-        evaluations read them through the modules' sown 'intermediates').
+      bias: optional additive [B or 1, N or 1, T, S] float bias (the kernels whose row takes
+        ``bias``, 'xla' and 'dense': the materialized baselines, ALiBi-as-bias, the naive L x L
+        prior). Flash kernels get none.
+      return_probs: also return the attention probabilities (the kernels whose row takes
+        ``return_probs``: 'dense' materializes them; evaluations read them through the modules'
+        sown 'intermediates').
       mesh: the mesh the call runs on (default: the mesh in context, read here once): its
         context axis splits the sequence (the plan's strategy, :mod:`goat_jax.kernels.strategies`),
         and splash runs under ``jax.shard_map`` on it.
@@ -121,8 +124,9 @@ def attend(
                 "not shard; read them with mesh.context=1.")
         return strategies.get(plan.context_strategy).attend(q, k, v, mask=mask, bias=bias, mesh=mesh, plan=plan,
                                                             implementation=implementation, scale=scale)
-    if return_probs:
-        out, probs = dense.attention(q, k, v, scale=scale, mask=mask, bias=bias, return_probs=True)
+    if return_probs:  # the choice took a kernel whose row takes return_probs
+        out, probs = caps.CAPABILITIES[implementation].attention(q, k, v, scale=scale, mask=mask, bias=bias,
+                                                                 mesh=mesh, return_probs=True)
         visible = mask.rows_with_keys(t, s)
         if visible is not None:
             probs = jnp.where(visible[:, None, :, None], probs, 0.0)

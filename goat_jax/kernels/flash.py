@@ -38,6 +38,7 @@ q/k channels), Q / C query / key block lengths, nq / nk numbers of blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple, Optional
@@ -416,9 +417,44 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask
     return flash_attention(q, k, v, scale=scale, mask=mask)
 
 
-ROW = caps.register(caps.Capability(
-    "flash", caps.ANY, None, None, 1, 1, 0, ("segment_ids", "ragged_segments", "traced_offset", "ring",
-                                                    "ring_masks"),
-    {"bias": caps.NO_BIAS, "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
-    "pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
-    "masked blocks skipped (goat_jax/kernels/flash.py)", attention=attention))
+@dataclasses.dataclass(frozen=True)
+class FlashBlocks:
+    """This kernel's block loops (:func:`block_forward` / :func:`block_backward`) as the block
+    kernels of ring attention (the interface of :mod:`goat_jax.kernels.ring_blocks`): tiles of
+    ``block`` tokens, float32 results. Frozen: the ring's static configuration holds one."""
+
+    block: int
+    precision: Any = None
+    static_masks = False  # masks built before the run (a switch per kind), not from the traced offset
+    lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
+
+    def _cfg(self, scale: float, pair) -> Config:
+        b = self.block
+        return Config(scale, pair.causal, pair.run, b, b, b, b, self.precision, keep_f32=True)
+
+    def _segments(self, q_ids, kv_ids, valid):
+        if q_ids is None:
+            return None
+        b = self.block
+        return block_segments(q_ids, kv_ids, valid, b, b, b, b)
+
+    def forward(self, scale, pair, q, k, v, valid, offset, q_ids, kv_ids):
+        """The pair's (out float32, lse with -inf for rows that saw no key) (ring_blocks' module doc)."""
+        out, lse = block_forward(self._cfg(scale, pair), q, k, v, valid, offset, self._segments(q_ids, kv_ids, valid))
+        return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
+
+    def backward(self, scale, pair, q, k, v, valid, offset, q_ids, kv_ids, out, lse, do):
+        """The pair's float32 (dq, dk, dv) under the global ``out`` / ``lse`` (ring_blocks' module doc)."""
+        return block_backward(self._cfg(scale, pair), q, k, v, valid, offset, out, lse, do,
+                              self._segments(q_ids, kv_ids, valid))
+
+
+# A ring's blocks on this kernel's loops (also those of a ring under 'xla', which has none of its own).
+RING_BLOCKS = caps.RingBlocks(math="flash", make=FlashBlocks)
+
+ROW = caps.Capability(
+    name="flash", platforms=caps.ANY, features=("segment_ids", "ragged_segments", "traced_offset"),
+    why_not={"bias": caps.NO_BIAS, "window": caps.NO_WINDOW, "return_probs": caps.NO_PROBS},
+    summary="pure-JAX online-softmax attention with a recomputing custom VJP: memory linear in T and S, "
+            "masked blocks skipped (goat_jax/kernels/flash.py)",
+    attention=attention, fallback=0, ring_blocks=RING_BLOCKS)

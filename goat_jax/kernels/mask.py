@@ -168,12 +168,13 @@ class AttentionMask:
     def features(self) -> dict:
         """The capability features (goat_jax/kernels/capabilities.py, ``FEATURES``) this mask asks
         of a kernel: segment ids, ragged segments, a traced causal offset, a window; and
-        ``ring_masks``: masks that travel with the keys (segment ids, key padding, kv lengths),
-        which the choice keeps as a feature only under ring; ``gathered_causal``: causal, which
-        the choice reads only under 'all_gather' (a kernel's detour, goat_jax/kernels/choice.py)."""
+        ``key_masks``: masks that travel with the keys (segment ids, key padding, kv lengths),
+        which the choice reads only for the context strategy splitting the sequence (cuDNN's ring
+        blocks take none); ``gathered_causal``: causal, which the choice reads only for the
+        strategy's detour (a kernel's ``detours``, goat_jax/kernels/choice.py)."""
         return {"segment_ids": self.segments is not None, "ragged_segments": self.ragged_segments,
                 "traced_offset": not self.static_offset, "window": self.window is not None,
-                "ring_masks": (self.segments is not None or self.key_padding is not None
+                "key_masks": (self.segments is not None or self.key_padding is not None
                                or self.kv_lengths is not None),
                 "gathered_causal": bool(self.causal)}
 

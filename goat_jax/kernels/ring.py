@@ -18,9 +18,10 @@ dK/dV accumulators, each device adds its queries' contribution to the block it h
 ``c`` hops every accumulator is back at its owner; dQ stays local. Only the local q/k/v, the
 output and its log-sum-exp are saved: nothing of size T.
 
-Per-block attention is one of the block kernels of :mod:`goat_jax.kernels.ring_blocks`, chosen
-by ``implementation``: splash kernels ('splash', 'splash_interpret'), cuDNN's fused calls
-('cudnn'), else the flash kernel's block loops ('flash', 'xla'). Each returns its block's
+Per-block attention is one of the block kernels of :mod:`goat_jax.kernels.ring_blocks`, the
+ones the row of ``implementation`` names (its ``ring_blocks``): splash kernels ('splash',
+'splash_interpret'), cuDNN's fused calls ('cudnn'), the flash kernel's block loops ('flash',
+'xla'); a row without ring blocks ('dense') cannot run in a ring. Each returns its block's
 log-sum-exp for the merge, and its backward takes the global output and log-sum-exp. Under load
 balancing (:mod:`goat_jax.kernels.balance`) each device holds two chunks, so a step is four chunk
 pairs: a device's late chunk against another's early chunk is always full, its early chunk against
@@ -34,16 +35,17 @@ diagonal-chunk pair that is full, chosen by which runs it reads, so no pair swit
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from goat_jax.kernels import cudnn
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import ring_blocks
 from goat_jax.kernels import strategies
+from goat_jax.kernels.balance import STRATEGY_FIELD
 from goat_jax.kernels.context import check_shardable
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.plan import AttentionPlan
@@ -295,11 +297,41 @@ def _ring_bwd(cfg, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def block_kernel(implementation: str) -> str:
-    """The kernel whose block math computes a ring's blocks when the layer asks for
-    ``implementation`` (module doc; :func:`goat_jax.kernels.ring_blocks.for_implementation`):
-    'splash' (also for 'splash_interpret'), 'cudnn', else 'flash' (for 'flash' and 'xla')."""
-    return ring_blocks.for_implementation(implementation, 1, None).name
+def kernel_gap(row: caps.Capability, key_masks: bool) -> Optional[Tuple[str, str]]:
+    """What a ring cannot take of kernel ``row`` (the strategy's ``kernel_gap``): a row without
+    ring blocks at all, or, when masks travel with the keys (``key_masks``: segment ids, key
+    padding, kv lengths), blocks that take none (cuDNN's); as (what, why), or None."""
+    ring = row.ring_blocks
+    if ring is None:
+        takers = ", ".join(repr(name) for name, r in caps.CAPABILITIES.items() if r.ring_blocks is not None)
+        return (f"{STRATEGY_FIELD}={NAME!r}",
+                f"ring attention merges blocks by their log-sum-exp, which {row.name!r} does not return (ring blocks: "
+                f"goat_jax/kernels/ring_blocks.py); use implementation= one of {takers}, or "
+                f"{STRATEGY_FIELD}='all_gather'")
+    if key_masks and ring.no_key_masks is not None:
+        return f"segment ids or key padding under {STRATEGY_FIELD}={NAME!r}", ring.no_key_masks
+    return None
+
+
+def check_run(run: strategies.Run) -> None:
+    """The ring's refusals of a run's config before any work (the strategy's ``check_run``): an
+    explicit kernel without ring blocks, and a position encoding that adds a materialized bias
+    (it would travel around the ring whole). ValueError naming the fields and the fix."""
+    gap = None if run.row is None else kernel_gap(run.row, key_masks=False)
+    if gap is not None:
+        raise ValueError(f"{STRATEGY_FIELD}={NAME!r} with model.implementation={run.implementation!r}: {gap[1]}.")
+    if run.bias:
+        raise ValueError(
+            f"{STRATEGY_FIELD}={NAME!r} with model.position_encoding={run.position_encoding!r}: the encoding adds "
+            "a materialized [N, T, S] bias, which would travel around the ring whole. Use "
+            f"{STRATEGY_FIELD}='all_gather', or an encoding packed into q/k ('alibi_packed', 'goat', 'rope').")
+
+
+def _report(row: caps.Capability) -> dict:
+    """What the choice's log line and compile.json say of a ring on kernel ``row``: whose block
+    math computes its blocks (the row's ``ring_blocks.math``: 'flash' for 'flash' and 'xla',
+    'splash' for both splash rows, 'cudnn'; None without ring blocks)."""
+    return {"ring_blocks": None if row.ring_blocks is None else row.ring_blocks.math}
 
 
 def block_length(run: int) -> int:
@@ -317,9 +349,9 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     ``mesh``'s context axis, keys and values passing around the ring (module doc; the signature
     of every strategy, :mod:`goat_jax.kernels.strategies`). The mask's key padding and kv lengths
     travel with their keys as one validity mask; segment ids travel too. ``blocks``: the block
-    kernels (:mod:`goat_jax.kernels.ring_blocks`); None picks them for ``implementation``
-    (splash, cuDNN, else the flash loops). Returns [B, T, N, Hv]; rows with no visible key are
-    zeros (no gradient)."""
+    kernels (:mod:`goat_jax.kernels.ring_blocks`); None: those of ``implementation``'s row
+    (its ``ring_blocks``). Returns [B, T, N, Hv]; rows with no visible key are zeros (no
+    gradient)."""
     axis, balanced = plan.context_axis, plan.load_balanced
     c = mesh_lib.context_shards(mesh, axis)
     b, t, n, hqk = q.shape
@@ -335,8 +367,11 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     run = t // c // runs
     precision = lax.Precision.HIGHEST if jnp.result_type(q, k, v) == jnp.float32 else None
     if blocks is None:
-        narrow = implementation == "cudnn" and cudnn.narrow_values_supported()
-        blocks = ring_blocks.for_implementation(implementation, block_length(run), precision, narrow_values=narrow)
+        row = caps.CAPABILITIES[implementation]
+        gap = kernel_gap(row, key_masks=False)
+        if gap is not None:
+            raise ValueError(f"implementation={implementation!r} cannot take {gap[0]}: {gap[1]}.")
+        blocks = row.ring_blocks.make(block_length(run), precision)
     cfg = _Ring(c, balanced, mask.causal, int(mask.offset) if mask.causal else 0, float(scale), run, runs,
                 block_length(run), precision, axis, blocks)
     keep = mask.key_keep(s)  # [B, S] or None: padding and lengths, as one mask that travels
@@ -367,6 +402,7 @@ def _fill(xs, present):
     return [next(it) if p else None for p in present]
 
 
-STRATEGY = strategies.register(strategies.Strategy(
-    NAME, attend, "keys and values pass around the ring (K/V memory O(T / c)); blocks on splash, cuDNN or flash",
-    needs="ring"))
+STRATEGY = strategies.Strategy(
+    name=NAME, attend=attend,
+    summary="keys and values pass around the ring (K/V memory O(T / c)); blocks on splash, cuDNN or flash",
+    kernel_gap=kernel_gap, check_run=check_run, report=_report)

@@ -15,8 +15,9 @@ Layouts: q [B, K, G, R, Hqk], k [B, K, R, Hqk], v [B, K, R, Hv] (R the run lengt
 the run length, and the pair's kind when it is known before the run (load balancing makes two
 of the four chunk pairs of a step always full or always empty).
 
-* :class:`FlashBlocks`: the flash kernel's block loops (:mod:`goat_jax.kernels.flash`), which
-  take the traced offset as loop bounds; any backend, any mask.
+* :class:`FlashBlocks` (defined in :mod:`goat_jax.kernels.flash`, beside the block loops it
+  runs): the flash kernel's loops, which take the traced offset as loop bounds; any backend,
+  any mask.
 * :class:`SplashBlocks`: Pallas splash kernels built with ``save_residuals=True`` (the forward
   returns the log-sum-exp) and splash's own backward kernels
   (``splash_attention_kernel._splash_attention_bwd``) fed with the global output and
@@ -33,6 +34,10 @@ of the four chunk pairs of a step always full or always empty).
   signature and statistics runs the same block arithmetic on CPU (tests/cudnn_stand_in.py).
 
 Every class is a frozen dataclass: the ring's static configuration holds one, so it must hash.
+Which blocks a ring runs is the kernel row's ``ring_blocks``
+(:class:`goat_jax.kernels.capabilities.RingBlocks`): 'flash' and 'xla' name flash's loops,
+'splash' / 'splash_interpret' :class:`SplashBlocks` (the splash row builds them after widening
+jax's cache of processed splash masks), 'cudnn' :class:`CudnnBlocks`; 'dense' has none.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from goat_jax.kernels import flash
+from goat_jax.kernels.flash import FlashBlocks  # noqa: F401  (re-exported; defined beside the loops it runs)
 
 Array = jax.Array
 _EMPTY_BELOW = -1e30  # a splash log-sum-exp below this saw only masked keys (its mask value, ~-2.4e38)
@@ -93,39 +98,6 @@ def kind_index(pair: Pair, offset: Array) -> Array:
     return index.astype(jnp.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class FlashBlocks:
-    """The flash kernel's block loops (:func:`goat_jax.kernels.flash.block_forward` /
-    ``block_backward``): tiles of ``block`` tokens, float32 results."""
-
-    block: int
-    precision: Any = None
-    name: str = "flash"
-    static_masks = False  # masks built before the run (a switch per kind), not from the traced offset
-    lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
-
-    def _cfg(self, scale: float, pair: Pair) -> flash.Config:
-        b = self.block
-        return flash.Config(scale, pair.causal, pair.run, b, b, b, b, self.precision, keep_f32=True)
-
-    def _segments(self, q_ids, kv_ids, valid):
-        if q_ids is None:
-            return None
-        b = self.block
-        return flash.block_segments(q_ids, kv_ids, valid, b, b, b, b)
-
-    def forward(self, scale, pair: Pair, q, k, v, valid, offset, q_ids, kv_ids):
-        """The pair's (out float32, lse with -inf for rows that saw no key) (module doc)."""
-        out, lse = flash.block_forward(self._cfg(scale, pair), q, k, v, valid, offset,
-                                       self._segments(q_ids, kv_ids, valid))
-        return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
-
-    def backward(self, scale, pair: Pair, q, k, v, valid, offset, q_ids, kv_ids, out, lse, do):
-        """The pair's float32 (dq, dk, dv) under the global ``out`` / ``lse`` (module doc)."""
-        return flash.block_backward(self._cfg(scale, pair), q, k, v, valid, offset, out, lse, do,
-                                    self._segments(q_ids, kv_ids, valid))
-
-
 def _splash_block(run: int) -> int:
     """Splash's tile: the largest multiple of 128 up to 512 that divides the run."""
     for size in (512, 384, 256, 128):
@@ -157,16 +129,13 @@ class SplashBlocks:
     tests, 'splash_interpret')."""
 
     interpret: bool = False
-    name: str = "splash"
     static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
     lane_dense_sums = True  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
     def _kernel(self, kind: Kind, heads: int, run: int):
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-        from goat_jax.kernels.splash import _widen_mask_cache  # pylint: disable=g-import-not-at-top
 
-        _widen_mask_cache()
         b = _splash_block(run)
         sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
@@ -285,7 +254,6 @@ class CudnnBlocks:
 
     calls: Optional[Callable[[], CudnnCalls]] = None
     narrow_values: bool = True
-    name: str = "cudnn"
     static_masks = True  # masks built before the run (a switch per kind), not from the traced offset
     lane_dense_sums = False  # the ring keeps its gradient sums dense over TPU lanes (ring._lanes)
 
@@ -381,14 +349,3 @@ def _cudnn_kinds(pair: Pair) -> Tuple[Kind, ...]:
         if kind[0] == "causal" and kind[1] != 0:
             raise ValueError(f"cuDNN ring blocks express causal pairs at offset 0 only; got offset {kind[1]}.")
     return options
-
-
-def for_implementation(implementation: str, block: int, precision: Any, *, cudnn_calls=None,
-                       narrow_values: bool = True):
-    """The block backend of a ring under ``implementation``: splash kernels for 'splash' /
-    'splash_interpret', cuDNN for 'cudnn', the flash loops otherwise ('flash', 'xla')."""
-    if implementation in ("splash", "splash_interpret"):
-        return SplashBlocks(interpret=implementation == "splash_interpret")
-    if implementation == "cudnn":
-        return CudnnBlocks(cudnn_calls, narrow_values)
-    return FlashBlocks(block, precision)

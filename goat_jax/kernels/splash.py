@@ -11,17 +11,19 @@ wrap the call in a shard_map."), so each device runs it on its own examples (and
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import capabilities as caps
+from goat_jax.kernels import ring_blocks
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_lengths
 
 BLOCK = 128  # splash blocks: multiples of the TPU lane count
+TPU_LANES = 128  # the TPU compiler tiles the last dim in 128 lanes
 _TRACED_OFFSET = ("splash builds its causal mask statically and needs an integer causal offset (a "
                   "KV-cache index is traced); decode with 'xla' or 'flash'")
 _MASK_CACHE_SIZE = 512
@@ -155,13 +157,33 @@ def _why_not() -> dict:
             "return_probs": caps.NO_PROBS}
 
 
-ROW = caps.register(caps.Capability(
-    "splash", ("tpu",), None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring", "ring_masks"),
-    _why_not(),
-    "Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)",
-    attention=attention, preferred_on=("tpu",), static_masks=True))
-INTERPRET_ROW = caps.register(caps.Capability(
-    "splash_interpret", caps.ANY, None, None, 1, BLOCK, BLOCK, ("segment_ids", "ragged_segments", "ring",
-                                                                "ring_masks"), _why_not(),
-    "the splash kernel in Pallas interpret mode, on any backend (slow; for tests)",
-    attention=functools.partial(attention, interpret=True), static_masks=True))
+def lane_width(compute_capability: Optional[Tuple[int, int]], width: int) -> int:
+    """The q/k width splash runs a ``width``-wide head at on a TPU: the compiler tiles the last
+    dim in :data:`TPU_LANES` lanes, so ``width`` rounded up to them (goat_jax/kernels/widths.py)."""
+    del compute_capability  # a TPU's rule
+    return -(-width // TPU_LANES) * TPU_LANES
+
+
+def _ring_blocks(block: int, precision: Any, *, interpret: bool = False) -> ring_blocks.SplashBlocks:
+    """Splash kernels as a ring's blocks (they tile each run themselves: ``block`` and
+    ``precision`` are flash's), with jax's mask cache widened as for this module's own kernels."""
+    del block, precision
+    _widen_mask_cache()
+    return ring_blocks.SplashBlocks(interpret=interpret)
+
+
+ROW = caps.Capability(
+    name="splash", platforms=("tpu",), features=("segment_ids", "ragged_segments"), why_not=_why_not(),
+    summary="Pallas TPU splash attention, under jax.shard_map on a mesh (goat_jax/kernels/splash.py)",
+    attention=attention, length_multiple=BLOCK, auto_min_length=BLOCK, preferred_on=("tpu",), static_masks=True,
+    platform_hint="Use 'splash_interpret' to run the same Pallas kernel in interpret mode (slow; for tests).",
+    host_hint=("To compile for TPUs from this host, trace under a mesh of TPU devices "
+               "(jax.set_mesh(mesh); docs/aot.md)."),
+    ring_blocks=caps.RingBlocks(math="splash", make=_ring_blocks),
+    fast_widths=caps.FastWidths(width=lane_width, where="a TPU's splash kernel (128-lane tiles)",
+                                cost="benchmarks/packed_head_dim.md"))
+INTERPRET_ROW = caps.Capability(
+    name="splash_interpret", platforms=caps.ANY, features=("segment_ids", "ragged_segments"), why_not=_why_not(),
+    summary="the splash kernel in Pallas interpret mode, on any backend (slow; for tests)",
+    attention=functools.partial(attention, interpret=True), length_multiple=BLOCK, auto_min_length=BLOCK,
+    static_masks=True, ring_blocks=caps.RingBlocks(math="splash", make=functools.partial(_ring_blocks, interpret=True)))

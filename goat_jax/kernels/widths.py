@@ -13,8 +13,11 @@ widths and run a wider head as the next one up.
 * **TPUs, splash**: the last dim is tiled in 128 lanes, so 64 and 66 share one tile and 130 (a
   128 head + 2) takes two (benchmarks/packed_head_dim.md).
 
-:func:`kernel_width` states the rule: the width the kernel runs a ``width``-wide q/k at. GOAT
-falls off the fast path when its packed width runs wider than the plain head would
+:func:`kernel_width` states the rule: the width the kernel runs a ``width``-wide q/k at. Each
+fused kernel states its own rule on its row (``fast_widths``,
+:class:`goat_jax.kernels.capabilities.FastWidths`: :func:`goat_jax.kernels.cudnn.hopper_width`,
+:func:`goat_jax.kernels.splash.lane_width`), which this module reads. GOAT falls off the fast
+path when its packed width runs wider than the plain head would
 (:func:`layout_warning`); ``qk_layout='lane_aligned'`` keeps q/k exactly ``head_dim`` wide and
 never does. The GOAT layer calls :func:`check_layout` after its kernel is chosen (automatic or
 explicit), so a training run and the compile tool (``experiments.compile``, which also lists
@@ -26,11 +29,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional, Tuple
 
+from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import choice
 
-HOPPER_BUCKETS = (64, 128, 256)  # cuDNN's native Hopper head widths (see the module docstring)
-TPU_LANES = 128  # the TPU compiler tiles the last dim in 128 lanes
-_FAST_KERNELS = {"gpu": "cudnn", "tpu": "splash"}  # the kernels the rule is about
 _warned: set = set()
 _recorders = choice.Recorders(unique=True)
 
@@ -39,35 +40,39 @@ class LayoutWarning(UserWarning):
     """GOAT's packed q/k width runs in a wider kernel than the plain head would."""
 
 
+def _fast_row(platform: str) -> Optional[caps.Capability]:
+    """The row of ``platform``'s fused kernel: the first (by name) that runs on ``platform`` and
+    states its fast path by width (``fast_widths``), or None."""
+    return next((row for row in caps.CAPABILITIES.values()
+                 if row.fast_widths is not None and platform in row.platforms), None)
+
+
 def kernel_width(platform: str, compute_capability: Optional[Tuple[int, int]], width: int) -> Optional[int]:
-    """The q/k width the fast kernel of ``platform`` runs a ``width``-wide head at: on a Hopper
-    GPU (compute capability 9.x) the smallest of :data:`HOPPER_BUCKETS` holding ``width``
-    rounded up to a multiple of 8 (that rounding beyond 256); on a TPU ``width`` rounded up to
-    128 lanes. None where the rule is not known (other GPUs, CPUs)."""
-    if platform == "tpu":
-        return -(-width // TPU_LANES) * TPU_LANES
-    if platform == "gpu" and compute_capability is not None and compute_capability[0] == 9:
-        padded = -(-width // 8) * 8
-        return next((b for b in HOPPER_BUCKETS if padded <= b), padded)
-    return None
+    """The q/k width the fast kernel of ``platform`` runs a ``width``-wide head at, by its row's
+    rule: on a Hopper GPU (compute capability 9.x) cuDNN's, the smallest of 64, 128, 256 holding
+    ``width`` rounded up to a multiple of 8 (that rounding beyond 256); on a TPU splash's,
+    ``width`` rounded up to 128 lanes. None where the rule is not known (other GPUs, CPUs)."""
+    row = _fast_row(platform)
+    return None if row is None else row.fast_widths.width(compute_capability, width)
 
 
 def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]], dtype: Any, implementation: str,
                    head_dim: int, qk_dim: int) -> Optional[str]:
     """The warning for a ``dtype`` run of ``implementation`` whose GOAT q/k are ``qk_dim`` wide
     for a ``head_dim``-wide head, or None when the packed width costs nothing: not bf16, not the
-    platform's fused kernel (cuDNN on GPU, splash on TPU), a platform without a known rule, or
-    the packed width running at the plain head's kernel width."""
+    platform's fused kernel (cuDNN on GPU, splash on TPU: the row with the platform's
+    ``fast_widths``), a platform without a known rule, or the packed width running at the plain
+    head's kernel width."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    if np.dtype(dtype).name != "bfloat16" or _FAST_KERNELS.get(platform) != implementation:
+    row = _fast_row(platform)
+    if np.dtype(dtype).name != "bfloat16" or row is None or row.name != implementation:
         return None
-    packed, plain = kernel_width(platform, compute_capability, qk_dim), kernel_width(platform, compute_capability, head_dim)
+    rule = row.fast_widths.width
+    packed, plain = rule(compute_capability, qk_dim), rule(compute_capability, head_dim)
     if packed is None or packed <= plain:
         return None
-    where, cost = (("a Hopper GPU's cuDNN", "measured 1.24-1.50x plain cuDNN's time at 66 wide on an H200: "
-                    "benchmarks/gpu.md") if platform == "gpu" else
-                   ("a TPU's splash kernel (128-lane tiles)", "benchmarks/packed_head_dim.md"))
+    where, cost = row.fast_widths.where, row.fast_widths.cost
     return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads, which {where} runs as "
             f"{packed} wide against {plain} for plain attention ({cost}). qk_layout='lane_aligned' keeps q/k "
             f"{head_dim} wide (a different function from the official layout; docs/layer.md, Packed width).")
