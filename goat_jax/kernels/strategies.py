@@ -27,7 +27,6 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.balance import BALANCE_FIELD, check_length
 from goat_jax.plan import DEFAULT, AttentionPlan
-from goat_jax.positional import ENCODINGS
 
 
 class Run(NamedTuple):
@@ -97,7 +96,7 @@ def get(name: str) -> Strategy:
 
 
 def check_config(config: Any, num_shards: int, task_name: str, platform: Optional[str] = None,
-                 plan: AttentionPlan = DEFAULT) -> None:
+                 plan: AttentionPlan = DEFAULT, bias_encodings: frozenset = frozenset()) -> None:
     """The checks of ``mesh.context`` (resolved to ``num_shards``) and ``context_load_balance``
     of a run's config, before any work: an explicit kernel that cannot run on the run's
     ``platform`` at all (said first: it is the decisive reason, whatever the lengths), a task
@@ -105,7 +104,9 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
     a ``seq_len`` the shards (and their chunks, and splash's blocks) divide, and no encoding that
     cannot run reordered (``plan``: the run's :class:`goat_jax.plan.AttentionPlan`, whose
     ``load_balanced`` and ``context_strategy`` are its ``context_load_balance`` and
-    ``context_strategy``). Raises ValueError naming the field and the fix."""
+    ``context_strategy``; ``bias_encodings``: the names of the position encodings that add a
+    materialized bias, which the caller reads from the registry, since kernels import no
+    encoding: docs/architecture.md). Raises ValueError naming the field and the fix."""
     balanced, strategy = plan.load_balanced, get(plan.context_strategy)
     model = config.get("model") or {}
     implementation = model.get("implementation")
@@ -121,7 +122,7 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
             "has no seq_len (sequences of its own length, e.g. a ViT's patches); use mesh.context=1.")
     encoding = model.get("position_encoding")
     if strategy.check_run is not None:
-        bias = any(e.name == encoding and e.materialized_bias for e in ENCODINGS)
+        bias = encoding in bias_encodings
         strategy.check_run(Run(implementation, row, encoding, bias, num_shards, balanced))
     check_length(int(config.seq_len), num_shards, balanced, implementation, field="seq_len")
     if balanced and encoding == "fox":

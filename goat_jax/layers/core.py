@@ -377,7 +377,7 @@ def run(plan: CallPlan, params: Mapping[str, Any], cache: Optional[Mapping[str, 
         causal_offset, is_causal = start, t > 1
         if t == 1:
             kv_lengths = jnp.full((b,), start + 1, jnp.int32)
-    sow = want_maps and prepared.implementation == "dense"
+    sow = want_maps and kernels.returns_probs(prepared.implementation)  # the kernel's row says
     # The one mask value of this call, handed to whichever kernel runs it.
     mask = kernels.AttentionMask.build(
         b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,

@@ -21,6 +21,7 @@ import numpy as np
 
 from goat_jax.layers import call as attention_call
 from goat_jax.layers import encoding as encoding_lib
+from goat_jax import kernels
 from goat_jax.kernels import widths as kernel_widths
 from goat_jax import partitioning
 from goat_jax.layers import linen
@@ -288,7 +289,7 @@ class GoatEncoding(encoding_lib.Encoding):
                 0 if call.position_offset_k is None else call.position_offset_k)
         d_c, spec, params = detail.d_c, detail.spec, dict(params)
         q_content, k_content = q[..., :d_c], k[..., :d_c]
-        if prepared.implementation == "dense" and cache is None:
+        if kernels.returns_probs(prepared.implementation) and cache is None:
             # The materialized reference: content logits plus the dense log-prior as a bias.
             bias = prior_log_prior(spec, params, q_pos, k_pos, call.is_causal, q_content)  # [B|1, N, T, S]
             return attention_call.Encoded(q_content, k_content, 1.0 / math.sqrt(d_c), k_content, causal_offset,
