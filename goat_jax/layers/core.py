@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import kernels
+from goat_jax.kernels import decode_merge
 from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Int, check_section
@@ -366,6 +367,9 @@ def run(plan: CallPlan, params: Mapping[str, Any], cache: Optional[Mapping[str, 
                          spec.logn_scaling)
 
     keys, is_causal, causal_offset, kv_lengths, new_cache = enc.k, call.is_causal, enc.causal_offset, None, None
+    shards = kernels_mesh.context_shards(kernels_mesh.ambient_mesh(), plan.attention_plan.context_axis)
+    if cache is not None and shards > 1:
+        return _run_sharded_cache(plan, params, cache, enc, v, updates, start, shards, want_maps)
     if cache is not None:
         # Write the new keys/values at the cache index and attend over the whole cache: keys past
         # the last written slot are masked by the causal offset (= the index); a single new token
@@ -397,3 +401,34 @@ def run(plan: CallPlan, params: Mapping[str, Any], cache: Optional[Mapping[str, 
         out = jnp.where(start + t > cached_k.shape[1], jnp.nan, out)
     out = project(out_proj, params, out.astype(shape.dtype), shape.dtype)
     return CallResult(out, new_cache, maps)
+
+
+def _run_sharded_cache(plan: CallPlan, params: Mapping[str, Any], cache: Mapping[str, Any], enc: Any,
+                       v: Array, updates: Mapping[str, Any], start: Array, shards: int, want_maps: bool) -> CallResult:
+    """The decoding branch of :func:`run` when the mesh splits sequences over ``context``: the
+    cache's slots are split over the shards, each shard writes the new positions it owns and
+    scores its own slots, and the partial softmaxes are merged with three small collectives
+    (:mod:`goat_jax.kernels.decode_merge`; docs/training.md, "Decoding with a sharded cache").
+    No key is gathered: the queries are the only thing every shard sees whole."""
+    how = f"decoding with the KV cache split over mesh.{plan.attention_plan.context_axis}={shards}"
+    if enc.bias is not None:
+        raise ValueError(f"{how}: this position encoding adds a materialized [N, T, S] bias, which the split "
+                         "cache's merge does not take; decode it with mesh.context=1, or use a packed encoding "
+                         "(GOAT, RoPE, 'alibi_packed', FoX, NoPE).")
+    if plan.attention_plan.window is not None:
+        raise ValueError(f"{how}: a sliding window (plan.window={plan.attention_plan.window}) is not supported "
+                         "there; decode with mesh.context=1.")
+    if want_maps and kernels.returns_probs(plan.prepared.implementation):
+        raise ValueError(f"{how}: attention probabilities are never formed whole there; read them with "
+                         "mesh.context=1.")
+    b, t = enc.q.shape[0], enc.q.shape[1]
+    axis = plan.attention_plan.context_axis
+    keys, values = decode_merge.write_cache(cache["cached_key"], cache["cached_value"], enc.k, v, start, axis=axis)
+    positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = decode_merge.decode_attention(enc.q, keys, values, q_positions=positions,
+                                        kv_length=jnp.full((b,), start + t, jnp.int32), scale=enc.scale, axis=axis)
+    new_cache = {**dict(cache), **updates, "cached_key": keys, "cached_value": values, "cache_index": start + t}
+    # NaN outputs once the cache overflows (the write drops positions past its end).
+    out = jnp.where(start + t > keys.shape[1], jnp.nan, out)
+    out = project(plan.projections[3], params, out.astype(plan.shape.dtype), plan.shape.dtype)
+    return CallResult(out, new_cache, {})

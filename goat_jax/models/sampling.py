@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from goat_jax.kernels import balance
 from goat_jax.kernels import mesh as mesh_lib
 
 Array = jax.Array
@@ -53,17 +54,19 @@ def _check_args(prompt, max_new_tokens, rng, temperature, top_k):
         raise ValueError("Sampling with temperature > 0 needs an rng key.")
 
 
-def _check_cache_unsplit(use_cache: bool) -> None:
-    """Refuses, before any work, KV-cache decoding under a mesh that splits sequences over
-    ``context``: each step feeds the cache fewer queries than it holds keys, which attention
-    split over the sequence cannot take (goat_jax/kernels/context.py, which would say so only
-    once tracing reached it). The uncached path runs there: each step is a whole window."""
-    shards = mesh_lib.context_shards(mesh_lib.ambient_mesh())
-    if use_cache and shards > 1:
-        raise ValueError(f"generate: the mesh in context splits each sequence over mesh.context={shards} devices, "
-                         "but the KV cache adds one token at a time, which cannot be split over the sequence; "
-                         "call generate outside that mesh (mesh.context=1; experiments.evaluate: --mesh_context 1), "
-                         "or pass use_cache=False (each step recomputes the whole window, split over the devices).")
+def cache_slots(model: nn.Module, length: int) -> int:
+    """The KV cache's slots for ``length`` tokens: ``length``, rounded up under a mesh that splits
+    sequences over ``context`` to what the model's attention plan can split (each shard holds an
+    equal part of the cache; the sizing forward of ``init`` runs the plan's context strategy on
+    the whole cache). The extra slots are never written, and masked as unwritten."""
+    plan = getattr(model, "plan", None)
+    axis = plan.context_axis if plan is not None else mesh_lib.CONTEXT_AXIS
+    shards = mesh_lib.context_shards(mesh_lib.ambient_mesh(), axis)
+    if shards <= 1:
+        return length
+    multiple = balance.length_multiple(shards, bool(plan is not None and plan.load_balanced),
+                                       plan.implementation if plan is not None else None)
+    return -(-length // multiple) * multiple
 
 
 def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new_tokens: int,
@@ -100,7 +103,6 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
       [B, P + max_new_tokens] int32, the prompt followed by the generated tokens.
     """
     _check_args(prompt, max_new_tokens, rng, temperature, top_k)
-    _check_cache_unsplit(use_cache)
     prompt = jnp.asarray(prompt, jnp.int32)
     if prefill_multiple is not None:
         if isinstance(prefill_multiple, bool) or not isinstance(prefill_multiple, int) or prefill_multiple < 1:
@@ -123,12 +125,13 @@ def generate(model: nn.Module, params: Mapping[str, Any], prompt: Array, max_new
     if prefill_multiple is None:
         return _generate(model, variables, prompt, rng, jnp.float32(temperature),
                          max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k, use_cache=use_cache,
-                         on_token=on_token)
+                         on_token=on_token, cache_length=cache_slots(model, prompt.shape[1] + max_new_tokens))
     m, (b, p) = prefill_multiple, prompt.shape
     head = m * (p // m)
     tail = jnp.zeros((b, max(m - 1, 1)), jnp.int32).at[:, :p - head].set(prompt[:, head:])
     slots = head + m - 1 + max_new_tokens
     slots = max(p + max_new_tokens, min(slots, cache_length)) if cache_length is not None else slots
+    slots = cache_slots(model, slots)
     new = _generate_bucketed(model, variables, prompt[:, :head], tail, jnp.int32(p - head), rng,
                              jnp.float32(temperature), max_new_tokens=max_new_tokens, cache_length=slots,
                              greedy=greedy, top_k=top_k, on_token=on_token)
@@ -150,9 +153,9 @@ def _step_sampler(rng, temperature, greedy, top_k, on_token=None):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "greedy", "top_k", "use_cache",
-                                             "on_token"))
+                                             "on_token", "cache_length"))
 def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, greedy, top_k, use_cache,
-              on_token=None):
+              on_token=None, cache_length=None):
     b, p = prompt.shape
     total = p + max_new_tokens
     sample = _step_sampler(rng, temperature, greedy, top_k, on_token)
@@ -161,7 +164,7 @@ def _generate(model, variables, prompt, rng, temperature, *, max_new_tokens, gre
         decoder = model.clone(decode=True)
         # init on a full-length input sizes the cache; only the 'cache' output is kept, so XLA
         # drops the parameter initialization as dead code.
-        cache = decoder.init(jax.random.PRNGKey(0), jnp.zeros((b, total), jnp.int32))["cache"]
+        cache = decoder.init(jax.random.PRNGKey(0), jnp.zeros((b, cache_length or total), jnp.int32))["cache"]
         logits, state = decoder.apply({**variables, "cache": cache}, prompt, mutable=["cache"])
         first = sample(logits[:, -1], 0)  # [B]
 
