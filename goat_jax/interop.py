@@ -185,7 +185,7 @@ def _check_exportable(module: GoatAttention) -> None:
             "behaviour) if that is what you want.")
     if pr.qk_layout != "official" and pr.enable_key_bias:
         # Without the sink both layouts are one function; with it, 'lane_aligned' gives the
-        # content two (bf16) or one (fp16) dims fewer than the official layout does.
+        # content two dims fewer than the official layout does, in every dtype.
         raise ValueError(
             f"to_official: prior.qk_layout={pr.qk_layout!r} has no counterpart in the official "
             "package: its sink channels are carved from the content dims, so the official module "

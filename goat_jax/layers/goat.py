@@ -23,7 +23,7 @@ from goat_jax.kernels import widths as kernel_widths
 from goat_jax import partitioning
 from goat_jax.layers import linen
 from goat_jax import prior as prior_lib
-from goat_jax.prior.packing import default_sink_channels, pack_key, pack_query
+from goat_jax.prior.packing import pack_key, pack_query, packed_sink_channels
 
 Array = jax.Array
 Dtype = Any
@@ -185,8 +185,7 @@ class GoatLogic(attention_core.AttentionLogic):
                 f"GoatAttention.prior must be a goat_jax.prior.PriorSettings, got "
                 f"{type(settings).__name__}; e.g. prior=PriorSettings(pos_rank=8, abs_rank=8).")
         spec = settings.for_heads(self.num_heads, shape.kv_heads)
-        sink_channels = int(settings.enable_key_bias) * (
-            self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
+        sink_channels = packed_sink_channels(settings.qk_layout, settings.enable_key_bias, self.sink_channels, shape.dtype)
         if settings.enable_key_bias and sink_channels < 1:
             raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
         d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
