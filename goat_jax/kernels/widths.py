@@ -55,12 +55,15 @@ def kernel_width(platform: str, compute_capability: Optional[Tuple[int, int]], w
 def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]], dtype: Any, implementation: str,
                    head_dim: int, qk_dim: int) -> Optional[str]:
     """The warning for a ``dtype`` run of ``implementation`` whose GOAT q/k are ``qk_dim`` wide
-    for a ``head_dim``-wide head, or None when the packed width costs nothing: not bf16, not the
+    for a ``head_dim``-wide head, or None when the packed width costs nothing: not the
     platform's fused kernel (cuDNN on GPU, splash on TPU), a platform without a known rule, or
-    the packed width running at the plain head's kernel width."""
+    the packed width running at the plain head's kernel width. Decided by the widths alone, in
+    any dtype: the official layout is ``head_dim + 2`` wide in bf16, ``+ 1`` in float16 (which
+    used to pass unwarned, though a 65-wide q/k runs in Hopper's 128 bucket) and ``head_dim``
+    in float32; ``dtype`` is named in the message."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    if np.dtype(dtype).name != "bfloat16" or _FAST_KERNELS.get(platform) != implementation:
+    if _FAST_KERNELS.get(platform) != implementation:
         return None
     packed, plain = kernel_width(platform, compute_capability, qk_dim), kernel_width(platform, compute_capability, head_dim)
     if packed is None or packed <= plain:
@@ -68,7 +71,8 @@ def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]],
     where, cost = (("a Hopper GPU's cuDNN", "measured 1.24-1.50x plain cuDNN's time at 66 wide on an H200: "
                     "benchmarks/gpu.md") if platform == "gpu" else
                    ("a TPU's splash kernel (128-lane tiles)", "benchmarks/packed_head_dim.md"))
-    return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads, which {where} runs as "
+    return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads in {np.dtype(dtype).name}, "
+            f"which {where} runs as "
             f"{packed} wide against {plain} for plain attention ({cost}). qk_layout='lane_aligned' keeps q/k "
             f"{head_dim} wide (a different function from the official layout; docs/layer.md, Packed width).")
 
