@@ -352,3 +352,24 @@ def test_bos_windows_start_with_bos_and_keep_every_token_once(tmp_path, paragrap
     for b in _take(train, 12):
         assert np.all(b["inputs"][:, 0] == bos)
     _check_resume(cfg, n_total=12, points=(0, 5), seq_len=16, batch=4)
+
+
+def test_every_copy_of_a_held_out_document_is_held_out(tmp_path):
+    """The held-out split promised "duplicates of a held-out document are held out too", but took
+    the first n documents of the CRC32 order, so a cut inside a run of copies trained on some of
+    them (issue #67). Ten distinct paragraphs, the one of smallest CRC32 three times: 10% holds
+    out one distinct document, with all three copies, and none of them trains."""
+    import zlib  # pylint: disable=g-import-not-at-top
+
+    distinct = [f"Paragraph {i} about x{'y' * i}" for i in range(10)]
+    first = min(distinct, key=lambda d: zlib.crc32(d.encode("utf-8")))
+    docs = distinct + [first, first]
+    path = tmp_path / "dup.txt"
+    path.write_text("\n\n".join(docs) + "\n")
+    train, held = documents.text_file_splits(_config(paths=[str(path)], doc_split="paragraphs", eval_fraction=0.1))
+    train_docs, held_docs = list(train.texts()), list(held.texts())
+    assert held_docs == [first] * 3
+    assert first not in train_docs and sorted(train_docs) == sorted(set(distinct) - {first})
+    # Distinct documents only are counted: copies of the only other document leave nothing to train.
+    with pytest.raises(ValueError, match=r"only 1 document of distinct content \(3 with 2 duplicates\)"):
+        documents._hold_out(["a", "a", "a"], ["a", "a", "a"], 0.1)  # pylint: disable=protected-access

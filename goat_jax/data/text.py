@@ -34,8 +34,9 @@ Data config fields (``default_data_config()`` is the Jargon File with bytes):
   source                 'text_files' | 'tfds' | 'parquet' | 'jsonl'
   paths                  files or glob patterns (a str or a list) for the file sources
   eval_paths             optional held-out files; if empty, ``eval_fraction`` is held out
-  eval_fraction          fraction of documents (text_files) or blocks (parquet/jsonl) held
-                         out for eval, chosen by content hash, independent of the seed
+  eval_fraction          fraction of distinct documents (text_files) or blocks (parquet/jsonl)
+                         held out for eval, chosen by content hash, independent of the seed;
+                         every copy of a held-out document is held out with it
   doc_split              text_files only: 'entries' (a document starts at each unindented
                          heading line and each Jargon-style ':headword:' line), 'paragraphs'
                          (blank-line separated) or 'files' (one document per file)
