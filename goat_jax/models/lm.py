@@ -251,6 +251,21 @@ def _normal(std: float, axes):
     return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
 
 
+def _normal_padded_columns(std: float, axes, columns: int):
+    """N(0, std) for a ``[..., Vp]`` table whose last ``Vp - columns`` columns are padding: the
+    first ``columns`` are drawn exactly as the unpadded ``[..., columns]`` table's (the same key
+    and shape), the padding is 0 (no token's logit: cut before any softmax, zero gradient).
+
+    Why: a table padded along its rows (the tied embedding) keeps its unpadded draws, since the
+    random bits follow the flat index; one padded along its last axis (the untied ``lm_head``,
+    ``[E, Vp]``) would draw every value anew, so ``vocab_pad_multiple``, a speed setting,
+    changed an untied model's initialization (issue #67)."""
+    def init(key, shape, dtype=jnp.float32):
+        real = nn.initializers.normal(std)(key, tuple(shape[:-1]) + (columns,), dtype)
+        return jnp.pad(real, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - columns)])
+    return nn.with_logical_partitioning(init, axes)
+
+
 def _norm(cfg: LMConfig, name: str) -> nn.Module:
     """RMSNorm ('llama') or LayerNorm with a bias ('gpt2'); both reduce in float32 whatever the
     compute dtype (force_float32_reductions)."""
@@ -471,7 +486,7 @@ class TransformerLM(nn.Module):
         if cfg.tie_embeddings:
             w = embed.embedding.T  # [E, Vp]
         else:
-            w = self.param("lm_head", _normal(cfg.init_std, ("embed", "vocab")),
+            w = self.param("lm_head", _normal_padded_columns(cfg.init_std, ("embed", "vocab"), cfg.vocab_size),
                            (cfg.embed_dim, cfg.padded_vocab_size), cfg.weight_dtype)
         w = w.astype(cfg.compute_dtype)
         if return_hidden:  # the chunked loss computes the logits itself, a chunk at a time
