@@ -311,6 +311,13 @@ def _check_config(cfg: ml_collections.ConfigDict) -> None:
     """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
     then the section's cross-field rule."""
     check_section(cfg, FIELD_SPECS, "data")
+    default_fraction = DATA.default_values()["eval_fraction"]
+    if cfg.eval_fraction != default_fraction and (cfg.eval_paths or cfg.source == "tfds"):
+        # Inert: the held-out split is data.eval_paths' files, or the TFDS eval split.
+        given = "data.eval_paths is set" if cfg.eval_paths else "data.source='tfds' holds out data.tfds_eval_split"
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction:g} is not used: {given}. Drop "
+                         "data.eval_fraction" + (", or clear data.eval_paths to hold out a fraction of "
+                                                 "data.paths instead." if cfg.eval_paths else "."))
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")

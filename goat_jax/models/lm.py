@@ -121,9 +121,9 @@ class LMConfig:
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
     param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
     remat: bool = declare(False, Bool(doc="rematerialize each block in the backward pass (saves activation memory)"))
-    remat_policy: str = declare("full", Str(choices=REMAT_POLICIES, doc="with remat: what each block keeps "
-                                            "('full': nothing; 'dots': matmul outputs; 'dots_no_batch': "
-                                            "projection outputs)"))
+    remat_policy: str = declare("full", Str(choices=REMAT_POLICIES, doc="with remat (refused without it): what "
+                                            "each block keeps ('full': nothing; 'dots': matmul outputs; "
+                                            "'dots_no_batch': projection outputs)"))
     scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
     implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
     loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
@@ -146,6 +146,11 @@ class LMConfig:
             raise ValueError(
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
+        if self.remat_policy != "full" and not self.remat:
+            # The policy says what each rematerialized block keeps: without remat there is none.
+            raise ValueError(f"model.remat_policy={self.remat_policy!r} applies only with model.remat=True "
+                             "(what each rematerialized block keeps); set model.remat=True, or drop "
+                             "model.remat_policy.")
         _ = self.prior  # the GOAT settings' cross-field rules (PriorSettings raises naming the field)
         if self.position_encoding != "goat":  # the baseline's own rules: its settings' and its head's
             _ = self.encoding_settings  # (its settings class raises naming the field)
