@@ -246,7 +246,8 @@ def reused(job: Job, suite: Suite) -> Optional[dict]:
 def recorded(job: Job, suite: Suite) -> Optional[dict]:
     """``job``'s result from its run record (:func:`goat_jax.reproduce.records.read`) when the
     record was made by the config the job trains with now and with this suite's evaluation
-    settings; None otherwise (or when records are off)."""
+    settings; None otherwise (or when records are off). Raises
+    :class:`goat_jax.reproduce.records.UnreadableRecord` naming a record file that cannot be read."""
     if not job.record:
         return None
     config = job_config(job)
@@ -261,7 +262,13 @@ def write_record(job: Job, result: dict) -> bool:
     record itself, or when records are off. Returns whether a file was written."""
     if not job.record or result.get("from_record"):
         return False
-    return records.write(job, job_config(job).to_dict(), result)
+    config = job_config(job).to_dict()
+    try:
+        return records.write(job, config, result)
+    except records.UnreadableRecord as e:  # the run's own evaluation is here: it replaces the torn file, said
+        cli.log(f"  {job.run_name}: run record {e.path} was unreadable ({e.reason}); replaced by the "
+                f"evaluation of the run in {job.workdir}")
+        return records.write(job, config, result, replace_unreadable=True)
 
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:

@@ -274,12 +274,22 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
     try:
         for job in all_jobs:
-            done = jobs_lib.reused(job, suite)
+            try:
+                done = jobs_lib.reused(job, suite)
+            except records_lib.UnreadableRecord as e:  # never retrained over, never reused: named
+                failed[job.run_name] = str(e)
+                cli.log(f"{job.run_name}: not run: {e}")
+                continue
             if done is None:
                 todo.append(job)
             else:
                 from_records += bool(done.get("from_record"))
                 record(job, done)
+        for reader in [j for j in todo if not j.trains]:  # the run it evaluates was not run: neither is it
+            base = _run_read_by(reader, all_jobs)
+            if base is not None and base.run_name in failed:
+                failed[reader.run_name] = f"not evaluated: the run it reads ({base.run_name}) failed"
+                todo.remove(reader)
         if train:  # an evaluated-with row to do whose run is known only from its record: retrain the run
             queued = {id(j) for j in todo}
             for reader in [j for j in todo if not j.trains]:
@@ -293,8 +303,8 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                     from_records -= 1  # counted as read from its record above; it trains now
     finally:
         absl_logging.set_verbosity(verbosity)
-    if len(todo) < len(all_jobs):
-        cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s)"
+    if len(todo) + len(failed) < len(all_jobs):
+        cli.log(f"reused {len(all_jobs) - len(todo) - len(failed)} finished and evaluated run(s)"
                 + (f" ({from_records} from their records)" if from_records else "") + f"; {len(todo)} to go")
     if written:
         cli.log(f"recorded {len(written)} run(s) that had no current record")
