@@ -157,11 +157,13 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False,
     if not os.path.exists(cache):
         return None
     try:
-        with open(cache) as f:
+        with open(cache, encoding="utf-8") as f:
             cached = json.load(f)
-    except json.JSONDecodeError:
+        if not isinstance(cached, dict):
+            raise ValueError(f"a JSON {type(cached).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         if log:
-            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
+            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable ({e}); evaluating again")
         return None
     if cached.get("eval_settings") != eval_settings(job, suite):
         if log:
