@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from typing import Optional
@@ -24,8 +25,16 @@ STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a scheduler expects of a process 
 
 
 class RunStopped(RuntimeError):
-    """A job's training stopped before its step count (SIGTERM: the trainer saved a checkpoint
-    and returned): the harness evaluates nothing of it and stops; the same command resumes it."""
+    """A job's training stopped before its step count (SIGTERM, Ctrl-C or SIGHUP: the trainer
+    saved a checkpoint and returned): the harness evaluates nothing of it and stops; the same
+    command resumes it. ``signum``: the signal (the harness exits with 128 + it)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signum = int(signum)
+
+    def __reduce__(self):  # sent back from a job process: keep the signal
+        return (type(self), (str(self), self.signum))
 
 
 class _Watcher(threading.Thread):
@@ -73,9 +82,11 @@ def train(job: Job) -> dict:
     finally:
         watcher.stop.set()
     if summary.get("preempted") or int(summary.get("step", 0)) < int(config.num_train_steps):
+        by = summary.get("stopped_by") or "SIGTERM"
         raise RunStopped(f"{job.run_name}: training stopped at step {summary.get('step')} of "
-                         f"{int(config.num_train_steps)} (SIGTERM: a checkpoint was saved); it is not "
-                         "evaluated. The same command resumes it from that checkpoint.")
+                         f"{int(config.num_train_steps)} ({by}: a checkpoint was saved); it is not "
+                         "evaluated. The same command resumes it from that checkpoint.",
+                         signum=signal.Signals[by])
     loss = summary.get("train_loss")  # absent when the run had already finished
     cli.log(f"  {job.run_name}: at step {summary['step']} after {time.time() - t0:.0f}s "
             f"({'train loss %.3f' % loss if loss is not None else 'already trained'})")

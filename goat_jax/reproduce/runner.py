@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -29,6 +30,7 @@ from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce import records as records_lib
 from goat_jax.reproduce import workers
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
+from goat_jax.train import interrupts
 from goat_jax.train import trainer
 
 
@@ -134,16 +136,30 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
                                 seeds, int(jobs)))
         return 0
+    return _run_and_report(suite, all_jobs, root, out, records_root, families, seeds, int(jobs), report_only,
+                           compilation_cache, command, t_start)
+
+
+def _run_and_report(suite: Suite, all_jobs: Sequence[Job], root: str, out: str, records_root: Optional[str],
+                    families: Sequence[str], seeds: int, jobs: int, report_only: bool,
+                    compilation_cache: Optional[str], command: str, t_start: float) -> int:
+    """:func:`reproduce` past its checks: trains and evaluates ``all_jobs`` (``report_only``:
+    reads the finished ones) and writes the report; returns the exit code. A stop signal
+    (SIGTERM, Ctrl-C, SIGHUP) stops it after the running trainers save, writes no report and
+    returns 128 + the signal's number."""
     cache = None if report_only else use_compilation_cache(compilation_cache, root)  # report_only compiles nothing
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
             + (f", records in {records_root}" if records_root else "")
             + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
     try:
-        raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
-    except jobs_lib.RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, nothing evaluated
+        with interrupts.raise_on_stop():  # between trainings (a trainer takes the signals while it runs)
+            raw, timings, failed = run_jobs(all_jobs, suite, jobs, t_start, families, train=not report_only)
+    except (jobs_lib.RunStopped, interrupts.Stopped) as e:  # saved, nothing unfinished evaluated
+        signum = getattr(e, "signum", signal.SIGTERM)
         cli.log(f"stopped: {e}")
-        cli.log("no report written; the same command resumes every stopped run from its checkpoint")
-        return jobs_lib.STOPPED_EXIT_CODE
+        cli.log("no report written; the same command resumes every stopped run from its checkpoint"
+                + (" and every evaluation from its last finished length" if isinstance(e, interrupts.Stopped) else ""))
+        return interrupts.exit_code(signum)
     unfinished = [j.run_name for j in all_jobs if j.run_name not in raw and j.run_name not in failed]
     if report_only and not raw:
         raise ValueError(f"--report_only: none of the {len(all_jobs)} planned runs under {root} has finished "
@@ -190,29 +206,44 @@ def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
     return folder
 
 
+class _StopEvent(threading.Event):
+    """A :class:`threading.Event` that also keeps the signal that set it (``signum``)."""
+
+    signum: Optional[int] = None
+
+
 @contextlib.contextmanager
-def _sigterm_event() -> Iterator[threading.Event]:
-    """While the block runs, a SIGTERM to the harness (``kill PID``, a scheduler's preemption)
-    sets the event yielded, and nothing else does: :class:`goat_jax.reproduce.workers.JobProcesses`
-    then starts no further job and forwards SIGTERM to each running one, whose trainer saves a
+def _sigterm_event() -> Iterator[_StopEvent]:
+    """While the block runs, a stop signal to the harness (SIGTERM: ``kill PID``, a scheduler's
+    preemption; SIGINT: Ctrl-C; SIGHUP unless ignored) sets the event yielded (its ``signum`` the
+    first signal), and nothing else does: :class:`goat_jax.reproduce.workers.JobProcesses` then
+    starts no further job and forwards SIGTERM to each running one, whose trainer saves a
     checkpoint at the end of its step and returns (:class:`goat_jax.reproduce.jobs.RunStopped`).
-    The previous handler is restored after the block; a harness not on the main thread cannot
-    install one and keeps the default behaviour."""
-    event = threading.Event()
+    A second Ctrl-C ends the harness at once (exit 130; its workers, in the same process group,
+    got the Ctrl-C too). The previous handlers are restored after the block; a harness not on
+    the main thread cannot install any and keeps the default behaviour."""
+    event = _StopEvent()
 
     def handle(signum, frame):  # pylint: disable=unused-argument
-        if not event.is_set():
-            cli.log("SIGTERM: stopping the running jobs after their trainers save; starting no other")
+        if event.is_set():
+            if signum == signal.SIGINT and event.signum == signal.SIGINT:
+                print("interrupted again (Ctrl-C): exiting at once", file=sys.stderr, flush=True)
+                os._exit(interrupts.exit_code(signum))  # pylint: disable=protected-access
+            return
+        event.signum = signum
+        cli.log(f"{interrupts.name(signum)}: stopping the running jobs after their trainers save; starting no other")
         event.set()
 
     if threading.current_thread() is not threading.main_thread():
         yield event
         return
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {s: signal.signal(s, handle) for s in interrupts.STOP_SIGNALS
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield event
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
@@ -364,15 +395,17 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 continue
             if isinstance(error, jobs_lib.RunStopped):
                 stopped.append(str(error))
-            elif sigterm.is_set():  # a process ended by the SIGTERM outside its trainer: evaluated nothing
-                stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(error).__name__})")
+            elif sigterm.is_set():  # a process ended by the signal outside its trainer: evaluated nothing
+                stopped.append(f"{job.run_name}: stopped by {interrupts.name(sigterm.signum)} ({type(error).__name__})")
             else:  # one job's failure loses no other
                 failed[job.run_name] = f"{type(error).__name__}: {error} (log {_log_path(job)})"
                 cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
                 for reader in readers.get(id(job), []):
                     failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
     if stopped or sigterm.is_set():
-        raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
+        signum = sigterm.signum or signal.SIGTERM
+        raise jobs_lib.RunStopped(f"{interrupts.name(signum)}: " + ("; ".join(stopped) or "no job was running"),
+                                  signum=signum)
     return raw, timings, failed
 
 
