@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from absl import logging as absl_logging
 from goat_jax import cli, files
 from goat_jax.models import lm, vit
+from goat_jax.reproduce import guard
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
 from goat_jax.reproduce import status as status_lib
@@ -31,6 +33,7 @@ from goat_jax.reproduce import records as records_lib
 from goat_jax.reproduce import workers
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
 from goat_jax.train import interrupts
+from goat_jax.train import lock as lock_lib
 from goat_jax.train import trainer
 
 
@@ -136,8 +139,10 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
                                 seeds, int(jobs)))
         return 0
-    return _run_and_report(suite, all_jobs, root, out, records_root, families, seeds, int(jobs), report_only,
-                           compilation_cache, command, t_start)
+    # One training harness per runs root and report folder (goat_jax/reproduce/guard.py); refused here, in one line.
+    with (contextlib.nullcontext() if report_only else guard.hold_harness(root, out)):
+        return _run_and_report(suite, all_jobs, root, out, records_root, families, seeds, int(jobs), report_only,
+                               compilation_cache, command, t_start)
 
 
 def _run_and_report(suite: Suite, all_jobs: Sequence[Job], root: str, out: str, records_root: Optional[str],
@@ -153,7 +158,7 @@ def _run_and_report(suite: Suite, all_jobs: Sequence[Job], root: str, out: str, 
             + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
     try:
         with interrupts.raise_on_stop():  # between trainings (a trainer takes the signals while it runs)
-            raw, timings, failed = run_jobs(all_jobs, suite, jobs, t_start, families, train=not report_only)
+            raw, timings, failed, held = run_jobs(all_jobs, suite, jobs, t_start, families, train=not report_only)
     except (jobs_lib.RunStopped, interrupts.Stopped) as e:  # saved, nothing unfinished evaluated
         signum = getattr(e, "signum", signal.SIGTERM)
         cli.log(f"stopped: {e}")
@@ -174,18 +179,41 @@ def _run_and_report(suite: Suite, all_jobs: Sequence[Job], root: str, out: str, 
             results[job.name] = stats.aggregate([raw[j.run_name] for j in done], [j.seed_offset for j in done])
     per_seed_results = {j.run_name: {"seed_offset": j.seed_offset, **raw[j.run_name]}
                         for j in all_jobs if j.run_name in raw}
-    os.makedirs(out, exist_ok=True)
-    lm_family.copy_toy_figures(rows, out)
-    report.write_report(suite, rows, results, out, command, timings, time.time() - t_start,
-                        per_seed=per_seed_results, failed=failed, seeds=seeds, unfinished=unfinished)
-    cli.log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
+    with guard.report_writing(out):  # one report writer at a time (another harness's --report_only)
+        dest = _report_folder(out, rows, all_jobs, per_seed_results)
+        lm_family.copy_toy_figures(rows, dest)
+        report.write_report(suite, rows, results, dest, command, timings, time.time() - t_start,
+                            per_seed=per_seed_results, failed=failed, seeds=seeds, unfinished=unfinished)
+    cli.log(f"wrote {os.path.join(dest, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
     for family in dict.fromkeys(j.family for j in rows):  # this invocation's verdicts, for the log
-        with open(os.path.join(out, "sections", f"{family}.md")) as f:
+        with open(os.path.join(dest, "sections", f"{family}.md")) as f:
             part = f.read().split("### Headline checks", 1)[-1]
         print(f"{FAMILY_TITLES[family]}: headline checks" + part.split("\n### ", 1)[0])
+    for name, holder in held.items():
+        cli.log(f"not run (held by another process) {name}: {holder}")
     for name, error in failed.items():
         cli.log(f"FAILED {name}: {error}")
     return 1 if failed else 0
+
+
+def _report_folder(out: str, rows: Sequence[Job], all_jobs: Sequence[Job], per_seed: dict) -> str:
+    """Where this invocation's report goes: ``out``, unless the report there holds runs (still
+    planned, of the families written now) that this one lacks: then ``out/partial`` (emptied
+    first), and the fuller report stays (:func:`goat_jax.reproduce.guard.lacking_runs`; an
+    unreadable ``results.json`` counts as fuller). Says which in the log."""
+    families = {j.family for j in rows}
+    try:
+        lacking = guard.lacking_runs(out, families, [j.run_name for j in all_jobs], per_seed)
+        why = (f"it reports {len(lacking)} run(s) this invocation has no result for ("
+               + ", ".join(lacking[:4]) + (", ..." if len(lacking) > 4 else "") + ")") if lacking else ""
+    except ValueError as e:  # an unreadable results.json: nothing to compare with, nothing replaced
+        why = f"{e}, so this invocation cannot tell whether its report is fuller"
+    if not why:
+        return out
+    dest = os.path.join(out, guard.PARTIAL)
+    shutil.rmtree(dest, ignore_errors=True)
+    cli.log(f"kept the report in {out}: {why}; this invocation's report is {dest}/REPORT.md")
+    return dest
 
 
 def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
@@ -274,7 +302,9 @@ def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] =
 def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
              families: Sequence[str] = FAMILIES, train: bool = True):
     """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
-    run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
+    run name, runs held by another process by run name)`` (a held run, whose trainer found its
+    workdir locked by another process, is one log line and no failure: the report lists it as
+    unfinished). ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
     ``<workdir>.log`` (a failure is recorded, the other jobs go on). ``jobs`` = 1: one after
     another in this process (a job's exception is logged with its traceback and recorded as its
     failure; the other jobs go on). Runs that are finished and
@@ -286,7 +316,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     when an evaluated-with row still needs its weights. Every result is written to its job's
     record (:func:`goat_jax.reproduce.jobs.write_record`) as soon as it exists. ``train``
     False: only the reused runs are read, nothing trains or evaluates (``--report_only``)."""
-    raw, timings, failed = {}, {}, {}
+    raw, timings, failed, held = {}, {}, {}, {}
     written = []
 
     def record(job, res):
@@ -341,7 +371,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
         cli.log(f"recorded {len(written)} run(s) that had no current record")
     if not train:
         cli.log(f"--report_only: {len(todo)} unfinished run(s) left out of the report")
-        return raw, timings, failed
+        return raw, timings, failed, held
     all_jobs = queue_order(todo, suite, families)
     trained = [j for j in all_jobs if j.trains]
     readers: dict[int, list[Job]] = {}  # id(trained job) -> its evaluated-with rows to do
@@ -356,13 +386,16 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 step += 1
                 cli.log(f"[{step}/{len(all_jobs)}] {each.run_name}: {each.spec} {each.overrides or ''}"
                         + (f" evaluated with {each.eval_overrides}" if not each.trains else ""))
-                if each.run_name in failed:  # its run failed above: nothing to evaluate
-                    cli.log(f"  skipped: {failed[each.run_name]}")
+                if each.run_name in failed or each.run_name in held:  # its run failed or is held above
+                    cli.log(f"  skipped: {failed.get(each.run_name) or held[each.run_name]}")
                     continue
                 try:
                     result = jobs_lib.train_and_evaluate(each, suite)
                 except jobs_lib.RunStopped:
                     raise
+                except lock_lib.WorkdirLockedError as error:  # another process trains it: one line, not a failure
+                    _held(each, error, held, readers)
+                    continue
                 except Exception as error:  # pylint: disable=broad-except  # one job's failure loses no other
                     failed[each.run_name] = f"{type(error).__name__}: {error}"
                     cli.log(f"[{step}/{len(all_jobs)}] {each.run_name} FAILED:\n{traceback.format_exc()}")
@@ -371,7 +404,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                     continue
                 record(each, result)
                 cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
-        return raw, timings, failed
+        return raw, timings, failed, held
     stopped: list[str] = []
     count = 0
     with _sigterm_event() as sigterm:
@@ -397,6 +430,8 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 stopped.append(str(error))
             elif sigterm.is_set():  # a process ended by the signal outside its trainer: evaluated nothing
                 stopped.append(f"{job.run_name}: stopped by {interrupts.name(sigterm.signum)} ({type(error).__name__})")
+            elif isinstance(error, lock_lib.WorkdirLockedError):  # another process trains it: one line
+                _held(job, error, held, readers)
             else:  # one job's failure loses no other
                 failed[job.run_name] = f"{type(error).__name__}: {error} (log {_log_path(job)})"
                 cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
@@ -406,7 +441,16 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
         signum = sigterm.signum or signal.SIGTERM
         raise jobs_lib.RunStopped(f"{interrupts.name(signum)}: " + ("; ".join(stopped) or "no job was running"),
                                   signum=signum)
-    return raw, timings, failed
+    return raw, timings, failed, held
+
+
+def _held(job: Job, error: BaseException, held: dict, readers: dict) -> None:
+    """Notes ``job`` as held by another process (its trainer's workdir lock, ``error``) in
+    ``held``, with one log line, and the rows evaluated with its run as held with it."""
+    held[job.run_name] = str(error)
+    cli.log(f"  {job.run_name}: not run: {error}")
+    for reader in readers.get(id(job), []):
+        held[reader.run_name] = f"the run it reads ({job.run_name}) is held by another process"
 
 
 def _log_path(job: Job) -> str:
