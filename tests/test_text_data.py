@@ -6,6 +6,7 @@ batches; the Jargon File (the tiny config's corpus) is checked end to end once.
 
 import gzip
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -373,3 +374,29 @@ def test_every_copy_of_a_held_out_document_is_held_out(tmp_path):
     # Distinct documents only are counted: copies of the only other document leave nothing to train.
     with pytest.raises(ValueError, match=r"only 1 document of distinct content \(3 with 2 duplicates\)"):
         documents._hold_out(["a", "a", "a"], ["a", "a", "a"], 0.1)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("eval_text, batches, says", [
+    ("Held out.", 2, r"fills less than one window \(16 tokens\): eval_loss / eval_ppl are over (\d+) tokens"),
+    ("Held-out text, a bit longer.", 4,
+     r"fills 2 of the 16 windows asked for \(data.num_eval_batches=4 x 4 per host\): eval_loss / eval_ppl are over (\d+) tokens"),
+])
+def test_a_tiny_held_out_split_warns_and_counts_its_tokens(tmp_path, paragraphs_file, eval_text, batches, says):
+    """A held-out split far smaller than the eval asks for was reported as an ordinary eval_ppl
+    (issue #67): it warns, naming the tokens scored, which are exactly what the weights count."""
+    held = tmp_path / "held.txt"
+    held.write_text(eval_text)
+    cfg = _config(paths=[paragraphs_file[0]], doc_split="paragraphs", eval_paths=[str(held)],
+                  num_eval_batches=batches)
+    _, make_eval, _ = _make(cfg)
+    with pytest.warns(UserWarning, match=says) as caught:
+        batches_out = list(make_eval())
+    assert len(batches_out) == batches
+    scored = sum(float(b["weights"].sum()) for b in batches_out)
+    import re  # pylint: disable=g-import-not-at-top
+    quoted = [int(m.group(1)) for w in caught if (m := re.search(says, str(w.message)))]
+    assert quoted == [scored]
+    with warnings.catch_warnings():  # a split that fills what is asked says nothing
+        warnings.simplefilter("error")
+        list(_make(_config(paths=[paragraphs_file[0]], doc_split="paragraphs", eval_paths=[paragraphs_file[0]],
+                           num_eval_batches=1))[1]())

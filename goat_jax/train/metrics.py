@@ -43,6 +43,16 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def describe(metrics: Dict[str, Any]) -> str:
+    """One log line's worth of ``metrics``: ``eval_loss 2.3456, eval_ppl 10.44, eval_tokens
+    1024`` (counts as integers, the rest to 4 significant digits)."""
+    def fmt(key, value):
+        if isinstance(value, float) and value.is_integer() and key.endswith(("_tokens", "_examples")):
+            return f"{key} {int(value)}"
+        return f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}"
+    return ", ".join(fmt(k, v) for k, v in metrics.items())
+
+
 def truncate_jsonl(path: str, last_step: int) -> None:
     """Drops rows with ``step > last_step`` from ``path`` (atomically); the rows a resumed run
     is about to log again."""

@@ -547,6 +547,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
                     pending = None
                 eval_metrics = evaluate(state.params)
                 if eval_metrics:
+                    logging.info("step %d: %s", step, metrics_lib.describe(eval_metrics))  # eval_tokens too
                     writer.write(step, eval_metrics)
                     summary.update(eval_metrics)
                 throughput.reset(step)
