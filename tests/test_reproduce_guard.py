@@ -72,3 +72,31 @@ def test_a_held_run_is_one_line_and_a_partial_report_keeps_the_fuller_one(suite,
     assert "lm/jargon/goat" in json.loads((out / "results.json").read_text())
     assert f"kept the report in {out}: it reports 1 run(s) this invocation has no result for (lm/jargon/goat)" in log
     assert "has finished yet" in (out / guard.PARTIAL / "REPORT.md").read_text()  # this invocation's, beside it
+
+
+def test_a_stopped_paper_harness_passes_sigterm_to_the_command_it_runs(tmp_path, monkeypatch, capsys):
+    """``--suite paper`` runs shell commands one after another; a SIGTERM to the harness left the
+    running command going, orphaned. It is now passed on (the command's trainer would save)."""
+    import os  # pylint: disable=g-import-not-at-top
+    import signal  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.reproduce import paper, runner  # pylint: disable=g-import-not-at-top
+
+    up, got = tmp_path / "up", tmp_path / "got_sigterm"
+    child = (f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (open({str(got)!r}, 'w').close(), "
+             f"sys.exit(0))); open({str(up)!r}, 'w').close(); time.sleep(60)")
+    monkeypatch.setattr(paper, "paper_commands", lambda *a, **k: [f"{sys.executable} -c \"{child}\""])
+
+    def stop_once_up():
+        deadline = time.time() + 60
+        while not up.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_up, daemon=True).start()
+    started = time.time()
+    rc = runner.reproduce("paper", command="test", workdir=str(tmp_path / "runs"), out=str(tmp_path / "out"))
+    assert rc == 143 and got.exists() and time.time() - started < 30, capsys.readouterr().out

@@ -116,7 +116,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
             return 0
         for cmd in cmds:
             cli.log(f"$ {cmd}")
-            rc = subprocess.call(cmd, shell=True, cwd=ROOT)
+            rc = run_command(cmd)
             if rc:
                 cli.log(f"failed with exit code {rc}: {cmd}")
                 return rc
@@ -214,6 +214,34 @@ def _report_folder(out: str, rows: Sequence[Job], all_jobs: Sequence[Job], per_s
     shutil.rmtree(dest, ignore_errors=True)
     cli.log(f"kept the report in {out}: {why}; this invocation's report is {dest}/REPORT.md")
     return dest
+
+
+def run_command(cmd: str) -> int:
+    """Runs the shell command ``cmd`` (a ``--suite paper`` step) from the repository root in a
+    process group of its own and returns its exit code. A stop signal to the harness (SIGTERM,
+    Ctrl-C, SIGHUP) is passed to the whole group as SIGTERM, so the command's trainer saves a
+    checkpoint and ends (it used to keep running, orphaned, when the harness was killed); the
+    harness then returns 128 + the signal's number, having waited for it."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=ROOT, start_new_session=True)
+    try:
+        with interrupts.raise_on_stop():
+            return proc.wait()
+    except interrupts.Stopped as e:
+        cli.log(f"{interrupts.name(e.signum)}: stopping `{cmd}` (SIGTERM: its trainer saves a checkpoint); "
+                "the same command resumes")
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        deadline = time.time() + 600  # the shell may end first: wait for the group's trainer to save
+        while time.time() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        return interrupts.exit_code(e.signum)
 
 
 def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
