@@ -109,14 +109,23 @@ def test_a_second_ctrl_c_exits_at_once_even_in_c():
     assert stderr.strip().splitlines()[-1].startswith("interrupted again (Ctrl-C): exiting at once without saving")
 
 
+def _sighup_noted(stop):
+    os.kill(os.getpid(), signal.SIGHUP)
+    deadline = time.time() + 5
+    while not stop.requested and time.time() < deadline:
+        time.sleep(0.01)
+    return stop.signum == signal.SIGHUP and stop.reached(1)
+
+
 def test_sighup_is_a_stop_request_unless_nohup_ignores_it():
     with interrupts.stop_signals() as stop:
-        os.kill(os.getpid(), signal.SIGHUP)
-        deadline = time.time() + 5
-        while not stop.requested and time.time() < deadline:
-            time.sleep(0.01)
-        assert stop.signum == signal.SIGHUP and stop.reached(1)
+        assert _sighup_noted(stop)
         assert stop.saved_line(7) == "SIGHUP: saved a checkpoint at step 7; exiting."
+    with interrupts.raise_on_stop():  # a trainer inside the harness takes SIGHUP over, and gives it back
+        outer = signal.getsignal(signal.SIGHUP)
+        with interrupts.stop_signals() as stop:
+            assert _sighup_noted(stop)
+        assert signal.getsignal(signal.SIGHUP) is outer
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     try:
         with interrupts.stop_signals() as stop:

@@ -13,8 +13,7 @@ the commands differ only in what they have to save (docs/training.md, "Stopping 
   trainings) take :func:`raise_on_stop`: each of the signals raises :class:`Stopped` in the main
   thread, so the command writes what it has finished before it exits with one line.
 
-SIGHUP is taken only while its disposition is the default (ending the process): under ``nohup``
-it is ignored, and stays ignored. Exit codes: ``128 + signal number`` (130 Ctrl-C, 129 SIGHUP,
+SIGHUP is taken only while it is not ignored: under ``nohup`` it is ignored, and stays ignored. Exit codes: ``128 + signal number`` (130 Ctrl-C, 129 SIGHUP,
 143 SIGTERM), except the trainer's SIGTERM, which keeps its exit 0 (a preempted run that saved).
 """
 
@@ -53,9 +52,10 @@ class Stopped(BaseException):
 
 
 def _taken(signum: int) -> bool:
-    """Whether this process should handle ``signum`` itself: SIGHUP only while its disposition
-    is the default (``nohup`` ignores it, and that choice is kept)."""
-    return signum != signal.SIGHUP or signal.getsignal(signum) is signal.SIG_DFL
+    """Whether this process should handle ``signum`` itself: SIGHUP only while it is not ignored
+    (``nohup`` ignores it, and that choice is kept; an outer handler, e.g. the report harness's
+    around an in-process trainer, is taken over and restored after)."""
+    return signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN
 
 
 def _second_ctrl_c_exits(message: str) -> Callable[[], None]:
