@@ -118,6 +118,14 @@ def _sighup_noted(stop):
 
 
 def test_sighup_is_a_stop_request_unless_nohup_ignores_it():
+    start = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, whatever ran this test
+    try:
+        _sighup_cases()
+    finally:
+        signal.signal(signal.SIGHUP, start)
+
+
+def _sighup_cases():
     with interrupts.stop_signals() as stop:
         assert _sighup_noted(stop)
         assert stop.saved_line(7) == "SIGHUP: saved a checkpoint at step 7; exiting."
@@ -150,12 +158,13 @@ def test_evaluate_stopped_by_ctrl_c_writes_the_evaluations_that_finished(ctrl_c_
 
     monkeypatch.setattr(runs, "eval_sinks", interrupted)
     out = tmp_path / "eval"
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises((interrupts.Stopped, KeyboardInterrupt)):
         evaluate.main(["--workdir", str(ctrl_c_run[2]), "--label", "run", "--evals", "extrapolation,sinks",
                        "--multipliers", "1", "--out", str(out)])
     kept = json.loads((out / "results.json").read_text())
     assert "extrapolation" in kept["run"] and "sinks" not in kept["run"]  # the finished one only
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
 def test_the_harness_stopped_by_ctrl_c_mid_training_saves_and_reports_nothing(tmp_path, monkeypatch, capsys):
