@@ -61,7 +61,8 @@ it, since the dynamic factor would follow the packed window's length, not each d
 with ``mesh.context > 1`` whose windows one device cannot hold; goat_jax.eval.context): extrapolation,
 niah, the synthetic passkey and dna; evaluations that decode or read attention probabilities are
 refused with it. Every check of the request runs on every run before any evaluation; if an
-evaluation fails anyway, the ones that finished before it are written to OUT before the error is raised.
+evaluation fails anyway, or the command is stopped (Ctrl-C, SIGTERM, SIGHUP: one line, exit 130 /
+143 / 129), the ones that finished before it are written to OUT first.
 
 Runs are read with goat_jax.train.run.load_run, read-only: evaluating a run that is still
 training is safe (nothing in its workdir is written, cleaned up or locked).
@@ -80,6 +81,7 @@ from goat_jax import cli
 from goat_jax.layers.call import LOGN_MODES
 from goat_jax.eval import checks, context, lm_run, runs
 from goat_jax.models.lm import POSITION_ENCODINGS
+from goat_jax.train import interrupts
 from goat_jax.train import run as run_lib
 from goat_jax.eval.runs import EVALS
 
@@ -209,19 +211,29 @@ def replace_results(staging: str, out: str) -> None:
 
 def keep_finished(results: dict[str, dict[str, Any]], out: str, train_lens: dict[str, int],
                   setups: Optional[dict[str, dict[str, Any]]] = None) -> None:
-    """After an evaluation failed: writes the evaluations that finished before it (``results``,
-    ``{label: {eval: result}}``, the failed one absent) to ``out`` as a full run would, and logs
-    what was kept, so an hour of finished work is not lost to the last evaluation's error."""
+    """After an evaluation failed or was interrupted (Ctrl-C, SIGTERM, SIGHUP): writes the
+    evaluations that finished before it (``results``, ``{label: {eval: result}}``, the
+    unfinished one absent) to ``out`` as a full run would, and logs what was kept, so an hour of
+    finished work is not lost to the last evaluation's error or to a stop."""
     finished = {label: r for label, r in results.items() if r}
     if not finished:
         return
     runs.write_outputs(finished, out, {k: train_lens[k] for k in finished}, setups)
-    cli.log(f"kept the evaluations that finished before the error in {out}/results.json: "
+    cli.log(f"kept the evaluations that finished before it stopped in {out}/results.json: "
             + "; ".join(f"{label}: {', '.join(r)}" for label, r in finished.items()))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """CLI entry point (argparse); returns ``{label: {eval: result}}``."""
+    """CLI entry point (argparse); returns ``{label: {eval: result}}``. SIGTERM, Ctrl-C and SIGHUP
+    stop it like an error does: the evaluations that finished are written to ``--out`` first
+    (:func:`keep_finished`), then :class:`goat_jax.train.interrupts.Stopped` is raised (the
+    command line prints one line and exits 128 + the signal's number)."""
+    with interrupts.raise_on_stop():
+        return _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """:func:`main` without the signal handlers."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", action="append", required=True, help="run dir (repeatable)")
     p.add_argument("--label", action="append", help="label per --workdir (default: encoding)")
@@ -352,7 +364,7 @@ def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, di
                               chunk_size=args.chunk_size, diagnostics_options=diagnostics_options,
                               lm_eval_options=lm_eval_options and {**lm_eval_options, "label": label},
                               into=results[label])
-        except Exception:
+        except BaseException:  # an error, Ctrl-C, SIGTERM or SIGHUP (interrupts.raise_on_stop): keep the finished
             keep_finished(results, dest, train_lens, setups)
             raise
     print(runs.write_outputs(results, dest, train_lens, setups))

@@ -3,6 +3,9 @@
     python -m experiments.train --config configs/lm_tiny.py[:arg] --workdir DIR [--config.x=y ...]
 
 Re-running the same command resumes from DIR's latest checkpoint. See goat_jax/train/trainer.py.
+SIGTERM, Ctrl-C and SIGHUP save a checkpoint at the end of the current step and stop, with one
+line (exit 0 for SIGTERM, 130 for Ctrl-C, 129 for SIGHUP); a second Ctrl-C exits at once without
+saving (docs/training.md, "Stopping a run").
 ``--resume_with_changes`` lets the optimizer fields and ``num_train_steps`` differ from the
 checkpoint's (e.g. a lower learning rate after a non-finite loss); the change is recorded in
 DIR/config_changes.jsonl. Errors in the config or inputs print one line (``GOAT_DEBUG=1``: the
@@ -22,6 +25,8 @@ writes its part of each checkpoint there.
 
 import logging as py_logging
 import os
+import signal
+import sys
 
 from goat_jax import _extras
 with _extras.imports(__name__):  # the 'train' extra: one line naming it if absent
@@ -30,6 +35,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
     from absl import logging
 from goat_jax import cli
 from goat_jax import config_files
+from goat_jax.train import interrupts
 from goat_jax.train import sharding
 from goat_jax.train import trainer
 
@@ -68,6 +74,9 @@ def main(argv):
         summary = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                              resume_with_changes=_RESUME_WITH_CHANGES.value)
     logging.info("done: %s", summary)
+    stopped = summary.get("stopped_by")
+    if stopped in ("SIGINT", "SIGHUP"):  # saved (one line logged); a shell's status for the signal
+        sys.exit(interrupts.exit_code(signal.Signals[stopped]))
 
 
 if __name__ == "__main__":

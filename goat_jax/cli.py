@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from goat_jax import _extras
+from goat_jax.train import interrupts
 from goat_jax.train import lock as lock_lib
 from goat_jax.train import run as run_lib
 
@@ -54,15 +55,24 @@ def _fail(message: str) -> None:
 
 
 def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps ``main`` so that :data:`USER_ERRORS` end the process with one line and status 1."""
+    """Wraps ``main`` so that :data:`USER_ERRORS` end the process with one line and status 1,
+    and a stop signal that reached it (Ctrl-C's ``KeyboardInterrupt``,
+    :class:`goat_jax.train.interrupts.Stopped`) with one line and ``128 + signal`` (130 for
+    Ctrl-C), never a traceback: what the command saves on the way out it has saved by then."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
-        if debug():
-            return main(*args, **kwargs)
         try:
-            return main(*args, **kwargs)
-        except USER_ERRORS as e:
-            _fail(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            if debug():
+                return main(*args, **kwargs)
+            try:
+                return main(*args, **kwargs)
+            except USER_ERRORS as e:
+                _fail(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        except (KeyboardInterrupt, interrupts.Stopped) as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            how = "Ctrl-C" if signum == signal.SIGINT else interrupts.name(signum)
+            print(f"interrupted ({how}): stopped", file=sys.stderr, flush=True)
+            sys.exit(interrupts.exit_code(signum))
     return wrapped
 
 

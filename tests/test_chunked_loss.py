@@ -7,7 +7,9 @@ weights against a float64 NumPy reference (chunk sizes that divide the length, t
 longer than it; loss weights with zeros; padded vocabulary columns); the LM's loss chunked and
 not chunked through tied and untied output embeddings (value and every parameter's gradient);
 a padded vocabulary whose padded rows would dominate the softmax leaves the loss, the logits and
-greedy sampling untouched; every remat policy computes the same loss and gradients."""
+greedy sampling untouched; a padded model (tied or untied) starts with the unpadded model's
+parameters where they overlap, as a larger 'learned' position table does; every remat policy
+computes the same loss and gradients."""
 
 import dataclasses
 
@@ -185,3 +187,49 @@ def test_dna_task_refuses_the_chunked_loss_it_would_ignore():
     config.model.loss_chunk_size = 4
     with pytest.raises(ValueError, match="model.loss_chunk_size=4: the DNA task"):
         tasks.get_task("dna").validate(config)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_padded_vocabulary_starts_as_the_unpadded_model(tied):
+    """``vocab_pad_multiple`` is a speed setting: the padded model's initial parameters equal the
+    unpadded model's where they overlap (the real rows of a tied table, the real columns of an
+    untied ``lm_head``), and every other parameter is identical. The untied ``lm_head [E, Vp]``
+    was drawn anew at its padded shape, which changed every value (issue #67); its padding
+    columns now start at 0, so the first step's logits and loss are the unpadded model's."""
+    import flax  # pylint: disable=g-import-not-at-top
+
+    fields = dict(TINY, tie_embeddings=tied)
+    plain, padded = LMConfig(**fields), LMConfig(**fields, vocab_pad_multiple=16)  # 37 -> 48
+    toks = jax.random.randint(jax.random.PRNGKey(4), (2, 6), 0, plain.vocab_size, jnp.int32)
+    a = flax.core.meta.unbox(jitted.init(TransformerLM(plain), jax.random.PRNGKey(7), toks))["params"]
+    b = flax.core.meta.unbox(jitted.init(TransformerLM(padded), jax.random.PRNGKey(7), toks))["params"]
+    flat_a, flat_b = (dict(jax.tree_util.tree_flatten_with_path(p)[0]) for p in (a, b))
+    assert flat_a.keys() == flat_b.keys()
+    v = plain.vocab_size
+    for path, x in flat_a.items():
+        y = flat_b[path]
+        name = jax.tree_util.keystr(path)
+        if "lm_head" in name:
+            assert y.shape == (plain.embed_dim, 48)
+            np.testing.assert_array_equal(y[:, :v], x, err_msg=name)
+            np.testing.assert_array_equal(y[:, v:], 0)
+        elif "embedding" in name and "embed" in name:
+            assert y.shape == (48, plain.embed_dim)
+            np.testing.assert_array_equal(y[:v], x, err_msg=name)
+        else:
+            np.testing.assert_array_equal(y, x, err_msg=name)
+    np.testing.assert_array_equal(jitted.apply(TransformerLM(padded), {"params": b}, toks),
+                                  jitted.apply(TransformerLM(plain), {"params": a}, toks))
+
+
+def test_a_larger_position_table_starts_as_the_smaller_one():
+    """The other resized parameter of the LM (``model.max_len``, the 'learned' table [max_len, E],
+    padded along its rows): its first rows are the smaller table's draws (issue #67's sweep)."""
+    from goat_jax.positional import LearnedPositionEmbedding  # pylint: disable=g-import-not-at-top
+
+    pos = jnp.arange(8)[None]
+    import flax  # pylint: disable=g-import-not-at-top
+
+    small, large = (flax.core.meta.unbox(LearnedPositionEmbedding(max_len=n, features=16).init(jax.random.PRNGKey(3), pos))
+                    for n in (32, 80))
+    np.testing.assert_array_equal(large["params"]["embedding"][:32], small["params"]["embedding"])

@@ -71,7 +71,7 @@ def test_loss_counts_correct_predictions_and_eval_metrics():
     assert float(aux["correct"]) == ((lg.argmax(-1) == t) * wt).sum()
     got = task.eval_metrics({"loss": 13.0, "weight": 10.0, "correct": 4.0})
     assert got == pytest.approx({"bits_per_base": 1.3 / math.log(2), "ppl": math.exp(1.3),
-                                 "accuracy": 0.4})
+                                 "accuracy": 0.4, "tokens": 10.0})
 
 
 @pytest.mark.slow(reason="trains and evaluates through both command lines")

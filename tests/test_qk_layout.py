@@ -1,12 +1,13 @@
 """``PriorSettings.qk_layout``: the packed q/k width of GOAT (docs/layer.md, Packed width).
 
 'official' takes ``2R + 1`` head dims for the prior and widens q/k by the sink's extra exact-split
-channels (130 for a 128 head in bf16); 'lane_aligned' carves those channels from the content
-dims too, so the kernel sees exactly ``head_dim``. Checked: the widths, the lane-aligned layer
-against the float64 reference with the narrower content, identity with 'official' in float32,
-the LM and ViT config fields (the ViT's 2D layer with its CLS token against the reference too),
-and (with libtpu) the TPU compiler's operands of splash: 130 lanes tiled
-to 128-lane tiles (padded) for 'official', 128 for 'lane_aligned'."""
+channels (130 for a 128 head in bf16); 'lane_aligned' carves bf16's three sink channels from the
+content dims in every dtype, so the kernel sees exactly ``head_dim``. Checked: the widths, the
+lane-aligned layer against the float64 reference with the narrower content, that it is one
+function in float32, float16 and bfloat16 (issue #67: its carve used to follow the dtype), the LM
+and ViT config fields (the ViT's 2D layer with its CLS token against the reference too), and
+(with libtpu) the TPU compiler's operands of splash: 130 lanes tiled to 128-lane tiles (padded)
+for 'official', 128 for 'lane_aligned'."""
 
 import json
 
@@ -35,7 +36,7 @@ def _packed_width(module, x):
 @pytest.mark.parametrize("dtype, official, aligned", [
     (jnp.bfloat16, 18, 16),  # head 16, R 2: d_c 11 + 4 + 3 sink channels vs d_c 9 + 4 + 3
     (jnp.float16, 17, 16),
-    (jnp.float32, 16, 16),  # one sink channel: the layouts agree
+    (jnp.float32, 16, 16),  # one sink channel widens nothing; lane_aligned packs its three, two of them 0
 ])
 def test_packed_width_is_the_head_dim_when_lane_aligned(dtype, official, aligned):
     x = jnp.zeros((1, 8, E), dtype)
@@ -59,11 +60,22 @@ def test_lane_aligned_layer_equals_the_float64_reference_with_narrower_content(r
     assert np.abs(official - want).max() > 1e-3 * np.abs(want).max()
 
 
-def test_float32_layouts_are_the_same_function(rng):
-    module, params = make_module_and_params(rng, 16, pos_rank=2, abs_rank=2)
-    aligned = ref.goat_module(num_heads=4, pos_rank=2, abs_rank=2, qk_layout="lane_aligned")
-    x = jnp.asarray(rng.normal(size=(1, 16, E)), jnp.float32)
-    np.testing.assert_array_equal(module.apply(params, x, is_causal=True), aligned.apply(params, x, is_causal=True))
+def test_lane_aligned_is_one_function_in_every_dtype(rng):
+    """The same parameters through 'lane_aligned' in float32, float16 and bfloat16: each is the
+    float64 reference with ``head_dim - 2R - 3`` content dims (bf16's carve in every dtype), to
+    its dtype's rounding. The carve used to follow the dtype (3 / 2 / 1 sink channels), so float32
+    and float16 computed other functions than the bf16 training did (12-46% apart)."""
+    module, params = make_module_and_params(rng, 16, pos_rank=2, abs_rank=2, qk_layout="lane_aligned",
+                                            training_seq_len=16)
+    x = jnp.asarray(rng.normal(size=(2, 16, E)), jnp.float32)
+    want = ref.goat_attention(params, dict(ref_cfg(module), content_dims=16 - 2 * 2 - 3), x, x, x, is_causal=True)
+    scale = np.abs(want).max()
+    for dtype, tol in ((jnp.float32, 2e-5), (jnp.float16, 5e-3), (jnp.bfloat16, 3e-2)):
+        out = np.asarray(module.clone(dtype=dtype).apply(params, x, is_causal=True), np.float64)
+        np.testing.assert_allclose(out, want, rtol=0, atol=tol * scale, err_msg=jnp.dtype(dtype).name)
+    # Still not the official function (two content dims fewer), in float32 as in bf16.
+    official = ref.goat_attention(params, ref_cfg(module), x, x, x, is_causal=True)
+    assert np.abs(official - want).max() > 1e-3 * scale
 
 
 def test_layout_is_a_model_field_and_bad_values_name_the_choices():
@@ -88,10 +100,11 @@ def _vit(layout, dtype="float32"):
                                  qk_layout=layout, dtype=dtype))
 
 
-def test_vit_takes_the_layout_and_its_float32_path_is_the_official_function(rng):
+def test_vit_takes_the_layout_and_lane_aligned_is_one_function_in_float32_and_bf16(rng):
     """``model.qk_layout`` of the ViT configs (the tiny report's bf16 layout rows): in bf16 the
-    64-wide heads pack 66 channels under 'official' and 64 under 'lane_aligned'; in float32 the
-    two layouts are one function of the same parameters."""
+    64-wide heads pack 66 channels under 'official' and 64 under 'lane_aligned'; a lane-aligned
+    ViT gives the same logits in float32 as in bf16 (to bf16 rounding), and other logits than
+    the official layout's."""
     from goat_jax.config_files import load_config  # pylint: disable=g-import-not-at-top
     from goat_jax.train import tasks, trainer  # pylint: disable=g-import-not-at-top
     images = jnp.asarray(rng.normal(size=(2, 28, 28, 1)), jnp.float32)
@@ -108,7 +121,11 @@ def test_vit_takes_the_layout_and_its_float32_path_is_the_official_function(rng)
     official, aligned = _vit("official"), _vit("lane_aligned")
     params = flax.core.meta.unbox(jitted.init(official, jax.random.key(1), images))
     params = jax.tree.map(lambda x: x + jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), params)  # a prior that moves
-    np.testing.assert_array_equal(official.apply(params, images), aligned.apply(params, images))
+    f32 = np.asarray(aligned.apply(params, images), np.float64)
+    bf16 = np.asarray(_vit("lane_aligned", "bfloat16").apply(params, images), np.float64)
+    spread = np.abs(f32).max()
+    assert np.abs(bf16 - f32).max() < 0.05 * spread, np.abs(bf16 - f32).max() / spread
+    assert np.abs(np.asarray(official.apply(params, images), np.float64) - f32).max() > 1e-3 * spread
     with pytest.raises(ValueError, match=r"qk_layout"):
         trainer.validate_config(load_config("configs/vit_tiny.py:goat,canvas", {"model.qk_layout": "aligned"}), 1)
 

@@ -87,7 +87,8 @@ def test_a_suite_whose_runs_are_gone_is_rebuilt_from_its_records(tmp_path, monke
 
 
 def test_a_torn_or_foreign_record_is_not_reused(tmp_path):
-    """A record is read only when it parses and was made by the job's config and settings."""
+    """A record is read only when it was made by the job's config and settings; one that does not
+    parse raises, naming the file."""
     suite = _suite()
     job = next(j for j in records.attach(suites.plan(suite, str(tmp_path / "runs"), families=["lm"]),
                                          str(tmp_path / "runs"), str(tmp_path / "rec")) if j.trains)
@@ -109,7 +110,36 @@ def test_a_torn_or_foreign_record_is_not_reused(tmp_path):
     assert records.read(job, newer, settings, safe, defaults) is not None
     assert records.read(job, {**config, "model": {**config["model"], "name": "vit"}}, settings, safe, defaults) is None
     with open(records.record_path(job), "w") as f:
-        f.write('{"config": ')  # torn
-    assert records.read(job, config, settings) is None
+        f.write('{"config": ')  # torn: named, never taken for "no record" (issue #67)
+    with pytest.raises(records.UnreadableRecord, match=r"record.json is unreadable \(JSONDecodeError"):
+        records.read(job, config, settings)
     with pytest.raises(ValueError, match="not under the runs root"):
         records.attach([job], str(tmp_path / "elsewhere"), str(tmp_path / "rec"))
+
+
+def test_an_unreadable_record_is_named_never_reused_nor_trained_over(tmp_path, monkeypatch, capsys):
+    """A torn ``record.json`` counted as "no record": ``--status`` said "Not started" and the
+    harness trained the run again and overwrote the file (issue #67). Now ``--status`` and the
+    run name the file; the job is reported FAILED, nothing trains, the file is left as it was."""
+    suite = dataclasses.replace(suites.SUITES["smoke"], name="smoke_torn", tasks=(), toy="", encodings=("goat",),
+                                lm_variants=(), retrieval_variants=(), multipliers=(1,), standard_trials=1,
+                                sink_examples=1)
+    monkeypatch.setitem(suites.SUITES, "smoke_torn", suite)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    torn = out / "runs" / "jargon" / "goat" / "record.json"
+    torn.parent.mkdir(parents=True)
+    torn.write_text('{"run_name": "lm/jargon/goat", "config": {"mod')  # killed mid-write
+    argv = ["--suite", "smoke_torn", "--families", "lm", "--workdir", str(runs), "--out", str(out)]
+    assert reproduce.main(argv + ["--status"]) == 0
+    status = capsys.readouterr().out
+    assert f"lm/jargon/goat: run record {torn} is unreadable (JSONDecodeError" in status, status
+    monkeypatch.setattr(jobs_lib, "train_and_evaluate", lambda *a, **k: pytest.fail("a job ran"))
+    assert reproduce.main(argv) == 1
+    log = capsys.readouterr().out
+    assert f"lm/jargon/goat: not run: run record {torn} is unreadable" in log, log
+    assert "move it aside to train and evaluate the run again" in log
+    assert torn.read_text() == '{"run_name": "lm/jargon/goat", "config": {"mod'
+    with pytest.raises(records.UnreadableRecord, match="a JSON list, not an object"):
+        torn.write_text("[]")
+        records.check_readable(next(j for j in records.attach(
+            suites.plan(suite, str(runs), families=["lm"]), str(runs), str(out / "runs"))))

@@ -6,6 +6,7 @@ batches; the Jargon File (the tiny config's corpus) is checked end to end once.
 
 import gzip
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -352,3 +353,50 @@ def test_bos_windows_start_with_bos_and_keep_every_token_once(tmp_path, paragrap
     for b in _take(train, 12):
         assert np.all(b["inputs"][:, 0] == bos)
     _check_resume(cfg, n_total=12, points=(0, 5), seq_len=16, batch=4)
+
+
+def test_every_copy_of_a_held_out_document_is_held_out(tmp_path):
+    """The held-out split promised "duplicates of a held-out document are held out too", but took
+    the first n documents of the CRC32 order, so a cut inside a run of copies trained on some of
+    them (issue #67). Ten distinct paragraphs, the one of smallest CRC32 three times: 10% holds
+    out one distinct document, with all three copies, and none of them trains."""
+    import zlib  # pylint: disable=g-import-not-at-top
+
+    distinct = [f"Paragraph {i} about x{'y' * i}" for i in range(10)]
+    first = min(distinct, key=lambda d: zlib.crc32(d.encode("utf-8")))
+    docs = distinct + [first, first]
+    path = tmp_path / "dup.txt"
+    path.write_text("\n\n".join(docs) + "\n")
+    train, held = documents.text_file_splits(_config(paths=[str(path)], doc_split="paragraphs", eval_fraction=0.1))
+    train_docs, held_docs = list(train.texts()), list(held.texts())
+    assert held_docs == [first] * 3
+    assert first not in train_docs and sorted(train_docs) == sorted(set(distinct) - {first})
+    # Distinct documents only are counted: copies of the only other document leave nothing to train.
+    with pytest.raises(ValueError, match=r"only 1 document of distinct content \(3 with 2 duplicates\)"):
+        documents._hold_out(["a", "a", "a"], ["a", "a", "a"], 0.1)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("eval_text, batches, says", [
+    ("Held out.", 2, r"fills less than one window \(16 tokens\): eval_loss / eval_ppl are over (\d+) tokens"),
+    ("Held-out text, a bit longer.", 4,
+     r"fills 2 of the 16 windows asked for \(data.num_eval_batches=4 x 4 per host\): eval_loss / eval_ppl are over (\d+) tokens"),
+])
+def test_a_tiny_held_out_split_warns_and_counts_its_tokens(tmp_path, paragraphs_file, eval_text, batches, says):
+    """A held-out split far smaller than the eval asks for was reported as an ordinary eval_ppl
+    (issue #67): it warns, naming the tokens scored, which are exactly what the weights count."""
+    held = tmp_path / "held.txt"
+    held.write_text(eval_text)
+    cfg = _config(paths=[paragraphs_file[0]], doc_split="paragraphs", eval_paths=[str(held)],
+                  num_eval_batches=batches)
+    _, make_eval, _ = _make(cfg)
+    with pytest.warns(UserWarning, match=says) as caught:
+        batches_out = list(make_eval())
+    assert len(batches_out) == batches
+    scored = sum(float(b["weights"].sum()) for b in batches_out)
+    import re  # pylint: disable=g-import-not-at-top
+    quoted = [int(m.group(1)) for w in caught if (m := re.search(says, str(w.message)))]
+    assert quoted == [scored]
+    with warnings.catch_warnings():  # a split that fills what is asked says nothing
+        warnings.simplefilter("error")
+        list(_make(_config(paths=[paragraphs_file[0]], doc_split="paragraphs", eval_paths=[paragraphs_file[0]],
+                           num_eval_batches=1))[1]())

@@ -6,7 +6,9 @@ test_sharding.py and test_checkpoint.py).
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -111,16 +113,20 @@ def test_gradient_accumulation_matches_full_batch():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_run_leaves_metrics_tensorboard_checkpoints_and_config(tmp_path):
+def test_run_leaves_metrics_tensorboard_checkpoints_and_config(tmp_path, caplog):
     config = _smoke(num_train_steps=10, eval_every_steps=10, log_every_steps=2)
-    summary = trainer.train_and_evaluate(config, str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        summary = trainer.train_and_evaluate(config, str(tmp_path))
+    assert re.search(r"step 10: eval_loss [\d.]+, eval_ppl [\d.]+, eval_tokens 1024$", caplog.text, re.M), caplog.text[-2000:]
     assert summary["step"] == 10 and not summary["preempted"]
     rows = _rows(tmp_path)
     train = [r for r in rows if "train_loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10]
     assert all(set(r) == TRAIN_KEYS for r in train)
     assert all(r["tokens_per_sec"] > 0 for r in train[1:])
-    assert [set(r) for r in rows if "eval_loss" in r] == [{"step", "eval_loss", "eval_ppl", "elapsed_s"}]
+    assert [set(r) for r in rows if "eval_loss" in r] == [{"step", "eval_loss", "eval_ppl", "eval_tokens", "elapsed_s"}]
+    # The scored tokens beside the loss (issue #67): 2 eval batches x 8 windows x 64 targets.
+    assert [r["eval_tokens"] for r in rows if "eval_loss" in r] == [2 * 8 * 64]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "5"]
     saved = json.loads((tmp_path / "config.json").read_text())

@@ -13,7 +13,9 @@ from goat_jax.aot.target import Target, target_devices
 def with_batch(config: Any, per_device: int, remat: Optional[bool] = None, remat_field: str = "model.remat") -> Any:
     """A copy of ``config`` training ``per_device`` examples per device in one microbatch
     (``per_device_batch_size``, ``global_batch_size`` None, ``grad_accum_steps`` 1), with
-    ``remat_field`` set to ``remat`` unless that is None."""
+    ``remat_field`` set to ``remat`` unless that is None. Turning it off also resets a
+    ``<remat_field>_policy`` field beside it (``model.remat_policy``) to 'full', its default, which
+    the model refuses to see set without rematerialization (an inert setting)."""
     c = copy.deepcopy(config)
     with c.unlocked():
         c.global_batch_size, c.per_device_batch_size, c.grad_accum_steps = None, int(per_device), 1
@@ -23,6 +25,8 @@ def with_batch(config: Any, per_device: int, remat: Optional[bool] = None, remat
             for part in path:
                 node = node[part]
             node[name] = bool(remat)
+            if not remat and f"{name}_policy" in node:
+                node[f"{name}_policy"] = "full"
     return c
 
 

@@ -521,6 +521,6 @@ def make_dna_datasets(
                              f"data.{cfg.eval_split}_records.")
         windows = iter(EvalCrops(eval_table, eval_chunks, seq_len=seq_len, mode=cfg.eval_offsets)
                        .to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads)))
-        return text_lib._eval_batches(windows, local_batch, cfg.num_eval_batches, padding)  # pylint: disable=protected-access
+        return text_lib._eval_batches(windows, local_batch, cfg.num_eval_batches, padding, what="bases")  # pylint: disable=protected-access
 
     return train_iter, make_eval_iter, fasta_lib.DnaTokenizer()

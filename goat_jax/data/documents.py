@@ -142,29 +142,38 @@ def expand_paths(patterns: str | Sequence[str], field: str) -> list[str]:
 
 def _hold_out(items: Sequence[Any], keys: Sequence[str], fraction: float, unit: str = "document",
               more: str = "more data.paths") -> tuple[list, list]:
-    """(train, eval): eval is the round(fraction * n) (at least 1) items of smallest CRC32 key.
+    """(train, eval): eval is every item whose key is one of the round(fraction * k) (at least
+    1) distinct keys of smallest CRC32 (ties by first appearance), of the k distinct keys.
 
     By content rather than position or seed: the eval set stays fixed across seeds, and
-    duplicates of a held-out document are held out too. Both keep the input order.
+    duplicates of a held-out document are held out too: the cut is made between distinct keys,
+    never inside a run of equal ones (it used to take the first n items of the CRC32 order, so
+    a cut falling inside a run of copies trained on some of them). Both keep the input order.
 
-    Raises ValueError when nothing is left to train on (e.g. a single document: eval takes at
-    least one), naming ``unit`` and the ways to ``more`` of them, data.eval_fraction and
-    data.eval_paths.
+    Raises ValueError when nothing is left to train on (e.g. a single distinct document: eval
+    takes at least one), naming ``unit`` and the ways to ``more`` of them, data.eval_fraction
+    and data.eval_paths.
     """
-    n_eval = max(1, round(fraction * len(keys)))
-    if n_eval >= len(keys):
-        n = len(keys)
+    first = {}  # each distinct key's first index: the tie-break of equal CRC32s, as before
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    distinct = sorted(first, key=lambda k: (zlib.crc32(k.encode("utf-8")), first[k]))
+    n_eval = max(1, round(fraction * len(distinct)))
+    if n_eval >= len(distinct):
+        n, copies = len(distinct), len(keys) - len(distinct)
         have = f"only {n} {unit}{'' if n == 1 else 's'}" if n else f"no {unit}s"
+        if copies:
+            have += f" of distinct content ({len(keys)} with {copies} duplicate{'' if copies == 1 else 's'})"
         lower = ", lower data.eval_fraction" if n > 1 else ""  # one is held out in any case
         raise ValueError(
             f"data.paths: the data has {have}, and the held-out eval split "
-            f"(data.eval_fraction={fraction:g}) takes {n_eval} (at least one), leaving none to "
-            f"train on: give {more}{lower}, or set data.eval_paths to separate eval files (then "
-            "all of data.paths trains).")
-    order = np.argsort(np.array([zlib.crc32(k.encode("utf-8")) for k in keys]), kind="stable")
-    held_out = set(order[:n_eval].tolist())
-    return ([x for i, x in enumerate(items) if i not in held_out],
-            [x for i, x in enumerate(items) if i in held_out])
+            f"(data.eval_fraction={fraction:g}) takes {n_eval} (at least one"
+            f"{', with every copy of it' if copies else ''}), leaving none to train on: give "
+            f"{more}{lower}, or set data.eval_paths to separate eval files (then all of data.paths "
+            "trains).")
+    held_out = set(distinct[:n_eval])
+    return ([x for x, k in zip(items, keys) if k not in held_out],
+            [x for x, k in zip(items, keys) if k in held_out])
 
 
 # A block is read whole: (path, a, b) = a parquet row group (a, -1), or the jsonl lines that
@@ -242,8 +251,9 @@ class Split:
 def text_file_splits(cfg: ml_collections.ConfigDict) -> tuple[Split, Split]:
     """(train, eval) documents of plain-text files: ``data.paths`` cut by ``data.doc_split``;
     the held-out split is ``data.eval_paths`` when set, else the ``data.eval_fraction`` of
-    documents of smallest CRC32 key (the same documents for every seed). Raises ValueError
-    naming the field when nothing is left to train on."""
+    distinct documents of smallest CRC32 key, with every copy of each (the same documents for
+    every seed; :func:`_hold_out`). Raises ValueError naming the field when nothing is left to
+    train on."""
     def load(files):
         return [d for f in files for d in split_documents(read_text(f), cfg.doc_split)]
 

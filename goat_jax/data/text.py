@@ -34,8 +34,9 @@ Data config fields (``default_data_config()`` is the Jargon File with bytes):
   source                 'text_files' | 'tfds' | 'parquet' | 'jsonl'
   paths                  files or glob patterns (a str or a list) for the file sources
   eval_paths             optional held-out files; if empty, ``eval_fraction`` is held out
-  eval_fraction          fraction of documents (text_files) or blocks (parquet/jsonl) held
-                         out for eval, chosen by content hash, independent of the seed
+  eval_fraction          fraction of distinct documents (text_files) or blocks (parquet/jsonl)
+                         held out for eval, chosen by content hash, independent of the seed;
+                         every copy of a held-out document is held out with it
   doc_split              text_files only: 'entries' (a document starts at each unindented
                          heading line and each Jargon-style ':headword:' line), 'paragraphs'
                          (blank-line separated) or 'files' (one document per file)
@@ -73,6 +74,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -310,6 +312,13 @@ def _check_config(cfg: ml_collections.ConfigDict) -> None:
     """Each field's type and range (:data:`FIELD_SPECS`, also when called outside the engine),
     then the section's cross-field rule."""
     check_section(cfg, FIELD_SPECS, "data")
+    default_fraction = DATA.default_values()["eval_fraction"]
+    if cfg.eval_fraction != default_fraction and (cfg.eval_paths or cfg.source == "tfds"):
+        # Inert: the held-out split is data.eval_paths' files, or the TFDS eval split.
+        given = "data.eval_paths is set" if cfg.eval_paths else "data.source='tfds' holds out data.tfds_eval_split"
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction:g} is not used: {given}. Drop "
+                         "data.eval_fraction" + (", or clear data.eval_paths to hold out a fraction of "
+                                                 "data.paths instead." if cfg.eval_paths else "."))
     if cfg.source != "tfds" and not cfg.eval_paths and not 0.0 < cfg.eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in (0, 1), or set "
                          "data.eval_paths to held-out files.")
@@ -411,20 +420,44 @@ def _close_at_exit(ref: weakref.ref) -> None:
         iterator.close = lambda: None  # What __del__ calls, later, when close can no longer run.
 
 
+# The held-out split "far less than asked": fewer than this share of the windows the eval asks for.
+SMALL_EVAL_SHARE = 0.5
+
+
 def _eval_batches(windows: Iterator[Batch], batch_size: int, num_batches: int,
-                  padding: Batch) -> Iterator[Batch]:
-    """Stacks windows into batches; pads with ``padding`` (weight 0) once they run out."""
-    exhausted, produced = False, 0
+                  padding: Batch, what: str = "tokens") -> Iterator[Batch]:
+    """Stacks windows into batches; pads with ``padding`` (weight 0) once they run out. When the
+    windows are exhausted it warns (once per message) if the held-out split filled less than one
+    window's targets, or fewer than :data:`SMALL_EVAL_SHARE` of the ``num_batches x batch_size``
+    windows asked for: the eval loss is then over few ``what`` (the count is logged beside
+    ``eval_loss`` as ``eval_tokens``), not what the config suggests."""
+    exhausted, produced, real, scored = False, 0, 0, 0.0
+    window = int(np.size(padding["weights"]))  # a window's scored targets
     while num_batches <= 0 or produced < num_batches:
         examples = []
         for _ in range(batch_size):
             example = None if exhausted else next(windows, None)
             exhausted = example is None
+            if not exhausted:
+                real += 1
+                scored += float(np.sum(example["weights"]))
             examples.append(padding if exhausted else example)
         if exhausted and num_batches <= 0 and examples[0] is padding:
-            return
+            break
         yield {k: np.stack([e[k] for e in examples]) for k in padding}
         produced += 1
+    asked = num_batches * batch_size if num_batches > 0 else 0
+    if not exhausted and asked:
+        return  # the split fills every window asked for
+    if scored < window:
+        why = f"less than one window ({window} {what})"
+    elif asked and real < SMALL_EVAL_SHARE * asked:
+        why = f"{real} of the {asked} windows asked for (data.num_eval_batches={num_batches} x {batch_size} per host)"
+    else:
+        return
+    warnings.warn(f"the held-out split fills {why}: eval_loss / eval_ppl are over {int(scored)} {what} only "
+                  "(eval_tokens in metrics.jsonl). Hold out more data (data.eval_fraction or data.eval_paths) "
+                  "or lower data.num_eval_batches.", UserWarning, stacklevel=2)
 
 
 def to_global_array(local_batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

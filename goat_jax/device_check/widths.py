@@ -67,7 +67,7 @@ def variant_losses(t: int, n: int, dtype, impl: str) -> List[Tuple[str, Tuple[in
         """GOAT's layer call at head dim 64 in ``layout``: (the packed q/k width, its loss)."""
         spec = prior_lib.PriorSpec(num_heads=n, kv_num_heads=n, pos_rank=8, abs_rank=8, qk_layout=layout,
                                    training_seq_len=t)
-        channels = packing.default_sink_channels(dtype)
+        channels = packing.packed_sink_channels(layout, spec.enable_key_bias, None, dtype)
         d_c = spec.content_dim(h, channels)
         p4 = prior_lib.positions_1d(4)
         params = attn_lib.GoatPrior(spec).init(jax.random.PRNGKey(0), p4, p4, True)["params"]

@@ -299,16 +299,32 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
     cls_maps: Dict[str, Dict[int, np.ndarray]] = {}
     for workdir, label in zip(workdirs, labels):
         log(f"evaluating {label} ({workdir}) at {list(resolutions)} px")
-        entry, run, make_eval_at = evaluate_vision_run(workdir, resolutions, batch_size=batch_size, log=log)
-        for r in shown:  # the same first eval images for every run
-            cls_images.setdefault(r, next(make_eval_at(r))["image"][:4])
-        cls_maps[label] = {r: cls_attention_maps(run.model, run.params, cls_images[r]) for r in shown}
-        if entry["encoding"] == "goat":
-            os.makedirs(out, exist_ok=True)
-            plot_log_prior(centre_log_prior(run.params, run.model.config, (32, 32)),
-                           os.path.join(out, f"prior_{label}.png"),
-                           title=f"{label}: block 0, centre patch, 32x32 grid")
+        try:
+            entry, run, make_eval_at = evaluate_vision_run(workdir, resolutions, batch_size=batch_size, log=log)
+            for r in shown:  # the same first eval images for every run
+                cls_images.setdefault(r, next(make_eval_at(r))["image"][:4])
+            cls_maps[label] = {r: cls_attention_maps(run.model, run.params, cls_images[r]) for r in shown}
+            if entry["encoding"] == "goat":
+                os.makedirs(out, exist_ok=True)
+                plot_log_prior(centre_log_prior(run.params, run.model.config, (32, 32)),
+                               os.path.join(out, f"prior_{label}.png"),
+                               title=f"{label}: block 0, centre patch, 32x32 grid")
+        except BaseException:  # an error, Ctrl-C, SIGTERM: the runs evaluated before it are written first
+            if results:
+                _write_vision_outputs(results, {k: cls_maps[k] for k in results}, cls_images, out)
+                log(f"kept the runs evaluated before it in {out}/results.json: {', '.join(results)}")
+            raise
         results[label] = entry
+    _write_vision_outputs(results, cls_maps, cls_images, out)
+    return results
+
+
+def _write_vision_outputs(results: Dict[str, Any], cls_maps: Dict[str, Dict[int, np.ndarray]],
+                          cls_images: Dict[int, np.ndarray], out: str) -> None:
+    """``out/results.json``, ``results.md``, ``resolution.png`` and ``cls_attention.png`` of the
+    evaluated runs (:func:`evaluate_vision_runs`)."""
+    import json
+    import os
 
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
@@ -324,4 +340,3 @@ def evaluate_vision_runs(workdirs: Sequence[str], labels: Sequence[str], resolut
     train_res = next(iter(results.values()))["train_resolution"] if results else None
     plot_resolutions({k: v["resolution"] for k, v in results.items()}, os.path.join(out, "resolution.png"), train_res)
     plot_cls_attention(cls_images, cls_maps, os.path.join(out, "cls_attention.png"))
-    return results

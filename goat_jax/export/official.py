@@ -21,9 +21,10 @@ import numpy as np
 
 
 def carved_sink_channels(dtype: Any, sink_channels: Optional[int] = None) -> int:
-    """The sink channels a lane-aligned layer carves from its content dims (see the module doc)."""
-    from goat_jax.prior.packing import default_sink_channels  # pylint: disable=g-import-not-at-top
-    return int(sink_channels) if sink_channels is not None else default_sink_channels(dtype)
+    """The sink channels a lane-aligned layer carves from its content dims (see the module doc):
+    the layout's own count in every dtype (:func:`goat_jax.prior.packing.packed_sink_channels`)."""
+    from goat_jax.prior.packing import packed_sink_channels  # pylint: disable=g-import-not-at-top
+    return packed_sink_channels("lane_aligned", True, sink_channels, dtype)
 
 
 def content_dims(prior: Any, head_dim: int, dtype: Any, sink_channels: Optional[int] = None) -> Tuple[int, int]:

@@ -59,21 +59,25 @@ def kernel_width(platform: str, compute_capability: Optional[Tuple[int, int]], w
 def layout_warning(platform: str, compute_capability: Optional[Tuple[int, int]], dtype: Any, implementation: str,
                    head_dim: int, qk_dim: int) -> Optional[str]:
     """The warning for a ``dtype`` run of ``implementation`` whose GOAT q/k are ``qk_dim`` wide
-    for a ``head_dim``-wide head, or None when the packed width costs nothing: not bf16, not the
+    for a ``head_dim``-wide head, or None when the packed width costs nothing: not the
     platform's fused kernel (cuDNN on GPU, splash on TPU: the row with the platform's
     ``fast_widths``), a platform without a known rule, or the packed width running at the plain
-    head's kernel width."""
+    head's kernel width. Decided by the widths alone, in any dtype: the official layout is
+    ``head_dim + 2`` wide in bf16, ``+ 1`` in float16 (which used to pass unwarned, though a
+    65-wide q/k runs in Hopper's 128 bucket) and ``head_dim`` in float32; ``dtype`` is named in
+    the message."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
     row = _fast_row(platform)
-    if np.dtype(dtype).name != "bfloat16" or row is None or row.name != implementation:
+    if row is None or row.name != implementation:
         return None
     rule = row.fast_widths.width
     packed, plain = rule(compute_capability, qk_dim), rule(compute_capability, head_dim)
     if packed is None or packed <= plain:
         return None
     where, cost = row.fast_widths.where, row.fast_widths.cost
-    return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads, which {where} runs as "
+    return (f"goat_jax: GOAT's packed q/k are {qk_dim} wide for {head_dim}-wide heads in {np.dtype(dtype).name}, "
+            f"which {where} runs as "
             f"{packed} wide against {plain} for plain attention ({cost}). qk_layout='lane_aligned' keeps q/k "
             f"{head_dim} wide (a different function from the official layout; docs/layer.md, Packed width).")
 

@@ -26,7 +26,7 @@ from goat_jax.kernels import widths as kernel_widths
 from goat_jax import partitioning
 from goat_jax.layers import linen
 from goat_jax import prior as prior_lib
-from goat_jax.prior.packing import default_sink_channels, pack_key, pack_query
+from goat_jax.prior.packing import pack_key, pack_query, packed_sink_channels
 
 Array = jax.Array
 Dtype = Any
@@ -182,8 +182,8 @@ class GoatEncoding(encoding_lib.Encoding):
     materialized log-prior as a bias (the reference).
 
     Attributes: ``prior`` (:class:`goat_jax.prior.PriorSettings`), ``pos_encoding`` ('1d', '2d'
-    or 'auto'), ``has_cls_token_default``, ``sink_channels`` (None: the compute dtype's
-    default). Their meaning: :class:`GoatAttention`.
+    or 'auto'), ``has_cls_token_default``, ``sink_channels`` (None: the layout's own count,
+    :func:`goat_jax.prior.packing.packed_sink_channels`). Their meaning: :class:`GoatAttention`.
     """
 
     prior: Any = prior_lib.PriorSettings()
@@ -204,10 +204,8 @@ class GoatEncoding(encoding_lib.Encoding):
                 request: attention_call.KernelRequest, sizes: encoding_lib.Sizes) -> encoding_lib.Prepared:
         settings = _check_settings(self.prior)
         spec = settings.for_heads(shape.num_heads, shape.kv_heads)
-        sink_channels = int(settings.enable_key_bias) * (
-            self.sink_channels if self.sink_channels is not None else default_sink_channels(shape.dtype))
-        if settings.enable_key_bias and sink_channels < 1:
-            raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {self.sink_channels}.")
+        sink_channels = packed_sink_channels(settings.qk_layout, settings.enable_key_bias, self.sink_channels,
+                                             shape.dtype)
         d_c = spec.content_dim(shape.head_dim, sink_channels)  # qk_layout decides
         qk_dim = d_c + 2 * settings.pos_rank + sink_channels
         choice = request.choose(qk_dim)

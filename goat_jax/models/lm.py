@@ -121,9 +121,9 @@ class LMConfig:
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
     param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
     remat: bool = declare(False, Bool(doc="rematerialize each block in the backward pass (saves activation memory)"))
-    remat_policy: str = declare("full", Str(choices=REMAT_POLICIES, doc="with remat: what each block keeps "
-                                            "('full': nothing; 'dots': matmul outputs; 'dots_no_batch': "
-                                            "projection outputs)"))
+    remat_policy: str = declare("full", Str(choices=REMAT_POLICIES, doc="with remat (refused without it): what "
+                                            "each block keeps ('full': nothing; 'dots': matmul outputs; "
+                                            "'dots_no_batch': projection outputs)"))
     scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
     implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
     loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
@@ -146,6 +146,11 @@ class LMConfig:
             raise ValueError(
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}; set "
                 "head_dim explicitly.")
+        if self.remat_policy != "full" and not self.remat:
+            # The policy says what each rematerialized block keeps: without remat there is none.
+            raise ValueError(f"model.remat_policy={self.remat_policy!r} applies only with model.remat=True "
+                             "(what each rematerialized block keeps); set model.remat=True, or drop "
+                             "model.remat_policy.")
         _ = self.prior  # the GOAT settings' cross-field rules (PriorSettings raises naming the field)
         if self.position_encoding != "goat":  # the baseline's own rules: its settings' and its head's
             _ = self.encoding_settings  # (its settings class raises naming the field)
@@ -249,6 +254,21 @@ _REMAT_POLICY = {"full": None,  # nn.remat's default: save nothing
 
 def _normal(std: float, axes):
     return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _normal_padded_columns(std: float, axes, columns: int):
+    """N(0, std) for a ``[..., Vp]`` table whose last ``Vp - columns`` columns are padding: the
+    first ``columns`` are drawn exactly as the unpadded ``[..., columns]`` table's (the same key
+    and shape), the padding is 0 (no token's logit: cut before any softmax, zero gradient).
+
+    Why: a table padded along its rows (the tied embedding) keeps its unpadded draws, since the
+    random bits follow the flat index; one padded along its last axis (the untied ``lm_head``,
+    ``[E, Vp]``) would draw every value anew, so ``vocab_pad_multiple``, a speed setting,
+    changed an untied model's initialization (issue #67)."""
+    def init(key, shape, dtype=jnp.float32):
+        real = nn.initializers.normal(std)(key, tuple(shape[:-1]) + (columns,), dtype)
+        return jnp.pad(real, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - columns)])
+    return nn.with_logical_partitioning(init, axes)
 
 
 def _norm(cfg: LMConfig, name: str) -> nn.Module:
@@ -471,7 +491,7 @@ class TransformerLM(nn.Module):
         if cfg.tie_embeddings:
             w = embed.embedding.T  # [E, Vp]
         else:
-            w = self.param("lm_head", _normal(cfg.init_std, ("embed", "vocab")),
+            w = self.param("lm_head", _normal_padded_columns(cfg.init_std, ("embed", "vocab"), cfg.vocab_size),
                            (cfg.embed_dim, cfg.padded_vocab_size), cfg.weight_dtype)
         w = w.astype(cfg.compute_dtype)
         if return_hidden:  # the chunked loss computes the logits itself, a chunk at a time

@@ -19,9 +19,14 @@ rounding of the remainder), with the query side carrying the same coefficient (1
 in each. Kernels multiply bf16 inputs exactly and accumulate in float32, so the sink reaches
 the logits with float32 accuracy (3 bf16 parts carry 24 bits). The bounded channels (Fourier
 features, scaled content) have position-independent rounding errors and stay one channel.
-``sink_channels`` is 1 in float32, 3 in bfloat16 and 2 in float16 by default; the packed q/k
-dim is then ``head_dim + sink_channels - 1`` and values are zero-padded to it where a kernel
-needs equal dims (cuDNN/XLA), never for splash.
+``sink_channels`` is 1 in float32, 3 in bfloat16 and 2 in float16 by default in the official
+layout; the packed q/k dim is then ``head_dim + sink_channels - 1`` and values are zero-padded to
+it where a kernel needs equal dims (cuDNN/XLA), never for splash. The content width of the
+official layout does not depend on it (``head_dim - 2R - 1``), so the layer is one function in
+every dtype. In ``qk_layout='lane_aligned'`` the channels are carved from the head instead, so
+their number decides the content width: there it is fixed by the layout,
+:data:`LANE_ALIGNED_SINK_CHANNELS` (bfloat16's 3) in every dtype, the parts past the first
+exactly 0 in float32 (:func:`packed_sink_channels`).
 
 Shape legend: B batch, T queries, S keys, N query heads, K kv heads, d_c content dims, R
 relative rank.
@@ -30,25 +35,54 @@ relative rank.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from goat_jax.prior.positions import real_dtype
+from goat_jax.prior.settings import LANE_ALIGNED_SINK_CHANNELS
 
 Array = jax.Array
 Dtype = Any
 
 
 def default_sink_channels(dtype: Dtype) -> int:
-    """Channels needed to carry ``u(j)`` at float32 accuracy in ``dtype`` (see module doc)."""
+    """Channels needed to carry ``u(j)`` at float32 accuracy in ``dtype`` (see module doc).
+
+    What the official layout packs (they widen q/k, the content keeps its width); a layout that
+    carves its channels from the head takes :func:`packed_sink_channels` instead."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.dtype(jnp.bfloat16):
         return 3
     if dtype == jnp.dtype(jnp.float16):
         return 2
     return 1
+
+
+def packed_sink_channels(qk_layout: str, enable_key_bias: bool, sink_channels: Optional[int],
+                         dtype: Dtype) -> int:
+    """The sink channels a GOAT layer packs: 0 without the sink; an explicit ``sink_channels``
+    (>= 1) as given, in every dtype; else, for ``qk_layout='official'``,
+    :func:`default_sink_channels` of ``dtype`` (they widen q/k and leave the content width alone),
+    and for ``'lane_aligned'`` :data:`LANE_ALIGNED_SINK_CHANNELS` in every dtype (they are carved
+    from the content, so a dtype-dependent count would make each dtype another function; in
+    float32 the parts past the first are exactly 0). Pass the result to
+    :meth:`goat_jax.prior.PriorSpec.content_dim` and to :func:`pack_query` / :func:`pack_key`.
+
+    Raises:
+      ValueError: ``sink_channels < 1`` with the sink enabled, naming the argument.
+    """
+    if not enable_key_bias:
+        return 0
+    if sink_channels is not None:
+        if int(sink_channels) < 1:
+            raise ValueError(f"sink_channels must be >= 1 when enable_key_bias, got {sink_channels}; "
+                             "leave it None for the layout's own count.")
+        return int(sink_channels)
+    if qk_layout == "lane_aligned":
+        return LANE_ALIGNED_SINK_CHANNELS
+    return default_sink_channels(dtype)
 
 
 def split_exact(x: Array, parts: int, dtype: Dtype) -> Array:

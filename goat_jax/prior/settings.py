@@ -17,6 +17,11 @@ PRIOR_INITS = ("seeded", "uniform")
 PRIOR_GATES = ("none", "query_norm")
 # Where the sink's extra channels come from (PriorSettings.qk_layout; docs/layer.md, Packed width).
 QK_LAYOUTS = ("official", "lane_aligned")
+# The sink channels 'lane_aligned' carves from every head, whatever the compute dtype: the most
+# any supported dtype needs (bfloat16's 3), so the content width, and with it the function and
+# its 1/sqrt(d_c) scale, is the same in float32, float16 and bfloat16 (the channels bfloat16 does
+# not need are exactly 0 in float32: goat_jax.prior.packing.packed_sink_channels).
+LANE_ALIGNED_SINK_CHANNELS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +60,13 @@ class PriorSettings:
       qk_layout: 'official' (default): the prior takes ``2R + 1`` of the head dims, as the
         official package, and the sink's extra exact-split channels (2 more in bfloat16, 1 in
         float16) widen q/k past the head dim: 130 for a 128 head in bf16, which TPU's 128-lane
-        tiles pad to 256 (benchmarks/packed_head_dim.md). 'lane_aligned': those channels are
-        carved from the content dims too (``d_c = head_dim - 2R - sink channels``), so q/k stay
-        exactly ``head_dim`` wide; the same parameters, two fewer content dims in bf16, not the
-        official function (use 'official' to load or compare with official weights). Identical
-        to 'official' in float32 and without the sink.
+        tiles pad to 256 (benchmarks/packed_head_dim.md). 'lane_aligned': the sink takes
+        :data:`LANE_ALIGNED_SINK_CHANNELS` (3, what bfloat16 needs) channels carved from the
+        content dims in *every* dtype (``d_c = head_dim - 2R - 3``; the two bfloat16 does not
+        need are exactly 0 in float32), so q/k stay exactly ``head_dim`` wide and a checkpoint is
+        one function in float32, float16 and bfloat16; the same parameters, two fewer content
+        dims than 'official', not the official function (use 'official' to load or compare
+        with official weights). Identical to 'official' without the sink.
     """
 
     pos_rank: int = declare(8, Int(min=0, doc="GOAT relative rank R"))
@@ -140,10 +147,14 @@ class PriorSpec(PriorSettings):
         """Query heads per KV head (1 for multi-head attention, more for GQA)."""
         return self.num_heads // self.kv_num_heads
 
-    def content_dim(self, head_dim: int, sink_channels: int = 1) -> int:
+    def content_dim(self, head_dim: int, sink_channels: Optional[int] = None) -> int:
         """Content dims: ``head_dim - prior_dim``, or with ``qk_layout='lane_aligned'`` and the
-        sink ``head_dim - 2R - sink_channels`` (every packed channel carved from the head);
-        raises if the head is too small."""
+        sink ``head_dim - 2R - sink_channels`` (every packed channel carved from the head), where
+        ``sink_channels`` None is the layout's own :data:`LANE_ALIGNED_SINK_CHANNELS` in every
+        dtype (a layer passes :func:`goat_jax.prior.packing.packed_sink_channels`); raises if
+        the head is too small."""
+        if sink_channels is None:
+            sink_channels = LANE_ALIGNED_SINK_CHANNELS
         taken = self.prior_dim
         if self.qk_layout == "lane_aligned" and self.enable_key_bias:
             taken = 2 * self.pos_rank + max(1, sink_channels)

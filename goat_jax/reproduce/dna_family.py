@@ -78,8 +78,14 @@ def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
                       "dtype": MEMORY_DTYPE, "kernel": MEMORY_KERNEL}, sort_keys=True)
     for path in (cache, kept):
         if path and os.path.exists(path):
-            with open(path) as f:
-                cached = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    cached = json.load(f)
+                if not isinstance(cached, dict):
+                    raise ValueError(f"a JSON {type(cached).__name__}, not an object")
+            except (ValueError, UnicodeDecodeError) as e:  # a derived cache: measured again, said
+                cli.log(f"  compiled-memory cache {path} is unreadable ({e}); measuring again")
+                continue
             if cached.get("key") == key:
                 records.copy_into(path, kept)  # a cache made before records existed gets its copy
                 return cached["rows"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from typing import Optional
@@ -24,8 +25,16 @@ STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a scheduler expects of a process 
 
 
 class RunStopped(RuntimeError):
-    """A job's training stopped before its step count (SIGTERM: the trainer saved a checkpoint
-    and returned): the harness evaluates nothing of it and stops; the same command resumes it."""
+    """A job's training stopped before its step count (SIGTERM, Ctrl-C or SIGHUP: the trainer
+    saved a checkpoint and returned): the harness evaluates nothing of it and stops; the same
+    command resumes it. ``signum``: the signal (the harness exits with 128 + it)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signum = int(signum)
+
+    def __reduce__(self):  # sent back from a job process: keep the signal
+        return (type(self), (str(self), self.signum))
 
 
 class _Watcher(threading.Thread):
@@ -73,9 +82,11 @@ def train(job: Job) -> dict:
     finally:
         watcher.stop.set()
     if summary.get("preempted") or int(summary.get("step", 0)) < int(config.num_train_steps):
+        by = summary.get("stopped_by") or "SIGTERM"
         raise RunStopped(f"{job.run_name}: training stopped at step {summary.get('step')} of "
-                         f"{int(config.num_train_steps)} (SIGTERM: a checkpoint was saved); it is not "
-                         "evaluated. The same command resumes it from that checkpoint.")
+                         f"{int(config.num_train_steps)} ({by}: a checkpoint was saved); it is not "
+                         "evaluated. The same command resumes it from that checkpoint.",
+                         signum=signal.Signals[by])
     loss = summary.get("train_loss")  # absent when the run had already finished
     cli.log(f"  {job.run_name}: at step {summary['step']} after {time.time() - t0:.0f}s "
             f"({'train loss %.3f' % loss if loss is not None else 'already trained'})")
@@ -157,11 +168,13 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False,
     if not os.path.exists(cache):
         return None
     try:
-        with open(cache) as f:
+        with open(cache, encoding="utf-8") as f:
             cached = json.load(f)
-    except json.JSONDecodeError:
+        if not isinstance(cached, dict):
+            raise ValueError(f"a JSON {type(cached).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         if log:
-            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable; evaluating again")
+            cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable ({e}); evaluating again")
         return None
     if cached.get("eval_settings") != eval_settings(job, suite):
         if log:
@@ -246,7 +259,8 @@ def reused(job: Job, suite: Suite) -> Optional[dict]:
 def recorded(job: Job, suite: Suite) -> Optional[dict]:
     """``job``'s result from its run record (:func:`goat_jax.reproduce.records.read`) when the
     record was made by the config the job trains with now and with this suite's evaluation
-    settings; None otherwise (or when records are off)."""
+    settings; None otherwise (or when records are off). Raises
+    :class:`goat_jax.reproduce.records.UnreadableRecord` naming a record file that cannot be read."""
     if not job.record:
         return None
     config = job_config(job)
@@ -261,7 +275,13 @@ def write_record(job: Job, result: dict) -> bool:
     record itself, or when records are off. Returns whether a file was written."""
     if not job.record or result.get("from_record"):
         return False
-    return records.write(job, job_config(job).to_dict(), result)
+    config = job_config(job).to_dict()
+    try:
+        return records.write(job, config, result)
+    except records.UnreadableRecord as e:  # the run's own evaluation is here: it replaces the torn file, said
+        cli.log(f"  {job.run_name}: run record {e.path} was unreadable ({e.reason}); replaced by the "
+                f"evaluation of the run in {job.workdir}")
+        return records.write(job, config, result, replace_unreadable=True)
 
 
 def train_and_evaluate(job: Job, suite: Suite, log_path: str = "") -> dict:

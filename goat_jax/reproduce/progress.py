@@ -38,9 +38,11 @@ class LengthProgress:
         if not os.path.exists(path):
             return
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 held = json.load(f)
-        except (json.JSONDecodeError, OSError) as e:
+            if not isinstance(held, dict):
+                raise ValueError(f"a JSON {type(held).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError, OSError) as e:  # JSONDecodeError is a ValueError
             if log:
                 cli.log(f"  {self.name}: the finished lengths in {path} are unreadable ({e}); scoring every length")
             return

@@ -81,18 +81,25 @@ def _commit() -> str:
         return "unknown"
 
 
-def write(job: Job, config: dict, entry: dict) -> bool:
+def write(job: Job, config: dict, entry: dict, replace_unreadable: bool = False) -> bool:
     """Writes ``job``'s record: ``entry`` (``{'train_seconds', 'result'}``, the harness's
     result of the run) with the ``config`` it trained with, the code revision and the date, and
     copies of the run's :data:`SIDE_FILES` that exist. Each file is written whole
     (:func:`goat_jax.files.write_whole`). Nothing is rewritten when the record holds these
-    numbers already; returns whether anything was written (False too when records are off)."""
+    numbers already; returns whether anything was written (False too when records are off).
+    An unreadable record in the way raises :class:`UnreadableRecord` unless
+    ``replace_unreadable`` (the caller has said so: the entry is the run's own evaluation)."""
     path = record_path(job)
     if path is None:
         return False
     body = {"run_name": job.run_name, "config": normalized(config),
             "train_seconds": float(entry["train_seconds"]), "result": normalized(entry["result"])}
-    old = _load(path)
+    try:
+        old = _load(path)
+    except UnreadableRecord:
+        if not replace_unreadable:
+            raise
+        old = None
     if old is not None and {k: old.get(k) for k in body} == body:
         return False
     os.makedirs(job.record, exist_ok=True)
@@ -105,14 +112,41 @@ def write(job: Job, config: dict, entry: dict) -> bool:
     return True
 
 
+class UnreadableRecord(ValueError):
+    """A run record that exists but cannot be read (not JSON, not UTF-8, not a JSON object: torn
+    by a kill before writes were whole, or a merge conflict in a committed one). It is neither
+    reused nor overwritten silently: the message names the file and the ways forward.
+    ``path``: the file; ``reason``: what is wrong with it."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"run record {path} is unreadable ({reason}); it is neither reused nor overwritten. "
+                         f"Restore it (e.g. `git checkout -- {path}` for a committed one), or move it aside to "
+                         "train and evaluate the run again.")
+
+
 def _load(path: str) -> Optional[dict]:
+    """The record at ``path``, None when there is none; :class:`UnreadableRecord` when the file
+    exists but is not a readable JSON object (it used to count as "no record", so a torn record
+    was retrained and overwritten without a word)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError:
-        return None  # torn by a kill before writes were whole: the run counts as unrecorded
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnreadableRecord(path, f"{type(e).__name__}: {e}") from None
+    if not isinstance(rec, dict):
+        raise UnreadableRecord(path, f"a JSON {type(rec).__name__}, not an object")
+    return rec
+
+
+def check_readable(job: Job) -> None:
+    """Raises :class:`UnreadableRecord` when ``job``'s record exists and cannot be read; nothing
+    when it reads, is absent, or records are off."""
+    path = record_path(job)
+    if path:
+        _load(path)
 
 
 def read(job: Job, config: dict, settings: dict, resume_safe_fields: Iterable[str] = (),
@@ -123,7 +157,8 @@ def read(job: Job, config: dict, settings: dict, resume_safe_fields: Iterable[st
     None when there is no record, or one made otherwise. "Made by ``config``" is the test a
     resumed checkpoint passes (:func:`goat_jax.train.checkpoint.config_changes`): the task's
     ``resume_safe_fields`` (cadences, kernels, layout) may differ, and a field added to the
-    config since, at its default (``field_defaults``), is no change."""
+    config since, at its default (``field_defaults``), is no change. Raises
+    :class:`UnreadableRecord` for a record file that cannot be read."""
     path = record_path(job)
     rec = _load(path) if path else None
     if rec is None or not isinstance(rec.get("config"), dict):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -23,12 +25,15 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from absl import logging as absl_logging
 from goat_jax import cli, files
 from goat_jax.models import lm, vit
+from goat_jax.reproduce import guard
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, paper, paper_table, report, stats
 from goat_jax.reproduce import status as status_lib
 from goat_jax.reproduce import records as records_lib
 from goat_jax.reproduce import workers
 from goat_jax.reproduce.suites import FAMILIES, FAMILY_TITLES, ROOT, SUITES, Job, Suite, plan
+from goat_jax.train import interrupts
+from goat_jax.train import lock as lock_lib
 from goat_jax.train import trainer
 
 
@@ -111,7 +116,7 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
             return 0
         for cmd in cmds:
             cli.log(f"$ {cmd}")
-            rc = subprocess.call(cmd, shell=True, cwd=ROOT)
+            rc = run_command(cmd)
             if rc:
                 cli.log(f"failed with exit code {rc}: {cmd}")
                 return rc
@@ -134,16 +139,32 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
         print(status_lib.render([status_lib.run_state(j, suite) for j in all_jobs], suite, root,
                                 seeds, int(jobs)))
         return 0
+    # One training harness per runs root and report folder (goat_jax/reproduce/guard.py); refused here, in one line.
+    with (contextlib.nullcontext() if report_only else guard.hold_harness(root, out)):
+        return _run_and_report(suite, all_jobs, root, out, records_root, families, seeds, int(jobs), report_only,
+                               compilation_cache, command, t_start)
+
+
+def _run_and_report(suite: Suite, all_jobs: Sequence[Job], root: str, out: str, records_root: Optional[str],
+                    families: Sequence[str], seeds: int, jobs: int, report_only: bool,
+                    compilation_cache: Optional[str], command: str, t_start: float) -> int:
+    """:func:`reproduce` past its checks: trains and evaluates ``all_jobs`` (``report_only``:
+    reads the finished ones) and writes the report; returns the exit code. A stop signal
+    (SIGTERM, Ctrl-C, SIGHUP) stops it after the running trainers save, writes no report and
+    returns 128 + the signal's number."""
     cache = None if report_only else use_compilation_cache(compilation_cache, root)  # report_only compiles nothing
     cli.log(f"suite {suite.name}: {len(all_jobs)} runs ({seeds} seed(s)) under {root}, report in {out}"
             + (f", records in {records_root}" if records_root else "")
             + (f", {jobs} at once" if jobs > 1 else "") + (f"; XLA compilation cache {cache}" if cache else ""))
     try:
-        raw, timings, failed = run_jobs(all_jobs, suite, int(jobs), t_start, families, train=not report_only)
-    except jobs_lib.RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, nothing evaluated
+        with interrupts.raise_on_stop():  # between trainings (a trainer takes the signals while it runs)
+            raw, timings, failed, held = run_jobs(all_jobs, suite, jobs, t_start, families, train=not report_only)
+    except (jobs_lib.RunStopped, interrupts.Stopped) as e:  # saved, nothing unfinished evaluated
+        signum = getattr(e, "signum", signal.SIGTERM)
         cli.log(f"stopped: {e}")
-        cli.log("no report written; the same command resumes every stopped run from its checkpoint")
-        return jobs_lib.STOPPED_EXIT_CODE
+        cli.log("no report written; the same command resumes every stopped run from its checkpoint"
+                + (" and every evaluation from its last finished length" if isinstance(e, interrupts.Stopped) else ""))
+        return interrupts.exit_code(signum)
     unfinished = [j.run_name for j in all_jobs if j.run_name not in raw and j.run_name not in failed]
     if report_only and not raw:
         raise ValueError(f"--report_only: none of the {len(all_jobs)} planned runs under {root} has finished "
@@ -158,18 +179,69 @@ def reproduce(suite_name: str, *, command: str, workdir: Optional[str] = None, o
             results[job.name] = stats.aggregate([raw[j.run_name] for j in done], [j.seed_offset for j in done])
     per_seed_results = {j.run_name: {"seed_offset": j.seed_offset, **raw[j.run_name]}
                         for j in all_jobs if j.run_name in raw}
-    os.makedirs(out, exist_ok=True)
-    lm_family.copy_toy_figures(rows, out)
-    report.write_report(suite, rows, results, out, command, timings, time.time() - t_start,
-                        per_seed=per_seed_results, failed=failed, seeds=seeds, unfinished=unfinished)
-    cli.log(f"wrote {os.path.join(out, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
+    with guard.report_writing(out):  # one report writer at a time (another harness's --report_only)
+        dest = _report_folder(out, rows, all_jobs, per_seed_results)
+        lm_family.copy_toy_figures(rows, dest)
+        report.write_report(suite, rows, results, dest, command, timings, time.time() - t_start,
+                            per_seed=per_seed_results, failed=failed, seeds=seeds, unfinished=unfinished)
+    cli.log(f"wrote {os.path.join(dest, 'REPORT.md')} after {(time.time() - t_start) / 60:.1f} min")
     for family in dict.fromkeys(j.family for j in rows):  # this invocation's verdicts, for the log
-        with open(os.path.join(out, "sections", f"{family}.md")) as f:
+        with open(os.path.join(dest, "sections", f"{family}.md")) as f:
             part = f.read().split("### Headline checks", 1)[-1]
         print(f"{FAMILY_TITLES[family]}: headline checks" + part.split("\n### ", 1)[0])
+    for name, holder in held.items():
+        cli.log(f"not run (held by another process) {name}: {holder}")
     for name, error in failed.items():
         cli.log(f"FAILED {name}: {error}")
     return 1 if failed else 0
+
+
+def _report_folder(out: str, rows: Sequence[Job], all_jobs: Sequence[Job], per_seed: dict) -> str:
+    """Where this invocation's report goes: ``out``, unless the report there holds runs (still
+    planned, of the families written now) that this one lacks: then ``out/partial`` (emptied
+    first), and the fuller report stays (:func:`goat_jax.reproduce.guard.lacking_runs`; an
+    unreadable ``results.json`` counts as fuller). Says which in the log."""
+    families = {j.family for j in rows}
+    try:
+        lacking = guard.lacking_runs(out, families, [j.run_name for j in all_jobs], per_seed)
+        why = (f"it reports {len(lacking)} run(s) this invocation has no result for ("
+               + ", ".join(lacking[:4]) + (", ..." if len(lacking) > 4 else "") + ")") if lacking else ""
+    except ValueError as e:  # an unreadable results.json: nothing to compare with, nothing replaced
+        why = f"{e}, so this invocation cannot tell whether its report is fuller"
+    if not why:
+        return out
+    dest = os.path.join(out, guard.PARTIAL)
+    shutil.rmtree(dest, ignore_errors=True)
+    cli.log(f"kept the report in {out}: {why}; this invocation's report is {dest}/REPORT.md")
+    return dest
+
+
+def run_command(cmd: str) -> int:
+    """Runs the shell command ``cmd`` (a ``--suite paper`` step) from the repository root in a
+    process group of its own and returns its exit code. A stop signal to the harness (SIGTERM,
+    Ctrl-C, SIGHUP) is passed to the whole group as SIGTERM, so the command's trainer saves a
+    checkpoint and ends (it used to keep running, orphaned, when the harness was killed); the
+    harness then returns 128 + the signal's number, having waited for it."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=ROOT, start_new_session=True)
+    try:
+        with interrupts.raise_on_stop():
+            return proc.wait()
+    except interrupts.Stopped as e:
+        cli.log(f"{interrupts.name(e.signum)}: stopping `{cmd}` (SIGTERM: its trainer saves a checkpoint); "
+                "the same command resumes")
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        deadline = time.time() + 600  # the shell may end first: wait for the group's trainer to save
+        while time.time() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        return interrupts.exit_code(e.signum)
 
 
 def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
@@ -190,29 +262,44 @@ def use_compilation_cache(folder: Optional[str], root: str) -> Optional[str]:
     return folder
 
 
+class _StopEvent(threading.Event):
+    """A :class:`threading.Event` that also keeps the signal that set it (``signum``)."""
+
+    signum: Optional[int] = None
+
+
 @contextlib.contextmanager
-def _sigterm_event() -> Iterator[threading.Event]:
-    """While the block runs, a SIGTERM to the harness (``kill PID``, a scheduler's preemption)
-    sets the event yielded, and nothing else does: :class:`goat_jax.reproduce.workers.JobProcesses`
-    then starts no further job and forwards SIGTERM to each running one, whose trainer saves a
+def _sigterm_event() -> Iterator[_StopEvent]:
+    """While the block runs, a stop signal to the harness (SIGTERM: ``kill PID``, a scheduler's
+    preemption; SIGINT: Ctrl-C; SIGHUP unless ignored) sets the event yielded (its ``signum`` the
+    first signal), and nothing else does: :class:`goat_jax.reproduce.workers.JobProcesses` then
+    starts no further job and forwards SIGTERM to each running one, whose trainer saves a
     checkpoint at the end of its step and returns (:class:`goat_jax.reproduce.jobs.RunStopped`).
-    The previous handler is restored after the block; a harness not on the main thread cannot
-    install one and keeps the default behaviour."""
-    event = threading.Event()
+    A second Ctrl-C ends the harness at once (exit 130; its workers, in the same process group,
+    got the Ctrl-C too). The previous handlers are restored after the block; a harness not on
+    the main thread cannot install any and keeps the default behaviour."""
+    event = _StopEvent()
 
     def handle(signum, frame):  # pylint: disable=unused-argument
-        if not event.is_set():
-            cli.log("SIGTERM: stopping the running jobs after their trainers save; starting no other")
+        if event.is_set():
+            if signum == signal.SIGINT and event.signum == signal.SIGINT:
+                print("interrupted again (Ctrl-C): exiting at once", file=sys.stderr, flush=True)
+                os._exit(interrupts.exit_code(signum))  # pylint: disable=protected-access
+            return
+        event.signum = signum
+        cli.log(f"{interrupts.name(signum)}: stopping the running jobs after their trainers save; starting no other")
         event.set()
 
     if threading.current_thread() is not threading.main_thread():
         yield event
         return
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {s: signal.signal(s, handle) for s in interrupts.STOP_SIGNALS
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield event
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] = FAMILIES) -> list[Job]:
@@ -243,7 +330,9 @@ def queue_order(all_jobs: Sequence[Job], suite: Suite, families: Sequence[str] =
 def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
              families: Sequence[str] = FAMILIES, train: bool = True):
     """Trains and evaluates ``all_jobs``: ``(raw results by run name, timings, failures by
-    run name)``. ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
+    run name, runs held by another process by run name)`` (a held run, whose trainer found its
+    workdir locked by another process, is one log line and no failure: the report lists it as
+    unfinished). ``jobs`` > 1: that many at once, each in a fresh subprocess logging to
     ``<workdir>.log`` (a failure is recorded, the other jobs go on). ``jobs`` = 1: one after
     another in this process (a job's exception is logged with its traceback and recorded as its
     failure; the other jobs go on). Runs that are finished and
@@ -255,7 +344,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     when an evaluated-with row still needs its weights. Every result is written to its job's
     record (:func:`goat_jax.reproduce.jobs.write_record`) as soon as it exists. ``train``
     False: only the reused runs are read, nothing trains or evaluates (``--report_only``)."""
-    raw, timings, failed = {}, {}, {}
+    raw, timings, failed, held = {}, {}, {}, {}
     written = []
 
     def record(job, res):
@@ -274,12 +363,22 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about every read-only checkpoint
     try:
         for job in all_jobs:
-            done = jobs_lib.reused(job, suite)
+            try:
+                done = jobs_lib.reused(job, suite)
+            except records_lib.UnreadableRecord as e:  # never retrained over, never reused: named
+                failed[job.run_name] = str(e)
+                cli.log(f"{job.run_name}: not run: {e}")
+                continue
             if done is None:
                 todo.append(job)
             else:
                 from_records += bool(done.get("from_record"))
                 record(job, done)
+        for reader in [j for j in todo if not j.trains]:  # the run it evaluates was not run: neither is it
+            base = _run_read_by(reader, all_jobs)
+            if base is not None and base.run_name in failed:
+                failed[reader.run_name] = f"not evaluated: the run it reads ({base.run_name}) failed"
+                todo.remove(reader)
         if train:  # an evaluated-with row to do whose run is known only from its record: retrain the run
             queued = {id(j) for j in todo}
             for reader in [j for j in todo if not j.trains]:
@@ -293,14 +392,14 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                     from_records -= 1  # counted as read from its record above; it trains now
     finally:
         absl_logging.set_verbosity(verbosity)
-    if len(todo) < len(all_jobs):
-        cli.log(f"reused {len(all_jobs) - len(todo)} finished and evaluated run(s)"
+    if len(todo) + len(failed) < len(all_jobs):
+        cli.log(f"reused {len(all_jobs) - len(todo) - len(failed)} finished and evaluated run(s)"
                 + (f" ({from_records} from their records)" if from_records else "") + f"; {len(todo)} to go")
     if written:
         cli.log(f"recorded {len(written)} run(s) that had no current record")
     if not train:
         cli.log(f"--report_only: {len(todo)} unfinished run(s) left out of the report")
-        return raw, timings, failed
+        return raw, timings, failed, held
     all_jobs = queue_order(todo, suite, families)
     trained = [j for j in all_jobs if j.trains]
     readers: dict[int, list[Job]] = {}  # id(trained job) -> its evaluated-with rows to do
@@ -315,13 +414,16 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 step += 1
                 cli.log(f"[{step}/{len(all_jobs)}] {each.run_name}: {each.spec} {each.overrides or ''}"
                         + (f" evaluated with {each.eval_overrides}" if not each.trains else ""))
-                if each.run_name in failed:  # its run failed above: nothing to evaluate
-                    cli.log(f"  skipped: {failed[each.run_name]}")
+                if each.run_name in failed or each.run_name in held:  # its run failed or is held above
+                    cli.log(f"  skipped: {failed.get(each.run_name) or held[each.run_name]}")
                     continue
                 try:
                     result = jobs_lib.train_and_evaluate(each, suite)
                 except jobs_lib.RunStopped:
                     raise
+                except lock_lib.WorkdirLockedError as error:  # another process trains it: one line, not a failure
+                    _held(each, error, held, readers)
+                    continue
                 except Exception as error:  # pylint: disable=broad-except  # one job's failure loses no other
                     failed[each.run_name] = f"{type(error).__name__}: {error}"
                     cli.log(f"[{step}/{len(all_jobs)}] {each.run_name} FAILED:\n{traceback.format_exc()}")
@@ -330,7 +432,7 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                     continue
                 record(each, result)
                 cli.log(f"  elapsed {(time.time() - t_start) / 60:.1f} min")
-        return raw, timings, failed
+        return raw, timings, failed, held
     stopped: list[str] = []
     count = 0
     with _sigterm_event() as sigterm:
@@ -354,16 +456,29 @@ def run_jobs(all_jobs: Sequence[Job], suite: Suite, jobs: int, t_start: float,
                 continue
             if isinstance(error, jobs_lib.RunStopped):
                 stopped.append(str(error))
-            elif sigterm.is_set():  # a process ended by the SIGTERM outside its trainer: evaluated nothing
-                stopped.append(f"{job.run_name}: stopped by SIGTERM ({type(error).__name__})")
+            elif sigterm.is_set():  # a process ended by the signal outside its trainer: evaluated nothing
+                stopped.append(f"{job.run_name}: stopped by {interrupts.name(sigterm.signum)} ({type(error).__name__})")
+            elif isinstance(error, lock_lib.WorkdirLockedError):  # another process trains it: one line
+                _held(job, error, held, readers)
             else:  # one job's failure loses no other
                 failed[job.run_name] = f"{type(error).__name__}: {error} (log {_log_path(job)})"
                 cli.log(f"[{count}/{len(all_jobs)}] {job.run_name} FAILED: {failed[job.run_name]}")
                 for reader in readers.get(id(job), []):
                     failed[reader.run_name] = f"not evaluated: the run it reads ({job.run_name}) failed"
     if stopped or sigterm.is_set():
-        raise jobs_lib.RunStopped("SIGTERM: " + ("; ".join(stopped) or "no job was running"))
-    return raw, timings, failed
+        signum = sigterm.signum or signal.SIGTERM
+        raise jobs_lib.RunStopped(f"{interrupts.name(signum)}: " + ("; ".join(stopped) or "no job was running"),
+                                  signum=signum)
+    return raw, timings, failed, held
+
+
+def _held(job: Job, error: BaseException, held: dict, readers: dict) -> None:
+    """Notes ``job`` as held by another process (its trainer's workdir lock, ``error``) in
+    ``held``, with one log line, and the rows evaluated with its run as held with it."""
+    held[job.run_name] = str(error)
+    cli.log(f"  {job.run_name}: not run: {error}")
+    for reader in readers.get(id(job), []):
+        held[reader.run_name] = f"the run it reads ({job.run_name}) is held by another process"
 
 
 def _log_path(job: Job) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from goat_jax.reproduce import jobs as jobs_lib
+from goat_jax.reproduce import records as records_lib
 from goat_jax.reproduce.suites import FAMILIES, Job, Suite
 from goat_jax.train import run as run_lib
 from goat_jax.train import trainer
@@ -43,6 +44,7 @@ class RunState:
     train_seconds: Optional[float] = None
     eval_seconds: Optional[float] = None
     lengths_scored: tuple[int, ...] = ()  # a trained run: the lengths its unfinished evaluation scored
+    unreadable_record: Optional[str] = None  # its run record exists but cannot be read (the message)
 
 
 def run_state(job: Job, suite: Suite) -> RunState:
@@ -51,7 +53,11 @@ def run_state(job: Job, suite: Suite) -> RunState:
     :func:`goat_jax.reproduce.jobs.reused`)."""
     config = jobs_lib.job_config(job)
     total = int(config.num_train_steps)
-    rec = jobs_lib.recorded(job, suite)
+    try:
+        rec = jobs_lib.recorded(job, suite)
+    except records_lib.UnreadableRecord as e:  # the state is the workdir's; the record is named apart
+        state = run_state(dataclasses.replace(job, record=None), suite)
+        return dataclasses.replace(state, job=job, unreadable_record=str(e))
     if rec is not None and not trainer.is_finished(config, job.workdir):
         return RunState(job, "done", total, total, train_seconds=rec["train_seconds"] if job.trains else 0.0,
                         eval_seconds=float(rec["result"].get("eval_seconds", 0.0)))
@@ -148,6 +154,11 @@ def render(states: Sequence[RunState], suite: Suite, root: str, seeds: int, jobs
     if missing:
         lines += ["", "Not started (by row; the seeds it lacks; 'waiting': an evaluated-with row whose run is not "
                   "finished):"] + [f"  {name}: seeds {' '.join(seeds)}" for name, seeds in missing.items()]
+    unreadable = [s for s in states if s.unreadable_record]
+    if unreadable:  # the harness runs none of these until the file is restored or moved aside
+        lines += ["", "Unreadable run records (the harness neither reuses nor overwrites them; each job is "
+                  "reported FAILED until its file is restored or moved aside):"] + [
+            f"  {s.job.run_name}: {s.unreadable_record}" for s in unreadable]
     feeding = [s for s in states if jobs_lib.FEEDS_CHECKS[s.job.family](s.job, suite)]
     if feeding:  # what the verdicts wait for: these train first (goat_jax/reproduce/runner.py)
         per: dict[str, list[int]] = {}

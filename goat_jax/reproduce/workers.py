@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -42,8 +43,12 @@ def _child(conn, target: Callable, args: tuple) -> None:
     """A job process's body: runs ``target(*args)`` and sends ``(result, error)`` back once."""
     try:
         outcome = (target(*args), None)
-    except Exception as e:  # pylint: disable=broad-except  # sent back: the harness records it
-        traceback.print_exc()  # into the job's log when the target redirected stderr there
+    except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except  # sent back: the harness records it
+        if getattr(e, "keeps_workdir", False) or isinstance(e, KeyboardInterrupt):
+            # Another process holds the run (its workdir lock), or Ctrl-C reached the job too: one line.
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()  # into the job's log when the target redirected stderr there
         outcome = (None, e)
     try:
         conn.send(outcome)

@@ -9,6 +9,7 @@ the loss are those of the LM task; evaluation adds what genome papers report per
     eval_bits_per_base   eval_loss / ln 2
     eval_ppl             exp(eval_loss)
     eval_accuracy        next-base accuracy (argmax == target)
+    eval_tokens          the scored bases these are over
 
 Config sections: ``seq_len`` (top level), ``model.*`` (the fields of :class:`goat_jax.models.lm.LMConfig`)
 and ``data.*`` (``goat_jax.data.dna.default_dna_data_config()``). Longer contexts,
@@ -108,10 +109,11 @@ def validate(config) -> None:
 
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
-    """Bits per base, perplexity (capped at e^50 to keep the JSON finite) and accuracy."""
+    """Bits per base, perplexity (capped at e^50 to keep the JSON finite), accuracy and the
+    scored bases they are over (``tokens``)."""
     mean = totals["loss"] / totals["weight"]
     return {"bits_per_base": mean / math.log(2), "ppl": float(math.exp(min(mean, 50.0))),
-            "accuracy": totals["correct"] / totals["weight"]}
+            "accuracy": totals["correct"] / totals["weight"], "tokens": float(totals["weight"])}
 
 
 TASK = tasks.Task(

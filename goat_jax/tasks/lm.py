@@ -5,7 +5,7 @@ paper's synthetic tasks (``data.source = 'synthetic'``: copy mixture, passkey, N
 Config sections: ``seq_len`` (top level), ``model.*`` (the fields of
 :class:`goat_jax.models.lm.LMConfig`; this task builds the model) and ``data.*`` (``goat_jax.data.text.default_data_config()`` or
 ``goat_jax.data.synthetic.default_synthetic_config(kind)`` plus ``source``). Eval metrics:
-``eval_loss`` (nats/token) and ``eval_ppl``. The contract this module fills is in
+``eval_loss`` (nats/token), ``eval_ppl`` and ``eval_tokens`` (the scored targets). The contract this module fills is in
 :mod:`goat_jax.train.tasks`.
 """
 
@@ -181,9 +181,10 @@ def validate(config) -> None:
 
 def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
     """``ppl``: perplexity of the mean per-token NLL (nats), capped at e^50 so the JSON stays
-    finite early in training."""
+    finite early in training; ``tokens``: the scored targets it is over (a tiny held-out split
+    shows here, not as an ordinary-looking perplexity)."""
     mean = totals["loss"] / totals["weight"]
-    return {"ppl": float(math.exp(min(mean, 50.0)))}
+    return {"ppl": float(math.exp(min(mean, 50.0))), "tokens": float(totals["weight"])}
 
 
 TASK = tasks.Task(

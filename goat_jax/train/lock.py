@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 LOCK_FILE = ".lock"
 
@@ -75,24 +75,35 @@ def acquire(workdir: str, process_index: int = 0) -> Optional[int]:
         logging.warning("workdir %s is not a local or mounted path: no workdir lock (two trainers "
                         "on it would overwrite each other).", workdir)
         return None
+    path = lock_path(workdir, process_index)
+    return acquire_file(path, lambda holder: WorkdirLockedError(
+        f"workdir {workdir} is in use by another trainer: {holder} (lock {path}). Wait "
+        "for it to finish, stop it (SIGTERM saves a checkpoint; the same command then "
+        "resumes), or use another --workdir."), what="workdir", process_index=process_index)
+
+
+def acquire_file(path: str, refusal: Callable[[str], BaseException], what: str = "folder",
+                 process_index: int = 0, blocking: bool = False) -> Optional[int]:
+    """Locks the file ``path`` (created if missing) for this process with ``flock`` and writes
+    the holder (pid, host, start time) into it; returns the descriptor (pass it to
+    :func:`release`), or None where the filesystem cannot lock (a warning naming ``what`` is
+    logged). A lock another live process holds raises ``refusal(holder)`` (``holder``: what the
+    file says about it), or, with ``blocking``, is waited for. The kernel drops the lock when the
+    process exits in any way."""
     import fcntl  # pylint: disable=g-import-not-at-top  # POSIX only
 
-    path = lock_path(workdir, process_index)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             holder = _holder(fd)
             os.close(fd)
-            raise WorkdirLockedError(
-                f"workdir {workdir} is in use by another trainer: {holder} (lock {path}). Wait "
-                "for it to finish, stop it (SIGTERM saves a checkpoint; the same command then "
-                "resumes), or use another --workdir.") from None
+            raise refusal(holder) from None
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            logging.warning("the filesystem of %s does not support locks (%s): no workdir lock; "
-                            "make sure no other trainer uses this workdir.", workdir, e.strerror)
+            logging.warning("the filesystem of %s does not support locks (%s): no %s lock; "
+                            "make sure no other process uses it.", path, e.strerror, what)
             return None
         raise
     info = {"pid": os.getpid(), "host": socket.gethostname(), "process_index": process_index,

@@ -12,6 +12,7 @@ TensorBoard event files are trimmed the same way (:func:`trim_events`), and a 0-
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -42,6 +43,16 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def describe(metrics: Dict[str, Any]) -> str:
+    """One log line's worth of ``metrics``: ``eval_loss 2.3456, eval_ppl 10.44, eval_tokens
+    1024`` (counts as integers, the rest to 4 significant digits)."""
+    def fmt(key, value):
+        if isinstance(value, float) and value.is_integer() and key.endswith(("_tokens", "_examples")):
+            return f"{key} {int(value)}"
+        return f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}"
+    return ", ".join(fmt(k, v) for k, v in metrics.items())
+
+
 def truncate_jsonl(path: str, last_step: int) -> None:
     """Drops rows with ``step > last_step`` from ``path`` (atomically); the rows a resumed run
     is about to log again."""
@@ -49,13 +60,18 @@ def truncate_jsonl(path: str, last_step: int) -> None:
         return
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    kept = []
-    for line in lines:
+    kept, unreadable = [], []
+    for number, line in enumerate(lines, 1):
         try:
             if json.loads(line).get("step", 0) <= last_step:
                 kept.append(line)
-        except json.JSONDecodeError:
-            pass  # a line torn by a kill mid-write
+        except (json.JSONDecodeError, AttributeError):
+            unreadable.append(number)  # a line torn by a kill mid-write (the last), or damaged
+    if unreadable:  # dropped, and said: never a row lost without a word
+        logging.warning("%s: dropped %d unreadable line(s) (line %s of %d%s) while trimming it to step %d",
+                        path, len(unreadable), ", ".join(map(str, unreadable[:5])), len(lines),
+                        "; the last line is what a kill mid-write tears" if unreadable == [len(lines)] else "",
+                        last_step)
     files.write_whole(path, "".join(kept))
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
@@ -187,24 +188,38 @@ class Run:
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
-    """The resolved config a run wrote; FileNotFoundError if ``workdir`` is not a run."""
+    """The resolved config a run wrote; FileNotFoundError if ``workdir`` is not a run, ValueError
+    naming the file when it is there but not a JSON object."""
     path = config_path(workdir)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: {workdir} is not a run of experiments.train.")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}): the run's resolved config "
+                         "(the trainer writes it whole at the start of every run; the same train "
+                         "command rewrites it).") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not the run's config.")
+    return ml_collections.ConfigDict(values)
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """The rows of a run's ``metrics.jsonl`` (training rows, eval rows), in order; a line torn by
-    a kill mid-write is skipped. Safe while the run is training: the trainer flushes each row."""
-    rows = []
-    with open(metrics_path(workdir)) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    """The rows of a run's ``metrics.jsonl`` (training rows, eval rows), in order. Safe while the
+    run is training: the trainer flushes each row. A last line torn by a kill mid-write (or still
+    being written) is skipped; an unreadable line before it is skipped with a warning naming the
+    file and the line."""
+    rows, path = [], metrics_path(workdir)
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                warnings.warn(f"{path}: line {number} of {len(lines)} is not JSON and is skipped.",
+                              UserWarning, stacklevel=2)
     return rows
 
 

@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import signal
-import threading
 from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
@@ -45,6 +44,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import failures as failures_lib
+from goat_jax.train import interrupts
 from goat_jax.train import lock as lock_lib
 from goat_jax import long_context
 from goat_jax.train import memory as memory_lib
@@ -279,41 +279,6 @@ def _compile_and_check_memory(steps: ShardedSteps, abstract_state, dummy: Dict[s
 
 
 # ----------------------------------------------------------------------------------------------
-# Preemption: SIGTERM -> checkpoint at the end of the current step, then exit cleanly
-# ----------------------------------------------------------------------------------------------
-
-
-class _Preemption:
-    """Notices SIGTERM. Single process: our own handler. Multi-process: JAX's coordination
-    service (installed by ``jax.distributed.initialize``) so that all hosts stop at the same
-    step."""
-
-    def __init__(self):
-        self.requested = False
-        self._multi = jax.process_count() > 1
-        self._previous = None
-        # Python delivers signals to the main thread only (a trainer run from a worker thread
-        # keeps the default SIGTERM behaviour; the last checkpoint is then the resume point).
-        if not self._multi and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):  # pylint: disable=unused-argument
-        self.requested = True
-
-    def reached(self, step: int) -> bool:
-        """Whether to checkpoint and stop after ``step``."""
-        if self._multi:
-            from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-            return bool(multihost_utils.reached_preemption_sync_point(step))
-        return self.requested
-
-    def restore(self) -> None:
-        """Reinstalls the previous SIGTERM handler."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-# ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
 
@@ -360,7 +325,9 @@ def is_finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        resume_with_changes: bool = False) -> Dict[str, Any]:
     """Trains (or resumes) ``config`` in ``workdir``; returns a summary dict with the last step,
-    ``train_loss``, ``eval_loss`` (if evaluated) and ``preempted``.
+    ``train_loss``, ``eval_loss`` (if evaluated), ``preempted`` and, when a signal stopped it,
+    ``stopped_by`` ('SIGTERM', 'SIGINT' for Ctrl-C, 'SIGHUP'): the run saved a checkpoint at
+    the step it was on and returned (:mod:`goat_jax.train.interrupts`).
 
     ``resume_with_changes``: resume even if the fields of
     ``checkpoint.RESUME_ADJUSTABLE_FIELDS`` (the optimizer's, ``num_train_steps``) differ from
@@ -388,10 +355,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         wandb_logger.preflight(config.wandb)
     os.makedirs(workdir, exist_ok=True)  # only now that the config is valid
     # One trainer per workdir (goat_jax/train/lock.py): taken before anything is written there.
-    with lock_lib.hold(workdir, jax.process_index()):
+    # SIGTERM, Ctrl-C, SIGHUP: a checkpoint at the end of the current step, then return (interrupts.py).
+    with lock_lib.hold(workdir, jax.process_index()), interrupts.stop_signals() as stop:
         progress = {"step": 0}  # the step being run, for the failure message
         try:
-            return _train_locked(config, workdir, global_batch, resume_with_changes, progress)
+            return _train_locked(config, workdir, global_batch, resume_with_changes, progress, stop)
         except Exception as e:  # pylint: disable=broad-except
             # A full disk or a dead peer, buried in orbax/JAX errors: one line that says so.
             explained = failures_lib.explain(
@@ -403,9 +371,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
-                  resume_with_changes: bool, progress: Dict[str, Any]) -> Dict[str, Any]:
+                  resume_with_changes: bool, progress: Dict[str, Any],
+                  preemption: interrupts.StopSignals) -> Dict[str, Any]:
     """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
-    ``progress['step']`` at the step being run."""
+    ``progress['step']`` at the step being run; ``preemption``: the stop signals to heed."""
     task = tasks_lib.get_task(config.task)
     config_dict = _fingerprinted(config, global_batch)
     is_primary = jax.process_index() == 0
@@ -509,7 +478,6 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     throughput = metrics_lib.Throughput(
         global_batch * task.tokens_per_example(config), task.flops_per_token(config),
         peak * len(devices) if peak else None)
-    preemption = _Preemption()
     summary: Dict[str, Any] = {"step": start_step, "preempted": False, "num_params": num_params}
     last_saved = start_step if start_step else None
 
@@ -579,17 +547,17 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
                     pending = None
                 eval_metrics = evaluate(state.params)
                 if eval_metrics:
+                    logging.info("step %d: %s", step, metrics_lib.describe(eval_metrics))  # eval_tokens too
                     writer.write(step, eval_metrics)
                     summary.update(eval_metrics)
                 throughput.reset(step)
             if preempted:
-                logging.warning("SIGTERM: saved a checkpoint at step %d; exiting.", step)
-                summary["preempted"] = True
+                logging.warning(preemption.saved_line(step))
+                summary.update(preempted=True, stopped_by=interrupts.name(preemption.signum or signal.SIGTERM))
                 break
         if pending is not None:
             process(*pending)
     finally:
-        preemption.restore()
         profiler.close()
         try:
             writer.close()

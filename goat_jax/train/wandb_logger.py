@@ -184,8 +184,12 @@ class WandbLogger:
             # W&B's id format: 8 lowercase letters and digits.
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         else:
-            with open(path) as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 run_id = f.read().strip()
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):  # an empty id is wandb's "no id": a new run
+                raise ValueError(f"{path} holds no W&B run id ({run_id[:40]!r}): this workdir's W&B run "
+                                 "cannot be resumed from it. Restore the file (the id is in the W&B run's "
+                                 "URL), or delete it to log to a new W&B run.")
         directory = files_dir(workdir)
         os.makedirs(directory, exist_ok=True)
         try:
