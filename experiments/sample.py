@@ -24,8 +24,10 @@ ids, where an EOS cut it, the settings). Progress lines go to stderr, the sample
 Every check runs before any weights are read, each refusal one line naming the flag: a missing
 workdir, a ViT or synthetic-task run, a checkpoint step the run lacks, an empty prompt, a prompt
 that with ``--max_new_tokens`` needs more positions than the model holds, a non-finite or
-negative temperature, options greedy decoding would ignore, and ``--mesh_context > 1`` (the
-sharded KV cache is not wired into the attention layer yet: sample on one device).
+negative temperature, options greedy decoding would ignore, and a ``--mesh_context`` of more devices
+than the process has. ``--mesh_context N`` splits the KV cache's slots over N devices (each shard
+scores its own slots; the partial softmaxes are merged: docs/training.md, "Decoding with a
+sharded cache"); the continuation is the one-device one.
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0; sampling only)")
     p.add_argument("--num_samples", type=int, default=1, help="continuations per prompt (sampling only)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the last)")
-    p.add_argument("--mesh_context", type=int, default=1, help="devices the KV cache is split over; only 1 "
-                   "until the sharded cache is wired into the attention layer")
+    p.add_argument("--mesh_context", type=int, default=1, help="devices the KV cache's slots are split over "
+                   "(the same continuation; on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     p.add_argument("--out", default=None, help="write one JSON line per continuation to this file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)

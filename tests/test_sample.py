@@ -61,12 +61,16 @@ def reference_greedy(workdir: str, ids, n: int, step=None) -> list:
     return seq[len(ids):]
 
 
-def test_the_command_continues_a_text_prompt_greedily_as_the_reference(lm_workdir, tmp_path):
-    """The end-to-end test of the default suite: the real command, a few greedy tokens."""
+@pytest.mark.parametrize("mesh_context", [1, 4])
+def test_the_command_continues_a_text_prompt_greedily_as_the_reference(lm_workdir, tmp_path, mesh_context):
+    """The end-to-end test of the default suite: the real command, a few greedy tokens, on one
+    device and with the KV cache split over 4 (fake CPU) devices."""
     out = tmp_path / "samples.jsonl"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={max(mesh_context, 1)}")
     proc = subprocess.run([sys.executable, "-m", "experiments.sample", "--workdir", lm_workdir, "--prompt",
-                           "The hacker", "--max_new_tokens", "6", "--temperature", "0", "--out", str(out)],
+                           "The hacker", "--max_new_tokens", "6", "--temperature", "0", "--out", str(out),
+                           "--mesh_context", str(mesh_context)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -138,8 +142,8 @@ def _copy_run(workdir, tmp_path, **config_changes):
     (["--prompt", "x", "--temperature", "0", "--num_samples", "3"], {}, "identical copies"),
     (["--prompt", "x", "--top_k", "300"], {}, "--top_k 300 exceeds the run's vocabulary of 259"),
     (["--prompt", "x", "--max_new_tokens", "0"], {}, "--max_new_tokens must be an integer >= 1"),
-    (["--prompt", "x", "--mesh_context", "2"], {}, "--mesh_context 2: decoding with the KV cache split over the "
-                                                 "context axis is not wired"),
+    (["--prompt", "x", "--mesh_context", "64"], {}, "--mesh_context 64: the KV cache would be split over 64 "
+                                                  "devices, but this process sees"),
     (["--prompt", "x", "--step", "7"], {}, "--step 7: .* holds checkpoints at step\\(s\\) 1, 2"),
     (["--prompt", "x"], {"task": "vit"}, "is a vision run of config.task='vit'"),
     (["--prompt", "x"], {"data.source": "synthetic"}, "synthetic task"),

@@ -15,14 +15,15 @@ chooses nothing about attention. Windows are scored in their
 natural order: load balancing (``context_load_balance``) changes which device does which work,
 not the numbers.
 
-What runs split: the evaluations that score whole windows in one forward pass (:data:`SPLIT`).
-The others are refused before any work (:func:`check_request`), naming the flag and the fix
-(:data:`UNSPLIT`): decoding feeds the KV cache queries that are not the whole window, which
-cannot be split over the sequence (the standard passkey prompt, ``--chunk_size``, diagnostics);
-sinks, documents and diagnostics read attention probabilities, which split attention never forms;
-lm_eval batches and decodes its own requests. DNA's GC agreement is the one decoding that runs:
-it samples 200 bases after 200-base prompts, with the replicated parameters and no split (each
-device repeats that short work).
+What runs split (:data:`SPLIT`): the evaluations that score whole windows in one forward pass,
+and what decodes with the KV cache (the standard passkey's answer, ``--chunk_size``'s windows
+in query chunks): the cache's slots are split over the devices, each shard scores its own and
+the partial softmaxes are merged (:func:`on_run_mesh`, goat_jax/kernels/decode_merge.py). The
+others are refused before any work (:func:`check_request`), naming the flag and the fix
+(:data:`UNSPLIT`): sinks, documents and diagnostics read attention probabilities, which split
+attention never forms; lm_eval batches and pads its own requests to lengths the shards need not
+divide. DNA's GC agreement samples 200 bases after 200-base prompts with the replicated
+parameters and no split (each device repeats that short work).
 """
 
 from __future__ import annotations
@@ -35,19 +36,18 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from goat_jax.data import synthetic
 from goat_jax.kernels import balance
 from goat_jax.plan import AttentionPlan
 from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
 
-# The evaluations that score whole windows with one forward pass (passkey: its synthetic,
-# teacher-forced variant, the one synthetic-task runs get).
+# The evaluations that run split: those that score whole windows with one forward pass, and the
+# standard passkey, which decodes its answer with the KV cache split over the devices
+# (goat_jax/kernels/decode_merge.py).
 SPLIT = ("extrapolation", "niah", "passkey", "dna")
 # Why each other evaluation cannot split a window (completes "--evals NAME ...").
 UNSPLIT = {
-    "passkey": "decodes the standard prompt's answer with the KV cache, one token at a time",
     "sinks": "reads attention probabilities, which attention split over the context axis never forms",
     "documents": "reads attention probabilities (the mass on each document's first token), which "
                  "attention split over the context axis never forms",
@@ -56,16 +56,12 @@ UNSPLIT = {
 }
 
 
-def _passkey_variant(config: Any) -> str:
-    return "synthetic" if synthetic.is_synthetic(config) else "standard"
-
-
 def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: Sequence[int], context: int, *,
                   chunk_size: Optional[int] = None, lengths: Optional[Sequence[int]] = None,
                   num_devices: Optional[int] = None) -> None:
     """Raises ValueError naming ``--mesh_context`` (or the flag in its way) and the fix unless
     every evaluation of the request can run with each window split over ``context`` devices:
-    an evaluation that decodes or reads probabilities (:data:`UNSPLIT`), ``--chunk_size``, more
+    an evaluation that reads probabilities or batches its own requests (:data:`UNSPLIT`), more
     devices than there are (``num_devices``, default ``jax.device_count()``), or a window
     (``m x seq_len`` for each of ``multipliers``, or dna's ``lengths`` in bases) that the shards
     do not divide. Reads only ``config`` (a run's config.json), so it runs before any work."""
@@ -75,13 +71,9 @@ def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: 
         return
     split = f"{FLAG} {context} splits each window over {context} devices"
     for name in evals:
-        if name not in SPLIT or (name == "passkey" and _passkey_variant(config) == "standard"):
+        if name not in SPLIT:
             raise ValueError(f"{split}, but --evals {name} {UNSPLIT.get(name, 'does not score whole windows')} "
                              f"(run {workdir}); evaluate it in a command of its own with {FLAG} 1.")
-    if chunk_size is not None:
-        raise ValueError(f"{split}, but --chunk_size {chunk_size} runs each window through the KV cache in "
-                         f"chunks of queries; drop --chunk_size (the whole window is split over the devices "
-                         f"instead) or use {FLAG} 1.")
     implementation = (config.get("model") or {}).get("implementation")
     multiple = balance.length_multiple(context, False, implementation)
     by_bases = bool(lengths) and "dna" in evals
@@ -134,3 +126,20 @@ def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], j
         return model.apply({"params": params}, tokens)
 
     return sharding.with_mesh_and_rules(apply, mesh, rules)
+
+
+def on_run_mesh(run: Any, fn: Callable) -> Callable:
+    """``fn`` called inside ``run``'s mesh (:func:`on_mesh`; ``fn`` unchanged on one device):
+    what decodes with the KV cache (the standard passkey's generator, ``--chunk_size``'s chunked
+    windows) then splits the cache's slots over the ``context`` devices, each shard scoring its
+    own and the partial softmaxes merged (goat_jax/kernels/decode_merge.py; docs/training.md,
+    "Decoding with a sharded cache"). No logical rules are entered: the activations of a chunk
+    of queries stay whole on every device, only the cache is split."""
+    mesh = getattr(run, "mesh", None)
+    if mesh is None:
+        return fn
+
+    def split(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+    return split

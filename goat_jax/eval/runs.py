@@ -179,7 +179,7 @@ def eval_extrapolation(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLI
     apply_fn = run.apply_fn
     nll_fn = None
     if chunk_size is not None:
-        nll_fn = chunked.make_chunked_nll_fn(run.model, chunk_size)
+        nll_fn = context.on_run_mesh(run, chunked.make_chunked_nll_fn(run.model, chunk_size))
     if run.is_synthetic and text_file is None:
         out = {}
         for m in multipliers:
@@ -239,7 +239,7 @@ def eval_passkey(run: LMRun, multipliers: Sequence[int] = DEFAULT_MULTIPLIERS, *
                 run.apply_fn, run.params, ok, num_examples=num_examples,
                 key_len=int(synthetic.SYNTHETIC.value(run.config.data, "key_len")), seed=seed)
         else:
-            gen = retrieval.greedy_generator(run.model, run.params)
+            gen = context.on_run_mesh(run, retrieval.greedy_generator(run.model, run.params))
             out[variant] = retrieval.passkey_accuracy_standard(gen, ok, num_trials=num_trials,
                                                                batch_size=min(4, num_trials), seed=seed)
     return out

@@ -20,6 +20,7 @@ a text model samples (the rest would be the start of a new document); its row sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -59,6 +60,7 @@ class Request:
     seed: int
     num_samples: int
     notes: tuple = ()  # what the tokenizer changed in a prompt (IUPAC codes read as N), to log
+    mesh_context: int = 1  # devices the KV cache is split over (goat_jax/kernels/decode_merge.py)
 
     @property
     def rows(self) -> list[tuple[int, int]]:
@@ -118,18 +120,17 @@ def check_options(*, max_new_tokens: Any, temperature: Any, top_k: Any, seed: An
                   mesh_context: Any) -> None:
     """Refuses a bad sampling option in one line naming the flag and the fix, and options greedy
     decoding (``temperature`` 0) would ignore: ``--top_k``, ``--seed``, ``--num_samples > 1``
-    (identical copies). ``mesh_context > 1`` is refused: the KV cache split over the context
-    axis is not wired into the attention layer yet (issue #64)."""
+    (identical copies); ``mesh_context`` more devices than the process has."""
 
     def integer(flag, value, low):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}.")
 
     integer("--mesh_context", mesh_context, 1)
-    if mesh_context > 1:
-        raise ValueError(f"--mesh_context {mesh_context}: decoding with the KV cache split over the context "
-                         "axis is not wired into the attention layer yet (issue #64); sample with --mesh_context 1 "
-                         "(the whole cache on one device).")
+    if mesh_context > jax.device_count():
+        raise ValueError(f"--mesh_context {mesh_context}: the KV cache would be split over {mesh_context} devices, "
+                         f"but this process sees {jax.device_count()}; give at most {jax.device_count()} (on a CPU "
+                         f"host, XLA_FLAGS=--xla_force_host_platform_device_count={mesh_context} makes that many).")
     integer("--max_new_tokens", max_new_tokens, 1)
     integer("--num_samples", num_samples, 1)
     if top_k is not None:
@@ -282,7 +283,8 @@ def prepare(workdir: str, prompts: Sequence[tuple[str, str]], *, max_new_tokens:
     return Request(notes=tuple(notes), workdir=workdir, step=step, task=str(config.task), tokenizer=tokenizer,
                    prompts=tuple(prompts),
                    prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, temperature=float(temperature),
-                   top_k=top_k, seed=0 if seed is None else int(seed), num_samples=num_samples)
+                   top_k=top_k, seed=0 if seed is None else int(seed), num_samples=num_samples,
+                   mesh_context=mesh_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,7 +332,13 @@ def sample(run: Any, request: Request,
     rows. ``on_batch(rows, length)`` is called before each batch (its ``[(prompt, sample)]``);
     ``on_progress(step, tokens [B])`` as each token is drawn. Returns the rows in prompt order
     and the :class:`Timing`."""
+    from goat_jax.eval import context  # pylint: disable=g-import-not-at-top
     from goat_jax.models import sampling  # pylint: disable=g-import-not-at-top
+
+    # --mesh_context: the parameters replicated on a mesh whose one split axis is context; the KV
+    # cache's slots split over it (docs/training.md, "Decoding with a sharded cache").
+    run = context.on_mesh(run, request.mesh_context)
+    on_mesh = (lambda: jax.set_mesh(run.mesh)) if request.mesh_context > 1 else contextlib.nullcontext
 
     groups: dict[int, list[tuple[int, int]]] = {}
     for i, j in request.rows:
@@ -346,10 +354,11 @@ def sample(run: Any, request: Request,
         prompt = jnp.asarray(np.stack([request.prompt_ids[i] for i, _ in members]))
         clock.reset()
         extra = {"prefill_multiple": PREFILL_MULTIPLE, "cache_length": limit} if several else {}
-        out = np.asarray(jax.device_get(sampling.generate(
-            run.model, run.params, prompt, request.max_new_tokens,
-            jax.random.fold_in(key, g) if request.temperature > 0 else None,
-            temperature=request.temperature, top_k=request.top_k, on_token=clock, **extra)))
+        with on_mesh():
+            out = np.asarray(jax.device_get(sampling.generate(
+                run.model, run.params, prompt, request.max_new_tokens,
+                jax.random.fold_in(key, g) if request.temperature > 0 else None,
+                temperature=request.temperature, top_k=request.top_k, on_token=clock, **extra)))
         if request.max_new_tokens > 1 and clock.first is not None:
             timing.decode_steps += len(members) * (request.max_new_tokens - 1)
             timing.decode_seconds += clock.last - clock.first
