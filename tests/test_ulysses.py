@@ -221,3 +221,25 @@ def test_the_choice_names_ulysses_and_the_kernel_it_runs_on_the_whole_sequence(c
         ("xla", "ulysses", "xla")]
     assert ("context strategy 'ulysses' over 4 devices, not load-balanced, heads exchanged all-to-all: each device "
             "runs xla on the whole sequence for 1/4 of the heads (no load balancing needed)") in caplog.text
+
+
+@pytest.mark.slow(reason="compiles the FineWeb 1B step for 8 H200s with the CUDA plugin (the aot-gpu extra, not installed in CI)")
+def test_fineweb_with_packed_documents_under_ulysses_runs_cudnn_packed_on_8_h200s():
+    """The issue's done-when on a host with the aot-gpu extra: configs/lm_fineweb_1b.py (packed
+    documents, GQA 32:8) at 32,768 tokens over context 8 compiles for h200x8 under Ulysses with
+    cuDNN's fused forward and backward calls (not flash: each device runs cuDNN's packed layout on
+    the whole sequence) and fits. Not run where the plugin is missing (benchmarks/context.md)."""
+    from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    from tests.config_helpers import run_compile_only  # pylint: disable=g-import-not-at-top
+    if not aot.cuda_plugin_installed():
+        pytest.skip("JAX's CUDA plugin is not installed: pip install 'goat-jax[aot-gpu]'")
+    proc = run_compile_only(["benchmarks/context_strategies.py", "--config", "configs/lm_fineweb_1b.py:goat",
+                             "--target", "h200x8", "--seq_len", "32768", "--context", "8", "--strategies", "ulysses"],
+                            1800, gpu=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["whole_sequence"] == "cudnn" and row["fits"] is True, row
+    calls = row["custom_calls"]
+    assert any(k.startswith("__cudnn$fmha") and "Backward" not in k for k in calls), calls
+    assert any(k.startswith("__cudnn$fmha") and "Backward" in k for k in calls), calls
+    assert row["collectives"]["all-to-all"]["count"] >= 8, row
