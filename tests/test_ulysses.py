@@ -243,3 +243,26 @@ def test_fineweb_with_packed_documents_under_ulysses_runs_cudnn_packed_on_8_h200
     assert any(k.startswith("__cudnn$fmha") and "Backward" not in k for k in calls), calls
     assert any(k.startswith("__cudnn$fmha") and "Backward" in k for k in calls), calls
     assert row["collectives"]["all-to-all"]["count"] >= 8, row
+
+
+def test_the_compile_tool_names_ulysses_and_the_kernel_it_runs(tmp_path):
+    """experiments.compile for a TPU slice (libtpu installed) under Ulysses: compile.json and
+    compile.md name the strategy and the kernel each device runs on the whole sequence (splash,
+    the automatic choice on TPU), whose calls are in the compiled step; the tiny LM's 4 heads over
+    context 4."""
+    from goat_jax import aot  # pylint: disable=g-import-not-at-top
+    from tests.config_helpers import run_compile_only  # pylint: disable=g-import-not-at-top
+    if not aot.libtpu_installed():
+        pytest.skip("libtpu is not installed: pip install 'goat-jax[aot]'")
+    proc = run_compile_only(["-m", "experiments.compile", "--config", "configs/lm_tiny.py:goat,smoke",
+                             "--config.seq_len=512", "--config.global_batch_size=1", "--config.mesh.data=1",
+                             "--config.mesh.context=4", "--config.context_strategy=ulysses", "--target", "v5e-4",
+                             "--out", str(tmp_path)], 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert (report["context_strategy"], report["whole_sequence"], report["attention_implementation"]) == (
+        "ulysses", "splash", "splash"), report
+    assert report["custom_calls"].get("tpu_custom_call", 0) >= 3, report["custom_calls"]
+    assert "context strategy ulysses, heads exchanged: splash on the whole sequence" in proc.stdout
+    assert ("| context parallelism | strategy ulysses, load-balanced False, heads exchanged all-to-all: splash on "
+            "the whole sequence per device |") in (tmp_path / "compile.md").read_text()
