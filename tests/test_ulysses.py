@@ -100,7 +100,10 @@ print("RESULT " + json.dumps(out))
 '''
 
 TOLERANCE = 2e-5  # float32 round-off, relative to the largest entry (as tests/test_ring.py)
-LAYER_TOLERANCE = 2e-5  # one kernel call on the whole sequence: no merge across devices
+# Layers against one device in float32 (not float64): the parameters' gradients are summed over
+# the devices in another order; up to 2.4e-5 seen (RoPE on 'xla', c = 2, segment ids, parameters of
+# std 0.5), 1e-6 typical; tests/test_ring.py allows the ring 1e-4 for the same reason.
+LAYER_TOLERANCE = 1e-4
 
 # (c, balanced, causal, segment ids, key padding, KV heads, kernel): every c, causal and not,
 # balanced and not, segments and padding, KV heads divisible by c (8 at c = 2) and fewer than c
