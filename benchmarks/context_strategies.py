@@ -75,9 +75,16 @@ def measure(config_arg: str, target_name: str, overrides: dict) -> dict:
     from goat_jax import config_files
     from goat_jax.aot import compiler
 
+    from goat_jax.train import validation
+
     config = config_files.load_config(config_arg)
-    from tests.config_helpers import set_fields  # pylint: disable=g-import-not-at-top  # dotted overrides
-    set_fields(config, **overrides)
+    validation.add_engine_defaults(config)  # the engine fields a config leaves out (context_strategy)
+    for key, value in overrides.items():  # dotted overrides, as --config.x.y=value
+        node = config
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node[part]
+        node[leaf] = value
     texts = []
     original = compiler.custom_calls
     compiler.custom_calls = lambda text: (texts.append(text), original(text))[1]  # keep the program text
