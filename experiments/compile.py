@@ -177,10 +177,13 @@ def main(argv):
 
 def _attention(report) -> str:
     """The report's kernel, and under context parallelism its strategy (a ring's blocks are
-    computed by ``ring_blocks``' block math, whatever kernel the layers name)."""
+    computed by ``ring_blocks``' block math, whatever kernel the layers name; Ulysses runs
+    ``whole_sequence`` on the whole sequence of each device's heads)."""
     text = str(report["attention_implementation"])
     if report.get("context_strategy"):
         blocks = f", blocks by {report['ring_blocks']}'s block math" if report.get("ring_blocks") else ""
+        if report.get("whole_sequence"):
+            blocks += f", heads exchanged: {report['whole_sequence']} on the whole sequence"
         text += (f" (context strategy {report['context_strategy']}{blocks}, "
                  f"load-balanced {report.get('load_balanced')})")
     return text

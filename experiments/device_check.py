@@ -11,7 +11,9 @@ a timeout keeps what ran; a section that raises is reported and the next one run
 1. the kernels vs the float64 reference; 2. attention forward+backward at 1k-16k (GOAT on cuDNN,
 plain cuDNN, GOAT's dense prior on XLA, flash/XLA in float32); 2b/2c. packed documents on
 cuDNN's packed layout (value and gradients vs float64, then time vs flash); ring. ring attention's
-per-step work on one GPU (cuDNN ring blocks vs flash blocks vs plain cuDNN); 3. the 125M LM train
+per-step work on one GPU (cuDNN ring blocks vs flash blocks vs plain cuDNN); ulysses. one device's
+attention per layer under Ulysses (cuDNN's packed layout on the whole sequence) against the ring's
+blocks, packed documents, FineWeb 1B's heads; 3. the 125M LM train
 step (tokens/s, MFU); 5. the q/k width sweep on cuDNN (64-128, GOAT's layouts, RoPE, as ratios
 to plain); 6 / 6b. the 125M step's throughput levers, GOAT beside RoPE; 4. the GPU-only pytest
 tests, last, with the time left.
@@ -43,17 +45,18 @@ FORBIDDEN = ("tensorflow", "grain", "ml_collections")  # absent from the GPU ima
 def sections():
     """The check's sections in the order they run (``--sections`` picks among their keys): one
     line per section family, so a new one is one entry here and a module in goat_jax/device_check/."""
-    from goat_jax.device_check import Section, kernel_sections, levers, ring, train_step, widths  # pylint: disable=g-import-not-at-top
+    from goat_jax.device_check import Section, kernel_sections, levers, ring, train_step, ulysses, widths  # pylint: disable=g-import-not-at-top
 
     return [kernel_sections.CORRECTNESS, kernel_sections.ATTENTION, kernel_sections.PACKED,
             Section("ring", "ring. Ring attention per step", ring.run_ring),
+            Section("ulysses", "ulysses. One device's attention per layer, Ulysses vs ring", ulysses.run_ulysses),
             train_step.TRAIN_STEP,
             widths.WIDTH_SWEEP,
             levers.LEVERS, levers.LEVERS_B,
             kernel_sections.GPU_TESTS_SECTION]  # last: the pytest run takes what time is left
 
 
-SECTIONS = ("1", "2", "2b", "ring", "3", "5", "6", "6b", "4")  # the keys of sections(), for --sections
+SECTIONS = ("1", "2", "2b", "ring", "ulysses", "3", "5", "6", "6b", "4")  # the keys of sections(), for --sections
 
 
 def forbid_imports() -> None:

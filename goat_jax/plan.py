@@ -33,7 +33,8 @@ class AttentionPlan:
         the automatic choice per call (:func:`goat_jax.kernels.resolve_implementation`).
       context_strategy: with a ``context`` mesh axis of more than one device, how attention
         crosses the shards (a name of :data:`goat_jax.kernels.strategies.STRATEGIES`): 'all_gather'
-        (every device gathers all keys) or 'ring' (keys pass around the ring).
+        (every device gathers all keys), 'ring' (keys pass around the ring) or 'ulysses' (an
+        all-to-all trades sequence shards for whole sequences of 1 / c of the heads).
       load_balanced: the sequences arrive in the load-balanced order of
         :func:`goat_jax.kernels.balance.balance_order` when the context axis splits them (the
         engine reorders each batch once, :func:`goat_jax.kernels.balance.balanced_step`).

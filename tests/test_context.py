@@ -11,8 +11,9 @@ On 8 fake CPU devices (one subprocess per test: XLA_FLAGS must precede JAX):
   combination (56 cases).
 * the engine (tests/engine_cases.py): ``configs/lm_tiny.py:goat,smoke`` trains with the same
   losses at ``mesh.context`` 1 and 4 under all-gather and ring (balanced or not, packed
-  documents and contiguous windows), resumes exactly across a change of ``mesh.context`` and of
-  strategy (4 -> 1, 1 -> 4, all-gather -> ring), and the compiled step's per-device
+  documents and contiguous windows) and Ulysses (packed documents), resumes exactly across a change
+  of ``mesh.context`` and of strategy (4 -> 1, 1 -> 4, all-gather -> ring, all-gather and ring ->
+  Ulysses), and the compiled step's per-device
   temporaries fall with ``mesh.context``.
 * bad input: one clear error naming the field before any compilation.
 """
@@ -163,15 +164,19 @@ def _context(c, strategy="all_gather", balance=False, **extra):
 
 
 # The default plan: packed documents (segment ids reach every kernel), the context-1 baseline
-# trained once for all-gather and ring.
+# trained once for all-gather, ring and Ulysses (its 4 query heads over context 4, the 2 KV heads
+# repeated: goat_jax/kernels/ulysses.py); Ulysses resumes the all-gather and ring runs' checkpoints.
 _DEFAULT_PLAN = {
     "common": {"data.packing": "documents", "num_train_steps": 4, "checkpoint_every_steps": 2,
                "eval_every_steps": 4},
     "runs": [["c1", _context(1), None],
              ["c4_balanced", _context(4, balance=True), "c1"],
              ["ring_c4", _context(4, "ring"), "c1"],
-             ["ring_c4_balanced", _context(4, "ring", True), "c1"]],
-    "resumes": [["c1_to_c4", "c1", _context(4)], ["c1_to_ring_c4", "c1", _context(4, "ring")]],
+             ["ring_c4_balanced", _context(4, "ring", True), "c1"],
+             ["ulysses_c4", _context(4, "ulysses"), "c1"]],
+    "resumes": [["c1_to_c4", "c1", _context(4)], ["c1_to_ring_c4", "c1", _context(4, "ring")],
+                ["all_gather_to_ulysses", "c4_balanced", _context(4, "ulysses")],
+                ["ring_to_ulysses", "ring_c4", _context(4, "ulysses")]],
     "memory": [1, 4],  # the slow plan adds context 2's compile
 }
 
@@ -190,10 +195,11 @@ _FULL_PLAN = {
 
 
 def test_engine_trains_resumes_and_saves_memory_under_context(tmp_path):
-    """The engine's done-when on 8 fake devices, all-gather and ring in one process: the smoke LM
-    with packed documents at mesh.context=4, data=2 trains with the losses and evaluation loss
-    of mesh.context=1 under all-gather (load-balanced) and ring (balanced or not); a context-1
-    run stopped after step 2 resumes exactly at context 4 under all-gather and under ring; and
+    """The engine's done-when on 8 fake devices, all-gather, ring and Ulysses in one process: the
+    smoke LM with packed documents at mesh.context=4, data=2 trains with the losses and evaluation
+    loss of mesh.context=1 under all-gather (load-balanced), ring (balanced or not) and Ulysses; a
+    context-1 run stopped after step 2 resumes exactly at context 4 under all-gather and under
+    ring, and the all-gather and ring runs resume exactly under Ulysses; and
     the compiled step's temporaries per device fall with the context axis at a fixed
     per-device batch (the T x S logits are split over it; contexts 1 and 4 here, 1, 2 and 4 in
     the slow test below)."""

@@ -15,12 +15,13 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     res = subprocess.run([sys.executable, "-m", "experiments.device_check", "--dry_run", "--out", str(out),
-                          "--sections", "1", "2", "2b", "ring", "3", "4"],
+                          "--sections", "1", "2", "2b", "ring", "ulysses", "3", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()
     for heading in ("## 1. Kernels vs the float64 reference", "## 2. Attention forward+backward",
                     "## 2b. Packed documents", "## 2c. Packed documents", "## ring. Ring attention per step",
+                    "## ulysses. One device's attention per layer, Ulysses vs ring",
                     "## 3. LM train step",
                     "## 4. GPU-only pytest tests", "## Environment"):
         assert heading in text
@@ -30,6 +31,10 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     # the ring step on cuDNN blocks (the stand-in) and flash blocks
     assert text.count("| ok |") == 6 + 4 + 2
     assert "| ring:cudnn (pure-JAX stand-in) | 128 |" in text and "| 256 | ring:flash |" in text
+    # Ulysses' whole-sequence call (flash standing in for cuDNN's packed layout) beside the ring's blocks
+    for row in ("| 128 | ulysses:cudnn packed | T=128, 4 heads, 1 KV head |", "| 256 | ring:flash blocks | pair of 32",
+                "| 256 | ring:cudnn blocks (no documents) |"):
+        assert row in text
     for row in ("| 64 | goat_dense_bias:xla |", "| 64 | goat:flash |", "| 64 | goat:xla |", "| tiny (dry run) |"):
         assert row in text
     assert "| est. ms/step at peak |" in text and "| planned GiB |" in text  # the compile-time view beside it

@@ -93,7 +93,7 @@ print("RESULT " + json.dumps(out))
 def test_a_toy_context_strategy_is_one_module_among_the_strategies_and_the_config_choices():
     import json  # pylint: disable=g-import-not-at-top
     out = json.loads(run_on_fake_devices(_TOY_STRATEGY, devices=2).split("RESULT ")[-1])
-    assert out["names"] == ["all_gather", "ring", "toy"] and out["config_choices"], out
+    assert out["names"] == ["all_gather", "ring", "ulysses", "toy"] and out["config_choices"], out
     assert out["calls"] == ["flash"] and max(out["errors"]) < 1e-5, out
 
 

@@ -79,9 +79,10 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
     for ``target`` on this host and returns the report (:mod:`experiments.compile` writes it):
     target, num_devices, mesh, per_device_bytes, device_memory_bytes, fits, parameters,
     model_flops_per_step, estimated_step_seconds and tokens_per_second_per_chip (at peak; estimates),
-    attention_implementation, packed_head_dim, context_strategy / load_balanced / ring_blocks
-    (under context parallelism: how attention crosses the shards, and which kernel's block math
-    computes a ring's blocks; None otherwise), compile_seconds.
+    attention_implementation, packed_head_dim, context_strategy / load_balanced / ring_blocks /
+    whole_sequence (under context parallelism: how attention crosses the shards, which kernel's
+    block math computes a ring's blocks, which kernel Ulysses runs on the whole sequence; None
+    otherwise), compile_seconds.
 
     A program that does not fit (the compiler's HBM error) is reported with ``fits: False`` and
     the compiler's numbers instead of raising. Raises ValueError for an invalid config (naming
@@ -153,14 +154,14 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
         # How attention crosses the mesh's context axis (None without context parallelism); a
         # ring's blocks are computed by ring_blocks' block math, whatever the implementation says.
         **{key: sorted({c[key] for c in choices if key in c}) or None
-           for key in ("context_strategy", "load_balanced", "ring_blocks")},
+           for key in ("context_strategy", "load_balanced", "ring_blocks", "whole_sequence")},
         "custom_calls": calls,  # in the compiled step: the kernels it really runs (splash, cuDNN)
         "layout_warnings": layout_warnings,  # GOAT's packed width off the kernel's fast path (kernels/widths.py)
         "compile_seconds": round(compile_seconds, 2),  # tracing and lowering included
         "lower_seconds": round(lower_seconds, 2),  # of which tracing and lowering
     }
     for key in ("attention_implementation", "packed_head_dim", "context_strategy", "load_balanced",
-                "ring_blocks"):  # one value when all layers agree
+                "ring_blocks", "whole_sequence"):  # one value when all layers agree
         if report[key] is not None and len(report[key]) == 1:
             report[key] = report[key][0]
     if error is not None:

@@ -54,6 +54,8 @@ def markdown(report: Dict[str, Any]) -> str:
     if report.get("context_strategy"):
         ring = (f", each block computed by {report['ring_blocks']}'s block math"
                 if report.get("ring_blocks") else "")
+        if report.get("whole_sequence"):
+            ring += f", heads exchanged all-to-all: {report['whole_sequence']} on the whole sequence per device"
         lines.append(f"| context parallelism | strategy {report['context_strategy']}, load-balanced "
                      f"{report.get('load_balanced')}{ring} |")
     for key in ("arguments", "outputs", "temporaries", "aliased", "total"):

@@ -10,6 +10,8 @@
 * :mod:`~goat_jax.device_check.widths` -- 5 the q/k width sweep on cuDNN (where Hopper's cliff is).
 * :mod:`~goat_jax.device_check.levers` -- 6 / 6b the 125M step's throughput levers, GOAT beside RoPE.
 * :mod:`~goat_jax.device_check.ring` -- ring attention's per-step work on one device.
+* :mod:`~goat_jax.device_check.ulysses` -- one device's attention per layer under Ulysses against
+  the ring's blocks, packed documents.
 
 Nothing here imports tensorflow, grain or ml_collections (absent from the GPU image; the
 dry run makes them unimportable to prove it), nor the tests: the float64 reference

@@ -33,7 +33,8 @@ One concern a module:
   exact padding for them in :mod:`~goat_jax.kernels.padding`.
 * context parallelism: the strategies' table :mod:`~goat_jax.kernels.strategies`, one module
   each: :mod:`~goat_jax.kernels.context` ('all_gather': keys all-gathered over the context mesh
-  axis) and :mod:`~goat_jax.kernels.ring` ('ring'); :mod:`~goat_jax.kernels.balance`
+  axis), :mod:`~goat_jax.kernels.ring` ('ring') and :mod:`~goat_jax.kernels.ulysses` ('ulysses':
+  all-to-all over heads); :mod:`~goat_jax.kernels.balance`
   (load-balanced order), :mod:`~goat_jax.kernels.mesh` (the mesh, read once per call and passed
   down; how a shard_map splits batch and heads, its partition specs written once).
 

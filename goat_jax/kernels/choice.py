@@ -107,6 +107,11 @@ def describe_context(plan: dict) -> str:
             f"{'load-balanced' if plan['load_balanced'] else 'not load-balanced'}")
     if "ring_blocks" in plan:
         text += f", each block computed by {plan['ring_blocks']}'s block math"
+    if "whole_sequence" in plan:  # Ulysses: the heads are exchanged, the kernel sees every position
+        text += (f", heads exchanged all-to-all: each device runs {plan['whole_sequence']} on the whole sequence "
+                 f"for 1/{plan['context_shards']} of the heads"
+                 + (" (load balancing not needed: it only adds two reorders)" if plan["load_balanced"] else
+                    " (no load balancing needed)"))
     if "detour" in plan:
         text += f" ({plan['detour']})"
     return text

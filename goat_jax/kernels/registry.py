@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from goat_jax.kernels import capabilities, context, cudnn, dense, flash, ring, splash, strategies, xla
+from goat_jax.kernels import capabilities, context, cudnn, dense, flash, ring, splash, strategies, ulysses, xla
 
 KERNELS: Dict[str, capabilities.Capability] = {
     "cudnn": cudnn.ROW,
@@ -36,6 +36,7 @@ KERNELS: Dict[str, capabilities.Capability] = {
 STRATEGIES: Dict[str, strategies.Strategy] = {
     "all_gather": context.STRATEGY,
     "ring": ring.STRATEGY,
+    "ulysses": ulysses.STRATEGY,
 }
 
 

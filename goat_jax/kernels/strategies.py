@@ -1,8 +1,9 @@
 """How attention crosses the ``context`` mesh axis: one row per context strategy
 (:data:`STRATEGIES`), each declared by its own module (``STRATEGY = Strategy(...)``: 'all_gather'
-in :mod:`goat_jax.kernels.context`, 'ring' in :mod:`goat_jax.kernels.ring`) and listed in the
-literal table :data:`goat_jax.kernels.registry.STRATEGIES` (a plugin registers its own with
-:func:`register`), so a new strategy (an all-to-all one, say) is one new module, and the plan's
+in :mod:`goat_jax.kernels.context`, 'ring' in :mod:`goat_jax.kernels.ring`, 'ulysses' in
+:mod:`goat_jax.kernels.ulysses`) and listed in the literal table
+:data:`goat_jax.kernels.registry.STRATEGIES` (a plugin registers its own with :func:`register`),
+so a new strategy (the all-to-all one was) is one new module, and the plan's
 ``context_strategy`` (:class:`goat_jax.plan.AttentionPlan`) and the config's choices are read off
 this table.
 
@@ -32,7 +33,9 @@ from goat_jax.plan import DEFAULT, AttentionPlan
 class Run(NamedTuple):
     """What a strategy checks of a run's config (:func:`check_config`): the explicit kernel
     (``model.implementation``, None: automatic) and its row, the position encoding and whether
-    it adds a materialized ``[N, T, S]`` bias, and the context shards and balancing."""
+    it adds a materialized ``[N, T, S]`` bias, the context shards and balancing, and the model's
+    query and key/value heads (None when the model has none) with the ``mesh.tensor`` devices
+    that may split them (``head_shards``)."""
 
     implementation: Optional[str]
     row: Optional[caps.Capability]
@@ -40,6 +43,9 @@ class Run(NamedTuple):
     bias: bool
     num_shards: int
     balanced: bool
+    num_heads: Optional[int] = None
+    kv_num_heads: Optional[int] = None
+    head_shards: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,7 +129,10 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
     encoding = model.get("position_encoding")
     if strategy.check_run is not None:
         bias = encoding in bias_encodings
-        strategy.check_run(Run(implementation, row, encoding, bias, num_shards, balanced))
+        heads = model.get("num_heads")
+        tensor = (config.get("mesh") or {}).get("tensor") or 1
+        strategy.check_run(Run(implementation, row, encoding, bias, num_shards, balanced, heads,
+                               model.get("kv_num_heads") or heads, max(int(tensor), 1)))
     check_length(int(config.seq_len), num_shards, balanced, implementation, field="seq_len")
     if balanced and encoding == "fox":
         raise ValueError(
