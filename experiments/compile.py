@@ -27,7 +27,7 @@ config's global batch, one new token per row, against a cache of its full window
 slots) laid out on the config's mesh (rows over data x fsdp, slots over context, KV heads over
 tensor); compile.json records ``step: "decode"``, ``cache_length``, ``kv_cache_bytes_total`` and
 ``kv_cache_bytes_per_chip`` (the train step's records ``step: "train"``). ``mesh.context > 1`` is
-refused for it until the attention layer decodes against a cache split over context (issue #64).
+refused for it: this compile path does not yet lay a one-token step out over context.
 """
 
 import json

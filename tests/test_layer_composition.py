@@ -43,3 +43,17 @@ def test_no_layer_class_has_two_of_our_classes_as_bases():
 def test_no_thread_local_in_the_layers(name):
     with open(os.path.join(LAYERS, name)) as f:
         assert "threading" not in f.read(), name
+
+
+def test_the_layer_spec_is_the_linen_layers_fields():
+    """core.LayerSpec (what the core reads of a layer) and linen.Attention's fields (what a user
+    sets) name the same fields with the same defaults, so neither drifts from the other; the NNX
+    layer takes the Linen fields as keywords."""
+    import dataclasses  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.layers import core, linen  # pylint: disable=g-import-not-at-top
+
+    spec = {f.name: f.default for f in dataclasses.fields(core.LayerSpec) if f.name != "owner"}
+    layer = {f.name: f.default for f in dataclasses.fields(linen.Attention)
+             if f.name not in ("parent", "name", "encoding")}
+    assert spec == layer

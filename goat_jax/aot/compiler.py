@@ -74,6 +74,23 @@ def fit(per_device_total: Optional[int], hbm_bytes: int) -> Dict[str, Any]:
             "usable_bytes": usable}
 
 
+def finish(report: Dict[str, Any], error: Optional[Dict[str, Any]], per_device: Optional[Dict[str, int]],
+           hbm_bytes: int) -> Dict[str, Any]:
+    """``report`` completed with whether the program fits: the compiler's out-of-memory ``error``
+    (:func:`out_of_memory`: its message, used and limit bytes, and the shortfall) or the
+    :func:`fit` of the ``per_device`` memory (:func:`memory`) in ``hbm_bytes``. Returns it."""
+    if error is not None:
+        report.update(fits=False, margin_bytes=None, compiler_error=error["message"],
+                      compiler_used_bytes=error["used_bytes"], compiler_limit_bytes=error["limit_bytes"],
+                      # by how much it does not fit: the compiler's own count (temporaries alone) over its limit
+                      shortfall_bytes=(error["used_bytes"] - error["limit_bytes"]
+                                       if error["used_bytes"] is not None and error["limit_bytes"] is not None
+                                       else None))
+    else:
+        report.update(fit(None if per_device is None else per_device["total"], hbm_bytes))
+    return report
+
+
 def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Compiles ``config``'s train step (the trainer's own, :func:`goat_jax.train.trainer.make_sharded_steps`)
     for ``target`` on this host and returns the report (:mod:`experiments.compile` writes it):
@@ -164,13 +181,4 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
                 "ring_blocks", "whole_sequence"):  # one value when all layers agree
         if report[key] is not None and len(report[key]) == 1:
             report[key] = report[key][0]
-    if error is not None:
-        report.update(fits=False, margin_bytes=None, compiler_error=error["message"],
-                      compiler_used_bytes=error["used_bytes"], compiler_limit_bytes=error["limit_bytes"],
-                      # by how much it does not fit: the compiler's own count (temporaries alone) over its limit
-                      shortfall_bytes=(error["used_bytes"] - error["limit_bytes"]
-                                       if error["used_bytes"] is not None and error["limit_bytes"] is not None
-                                       else None))
-    else:
-        report.update(fit(None if per_device is None else per_device["total"], chip.hbm_bytes))
-    return report
+    return finish(report, error, per_device, chip.hbm_bytes)

@@ -13,9 +13,9 @@ The report is the train step's (:func:`goat_jax.aot.compile_train_step`: memory 
 kernels) with ``step: 'decode'``, ``cache_length`` and the keys' and values' bytes:
 ``kv_cache_bytes_total`` (the whole cache, every layer) and ``kv_cache_bytes_per_chip`` (what one
 chip holds under those shardings). A mesh with ``context > 1`` is refused before any work: the
-attention layer's decode path does not take a cache split over ``context`` yet (issue #64; the
-merge it will use is goat_jax/kernels/decode_merge.py), though the cache shardings here already
-split its slots there.
+attention layer decodes against a cache split over ``context`` (goat_jax/kernels/decode_merge.py),
+but this compile path runs the step under the run's logical rules, which split a one-token step's
+activations over ``context`` too; the cache shardings here already split its slots there.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from flax import traverse_util
 
 from goat_jax import kernels
-from goat_jax.aot.compiler import FIT_MARGIN, custom_calls, fit, memory, out_of_memory
+from goat_jax.aot.compiler import FIT_MARGIN, custom_calls, finish, memory, out_of_memory
 from goat_jax.aot.target import Target, gpu_target, target_devices
 from goat_jax.kernels import widths as kernel_widths
 
@@ -93,9 +93,9 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     count = target.num_chips if devices is None else len(devices)
     context = dict(zip(sharding_lib.MESH_AXES, sharding_lib.mesh_shape(config.mesh, count)))["context"]
     if context > 1:
-        raise ValueError(f"--step decode with mesh.context={context}: the attention layer's decode "
-                         "path does not take a KV cache split over context yet (issue #64); compile the decode step "
-                         "with --config.mesh.context=1 (and the devices on data, fsdp or tensor).")
+        raise ValueError(f"--step decode with mesh.context={context}: this compile path does not yet lay a "
+                         "one-token decode step out over context (its logical rules would split the token); compile "
+                         "the decode step with --config.mesh.context=1 (and the devices on data, fsdp or tensor).")
     devices = target_devices(target) if devices is None else list(devices)
     hosts = len({d.process_index for d in devices})
     global_batch = trainer.validate_config(config, len(devices), hosts)
@@ -160,12 +160,4 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     for key in ("attention_implementation", "packed_head_dim"):
         if report[key] is not None and len(report[key]) == 1:
             report[key] = report[key][0]
-    if error is not None:
-        report.update(fits=False, margin_bytes=None, compiler_error=error["message"],
-                      compiler_used_bytes=error["used_bytes"], compiler_limit_bytes=error["limit_bytes"],
-                      shortfall_bytes=(error["used_bytes"] - error["limit_bytes"]
-                                       if error["used_bytes"] is not None and error["limit_bytes"] is not None
-                                       else None))
-    else:
-        report.update(fit(None if per_device is None else per_device["total"], chip.hbm_bytes))
-    return report
+    return finish(report, error, per_device, chip.hbm_bytes)

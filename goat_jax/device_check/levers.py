@@ -1,4 +1,4 @@
-"""Sections 6 and 6b of the device check: the 125M train step's throughput levers (issue #55),
+"""Sections 6 and 6b of the device check: the 125M train step's throughput levers,
 GOAT beside RoPE, one lever changed at a time from one stated base.
 
 Base (:func:`goat_jax.device_check.train_step.base_config`): the Llama-style 125M (12 x 768,

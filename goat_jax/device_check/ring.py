@@ -1,6 +1,6 @@
 """The ring section of the one-GPU check (experiments/device_check.py, ``--sections ring``): the
 per-step work of ring attention on one device, on cuDNN blocks against flash blocks and against
-plain cuDNN attention of the same size (goat_jax/kernels/ring_blocks.py; issue #54).
+plain cuDNN attention of the same size (goat_jax/kernels/ring_blocks.py).
 
 One ring step of a load-balanced causal ring holds, per device, pairs of a local query block
 against a key block: the diagonal pair (causal) and earlier pairs (every key visible). The step

@@ -1,7 +1,7 @@
 """The Ulysses section of the one-GPU check (experiments/device_check.py, ``--sections ulysses``):
 one device's attention work per layer under ``context_strategy='ulysses'`` against the ring's, for
 packed documents (segment ids), the FineWeb recipe's heads (``configs/lm_fineweb_1b.py``: 32 query
-heads, 8 KV heads, head dim 64) over ``c = 8`` context devices (issue #66).
+heads, 8 KV heads, head dim 64) over ``c = 8`` context devices.
 
 * ``ulysses:cudnn packed``: what a device runs after the all-to-all, one call of cuDNN's packed
   layout on the **whole sequence** T for its ``32 / 8 = 4`` query heads and 1 KV head, causal,

@@ -1,4 +1,4 @@
-"""Section 5 of the device check: the q/k width sweep on cuDNN (issue #55): where Hopper's
+"""Section 5 of the device check: the q/k width sweep on cuDNN: where Hopper's
 head-width cliff is, and what each GOAT layout costs beside plain attention and RoPE.
 
 Hopper attention kernels are built per head-width bucket (docs/layer.md, "Packed width"):

@@ -7,9 +7,8 @@ scales, ``sqrt(d_o / d_c)``, folds into the query's content rows, so that
 ``||q_c||`` the fold scales too, the gate's slope is divided by the same ratio
 (``softplus(s') = softplus(s) / sqrt(d_o / d_c)``). Used by :func:`goat_jax.interop.to_official`.
 
-The carve (:func:`carved_sink_channels`) is read in this one place: today it is the layer's
-``sink_channels`` or its compute dtype's default (1 in float32, 3 in bfloat16); issue #67 fixes
-it by the layout, and this function follows.
+The carve (:func:`carved_sink_channels`) is read in this one place: the layer's ``sink_channels``,
+else the layout's own count in every dtype (:func:`goat_jax.prior.packing.packed_sink_channels`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The fast path of a fused attention kernel by q/k width, and the one warning when GOAT's packed
-layout falls off it (issue #55; docs/layer.md, "Packed width").
+layout falls off it (docs/layer.md, "Packed width").
 
 Fused attention kernels do not run every head width at its own cost: they are built for a few
 widths and run a wider head as the next one up.

@@ -264,7 +264,7 @@ def _normal_padded_columns(std: float, axes, columns: int):
     Why: a table padded along its rows (the tied embedding) keeps its unpadded draws, since the
     random bits follow the flat index; one padded along its last axis (the untied ``lm_head``,
     ``[E, Vp]``) would draw every value anew, so ``vocab_pad_multiple``, a speed setting,
-    changed an untied model's initialization (issue #67)."""
+    changed an untied model's initialization."""
     def init(key, shape, dtype=jnp.float32):
         real = nn.initializers.normal(std)(key, tuple(shape[:-1]) + (columns,), dtype)
         return jnp.pad(real, [(0, 0)] * (len(shape) - 1) + [(0, shape[-1] - columns)])

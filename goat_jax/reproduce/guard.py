@@ -1,4 +1,4 @@
-"""Two harnesses must not fight (issue #67): one report harness at a time per runs root and per
+"""Two harnesses must not fight: one report harness at a time per runs root and per
 report folder, and a report that lacks runs an earlier one reported never replaces it.
 
 * :func:`hold_harness`: a training harness (``experiments.reproduce`` without ``--status``,
