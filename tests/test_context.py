@@ -86,15 +86,19 @@ for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
     results.append({"case": [enc, impl, c, balanced, with_seg, tensor], "out": err(out, rout),
                     "grad_x": err(gx, rx), "grad_params": err(gp, rp),
                     "gathers": text.count("all_gather"), "manual": "manual_computation" in text})
-# What cannot run sharded says so, naming the fix: decoding against a cache, probabilities.
+# Decoding against a cache split over context equals one device (goat_jax/kernels/decode_merge.py);
+# what cannot run sharded says so, naming the fix: probabilities.
 mesh = jax.make_mesh((4, 1, 2, 1), ("data", "fsdp", "context", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 4)
 refused = {}
 decoder = ref.goat_module(pos_rank=2, abs_rank=2, training_seq_len=64, num_heads=2, head_dim=H, decode=True,
                           implementation="xla")
 x = jnp.ones((4, 64, E), jnp.float32)
 variables = jitted.init(decoder, jax.random.key(0), x, is_causal=True)
-for name, fn in [("decode", lambda: decoder.apply(variables, x[:, :1], is_causal=True, mutable=["cache"])),
-                 ("return_probs", lambda: __import__("goat_jax.kernels", fromlist=["attend"]).attend(
+decode = jax.jit(lambda: decoder.apply(variables, x[:, :1], is_causal=True, mutable=["cache"])[0])
+unsplit = np.asarray(decode())
+with jax.set_mesh(mesh):
+    decoded_error = float(np.max(np.abs(np.asarray(decode()) - unsplit)))
+for name, fn in [("return_probs", lambda: __import__("goat_jax.kernels", fromlist=["attend"]).attend(
                      x.reshape(4, 64, 2, 8), x.reshape(4, 64, 2, 8), x.reshape(4, 64, 2, 8),
                      implementation="dense", return_probs=True))]:
     try:
@@ -103,7 +107,7 @@ for name, fn in [("decode", lambda: decoder.apply(variables, x[:, :1], is_causal
         refused[name] = None
     except ValueError as e:
         refused[name] = str(e)
-print("RESULT " + json.dumps({"cases": results, "refused": refused}))
+print("RESULT " + json.dumps({"cases": results, "refused": refused, "decoded_error": decoded_error}))
 '''
 
 _ENCODINGS = ("goat", "rope")
@@ -135,7 +139,7 @@ TOLERANCE = 2e-5  # float32 round-off of sums over a few hundred terms, relative
 def _check_layer_cases(cases):
     result = json.loads(run_on_fake_devices(_LAYER_SCRIPT, json.dumps(cases), timeout=1800).split("RESULT ")[-1])
     out, refused = result["cases"], result["refused"]
-    assert refused["decode"] and "Run decoding and cross-attention with mesh.context=1" in refused["decode"], refused
+    assert result["decoded_error"] < 1e-5, result["decoded_error"]
     assert refused["return_probs"] and "read them with mesh.context=1" in refused["return_probs"], refused
     assert len(out) == len(cases)
     failures = []

@@ -354,11 +354,14 @@ def sample(run: Any, request: Request,
         prompt = jnp.asarray(np.stack([request.prompt_ids[i] for i, _ in members]))
         clock.reset()
         extra = {"prefill_multiple": PREFILL_MULTIPLE, "cache_length": limit} if several else {}
+        # Tokens stream through an ordered host callback, which JAX runs on one device only: under
+        # --mesh_context the continuation is printed whole and timed by the wall clock.
+        streamed = clock if request.mesh_context == 1 else None
         with on_mesh():
             out = np.asarray(jax.device_get(sampling.generate(
                 run.model, run.params, prompt, request.max_new_tokens,
                 jax.random.fold_in(key, g) if request.temperature > 0 else None,
-                temperature=request.temperature, top_k=request.top_k, on_token=clock, **extra)))
+                temperature=request.temperature, top_k=request.top_k, on_token=streamed, **extra)))
         if request.max_new_tokens > 1 and clock.first is not None:
             timing.decode_steps += len(members) * (request.max_new_tokens - 1)
             timing.decode_seconds += clock.last - clock.first
