@@ -167,7 +167,9 @@ def _overflow_at_step_3(tmp_path, monkeypatch) -> str:
     """Trains ``OVERFLOW_RUN`` in ``tmp_path`` with a step whose update makes every parameter NaN
     at step 3 while its loss and gradient stay finite (what an overflowing step does); checks
     that the run stops there having saved nothing after step 2, and returns the error."""
-    original = trainer.make_train_step
+    from goat_jax.train import steps as steps_lib  # pylint: disable=g-import-not-at-top  # where the engine builds it
+
+    original = steps_lib.make_train_step
 
     def overflowing_step(*args, **kwargs):
         step_fn = original(*args, **kwargs)
@@ -179,7 +181,7 @@ def _overflow_at_step_3(tmp_path, monkeypatch) -> str:
         return train_step
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "make_train_step", overflowing_step)
+        patch.setattr(steps_lib, "make_train_step", overflowing_step)
         with pytest.raises(FloatingPointError) as info:
             trainer.train_and_evaluate(_smoke(**OVERFLOW_RUN), str(tmp_path))
     message = str(info.value)

@@ -39,6 +39,7 @@ from goat_jax.config.fields import check_config
 from goat_jax.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
+    import optax  # noqa: F401  # the engine needs it (train/steps.py, optim.py): named for the trainer
 
 from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import failures as failures_lib
