@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -74,6 +74,18 @@ def fit(per_device_total: Optional[int], hbm_bytes: int) -> Dict[str, Any]:
             "usable_bytes": usable}
 
 
+def compile_or_out_of_memory(lowered: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """``(compiled, None)``, or ``(None, error)`` when the compiler refuses the program for want
+    of device memory (:func:`out_of_memory`: reported, not raised); any other error is raised."""
+    try:
+        return lowered.compile(), None
+    except Exception as e:  # pylint: disable=broad-except  # only the HBM refusal is reported
+        error = out_of_memory(e)
+        if error is None:
+            raise
+        return None, error
+
+
 def finish(report: Dict[str, Any], error: Optional[Dict[str, Any]], per_device: Optional[Dict[str, int]],
            hbm_bytes: int) -> Dict[str, Any]:
     """``report`` completed with whether the program fits: the compiler's out-of-memory ``error``
@@ -135,14 +147,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
         with kernels.record_choices() as choices, kernel_widths.record_layout_warnings() as layout_warnings:
             lowered = steps.train_step.lower(abstract_state, abstract_batch)
     lower_seconds = time.perf_counter() - start
-    error = None
-    try:
-        compiled = lowered.compile()
-    except Exception as e:  # pylint: disable=broad-except  # only the HBM refusal is reported
-        error = out_of_memory(e)
-        if error is None:
-            raise
-        compiled = None
+    compiled, error = compile_or_out_of_memory(lowered)
     compile_seconds = time.perf_counter() - start
 
     chip = target.chip

@@ -30,7 +30,7 @@ import numpy as np
 from flax import traverse_util
 
 from goat_jax import kernels
-from goat_jax.aot.compiler import FIT_MARGIN, custom_calls, finish, memory, out_of_memory
+from goat_jax.aot.compiler import FIT_MARGIN, compile_or_out_of_memory, custom_calls, finish, memory
 from goat_jax.aot.target import Target, gpu_target, target_devices
 from goat_jax.kernels import widths as kernel_widths
 
@@ -127,14 +127,7 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
         with kernels.record_choices() as choices, kernel_widths.record_layout_warnings() as layout_warnings:
             lowered = fn.lower(abstract(boxed_params, param_shardings), abstract(abstract_cache, shardings), tokens)
     lower_seconds = time.perf_counter() - start
-    error = None
-    try:
-        compiled = lowered.compile()
-    except Exception as e:  # pylint: disable=broad-except  # only the HBM refusal is reported
-        error = out_of_memory(e)
-        if error is None:
-            raise
-        compiled = None
+    compiled, error = compile_or_out_of_memory(lowered)
     compile_seconds = time.perf_counter() - start
     total, per_chip = cache_bytes(abstract_cache, shardings)
     per_device = memory(compiled) if compiled is not None else None

@@ -342,7 +342,7 @@ def run(plan: CallPlan, params: Mapping[str, Any], cache: Optional[Mapping[str, 
     q = project(q_proj, params, call.query, shape.dtype)  # [B, T, N, H]
     k = project(k_proj, params, call.key, shape.dtype)  # [B, S, K, H]
     v = project(v_proj, params, call.value, shape.dtype)  # [B, S, K, H]
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    t, s = q.shape[1], k.shape[1]
     start = None
     if cache is not None:
         start = cache["cache_index"]
@@ -366,51 +366,63 @@ def run(plan: CallPlan, params: Mapping[str, Any], cache: Optional[Mapping[str, 
         enc = apply_logn(enc, logn_factors(q_pos.index, call.is_causal, keys_seen, plan.encoding.training_len),
                          spec.logn_scaling)
 
-    keys, is_causal, causal_offset, kv_lengths, new_cache = enc.k, call.is_causal, enc.causal_offset, None, None
-    shards = kernels_mesh.context_shards(kernels_mesh.ambient_mesh(), plan.attention_plan.context_axis)
-    if cache is not None and shards > 1:
-        return _run_sharded_cache(plan, params, cache, enc, v, updates, start, shards, want_maps)
+    split = cache is not None and kernels_mesh.context_shards(
+        kernels_mesh.ambient_mesh(), plan.attention_plan.context_axis) > 1
+    attend = _attend_split_cache if split else _attend
+    keys, v, out, maps = attend(plan, call, enc, v, cache, start, want_maps)
+    new_cache = None
     if cache is not None:
-        # Write the new keys/values at the cache index and attend over the whole cache: keys past
-        # the last written slot are masked by the causal offset (= the index); a single new token
-        # becomes "keys up to the index", which cuDNN masks natively via kv_lengths.
+        new_cache = {**dict(cache), **updates, "cached_key": keys, "cached_value": v, "cache_index": start + t}
+        # NaN outputs once the cache overflows: the write clamps (one device) or drops (split)
+        # what is past its end silently, and an overflow must not go unnoticed.
+        out = jnp.where(start + t > keys.shape[1], jnp.nan, out)
+    out = project(out_proj, params, out.astype(shape.dtype), shape.dtype)
+    return CallResult(out, new_cache, maps)
+
+
+def _attend(plan: CallPlan, call: AttentionCall, enc: Any, v: Array, cache: Optional[Mapping[str, Any]],
+            start: Optional[Array], want_maps: bool) -> Tuple[Array, Array, Array, Dict[str, Array]]:
+    """The kernel of :func:`run` on one device's whole keys: ``(keys, values, out [B, T, N, Hv],
+    maps)``, the keys and values the new cache's while decoding (the new ones written at the
+    cache index, the whole cache attended)."""
+    b, t = enc.q.shape[0], enc.q.shape[1]
+    keys, is_causal, causal_offset, kv_lengths = enc.k, call.is_causal, enc.causal_offset, None
+    if cache is not None:
+        # Keys past the last written slot are masked by the causal offset (= the index); a single
+        # new token becomes "keys up to the index", which cuDNN masks natively via kv_lengths.
         cached_k, cached_v = cache["cached_key"], cache["cached_value"]
         keys = jax.lax.dynamic_update_slice(cached_k, keys.astype(cached_k.dtype), (0, start, 0, 0))
         v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), (0, start, 0, 0))
-        new_cache = {**dict(cache), **updates, "cached_key": keys, "cached_value": v, "cache_index": start + t}
         causal_offset, is_causal = start, t > 1
         if t == 1:
             kv_lengths = jnp.full((b,), start + 1, jnp.int32)
-    sow = want_maps and kernels.returns_probs(prepared.implementation)  # the kernel's row says
+    sow = want_maps and kernels.returns_probs(plan.prepared.implementation)  # the kernel's row says
     # The one mask value of this call, handed to whichever kernel runs it.
     mask = kernels.AttentionMask.build(
         b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,
         key_padding_mask=call.key_padding_mask, kv_lengths=kv_lengths,
         q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
         window=plan.attention_plan.window, max_documents=plan.attention_plan.max_documents_per_row)
-    out = kernels.attend(enc.q, keys, v, choice=prepared.choice, plan=plan.attention_plan, scale=enc.scale,
+    out = kernels.attend(enc.q, keys, v, choice=plan.prepared.choice, plan=plan.attention_plan, scale=enc.scale,
                          mask=mask, bias=enc.bias, return_probs=sow)  # [B, T, N, Hv]
     maps: Dict[str, Array] = {}
     if sow:
         out, probs = out
         maps = {"attention_probs": probs} if cache is not None else {
             "attention_probs": probs, "attention_keys": enc.content_keys, "attention_values": v}
-    if cache is not None:
-        # NaN outputs once the cache overflows: dynamic_update_slice would clamp the write
-        # silently, and an overflow must not go unnoticed.
-        out = jnp.where(start + t > cached_k.shape[1], jnp.nan, out)
-    out = project(out_proj, params, out.astype(shape.dtype), shape.dtype)
-    return CallResult(out, new_cache, maps)
+    return keys, v, out, maps
 
 
-def _run_sharded_cache(plan: CallPlan, params: Mapping[str, Any], cache: Mapping[str, Any], enc: Any,
-                       v: Array, updates: Mapping[str, Any], start: Array, shards: int, want_maps: bool) -> CallResult:
-    """The decoding branch of :func:`run` when the mesh splits sequences over ``context``: the
+def _attend_split_cache(plan: CallPlan, call: AttentionCall, enc: Any, v: Array, cache: Mapping[str, Any],
+                        start: Array, want_maps: bool) -> Tuple[Array, Array, Array, Dict[str, Array]]:
+    """:func:`_attend` while decoding under a mesh that splits sequences over ``context``: the
     cache's slots are split over the shards, each shard writes the new positions it owns and
     scores its own slots, and the partial softmaxes are merged with three small collectives
     (:mod:`goat_jax.kernels.decode_merge`; docs/training.md, "Decoding with a sharded cache").
     No key is gathered: the queries are the only thing every shard sees whole."""
-    how = f"decoding with the KV cache split over mesh.{plan.attention_plan.context_axis}={shards}"
+    axis = plan.attention_plan.context_axis
+    shards = kernels_mesh.context_shards(kernels_mesh.ambient_mesh(), axis)
+    how = f"decoding with the KV cache split over mesh.{axis}={shards}"
     if enc.bias is not None:
         raise ValueError(f"{how}: this position encoding adds a materialized [N, T, S] bias, which the split "
                          "cache's merge does not take; decode it with mesh.context=1, or use a packed encoding "
@@ -422,13 +434,8 @@ def _run_sharded_cache(plan: CallPlan, params: Mapping[str, Any], cache: Mapping
         raise ValueError(f"{how}: attention probabilities are never formed whole there; read them with "
                          "mesh.context=1.")
     b, t = enc.q.shape[0], enc.q.shape[1]
-    axis = plan.attention_plan.context_axis
     keys, values = decode_merge.write_cache(cache["cached_key"], cache["cached_value"], enc.k, v, start, axis=axis)
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     out = decode_merge.decode_attention(enc.q, keys, values, q_positions=positions,
                                         kv_length=jnp.full((b,), start + t, jnp.int32), scale=enc.scale, axis=axis)
-    new_cache = {**dict(cache), **updates, "cached_key": keys, "cached_value": values, "cache_index": start + t}
-    # NaN outputs once the cache overflows (the write drops positions past its end).
-    out = jnp.where(start + t > keys.shape[1], jnp.nan, out)
-    out = project(plan.projections[3], params, out.astype(plan.shape.dtype), plan.shape.dtype)
-    return CallResult(out, new_cache, {})
+    return keys, values, out, {}

@@ -173,6 +173,12 @@ def _check_settings(settings: Any) -> prior_lib.PriorSettings:
     return settings
 
 
+def _declarations(spec: prior_lib.PriorSpec) -> Tuple[encoding_lib.ParamDecl, ...]:
+    """The prior's parameters (:func:`prior_declarations`) as the layer's, under ``prior/``."""
+    return tuple(encoding_lib.ParamDecl(("prior", name), init, tuple(args))
+                 for name, init, args in prior_declarations(spec))
+
+
 @dataclasses.dataclass(frozen=True)
 class GoatEncoding(encoding_lib.Encoding):
     """GOAT's learned prior as a position encoding (:mod:`goat_jax.layers.encoding`): the prior's
@@ -196,9 +202,7 @@ class GoatEncoding(encoding_lib.Encoding):
         return self.prior.training_seq_len if isinstance(self.prior, prior_lib.PriorSettings) else None
 
     def declarations(self, sizes: encoding_lib.Sizes) -> Tuple[encoding_lib.ParamDecl, ...]:
-        spec = _check_settings(self.prior).for_heads(sizes.num_heads, sizes.kv_heads)
-        return tuple(encoding_lib.ParamDecl(("prior", name), init, tuple(args))
-                     for name, init, args in prior_declarations(spec))
+        return _declarations(_check_settings(self.prior).for_heads(sizes.num_heads, sizes.kv_heads))
 
     def prepare(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
                 request: attention_call.KernelRequest, sizes: encoding_lib.Sizes) -> encoding_lib.Prepared:
@@ -251,7 +255,7 @@ class GoatEncoding(encoding_lib.Encoding):
                 "it; without it the normalization follows the key length, which grows while "
                 "decoding). Set training_seq_len to the training context length.")
         detail = _GoatDetail(spec, d_c, sink_channels, use_2d, has_cls, spatial_shape)
-        return encoding_lib.Prepared(qk_dim, choice, self.declarations(sizes), (), detail)
+        return encoding_lib.Prepared(qk_dim, choice, _declarations(spec), (), detail)
 
     def positions(self, call: attention_call.AttentionCall, prepared: encoding_lib.Prepared, t: int, s: int,
                   decoding: bool):

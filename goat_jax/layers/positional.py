@@ -89,8 +89,7 @@ class BaselineEncoding(Encoding):
         return enc, encoding_settings(self.position_encoding, self.settings, {})
 
     def declarations(self, sizes: Sizes) -> Tuple[ParamDecl, ...]:
-        enc, settings = self._resolved()
-        return tuple(ParamDecl((name,), init, tuple(args)) for name, init, args in enc.parameters(sizes, settings))
+        return _declarations(*self._resolved(), sizes)
 
     def prepare(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape,
                 request: attention_call.KernelRequest, sizes: Sizes) -> Prepared:
@@ -105,7 +104,7 @@ class BaselineEncoding(Encoding):
         choice = _choose(enc, qk_dim, request)
         cache = tuple(CacheDecl(name, init, tuple(args))
                       for name, init, args in enc.cache_slots(sizes, call.query.shape[0])) if sizes.decode else ()
-        return Prepared(qk_dim, choice, self.declarations(sizes), cache, (enc, channels, settings))
+        return Prepared(qk_dim, choice, _declarations(enc, settings, sizes), cache, (enc, channels, settings))
 
     def encode(self, call: attention_call.AttentionCall, shape: attention_call.LayerShape, prepared: Prepared,
                params: Mapping[str, Any], q: Array, k: Array, q_pos, k_pos, cache: Optional[Mapping[str, Any]]):
@@ -121,6 +120,11 @@ class BaselineEncoding(Encoding):
         updates = enc.cache_update(params, ctx) if cache is not None else {}
         # k before the encoding: what a key-norm "sink" statistic reads.
         return attention_call.Encoded(q_enc, k_enc, scale, k, 0, enc.bias(params, ctx)), updates
+
+
+def _declarations(enc: PositionEncoding, settings: EncodingSettings, sizes: Sizes) -> Tuple[ParamDecl, ...]:
+    """The encoding's own parameters (:meth:`PositionEncoding.parameters`) as layer declarations."""
+    return tuple(ParamDecl((name,), init, tuple(args)) for name, init, args in enc.parameters(sizes, settings))
 
 
 def _check_call(enc: PositionEncoding, call: attention_call.AttentionCall, decode: bool) -> None:
