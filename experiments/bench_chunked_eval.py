@@ -34,6 +34,7 @@ from goat_jax.benchmarking import Variant, measure  # noqa: E402
 from goat_jax.config_files import load_config  # noqa: E402
 from goat_jax.eval import chunked, extrapolation  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
+from goat_jax.plan import AttentionPlan  # noqa: E402
 
 
 def compiled(fn, args):
@@ -56,7 +57,7 @@ def main(argv=None) -> str:
     chunked.check_chunk_size(args.chunk_size)
 
     config = load_config(args.config)
-    model = tasks.get_task(config.task).build_model(config)  # the task builds its model
+    model = tasks.get_task(config.task).build_model(config, AttentionPlan.from_config(config))  # the task builds its model
     cfg = model.config
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     shapes = jax.tree_util.tree_map(lambda x: getattr(x, "value", x), shapes,

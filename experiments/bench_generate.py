@@ -31,6 +31,7 @@ from goat_jax.config_files import load_config  # noqa: E402
 from goat_jax.eval import harness, lm_run  # noqa: E402
 from goat_jax.models import sampling  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
+from goat_jax.plan import AttentionPlan  # noqa: E402
 
 
 class _Request:  # what generate_until reads of lm-eval's Instance
@@ -53,7 +54,7 @@ def main(argv=None) -> str:
 
     config = load_config(args.config)
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
     run = lm_run.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0)
     # Prompt lengths in tokens (BOS + bytes): evenly spread, distinct.

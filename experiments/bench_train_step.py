@@ -32,6 +32,7 @@ from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks
 from goat_jax.train import trainer
+from goat_jax.plan import AttentionPlan
 
 _OUT = flags.DEFINE_string("out", "benchmarks/train_step.md", "Markdown file to write.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats of engine / bare runs.")
@@ -50,7 +51,8 @@ def _bare_step(config, real_data: bool = True):
     e.g. C4 for the 125M shape)."""
     task = tasks.get_task(config.task)
     mesh = sharding_lib.make_mesh(config.mesh)
-    model = task.build_model(config)
+    plan = AttentionPlan.from_config(config)  # the benchmark's one plan
+    model = task.build_model(config, plan)
     tx, schedule = run_lib.make_optimizer(task, config)
     dummy = task.dummy_batch(config, config.global_batch_size)
     batch_sh = {k: sharding_lib.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
@@ -59,7 +61,7 @@ def _bare_step(config, real_data: bool = True):
     step = jax.jit(trainer.make_train_step(task, model, tx, schedule, config.grad_accum_steps),
                    donate_argnums=0)
     if real_data:
-        host_batch = next(task.make_datasets(config, config.global_batch_size, 0, 1).train)
+        host_batch = next(task.make_datasets(config, config.global_batch_size, 0, 1, plan=plan).train)
     else:
         tokens = np.random.default_rng(0).integers(3, config.model.vocab_size, dummy["inputs"].shape)
         host_batch = {**dummy, "inputs": tokens.astype(np.int32), "targets": tokens.astype(np.int32)}

@@ -31,6 +31,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
 from configs import vit_s16_imagenet, vit_tiny
 from goat_jax.models.vit import POSITION_ENCODINGS
 from goat_jax.tasks import vit as vit_task
+from goat_jax.plan import AttentionPlan
 
 _OUT = flags.DEFINE_string("out", "benchmarks/vit.md", "Markdown file to write.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per encoding and shape.")
@@ -59,7 +60,7 @@ def _step_for(module, encoding: str, resolution: int, batch: int):
     config.model.dtype = "float32"  # CPU
     config.model.implementation = _IMPL.value  # one kernel for every encoding, named in the table
     config.data.image_size = resolution
-    model = vit_task.build_model(config)
+    model = vit_task.build_model(config, AttentionPlan.from_config(config))
     tx = optax.adamw(1e-4, b1=config.optimizer.b1, b2=config.optimizer.b2, weight_decay=config.optimizer.weight_decay)
     rng = np.random.default_rng(0)
     data = vit_task.dummy_batch(config, batch)

@@ -356,7 +356,7 @@ def _evaluate_lm_runs(args, labels, evals, mults, swap, dest, *, dna_lengths, di
         dna_options = {"fasta": args.fasta, "max_bases": args.max_bases, "gc_windows": args.gc_windows,
                        "lengths": dna_lengths}
         train_lens[label] = run.train_len
-        setups[label] = context.setup(run.config, args.mesh_context)
+        setups[label] = context.setup(run.plan, args.mesh_context)
         results[label] = {}  # filled as each evaluation finishes
         try:
             runs.evaluate_run(run, evals, mults, stride=args.stride, num_examples=args.num_examples,

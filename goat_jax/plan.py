@@ -6,10 +6,12 @@ A run builds its plan once from its config (:meth:`AttentionPlan.from_config`: t
 ``implementation`` and ``max_documents_per_row``, the run's ``context_strategy`` and
 ``context_load_balance``), the task hands it to the model, the model to every attention layer,
 and the layer to :func:`goat_jax.kernels.attend` with each call, the way ``PriorSettings``
-travels: training, evaluation and the compile tool build the model from the same config, so they
-run under the same plan and nothing is entered around a step. A layer built by hand takes a plan
-(``plan=``) or its own ``implementation`` / ``max_documents_per_row`` fields
-(:meth:`AttentionPlan.merged`). Each default is stated here, once.
+travels: each entry point (training, evaluation, the compile tool) builds the plan once and hands
+the same value to the task's model (``task.build_model(config, plan)``) and to the engine, so
+they run under the same plan and nothing is entered around a step. The models hold no copy of
+its fields. A layer built by hand takes a plan (``plan=``) or, as a shorthand for a plan of those
+fields alone, ``implementation=`` / ``max_documents_per_row=`` (never both). Each default is
+stated here, once.
 
 This module imports nothing of goat_jax: the models read their defaults here without importing a
 kernel; the names it holds (a kernel, a strategy) are checked against the kernels' own tables
@@ -89,21 +91,6 @@ class AttentionPlan:
                  "load_balanced": _get(config, "context_load_balance")}
         return cls(**{name: value for name, value in given.items() if value is not None})
 
-    @classmethod
-    def merged(cls, plan: Optional["AttentionPlan"], **fields: Any) -> "AttentionPlan":
-        """The plan of a layer or model with a ``plan`` and its own fields (``implementation=``,
-        ``max_documents_per_row=``; None: not given): ``plan`` with each given field where the plan
-        leaves it at its default; a field the plan sets to another value than the one given is
-        refused (ValueError naming both). Without a plan, a plan of the fields alone."""
-        given = {name: value for name, value in fields.items() if value is not None}
-        if plan is None:
-            return cls(**given)
-        for name, value in given.items():
-            if getattr(plan, name) not in (value, getattr(DEFAULT, name)):
-                raise ValueError(f"{name}={value!r} disagrees with plan.{name}={getattr(plan, name)!r}: give it "
-                                 "in one place (the plan, built from the config with AttentionPlan.from_config).")
-        return plan.replace(**given)
-
     def may_use(self, implementation: str) -> bool:
         """Whether calls under this plan may run kernel ``implementation``: it is the plan's, or
         the plan leaves the kernel to the automatic choice."""
@@ -117,6 +104,23 @@ class AttentionPlan:
         # Imported here: the kernels read this module's DEFAULT while the package is imported.
         from goat_jax.kernels import capabilities  # pylint: disable=g-import-not-at-top
         return self.max_documents_per_row if capabilities.bounds_documents(self.implementation) else None
+
+
+# The plan's fields that a config spells in its ``model`` section (``model.implementation``,
+# ``model.max_documents_per_row``); the models hold no copy of them.
+MODEL_SECTION_FIELDS = ("implementation", "max_documents_per_row")
+
+
+def plan_fields_hint(names: Any) -> str:
+    """What to say when a model's config is given fields of the plan (``names``: the unknown
+    ones): '' when none of them is the plan's, else where they go now."""
+    moved = [name for name in names if name in MODEL_SECTION_FIELDS]
+    if not moved:
+        return ""
+    spelled = ", ".join(f"{name}=..." for name in moved)
+    return (f" {moved} are the attention plan's, not the model's: build the model with "
+            f"plan=goat_jax.plan.AttentionPlan({spelled}) (a config keeps them as model.<field>, which "
+            "AttentionPlan.from_config reads).")
 
 
 def _get(config: Any, name: str) -> Any:

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.train import validation
+from goat_jax.plan import AttentionPlan
 
 
 def set_fields(config, **overrides):
@@ -45,7 +46,8 @@ def compile_train_step(config, devices, abstract_mesh: bool = False):
     dummy = task.dummy_batch(config, config.global_batch_size)
     bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in dummy.items()}
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if abstract_mesh else contextlib.nullcontext():
-        steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh)
+        steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh,
+                                           plan=AttentionPlan.from_config(config))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          steps.abstract_state, steps.state_shardings)
     return steps.train_step.lower(state, trainer.global_abstract_batch(dummy, bsh, 1)).compile()
@@ -73,11 +75,12 @@ def random_lm_run(workdir, config, std: float = 0.2, seed: int = 0):
 
     task = tasks.get_task(config.task)
     config = tasks.with_field_defaults(config, task)  # as load_run gives a run's config
-    model = task.build_model(config)
+    plan = AttentionPlan.from_config(config)
+    model = task.build_model(config, plan)
     shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, std, x.shape), x.dtype), shapes["params"])
-    return lm_run.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0)
+    return lm_run.LMRun(workdir=str(workdir), config=config, task=task, model=model, params=params, step=0, plan=plan)
 
 
 def xla_flags(devices: int) -> str:

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from goat_jax.plan import AttentionPlan
 from tests.config_helpers import random_params, set_fields
 
 # The tolerance of the issue: logits within 1e-4, relative to the largest logit, max over positions.
@@ -21,7 +22,8 @@ def random_workdir(workdir: str, config, std: float = 0.2, seed: int = 0) -> str
     from goat_jax.train import tasks
 
     task = tasks.get_task(config.task)
-    model = task.build_model(tasks.with_field_defaults(config, task))
+    filled = tasks.with_field_defaults(config, task)
+    model = task.build_model(filled, AttentionPlan.from_config(filled))
     tx, _ = run_lib.make_optimizer(task, config)
     params = random_params(model, 8, np.random.default_rng(seed), std=std)
     state = run_lib.TrainState(step=jnp.ones((), jnp.int32), params=params, opt_state=tx.init(params))

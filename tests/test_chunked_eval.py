@@ -13,6 +13,7 @@ import pytest
 
 from goat_jax.eval import chunked, extrapolation
 from goat_jax.models import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests.config_helpers import random_params
 from tests.test_gpt2_block import _gelu_tanh, _layer_norm
@@ -23,7 +24,8 @@ V, W = 61, 12
 def random_lm(rng, **overrides):
     cfg = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
                abs_rank=2, training_seq_len=None)
-    model = TransformerLM(LMConfig(**{**cfg, **overrides}))
+    plan = AttentionPlan(implementation=overrides.pop("implementation", None))
+    model = TransformerLM(LMConfig(**{**cfg, **overrides}), plan=plan)
     return model, random_params(model, W, rng)
 
 

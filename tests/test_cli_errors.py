@@ -204,7 +204,7 @@ def _checkpointed_run(workdir, step, **overrides):
 
     config = config_files.load_config("configs/lm_tiny.py:goat,smoke",
                                       {"progress_bar": False, **overrides})
-    global_batch = trainer.validate_config(config, 1)
+    global_batch = trainer.validate_config(config, 1).global_batch
     task = tasks.get_task(config.task)
     fields = trainer._fingerprinted(tasks.with_field_defaults(config, task), global_batch)  # pylint: disable=protected-access
     ckpt = checkpoint.Checkpointer(run.checkpoint_dir(str(workdir)), fields,

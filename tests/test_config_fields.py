@@ -27,6 +27,7 @@ from goat_jax.models import lm, vit
 from goat_jax.prior import PriorSettings
 from goat_jax.tasks import lm as lm_task
 from goat_jax.train import checkpoint, tasks, validation
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_CONFIG = os.path.join(ROOT, "tests", "fixtures", "old_lm_smoke_config.json")
@@ -176,10 +177,10 @@ def test_old_config_builds_the_same_model_with_a_warning():
     old = ml_collections.ConfigDict(_old_config())
     new = lm_tiny.get_config("goat,smoke")
     with pytest.warns(FutureWarning, match="model.name='lm' is deprecated"):
-        assert lm_task.build_model(old).config == lm_task.build_model(new).config
+        assert lm_task.build_model(old, AttentionPlan.from_config(old)).config == lm_task.build_model(new, AttentionPlan.from_config(new)).config
     old.model.name = "vit"
     with pytest.raises(ValueError, match="model.name='vit': task 'lm' builds the model 'lm'"):
-        lm_task.build_model(old)
+        lm_task.build_model(old, AttentionPlan.from_config(old))
 
 
 @pytest.mark.slow(reason="trains and resumes through the CLI; the fixture configs are checked without training in the default suite")

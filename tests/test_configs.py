@@ -13,6 +13,7 @@ from goat_jax.models import count_params
 from goat_jax.train import tasks
 from goat_jax.train import trainer, validation
 from tests.config_helpers import set_fields
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"lm_tiny": lm_tiny, "lm_c4_125m": lm_c4_125m, "lm_fineweb_1b": lm_fineweb_1b}
@@ -23,7 +24,7 @@ CONFIGS = {"lm_tiny": lm_tiny, "lm_c4_125m": lm_c4_125m, "lm_fineweb_1b": lm_fin
 def test_configs_validate(name, encoding):
     config = CONFIGS[name].get_config(encoding)
     assert config.model.position_encoding == encoding
-    assert trainer.validate_config(config, num_devices=8) == config.global_batch_size
+    assert trainer.validate_config(config, num_devices=8).global_batch == config.global_batch_size
     assert config.model.training_seq_len == config.seq_len
     assert tasks.get_task(config.task).flops_per_token(config) > 0
 
@@ -56,7 +57,7 @@ def test_every_field_has_a_comment(name):
 
 
 def _params(config):
-    model = tasks.get_task("lm").build_model(config)
+    model = tasks.get_task("lm").build_model(config, AttentionPlan.from_config(config))
     return count_params(model, (1, 16))
 
 
@@ -141,7 +142,7 @@ def test_bad_values_raise_naming_the_field(mutate, devices, pattern):
 def test_per_device_batch_size_resolves():
     config = _tiny(global_batch_size=None, per_device_batch_size=4)
     config.mesh.data = 8
-    assert trainer.validate_config(config, num_devices=8) == 32
+    assert trainer.validate_config(config, num_devices=8).global_batch == 32
 
 
 def _train(workdir, *overrides):
@@ -184,4 +185,4 @@ def test_ablation_script_configs_are_valid():
                 key, value = arg[len("--config."):].split("=", 1)
                 overrides[key] = ast.literal_eval(value)
         config = load_config(spec, overrides)
-        assert trainer.validate_config(config, 1) > 0, spec
+        assert trainer.validate_config(config, 1).global_batch > 0, spec

@@ -83,6 +83,7 @@ import jax, numpy as np
 from goat_jax.eval import context, dna, lm_run
 from goat_jax.models import sampling
 from goat_jax.models.lm import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 from tests.config_helpers import lm_smoke_config
 
@@ -91,7 +92,8 @@ model = TransformerLM(LMConfig(vocab_size=5, num_layers=1, embed_dim=32, num_hea
 params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 16), np.int32))["params"]
 task = tasks.get_task("lm")
 config = tasks.with_field_defaults(lm_smoke_config(), task)  # the engine's sharding_rules, context_strategy
-run = context.on_mesh(lm_run.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0), 4)
+run = context.on_mesh(lm_run.LMRun(workdir="", config=config, task=task, model=model, params=params, step=0,
+                                   plan=AttentionPlan.from_config(config)), 4)
 out = {}
 
 # DNA: likelihoods split (the apply_fn experiments.evaluate passes), GC agreement sampled with

@@ -24,7 +24,7 @@ def test_loads_and_validates(encoding):
     assert config.model.remat and config.model.dtype == "bfloat16"
     assert config.context_load_balance and config.data.source == "fasta"
     for devices in (8, 64):
-        assert trainer.validate_config(config, num_devices=devices) == config.global_batch_size
+        assert trainer.validate_config(config, num_devices=devices).global_batch == config.global_batch_size
 
 
 @pytest.mark.parametrize("devices", [1, 8, 16, 64])
@@ -43,7 +43,7 @@ def test_context_traded_for_data():
         config.mesh.context, config.mesh.data = c, -1
         shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, 8)))
         assert shape["data"] == 8 // c and config.global_batch_size % shape["data"] == 0
-        assert trainer.validate_config(config, num_devices=8) == 8
+        assert trainer.validate_config(config, num_devices=8).global_batch == 8
 
 
 def test_seq_len_override_is_followed():

@@ -14,6 +14,7 @@ import pytest
 from configs import dna_hg38, dna_tiny
 from goat_jax.data import dna as dna_data
 from goat_jax.models import count_params
+from goat_jax.plan import AttentionPlan
 from goat_jax.train import tasks
 from goat_jax.train import trainer
 from tests import test_configs
@@ -28,7 +29,7 @@ def test_dna_configs_validate(module, arg):
         pytest.skip("variant of the other config")
     config = module.get_config(arg)
     assert config.task == "dna" and config.model.position_encoding == arg.split(",")[0]
-    assert trainer.validate_config(config, num_devices=8) == config.global_batch_size
+    assert trainer.validate_config(config, num_devices=8).global_batch == config.global_batch_size
     assert config.model.training_seq_len == config.seq_len
     assert tasks.get_task("dna").flops_per_token(config) > 0
 
@@ -50,8 +51,9 @@ def test_official_shape_and_recipe():
     assert config.optimizer.decay_grouping == "official_genome"
     mask = tasks.get_task("dna").decay_groupings["official_genome"]({"a": {"bias": 1, "kernel": 2}})
     assert mask == {"a": {"bias": True, "kernel": True}}
-    rope = count_params(tasks.get_task("dna").build_model(dna_hg38.get_config("rope")), (1, 8))
-    goat = count_params(tasks.get_task("dna").build_model(config), (1, 8))
+    rope_config = dna_hg38.get_config("rope")
+    rope = count_params(tasks.get_task("dna").build_model(rope_config, AttentionPlan.from_config(rope_config)), (1, 8))
+    goat = count_params(tasks.get_task("dna").build_model(config, AttentionPlan.from_config(config)), (1, 8))
     assert rope == 25_222_656  # the paper's ~25.2M
     assert 0 < goat - rope < 10_000  # the GOAT prior adds a few parameters per layer
 

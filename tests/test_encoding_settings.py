@@ -165,6 +165,7 @@ _TOY = textwrap.dedent('''
     positional.register(Toy())
 
     from goat_jax import config_files
+    from goat_jax.plan import AttentionPlan
     from goat_jax.tasks import lm as lm_task
     from goat_jax.train import trainer
 
@@ -178,14 +179,14 @@ _TOY = textwrap.dedent('''
     out = {}
     config = command_line("--config.model.toy_temperature=4.0")
     trainer.validate_config(config, num_devices=1)
-    model = lm_task.build_model(config)
+    model = lm_task.build_model(config, AttentionPlan.from_config(config))
     tokens = jnp.arange(3, 11, dtype=jnp.int32)[None]  # distinct tokens: the logits depend on the knob
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
     out["seen"] = sorted(set(SEEN))
     out["config"] = repr(model.config.encoding_settings)
     out["written"] = config.model.to_dict()["toy_temperature"]
     out["default"] = lm_task.TASK.fields.defaults()["model.toy_temperature"]
-    cool = lm_task.build_model(command_line()).apply({"params": params}, tokens)
+    cool = lm_task.build_model(command_line(), AttentionPlan.from_config(command_line())).apply({"params": params}, tokens)
     out["differs"] = bool(jnp.any(cool != model.apply({"params": params}, tokens)))
     try:
         trainer.validate_config(command_line("--config.model.toy_temperature=-1.0"), num_devices=1)

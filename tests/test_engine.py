@@ -25,6 +25,7 @@ from goat_jax.config.fields import Float, Int
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding, tasks, trainer
 from tests.config_helpers import set_fields
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,7 +84,8 @@ def eval_set(config):
     return _examples(config, np.random.default_rng([config.seed, 12345]), config.data.num_eval_examples)
 
 
-def _make_datasets(config, global_batch_size, process_index, process_count):
+def _make_datasets(config, global_batch_size, process_index, process_count, *, plan):
+    del plan  # no attention
     local = global_batch_size // process_count
     x, y = eval_set(config)
 
@@ -112,7 +114,7 @@ def _loss(apply_fn, params, batch, rng):
 CLASSIFIER = tasks.Task(
     name="classifier",
     batch_keys=("x", "label", "weight"),
-    build_model=lambda c: MLPClassifier(c.model.hidden, c.model.num_classes, c.model.dropout_rate),
+    build_model=lambda c, plan: MLPClassifier(c.model.hidden, c.model.num_classes, c.model.dropout_rate),
     make_datasets=_make_datasets,
     loss=_loss,
     dummy_batch=lambda c, b: {"x": np.zeros((b, c.data.dim), np.float32),
@@ -203,8 +205,8 @@ def test_step_key_dropout_differs_across_steps_and_resume_is_exact(tmp_path):
     task = tasks.get_task(config.task)
     mesh = sharding.make_mesh(config.mesh)
     batch_sh = {k: sharding.batch_sharding(mesh, np.ndim(v)) for k, v in task.dummy_batch(config, 1).items()}
-    steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), batch_sh)
-    batch = next(task.make_datasets(config, 32, 0, 1).train)
+    steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), batch_sh, plan=AttentionPlan())
+    batch = next(task.make_datasets(config, 32, 0, 1, plan=None).train)
 
     def loss_at(step, cfg_steps=steps):
         state = cfg_steps.init(jax.random.PRNGKey(0))
@@ -213,7 +215,7 @@ def test_step_key_dropout_differs_across_steps_and_resume_is_exact(tmp_path):
     assert loss_at(3) != loss_at(4)
     assert loss_at(3) == loss_at(3)
     no_dropout = trainer.make_sharded_steps(task, classifier_config(**{"model.dropout_rate": 0.0}), mesh,
-                                            sharding.rules_from_config(config.sharding_rules), batch_sh)
+                                            sharding.rules_from_config(config.sharding_rules), batch_sh, plan=AttentionPlan())
     assert loss_at(3, no_dropout) == loss_at(4, no_dropout)  # only dropout used the key
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -240,9 +242,9 @@ def test_task_lookup_by_name_and_errors():
 
 def test_aux_named_loss_is_refused():
     bad = dataclasses.replace(CLASSIFIER, loss=lambda *a: (_loss(*a)[0], (_loss(*a)[1][0], {"loss": 0.0})))
-    step = trainer.make_eval_step(bad, CLASSIFIER.build_model(classifier_config()), 1)
+    step = trainer.make_eval_step(bad, CLASSIFIER.build_model(classifier_config(), None), 1)
     config = classifier_config()
-    params = nn.unbox(CLASSIFIER.build_model(config).init(jax.random.PRNGKey(0), np.zeros((2, 8), np.float32)))["params"]
+    params = nn.unbox(CLASSIFIER.build_model(config, AttentionPlan.from_config(config)).init(jax.random.PRNGKey(0), np.zeros((2, 8), np.float32)))["params"]
     with pytest.raises(ValueError, match="may not be named 'loss' or 'weight'"):
         step(params, CLASSIFIER.dummy_batch(config, 2))
 

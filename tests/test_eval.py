@@ -21,6 +21,7 @@ from goat_jax.eval import extrapolation, plots, retrieval, sinks
 from goat_jax.models import LMConfig, TransformerLM
 from tests import jitted
 from tests.config_helpers import random_params
+from goat_jax.plan import AttentionPlan
 
 V = 259
 TINY = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,
@@ -412,10 +413,10 @@ def test_extrapolation_on_any_text_file_uses_the_runs_own_tokenizer(tmp_path):
 
     task = tasks.get_task("lm")
     config = tasks.with_field_defaults(lm_tiny.get_config("goat,smoke"), task)  # as load_run gives it
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params,
-                     step=0)
+                     step=0, plan=model.plan)
     text = "Ünïcödé held-out text.\n\nA second paragraph, still one document.\n" * 12
     path = tmp_path / "held_out.txt"
     path.write_text(text, encoding="utf-8")
@@ -441,9 +442,10 @@ def test_a_text_file_shorter_than_one_window_is_refused_naming_it(tmp_path):
 
     task = tasks.get_task("lm")
     config = tasks.with_field_defaults(lm_tiny.get_config("goat,smoke"), task)  # as load_run gives it
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0,
+                       plan=model.plan)
     path = tmp_path / "short.txt"
     path.write_text("too short", encoding="utf-8")  # 9 bytes + BOS + EOS = 11 tokens
     with pytest.raises(ValueError, match=rf"--text {path}: 11 tokens .* shorter than one window of "

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.config_helpers import lm_smoke_config
+from goat_jax.plan import AttentionPlan
 
 pytest.importorskip("lm_eval")
 
@@ -90,7 +91,7 @@ def random_param_workdir(workdir: str) -> str:
 
     config = lm_smoke_config()
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     tx, _ = run_lib.make_optimizer(task, config)
     params = random_params(model, 8, np.random.default_rng(0))
     state = run_lib.TrainState(step=jnp.ones((), jnp.int32), params=params, opt_state=tx.init(params))

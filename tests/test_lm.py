@@ -14,6 +14,7 @@ import pytest
 
 from goat_jax.models import LMConfig, TransformerLM, count_params
 from goat_jax.models.lm import POSITION_ENCODINGS, lm_flops_per_token, matmul_params
+from goat_jax.plan import AttentionPlan
 
 # pos_rank 2 leaves 16 - (2*2 + 1) = 11 content dims per head; training_seq_len fixes the sink
 # normalization so KV-cache decoding is allowed.
@@ -83,14 +84,14 @@ def _task_config(**model):
 def test_the_task_builds_its_model_and_an_old_model_name_is_deprecated():
     from goat_jax.tasks import lm as lm_task  # pylint: disable=g-import-not-at-top
 
-    model = lm_task.build_model(_task_config())
+    model = lm_task.build_model(_task_config(), AttentionPlan.from_config(_task_config()))
     assert isinstance(model, TransformerLM) and model.config == tiny()
     with pytest.warns(FutureWarning, match="model.name='lm' is deprecated"):
-        assert lm_task.build_model(_task_config(name="lm")).config == tiny()
+        assert lm_task.build_model(_task_config(name="lm"), AttentionPlan()).config == tiny()
     with pytest.raises(ValueError, match=r"model.name='vit_xl': task 'lm' builds the model 'lm'"):
-        lm_task.build_model(_task_config(name="vit_xl"))
+        lm_task.build_model(_task_config(name="vit_xl"), AttentionPlan())
     with pytest.raises(ValueError, match="bogus"):
-        lm_task.build_model(_task_config(bogus=1))
+        lm_task.build_model(_task_config(bogus=1), AttentionPlan())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ class _TwoHostStream:
             p.set_state(s)
 
 
-def _two_host_datasets(config, global_batch_size, process_index, process_count):
+def _two_host_datasets(config, global_batch_size, process_index, process_count, *, plan):
     assert (process_index, process_count) == (0, 1)
     lm = tasks.get_task("lm")
-    parts = [lm.make_datasets(config, global_batch_size, i, 2) for i in range(2)]
+    parts = [lm.make_datasets(config, global_batch_size, i, 2, plan=plan) for i in range(2)]
     return dataclasses.replace(parts[0], train=_TwoHostStream([p.train for p in parts]), make_eval=None)
 
 

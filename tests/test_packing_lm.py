@@ -17,6 +17,7 @@ import pytest
 
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.models.lm import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 from goat_jax.tasks import lm as lm_task
 from tests import config_helpers
 from tests.config_helpers import lm_smoke_config
@@ -32,11 +33,11 @@ def test_lm_on_packed_documents_equals_documents_alone(encoding, rng):
     lengths, pad = (6, 6, 6), 2
     t = sum(lengths) + pad
     cfg = LMConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, mlp_dim=32, pos_rank=2,
-                   abs_rank=2, training_seq_len=8, position_encoding=encoding, implementation="xla")
+                   abs_rank=2, training_seq_len=8, position_encoding=encoding)
     tokens = rng.integers(0, 32, size=(1, t)).astype(np.int32)
     ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.full(pad, PAD_SEGMENT_ID)])
     ids = ids.astype(np.int32)[None]
-    model = TransformerLM(cfg)
+    model = TransformerLM(cfg, plan=AttentionPlan(implementation="xla"))
     params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(tokens))
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.3, a.shape), jnp.float32), params)
     apply = jax.jit(lambda p, x, s: model.apply(p, x, segment_ids=s))
@@ -173,7 +174,7 @@ def _most_documents(batches):
 ])
 def test_the_document_bound_applies_only_where_cudnns_packed_layout_may_run(platform, context, overrides, bounded):
     config = _documents_config(**overrides)
-    assert lm_task.document_bound(config, platform, context) == (2 if bounded else None)
+    assert lm_task.document_bound(config, AttentionPlan.from_config(config), platform, context) == (2 if bounded else None)
 
 
 def test_the_document_bound_stops_no_run_on_cpu_and_bounds_the_evaluation_packer_on_gpus(tmp_path):
@@ -185,10 +186,11 @@ def test_the_document_bound_stops_no_run_on_cpu_and_bounds_the_evaluation_packer
 
     from goat_jax.eval import documents as doc_eval
     config = _documents_config()
-    datasets = lm_task.make_datasets(config, 8, 0, 1)
+    datasets = lm_task.make_datasets(config, 8, 0, 1, plan=AttentionPlan.from_config(config))
     train = [next(datasets.train) for _ in range(4)]
     assert _most_documents(train) > 2  # not bounded on this CPU, and no error
-    run = types.SimpleNamespace(config=_documents_config(**{"model.dtype": "bfloat16"}), is_synthetic=False,
-                                train_len=256, label="goat")
+    half = _documents_config(**{"model.dtype": "bfloat16"})
+    run = types.SimpleNamespace(config=half, is_synthetic=False, train_len=256, label="goat",
+                                plan=AttentionPlan.from_config(half))
     assert _most_documents(doc_eval.document_batches(run, max_windows=8, platform="cpu")) > 2
     assert _most_documents(doc_eval.document_batches(run, max_windows=8, platform="gpu")) <= 2

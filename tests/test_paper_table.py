@@ -9,13 +9,14 @@ from goat_jax.config_files import load_config
 from goat_jax.reproduce import paper_table
 from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
+from goat_jax.plan import AttentionPlan
 
 
 def test_parameter_count_equals_a_real_init():
     config = load_config("configs/retrieval_tiny.py:niah,goat,smoke,official")
     task = tasks.get_task(config.task)
     batch = task.dummy_batch(config, 1)
-    params = jax.jit(task.build_model(config).init)(jax.random.PRNGKey(0), *task.model_inputs(batch))["params"]
+    params = jax.jit(task.build_model(config, AttentionPlan.from_config(config)).init)(jax.random.PRNGKey(0), *task.model_inputs(batch))["params"]
     real = sum(np.asarray(getattr(x, "value", x)).size
                for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: hasattr(x, "value")))
     assert paper_table.parameter_count(config) == real

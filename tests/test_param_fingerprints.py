@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 from tests.marks import SLOW_CASE
+from goat_jax.plan import AttentionPlan
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "param_fingerprints.json")
 
@@ -69,7 +70,7 @@ def fingerprint(module: str, arg: str) -> dict:
 
     config = _config(module, arg)
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     tx, _ = run_lib.make_optimizer(task, config)
     init_params, _ = run_lib.make_init_fns(task, model, tx, config, 1)
     params = nn.unbox(jax.jit(init_params)(jax.random.PRNGKey(config.seed)))

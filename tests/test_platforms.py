@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from goat_jax import platforms
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py"))
@@ -174,7 +175,8 @@ def test_gpu_xla_flags_are_off_in_a_cpu_train_step(monkeypatch):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     batch = task.dummy_batch(config, 2)
     bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
-    steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh)
+    steps = trainer.make_sharded_steps(task, config, mesh, sharding.rules_from_config(config.sharding_rules), bsh,
+                                       plan=AttentionPlan.from_config(config))
     assert mesh.devices.flat[0].platform == "cpu"
     assert len(seen) == 3 and all(not opts for opts in seen), seen
     assert steps.train_step is not None

@@ -10,6 +10,7 @@ from configs import lm_tiny
 from goat_jax.eval import probe as probe_extrapolation
 from goat_jax.eval import lm_run
 from goat_jax.train import tasks
+from goat_jax.plan import AttentionPlan
 
 
 @pytest.mark.slow(reason="trains a run and probes it with every intervention")
@@ -17,7 +18,7 @@ def test_probe_changes_only_what_each_intervention_names(tmp_path, rng):
     config = lm_tiny.get_config("goat,smoke")
     config.seq_len = config.model.training_seq_len = 16
     task = tasks.get_task("lm")
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     def randomize(path, x):  # a prior and weights large enough that every position term shows
         names = [getattr(p, "key", "") for p in path]
@@ -26,7 +27,8 @@ def test_probe_changes_only_what_each_intervention_names(tmp_path, rng):
         return x * 25.0 if x.ndim >= 2 else x
 
     params = jax.tree_util.tree_map_with_path(randomize, params)
-    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0)
+    run = lm_run.LMRun(workdir=str(tmp_path), config=config, task=task, model=model, params=params, step=0,
+                       plan=model.plan)
     tokens = rng.integers(3, 259, size=4 * 64 + 1).astype(np.int32)
     result = probe_extrapolation.probe(run, multiple=4, tokens=tokens)
     assert result["edges"] == [0, 16, 32, 64] and result["windows"] == 4

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from goat_jax import kernels
+from goat_jax.plan import AttentionPlan
 from goat_jax.prior import PriorSettings
 from tests import goat_reference as ref
 from tests import jitted
@@ -82,7 +83,7 @@ def test_layout_is_a_model_field_and_bad_values_name_the_choices():
     from goat_jax.train import tasks, trainer  # pylint: disable=g-import-not-at-top
     config = lm_smoke_config(**{"model.qk_layout": "lane_aligned", "model.dtype": "bfloat16"})
     trainer.validate_config(config, 1)
-    model = tasks.get_task("lm").build_model(config)
+    model = tasks.get_task("lm").build_model(config, AttentionPlan.from_config(config))
     with kernels.record_choices() as found:
         jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     assert {c["qk_dim"] for c in found} == {16}  # the smoke model's head dim
@@ -113,7 +114,7 @@ def test_vit_takes_the_layout_and_lane_aligned_is_one_function_in_float32_and_bf
         config = load_config("configs/vit_tiny.py:goat,canvas",
                              {"model.dtype": "bfloat16", "model.qk_layout": layout})
         trainer.validate_config(config, 1)
-        model = tasks.get_task("vit").build_model(config)
+        model = tasks.get_task("vit").build_model(config, AttentionPlan.from_config(config))
         with kernels.record_choices() as found:
             jax.eval_shape(lambda m=model: m.init(jax.random.key(0), images))
         widths[layout] = {c["qk_dim"] for c in found}

@@ -14,6 +14,7 @@ from experiments import reproduce
 from goat_jax.config_files import load_config
 from goat_jax.reproduce import dna_family, lm_family, paper, suites, vit_family
 from goat_jax.train import trainer
+from goat_jax.plan import AttentionPlan
 
 
 @pytest.mark.slow(reason="trains and evaluates every family of the smoke suite end to end")
@@ -364,7 +365,7 @@ def test_rival_rows_are_planned_as_decided_in_the_protocol():
     for mode in (config.model.sink_extrapolation, "linear"):
         with config.unlocked():
             config.model.sink_extrapolation = mode
-        shapes.append(jax.eval_shape(task.build_model(config).init, jax.random.PRNGKey(0), ids))
+        shapes.append(jax.eval_shape(task.build_model(config, AttentionPlan.from_config(config)).init, jax.random.PRNGKey(0), ids))
     assert jax.tree.structure(shapes[0]) == jax.tree.structure(shapes[1])
     # A typo in an evaluated-with retrieval row is refused by name.
     import dataclasses

@@ -21,6 +21,7 @@ from goat_jax.prior.settings import PriorSpec
 from goat_jax.reproduce import dna_family, layout, records, report, runner, stats, suites, vit_family
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.train import tasks, trainer
+from goat_jax.plan import AttentionPlan
 
 E = stats.Estimate
 TINY = suites.SUITES["tiny"]
@@ -32,7 +33,7 @@ CONTENT = {"dna": (27, 25), "vit": (31, 29)}
 
 
 def _packed_widths(config) -> set[int]:
-    model = tasks.get_task(config.task).build_model(config)
+    model = tasks.get_task(config.task).build_model(config, AttentionPlan.from_config(config))
     x = (jnp.zeros((1, 28, 28, 1), jnp.float32) if config.task == "vit" else jnp.zeros((1, 8), jnp.int32))
     with kernels.record_choices() as found:
         jax.eval_shape(lambda: model.init(jax.random.key(0), x))

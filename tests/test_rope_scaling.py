@@ -15,6 +15,7 @@ from goat_jax.positional import rope_scaling as rs
 from tests import goat_reference as goat_ref
 from tests import jitted
 from tests.marks import SLOW_CASE
+from goat_jax.plan import AttentionPlan
 
 E, N, H = 32, 4, 16  # model dim, query heads, head dim
 BASE = 100.0  # a small base puts YaRN's ramp inside the 8 pairs at these training lengths
@@ -378,7 +379,7 @@ def _rope_workdir(workdir):
     task = tasks.get_task("lm")
     config = tasks.with_field_defaults(lm_tiny.get_config("rope,smoke"), task)  # as a run has it
     config.progress_bar = False
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     tx, _ = run_lib.make_optimizer(task, config)
     params = random_params(model, 8, np.random.default_rng(0))
     state = run_lib.TrainState(step=jnp.ones((), jnp.int32), params=params, opt_state=tx.init(params))

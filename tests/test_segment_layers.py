@@ -297,10 +297,10 @@ def test_automatic_kernel_never_picks_cudnn_for_segment_ids_before_hopper(monkey
 def test_max_documents_per_row_is_checked_when_the_layer_is_built(value):
     """Issue #53, item 15: Linen and NNX layers refuse a bad ``max_documents_per_row`` when
     built, in one line naming the field (0 was cuDNN's default of 64 silently, the others failed
-    later); the mask value refuses it too."""
+    later); the attention plan, which holds the bound, refuses it too."""
     from flax import nnx
-    from goat_jax import kernels
     from goat_jax import nnx as gnnx
+    from goat_jax.plan import AttentionPlan
 
     builders = (lambda: ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, max_documents_per_row=value),
                 lambda: PositionalAttention(num_heads=2, max_documents_per_row=value),
@@ -309,6 +309,6 @@ def test_max_documents_per_row_is_checked_when_the_layer_is_built(value):
         with pytest.raises(ValueError, match=rf"^(Goat|Positional)Attention\.max_documents_per_row={value!r} "
                                              r"(is out of range|has the wrong type): allowed is an integer >= 1 or None"):
             build()
-    with pytest.raises(ValueError, match=r"^max_documents \(a layer's max_documents_per_row\) must be an integer >= 1"):
-        kernels.AttentionMask.build(1, 4, 4, max_documents=value)
+    with pytest.raises(ValueError, match=r"^max_documents_per_row must be a positive integer"):
+        AttentionPlan(max_documents_per_row=value)  # the bound is the plan's, not the mask's
     assert PositionalAttention(num_heads=2, max_documents_per_row=4).max_documents_per_row == 4

@@ -16,12 +16,13 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from goat_jax.models.lm import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 from goat_jax.models import sampling
 
 enc, kv, sampled, full = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 cfg = LMConfig(vocab_size=31, num_layers=2, embed_dim=32, num_heads=4, kv_num_heads=kv, mlp_dim=48,
-               position_encoding=enc, training_seq_len=16, implementation="xla", pos_rank=2, abs_rank=2)
-model = TransformerLM(cfg)
+               position_encoding=enc, training_seq_len=16, pos_rank=2, abs_rank=2)
+model = TransformerLM(cfg, plan=AttentionPlan(implementation="xla"))
 meshes = {f"context{c}" if d == 1 else f"data{d}xcontext{c}": Mesh(
     np.array(jax.devices()[:d * c]).reshape(d, 1, c, 1), ("data", "fsdp", "context", "tensor"))
     for d, c in (((1, 2), (1, 4), (1, 8), (2, 4)) if full else ((1, 4), (2, 4)))}
@@ -86,10 +87,11 @@ _REFUSAL = r'''
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from goat_jax.models.lm import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 from goat_jax.models import sampling
 
 model = TransformerLM(LMConfig(vocab_size=31, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=48,
-                               position_encoding="alibi", implementation="xla"))
+                               position_encoding="alibi"), plan=AttentionPlan(implementation="xla"))
 prompt = jnp.zeros((1, 4), jnp.int32)
 params = model.init(jax.random.PRNGKey(0), prompt)
 mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2, 1), ("data", "fsdp", "context", "tensor"))

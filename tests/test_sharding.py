@@ -119,6 +119,7 @@ sys.path.insert(0, '.')
 import jax
 from goat_jax.config_files import load_config
 from goat_jax.train import trainer, sharding, tasks
+from goat_jax.plan import AttentionPlan
 import flax.linen as nn
 config = load_config('configs/lm_tiny.py:goat,smoke')
 config.num_train_steps = 6
@@ -130,7 +131,7 @@ summary = trainer.train_and_evaluate(config, sys.argv[1])
 out = {'devices': jax.device_count()}
 if jax.device_count() > 1:
     mesh = sharding.make_mesh(config.mesh)
-    model = tasks.get_task('lm').build_model(config)
+    model = tasks.get_task('lm').build_model(config, AttentionPlan.from_config(config))
     import jax.numpy as jnp
     abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((4, 64), jnp.int32))['params']
     sh = sharding.logical_shardings(abstract, mesh, sharding.rules_from_config(config.sharding_rules))
@@ -177,10 +178,12 @@ sys.path.insert(0, '.')
 import jax
 from goat_jax.config_files import load_config
 from goat_jax.train import trainer, sharding, tasks
+from goat_jax.plan import AttentionPlan
 config = load_config('configs/lm_tiny.py:goat,smoke')  # batch 8, length 64, embed 64, mlp 128, vocab 259
 task = tasks.get_task('lm')
 rules = sharding.rules_from_config(config.sharding_rules)
-data = task.make_datasets(config, config.global_batch_size, 0, 1)
+plan = AttentionPlan.from_config(config)
+data = task.make_datasets(config, config.global_batch_size, 0, 1, plan=plan)
 batches = [next(data.train) for _ in range(3)]
 out = {}
 for name, mesh_cfg, devices in [('one', {'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1]),
@@ -188,7 +191,7 @@ for name, mesh_cfg, devices in [('one', {'data': 1, 'fsdp': 1, 'tensor': 1}, jax
                                 ('fsdp', {'data': 2, 'fsdp': 4, 'tensor': 1}, None)]:
     mesh = sharding.make_mesh(mesh_cfg, devices)
     bsh = {k: sharding.batch_sharding(mesh, v.ndim) for k, v in batches[0].items()}
-    steps = trainer.make_sharded_steps(task, config, mesh, rules, bsh)
+    steps = trainer.make_sharded_steps(task, config, mesh, rules, bsh, plan=plan)
     abstract = lambda tree, shardings: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
     lowered = steps.train_step.lower(abstract(steps.abstract_state, steps.state_shardings),

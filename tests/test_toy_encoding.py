@@ -15,6 +15,7 @@ from flax import nnx
 import tests.toy_encoding as toy  # the one module: it registers the encoding
 from goat_jax import nnx as gnnx
 from goat_jax.models.lm import LMConfig, TransformerLM
+from goat_jax.plan import AttentionPlan
 
 E, N, K, H, V, T = 16, 4, 2, 4, 11, 9
 
@@ -58,8 +59,8 @@ def lm64(w, tokens, cfg):
 f64 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float64), flax.core.meta.unbox(tree))
 out = {}
 cfg = LMConfig(vocab_size=V, num_layers=1, embed_dim=E, num_heads=N, kv_num_heads=K, mlp_dim=24,
-               position_encoding=toy.NAME, implementation="xla")
-model = TransformerLM(cfg)
+               position_encoding=toy.NAME)
+model = TransformerLM(cfg, plan=AttentionPlan(implementation="xla"))
 rng = np.random.default_rng(0)
 tokens = jnp.asarray(rng.integers(0, V, size=(2, T)), jnp.int32)
 variables = model.init(jax.random.PRNGKey(0), tokens)

@@ -24,6 +24,7 @@ from goat_jax.data import text
 from goat_jax.train import optim
 from goat_jax.train import tasks
 from goat_jax.train import trainer
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_KEYS = {"step", "train_loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu", "elapsed_s"}
@@ -70,7 +71,7 @@ def test_schedule_warmup_then_cosine_to_floor():
 
 def test_decay_mask_excludes_biases_norms_and_goat_prior():
     config = _smoke()
-    model = tasks.get_task("lm").build_model(config)
+    model = tasks.get_task("lm").build_model(config, AttentionPlan.from_config(config))
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): v
             for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(jax.tree.map(
@@ -89,7 +90,7 @@ def test_gradient_accumulation_matches_full_batch():
     batch's, with padding weights that differ between microbatches."""
     config = _smoke()
     task = tasks.get_task("lm")
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 259, size=(8, config.seq_len + 1)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -156,9 +157,9 @@ class _Poison:
         self.inner.set_state(state["inner"])
 
 
-def _poisoned_datasets(config, *args):
+def _poisoned_datasets(config, *args, plan):
     """The LM data with a NaN weight in the 8th batch."""
-    data = tasks.get_task("lm").make_datasets(config, *args)
+    data = tasks.get_task("lm").make_datasets(config, *args, plan=plan)
     return dataclasses.replace(data, train=_Poison(data.train))
 
 

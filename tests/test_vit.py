@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from goat_jax.plan import AttentionPlan
 from goat_jax.tasks import vit as vit_task
 from goat_jax.models.vit import (POSITION_ENCODINGS, ViT, ViTConfig, bicubic_matrix, make_attention,
                                  resize_position_table)
@@ -98,7 +99,7 @@ def test_uniform_goat_starts_position_free(rng):
 
 
 def _build(**model):
-    return vit_task.build_model(ml_collections.ConfigDict(dict(task="vit", model=model)))
+    return vit_task.build_model(ml_collections.ConfigDict(dict(task="vit", model=model)), AttentionPlan())
 
 
 def test_preset_and_param_count():

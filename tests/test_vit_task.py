@@ -17,6 +17,7 @@ from goat_jax.models.vit import POSITION_ENCODINGS
 from goat_jax.tasks import vit as vit_task
 from goat_jax.train import tasks
 from goat_jax.train import trainer
+from goat_jax.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +27,7 @@ def test_configs_validate(encoding):
     for module in (vit_tiny, vit_s16_imagenet):
         config = module.get_config(encoding)
         assert config.model.position_encoding == encoding
-        assert trainer.validate_config(config, num_devices=8) == config.global_batch_size
+        assert trainer.validate_config(config, num_devices=8).global_batch == config.global_batch_size
         assert tasks.get_task(config.task) is vit_task.TASK
     smoke = vit_tiny.get_config(f"{encoding},smoke")
     trainer.validate_config(smoke, num_devices=1)
@@ -41,7 +42,7 @@ def test_s16_config_is_the_official_recipe():
     d = c.data
     assert (d.crop_scale, d.randaugment_ops, d.randaugment_magnitude, d.random_erasing) == ((0.08, 1.0), 2, 9, 0.25)
     assert (d.mixup_alpha, d.cutmix_alpha, d.mixup_switch_prob, d.label_smoothing) == (0.8, 1.0, 0.5, 0.1)
-    assert count_params(vit_task.build_model(c), (1, 224, 224, 3), jnp.float32) == 22_050_664
+    assert count_params(vit_task.build_model(c, AttentionPlan.from_config(c)), (1, 224, 224, 3), jnp.float32) == 22_050_664
     with pytest.raises(ValueError, match="unknown config argument token .rope.. accepted tokens"):
         vit_s16_imagenet.get_config("rope")
 
@@ -59,7 +60,7 @@ def test_validate_names_mismatches():
 
 def test_loss_matches_float64_reference(rng):
     config = vit_tiny.get_config("rope2d,smoke")
-    model = vit_task.build_model(config)
+    model = vit_task.build_model(config, AttentionPlan.from_config(config))
     batch = vit_task.dummy_batch(config, 4)
     batch["image"] = rng.standard_normal(batch["image"].shape).astype(np.float32)
     targets = rng.random((4, 10))

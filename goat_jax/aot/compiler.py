@@ -123,7 +123,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
 
     devices = target_devices(target) if devices is None else list(devices)
     hosts = len({d.process_index for d in devices})
-    global_batch = trainer.validate_config(config, len(devices), hosts)
+    global_batch, plan = trainer.validate_config(config, len(devices), hosts)  # the compile's one plan
     task = tasks_lib.get_task(config.task)
     config = tasks_lib.with_field_defaults(config, task)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
@@ -139,7 +139,7 @@ def compile_train_step(config: Any, target: Target, devices: Optional[Sequence[A
         # The model's shapes are traced under the target's mesh too (make_sharded_steps
         # eval_shapes the init outside its own mesh context), so kernel choices are the target's.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            steps = trainer.make_sharded_steps(task, config, mesh, rules, batch_shardings)
+            steps = trainer.make_sharded_steps(task, config, mesh, rules, batch_shardings, plan=plan)
         abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                       steps.abstract_state, steps.state_shardings)
         # The kernels the train step uses, not the init's (traced without the batch's segment

@@ -80,13 +80,15 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     for a config that cannot decode: a task whose model is not the LM (a ViT), or
     ``mesh.context > 1`` (not wired yet)."""
     from goat_jax.models.lm import TransformerLM  # pylint: disable=g-import-not-at-top
+    from goat_jax.plan import DEFAULT as DEFAULT_PLAN
     from goat_jax.train import sharding as sharding_lib
     from goat_jax.train import tasks as tasks_lib
     from goat_jax.train import trainer
 
     # What cannot decode, before the target's devices are built (libtpu or the CUDA plugin).
     task = tasks_lib.get_task(config.get("task"))
-    model = task.build_model(tasks_lib.with_field_defaults(config, task))
+    # The model's class does not depend on the plan: the default one serves this check.
+    model = task.build_model(tasks_lib.with_field_defaults(config, task), DEFAULT_PLAN)
     if not isinstance(model, TransformerLM):
         raise ValueError(f"--step decode compiles the language model's KV-cache step; config.task="
                          f"{config.task!r} builds a {type(model).__name__}, which does not decode. Use --step train.")
@@ -98,8 +100,9 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
                          "the decode step with --config.mesh.context=1 (and the devices on data, fsdp or tensor).")
     devices = target_devices(target) if devices is None else list(devices)
     hosts = len({d.process_index for d in devices})
-    global_batch = trainer.validate_config(config, len(devices), hosts)
+    global_batch, plan = trainer.validate_config(config, len(devices), hosts)  # the compile's one plan
     config = tasks_lib.with_field_defaults(config, task)
+    model = task.build_model(config, plan)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     rules = sharding_lib.rules_from_config(config.sharding_rules)
     slots, scanned = int(config.seq_len), bool(config.model.get("scan_layers", False))

@@ -37,7 +37,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax.kernels import balance
-from goat_jax.plan import AttentionPlan
+from goat_jax.plan import DEFAULT, AttentionPlan
 from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
@@ -102,22 +102,21 @@ def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> 
     return dataclasses.replace(run, params=params, mesh=mesh)
 
 
-def setup(config: Any, context: int) -> dict:
+def setup(plan: AttentionPlan, context: int) -> dict:
     """What results.json records of how a run was evaluated: ``mesh_context`` (``--mesh_context``)
-    and the ``context_strategy`` attention crossed the shards with (the run's own; None when each
-    window is on one device). Windows are scored in natural order, never load-balanced."""
-    return {"mesh_context": int(context),
-            "context_strategy": AttentionPlan.from_config(config).context_strategy if context > 1 else None}
+    and the ``context_strategy`` attention crossed the shards with (the run's ``plan``'s; None when
+    each window is on one device). Windows are scored in natural order, never load-balanced."""
+    return {"mesh_context": int(context), "context_strategy": plan.context_strategy if context > 1 else None}
 
 
 def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], jax.Array]:
     """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
     ``mesh``'s ``context`` axis by the logical rules of ``config`` (a run's: its
     ``sharding_rules``) and attention crossing the shards with its ``context_strategy`` (the
-    model's plan, which its task built from ``config``); call it inside ``jax.jit`` with the
-    parameters of :func:`on_mesh`, as the evaluations do."""
+    model's plan: the run's, :attr:`goat_jax.train.run.Run.plan`); call it inside ``jax.jit``
+    with the parameters of :func:`on_mesh`, as the evaluations do."""
     rules = sharding.rules_from_config(config.sharding_rules)
-    plan = model.plan if model.plan is not None else AttentionPlan.from_config(config)
+    plan = DEFAULT if model.plan is None else model.plan
     model = model.clone(plan=plan.replace(load_balanced=False))  # windows arrive in sequence order
 
     def apply(params, tokens):

@@ -56,7 +56,7 @@ def document_batches(run, length: Optional[int] = None, max_windows: int = 32,
     data.num_eval_batches = max(1, -(-max_windows // batch_size))
     data.read_threads = 1
     config = ml_collections.ConfigDict({**run.config.to_dict(), "data": data.to_dict()})
-    bound = lm_task.document_bound(config, platform or jax.devices()[0].platform, 1)
+    bound = lm_task.document_bound(config, run.plan, platform or jax.devices()[0].platform, 1)
     _, make_eval, _ = text.make_lm_datasets(
         data, seq_len=int(length or run.train_len), global_batch_size=batch_size,
         seed=int(run.config.seed), process_index=0, process_count=1, max_documents=bound)

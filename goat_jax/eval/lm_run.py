@@ -152,4 +152,4 @@ def swap_encoding(run: LMRun, position_encoding: Optional[str] = None,
         config.model.logn_scaling = logn_scaling
     if value_of(LMConfig, config.model, "training_seq_len") is None and config.model.position_encoding != "goat":
         config.model.training_seq_len = int(config.seq_len)
-    return dataclasses.replace(run, config=config, model=run.task.build_model(config))
+    return dataclasses.replace(run, config=config, model=run.task.build_model(config, run.plan))

@@ -55,7 +55,8 @@ def patched(module, name: str, fn):
 
 
 def _interventions(train_len: int):
-    """``{label: (LMConfig changes, context manager factory)}``, in report order."""
+    """``{label: (LMConfig changes, context manager factory, plan changes)}``, in report order
+    (the plan changes: the run's plan with another kernel or a sliding window)."""
     sink_inputs, sink, kappa = prior_lib.sink_mlp_inputs, prior_lib.sink, prior_lib.kappa
 
     def clamped_inputs(spec, k_pos):
@@ -72,14 +73,15 @@ def _interventions(train_len: int):
         return kappa(jnp.clip(delta, -(train_len - 1), train_len - 1), lam_sym, lam_asym, freqs)
 
     none = contextlib.nullcontext
-    return {  # label: (config changes, what to patch while it runs, a sliding window or None)
-        "as trained": ({}, none, None),
-        "sink inputs clamped": ({}, lambda: patched(sink_term, "sink_mlp_inputs", clamped_inputs), None),
-        "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp), None),
-        "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope), None),
-        "kappa lags clamped": ({"implementation": "dense"}, lambda: patched(fourier, "kappa", clamped_kappa), None),
-        "last L keys": ({"implementation": "dense"}, none, train_len),
-        "linear sink": ({"sink_extrapolation": "linear"}, none, None),
+    dense = {"implementation": "dense"}  # the kernel that runs the patched prior as an L x L bias
+    return {  # label: (model config changes, what to patch while it runs, plan changes)
+        "as trained": ({}, none, {}),
+        "sink inputs clamped": ({}, lambda: patched(sink_term, "sink_mlp_inputs", clamped_inputs), {}),
+        "sink MLP removed": ({}, lambda: patched(sink_term, "sink", no_mlp), {}),
+        "slopes removed": ({}, lambda: patched(sink_term, "sink", no_slope), {}),
+        "kappa lags clamped": ({}, lambda: patched(fourier, "kappa", clamped_kappa), dense),
+        "last L keys": ({}, none, {**dense, "window": train_len}),
+        "linear sink": ({"sink_extrapolation": "linear"}, none, {}),
     }
 
 
@@ -112,13 +114,13 @@ def probe(run: lm_run.LMRun, multiple: int = 16, tokens: Optional[np.ndarray] = 
     win = tokens[np.arange(count)[:, None] * window + np.arange(window + 1)]
     edges = [0] + [length * 2 ** i for i in range(int(np.log2(multiple)) + 1)]
     buckets = {}
-    for label, (changes, context, window) in _interventions(length).items():
+    for label, (changes, context, plan_changes) in _interventions(length).items():
         if label == "linear sink" and cfg.training_seq_len != length:
             cli.log(f"{label}: skipped, the run's training_seq_len is {cfg.training_seq_len}, not "
                      f"its seq_len {length} (the option continues the sink past training_seq_len)")
             continue
         changed = dataclasses.replace(cfg, **changes)
-        model = lm.TransformerLM(changed, plan=lm.attention_plan(changed).replace(window=window))
+        model = lm.TransformerLM(changed, plan=run.plan.replace(**plan_changes))
         with context():
             nll = position_nll(model, run.params, win[:, :-1], win[:, 1:])
         buckets[label] = [float(np.exp(nll[a:b].mean())) for a, b in zip(edges[:-1], edges[1:])]

@@ -16,7 +16,6 @@ Shape legend: B batch, r resolution, h x w patch grid, N heads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,6 +28,7 @@ from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.layers.goat import GoatPrior
 from goat_jax.models.vit import ViTConfig
+from goat_jax.plan import DEFAULT
 
 
 def evaluate_resolutions(model, params, make_eval_at: Callable[[int], Iterator[Dict[str, np.ndarray]]],
@@ -121,7 +121,7 @@ def cls_attention_maps(model, params, images: np.ndarray, layer: Optional[int] =
     """
     cfg = model.config
     layer = cfg.num_layers - 1 if layer is None else layer
-    dense = model.clone(config=dataclasses.replace(cfg, implementation="dense"))
+    dense = model.clone(plan=(DEFAULT if model.plan is None else model.plan).replace(implementation="dense"))
     _, state = jax.jit(lambda p, x: dense.apply({"params": p}, x, mutable=["intermediates"]))(params, images)
     probs = state["intermediates"][f"block_{layer}"]["attention"]["attention_probs"][0]  # [B, N, L, L]
     grid = (images.shape[1] // cfg.patch_size, images.shape[2] // cfg.patch_size)

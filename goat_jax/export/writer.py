@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 from goat_jax.export import mapping, safetensors_io
 from goat_jax.export import tokenizer as tokenizer_lib
+from goat_jax.plan import AttentionPlan
 
 DTYPES = ("float32", "bfloat16")
 MODELING_FILES = ("configuration_goat.py", "modeling_goat.py")
@@ -39,7 +40,7 @@ def _run_model(config: Any):
     from goat_jax.train import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
     task = tasks_lib.get_task(config.task)
     config = tasks_lib.with_field_defaults(config, task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))  # the export's one plan
     if not isinstance(model, TransformerLM):
         raise ValueError(f"config.task={config.task!r} trains a {type(model).__name__}; the export takes the "
                          "language model of the 'lm' and 'dna' tasks.")

@@ -84,7 +84,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
     q_spec, kv_spec, row_spec = shard_specs.q, shard_specs.kv, shard_specs.rows
 
     def local(q_, k_, v_, mask_, bias_):
-        return attend_local(q_, k_, v_, mask_, bias_, implementation=implementation, scale=scale)
+        return attend_local(q_, k_, v_, mask_, bias_, implementation=implementation, scale=scale, plan=plan)
 
     names, args, specs = [], [], []
 

@@ -25,6 +25,7 @@ from goat_jax.kernels import ring_blocks
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths, pad_width
 from goat_jax.kernels.xla import dot_product_attention
+from goat_jax.plan import DEFAULT
 
 Array = jax.Array
 HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE = 8, 2  # what cuDNN pads q/k/v widths and lengths to
@@ -63,13 +64,15 @@ def fused(q: Array, k: Array, v: Array, scale: float, mask: AttentionMask) -> Ar
 
 
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask, bias: Optional[Array] = None,
-              mesh: Any = None) -> Array:
+              mesh: Any = None, max_documents: int = DEFAULT.max_documents_per_row) -> Array:
     """The 'cudnn' kernel (module doc) on q [B, T, N, Hqk], k [B, S, K, Hqk], v [B, S, K, Hv].
     Segment ids go to cuDNN's packed layout (:mod:`goat_jax.kernels.cudnn_packed`, under
-    ``jax.shard_map`` on ``mesh``); otherwise jax's partitioning rule shards the call over the
+    ``jax.shard_map`` on ``mesh``, sized for ``max_documents`` per row: the plan's
+    ``max_documents_per_row``); otherwise jax's partitioning rule shards the call over the
     batch, so ``mesh`` is unused."""
     if mask.segments is not None:
-        return cudnn_packed.attention(q, k, v, scale=scale, mask=mask, bias=bias, mesh=mesh)
+        return cudnn_packed.attention(q, k, v, scale=scale, mask=mask, bias=bias, mesh=mesh,
+                                      max_documents=max_documents)
     t_real, hv = q.shape[1], v.shape[-1]
     q, k, v, mask = pad_lengths(q, k, v, mask, LENGTH_MULTIPLE)
     if bias is None and hv < q.shape[-1] and narrow_values_supported():

@@ -165,13 +165,13 @@ def _call(q: Array, k: Array, v: Array, ids: Array, split: Array, scale: float, 
 
 
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: AttentionMask, bias: Optional[Array] = None,
-              mesh: Any = None) -> Array:
+              mesh: Any = None, max_documents: int = DEFAULT.max_documents_per_row) -> Array:
     """cuDNN's packed layout for ``mask``'s segment ids (self-attention: the capability table
-    sends padding, lengths, offsets and cross-attention elsewhere); under ``jax.shard_map`` over
-    the batch (and heads) on a ``mesh`` of several devices. Returns [B, T, N, Hv]."""
+    sends padding, lengths, offsets and cross-attention elsewhere), sized for ``max_documents``
+    documents per row (the plan's ``max_documents_per_row``); under ``jax.shard_map`` over the
+    batch (and heads) on a ``mesh`` of several devices. Returns [B, T, N, Hv]."""
     del bias  # refused by the capability table
     ids = mask.q_segment_ids
-    max_documents = mask.max_documents or DEFAULT.max_documents_per_row  # the keyword form of attend leaves it out
     check_concrete(ids, max_documents)
     split = mask.split_documents()  # [B]
     check_split(split)

@@ -105,8 +105,6 @@ def attend(
         mask.check(b, t, s)
     if mask.window is None and plan.window is not None:
         mask = mask.replace(window=plan.window)
-    if mask.max_documents is None:
-        mask = mask.replace(max_documents=plan.max_documents_per_row)
     mask = mask.bounded(t, s)  # an offset near 2**31 would wrap in int32 (AttentionMask.bounded)
     if choice is None:  # the one choice of this call, from its mask
         choice = choice_lib.choose(plan.implementation if implementation is None else implementation, q.dtype,
@@ -131,4 +129,4 @@ def attend(
         if visible is not None:
             probs = jnp.where(visible[:, None, :, None], probs, 0.0)
         return zero_empty_rows(out, visible), probs
-    return attend_local(q, k, v, mask, bias, implementation=implementation, scale=scale, mesh=mesh)
+    return attend_local(q, k, v, mask, bias, implementation=implementation, scale=scale, mesh=mesh, plan=plan)

@@ -99,8 +99,10 @@ class AttentionMask:
       kv_lengths: [B] int32 or None.
       q_segment_ids, kv_segment_ids: [B, T] and [B, S] int32, both or neither.
       window: static int or None (sliding window, module doc).
-      max_documents: static bound on the documents (runs of equal ids) per row, or None (the
-        kernel's default): what cuDNN's packed layout is sized by (goat_jax/kernels/cudnn_packed.py).
+
+    The mask says which keys each query sees, nothing else: how a kernel lays the rows out (the
+    document bound cuDNN's packed layout is sized by) is the plan's
+    (:attr:`goat_jax.plan.AttentionPlan.max_documents_per_row`).
     """
 
     causal: bool = False
@@ -110,28 +112,22 @@ class AttentionMask:
     q_segment_ids: Optional[Array] = None
     kv_segment_ids: Optional[Array] = None
     window: Optional[int] = None
-    max_documents: Optional[int] = None
 
     @classmethod
     def build(cls, b: int, t: int, s: int, *, is_causal: bool = False, causal_offset: Any = 0,
               key_padding_mask: Optional[Array] = None, kv_lengths: Optional[Array] = None,
               segment_ids: Optional[Array] = None, q_segment_ids: Optional[Array] = None,
-              kv_segment_ids: Optional[Array] = None, window: Optional[int] = None,
-              max_documents: Optional[int] = None) -> "AttentionMask":
+              kv_segment_ids: Optional[Array] = None, window: Optional[int] = None) -> "AttentionMask":
         """The mask of ``b`` rows of ``t`` queries and ``s`` keys from the keyword form of
         :func:`goat_jax.kernels.attend`, every argument checked (ValueError naming it)."""
         if key_padding_mask is not None and key_padding_mask.shape != (b, s):
             raise ValueError(f"key_padding_mask must have shape [B, S] = {(b, s)}, got {key_padding_mask.shape}.")
         if kv_lengths is not None and kv_lengths.shape != (b,):
             raise ValueError(f"kv_lengths must have shape [B] = {(b,)}, got {kv_lengths.shape}.")
-        if max_documents is not None and (isinstance(max_documents, (bool, np.bool_))
-                                          or not isinstance(max_documents, (int, np.integer)) or max_documents < 1):
-            raise ValueError(f"max_documents (a layer's max_documents_per_row) must be an integer >= 1 or None, "
-                             f"got {max_documents!r}.")
         segments = check_segment_ids(b, t, s, segment_ids, q_segment_ids, kv_segment_ids)
         q_ids, kv_ids = segments if segments is not None else (None, None)
         return cls(bool(is_causal), causal_offset, key_padding_mask,
-                   None if kv_lengths is None else kv_lengths.astype(jnp.int32), q_ids, kv_ids, window, max_documents)
+                   None if kv_lengths is None else kv_lengths.astype(jnp.int32), q_ids, kv_ids, window)
 
     def check(self, b: int, t: int, s: int) -> None:
         """Raises ValueError when an array of the mask does not fit ``b`` rows, ``t`` queries

@@ -180,7 +180,7 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
         if bias_ is not None and balanced:
             bias_ = natural_order(natural_order(bias_, c, 2), c, 3)
         out = attend_local(to_heads(q_), to_heads(k_), to_heads(v_), full, bias_, implementation=implementation,
-                           scale=scale)
+                           scale=scale, plan=plan)
         if balanced:
             out = _balanced_order(out, c, 1)
         return lax.all_to_all(out, axis, 1, 2, tiled=True)  # back: [B, T/c, heads, Hv]

@@ -85,10 +85,18 @@ class LayerSpec:
         check_section({name: getattr(self, name) for name in FIELD_SPECS}, FIELD_SPECS, None, owner=self.owner)
 
     def attention_plan(self) -> AttentionPlan:
-        """The layer's plan merged with its ``implementation`` / ``max_documents_per_row`` fields
-        (:meth:`goat_jax.plan.AttentionPlan.merged`)."""
-        return AttentionPlan.merged(self.plan, implementation=self.implementation,
-                                    max_documents_per_row=self.max_documents_per_row)
+        """The layer's one plan: ``plan``, or without one the plan of its ``implementation`` /
+        ``max_documents_per_row`` fields (a shorthand for a plan of those fields alone). A layer
+        given both is refused (ValueError naming the fields and the fix): the plan holds them once."""
+        given = {name: getattr(self, name) for name in ("implementation", "max_documents_per_row")
+                 if getattr(self, name) is not None}
+        if self.plan is None:
+            return AttentionPlan(**given)
+        if given:
+            spelled = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            raise ValueError(f"{self.owner}: {spelled} and plan= given together; the plan holds how attention runs "
+                             f"once: pass plan=plan.replace({spelled}) and drop the field(s).")
+        return self.plan
 
 
 def head_dims(num_heads: int, kv_num_heads: Optional[int], head_dim: Optional[int], embed_dim: int) -> Tuple[int, int]:
@@ -402,7 +410,7 @@ def _attend(plan: CallPlan, call: AttentionCall, enc: Any, v: Array, cache: Opti
         b, t, keys.shape[1], is_causal=is_causal, causal_offset=causal_offset,
         key_padding_mask=call.key_padding_mask, kv_lengths=kv_lengths,
         q_segment_ids=call.q_segment_ids, kv_segment_ids=call.kv_segment_ids,
-        window=plan.attention_plan.window, max_documents=plan.attention_plan.max_documents_per_row)
+        window=plan.attention_plan.window)
     out = kernels.attend(enc.q, keys, v, choice=plan.prepared.choice, plan=plan.attention_plan, scale=enc.scale,
                          mask=mask, bias=enc.bias, return_probs=sow)  # [B, T, N, Hv]
     maps: Dict[str, Array] = {}

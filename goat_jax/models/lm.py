@@ -32,9 +32,8 @@ import jax.numpy as jnp
 from goat_jax import positional
 from goat_jax import segments
 from goat_jax.layers.goat import GoatAttention
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.plan import DEFAULT, AttentionPlan, plan_fields_hint
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
-from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.layers.call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
 from goat_jax.layers import positional as positional_layer
@@ -125,13 +124,9 @@ class LMConfig:
                                             "each block keeps ('full': nothing; 'dots': matmul outputs; "
                                             "'dots_no_batch': projection outputs)"))
     scan_layers: bool = declare(False, Bool(doc="nn.scan over blocks: params stacked on a 'layers' axis, one compile"))
-    implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
     loss_chunk_size: Optional[int] = declare(None, Int(min=1, optional=True, doc=(
         "tokens per chunk of the training loss computed from the hidden states, so the [tokens, vocab] "
         "float32 logits are never held at once (goat_jax/losses.py); None: from the full logits")))
-    max_documents_per_row: int = declare(DEFAULT.max_documents_per_row, Int(
-        min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
-                   "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)"))
     init_std: float = declare(0.02, Float(min=0.0, min_inclusive=False, doc="std of the normal init of embeddings and MLP kernels"))
     attention_init_std: Optional[float] = declare(None, Float(min=0.0, min_inclusive=False, optional=True,
                                                               doc="q/k/v/out kernels N(0, std); None: Xavier-uniform (C4: 0.02)"))
@@ -231,7 +226,8 @@ class LMConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
-            raise ValueError(f"Unknown LMConfig field(s): {unknown}. Known fields: {sorted(fields)}.")
+            raise ValueError(f"Unknown LMConfig field(s): {unknown}. Known fields: {sorted(fields)}."
+                             + plan_fields_hint(unknown))
         return cls(**values)
 
 
@@ -331,14 +327,6 @@ class GeluMLP(nn.Module):
         return dense(cfg.embed_dim, ("mlp", "embed"), "wo")(h)
 
 
-def attention_plan(cfg: LMConfig, plan: Optional[AttentionPlan] = None) -> AttentionPlan:
-    """The attention plan of a model of ``cfg`` given ``plan`` (a run's, built from the same config
-    by the task; None: the model's own fields alone): :meth:`goat_jax.plan.AttentionPlan.merged`
-    with ``cfg.implementation`` and ``cfg.max_documents_per_row``."""
-    return AttentionPlan.merged(plan, implementation=cfg.implementation,
-                                max_documents_per_row=cfg.max_documents_per_row)
-
-
 def make_attention(cfg: LMConfig, decode: bool, plan: Optional[AttentionPlan] = None,
                    name: str = "attention") -> nn.Module:
     """The attention module for ``cfg.position_encoding``: GoatAttention for 'goat', otherwise
@@ -347,7 +335,7 @@ def make_attention(cfg: LMConfig, decode: bool, plan: Optional[AttentionPlan] = 
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                   param_dtype=cfg.weight_dtype, decode=decode, kernel_init_std=cfg.attention_init_std,
-                  logn_scaling=cfg.logn_scaling, plan=attention_plan(cfg, plan), name=name)
+                  logn_scaling=cfg.logn_scaling, plan=DEFAULT if plan is None else plan, name=name)
     if cfg.position_encoding == "goat":
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.
@@ -418,8 +406,8 @@ class TransformerLM(nn.Module):
 
     config: LMConfig
     decode: bool = False
-    # How attention runs (goat_jax.plan.AttentionPlan; the task builds it from the run's config);
-    # None: the plan of config.implementation and config.max_documents_per_row.
+    # How attention runs (goat_jax.plan.AttentionPlan: the run's, built once from its config by
+    # the entry point and handed over by the task); None: the default plan (automatic kernel).
     plan: Optional[AttentionPlan] = None
 
     def _decode_offset(self, length: int) -> Optional[Array]:

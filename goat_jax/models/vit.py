@@ -42,9 +42,8 @@ import numpy as np
 
 from goat_jax.layers.goat import GoatAttention
 from goat_jax.config.fields import Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
-from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.models.lm import DTYPES
-from goat_jax.plan import AttentionPlan
+from goat_jax.plan import DEFAULT, AttentionPlan, plan_fields_hint
 from goat_jax.prior import PriorSettings
 from goat_jax import positional
 from goat_jax.layers.positional import PositionalAttention
@@ -109,7 +108,6 @@ class ViTConfig:
                                                         doc="'sincos2d' temperature (big_vision default)"))
     dtype: Any = declare("float32", Dtype(DTYPES, doc="compute dtype of activations"))
     param_dtype: Any = declare("float32", Dtype(DTYPES, doc="storage dtype of parameters"))
-    implementation: Optional[str] = declare(None, Str(choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto"))
 
     def __post_init__(self):
         check_instance(self, "model")  # each field's own type and range (its declaration)
@@ -167,7 +165,8 @@ class ViTConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
-            raise ValueError(f"Unknown ViTConfig field(s): {unknown}. Known fields: {sorted(fields)} and 'preset'.")
+            raise ValueError(f"Unknown ViTConfig field(s): {unknown}. Known fields: {sorted(fields)} and 'preset'."
+                             + plan_fields_hint(unknown))
         return cls.preset(preset, **values) if preset else cls(**values)
 
 
@@ -268,11 +267,11 @@ def _dense(cfg: ViTConfig, features: int, axes, name: str) -> nn.Module:
 def make_attention(cfg: ViTConfig, plan: Optional[AttentionPlan] = None, name: str = "attention") -> nn.Module:
     """GoatAttention (2D, CLS) for 'goat', else PositionalAttention (the encoding itself for
     :data:`ATTENTION_ENCODINGS`, 'nope' for those that live on the embeddings). Shared knobs are passed identically; every variant
-    has qkv and output biases, as the official ViT. ``plan``: the model's attention plan, with
-    ``cfg.implementation`` (:meth:`goat_jax.plan.AttentionPlan.merged`)."""
+    has qkv and output biases, as the official ViT. ``plan``: the model's attention plan (None:
+    the default plan)."""
     common = dict(num_heads=cfg.num_heads, out_features=cfg.embed_dim, use_bias=True,
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                  plan=AttentionPlan.merged(plan, implementation=cfg.implementation), name=name)
+                  plan=DEFAULT if plan is None else plan, name=name)
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
     return PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings, **common)

@@ -30,6 +30,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     import optax
 from goat_jax.config_files import load_config
 from goat_jax.train import tasks
+from goat_jax.plan import AttentionPlan
 
 ENCODINGS = ("goat", "rope")
 OFFICIAL_CONFIG = "configs/dna_hg38.py"
@@ -50,7 +51,7 @@ def make_step(encoding: str, seq_len: int, batch: int, dtype: str, implementatio
     for key, value in (model_overrides or {}).items():
         config.model[key] = value
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 5, (batch, seq_len + 1)).astype(np.int32)
     data = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),

@@ -29,6 +29,7 @@ from goat_jax.eval import runs as ev
 from goat_jax.reproduce import layout, records, stats
 from goat_jax.reproduce.progress import LengthProgress
 from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
+from goat_jax.plan import AttentionPlan
 
 
 CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)
@@ -177,7 +178,7 @@ def load_for_evaluation(job: Job) -> lm_run.LMRun:
     with config.unlocked():
         for key, value in job.eval_overrides.items():
             config.model[key.removeprefix("model.")] = value
-    model = run.task.build_model(config)
+    model = run.task.build_model(config, AttentionPlan.from_config(config))  # the overrides' plan
     ids = np.zeros((1, run.train_len), np.int32)
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids)["params"]
     if jax.tree.structure(nn.unbox(shapes)) != jax.tree.structure(run.params):

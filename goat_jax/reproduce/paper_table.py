@@ -30,6 +30,7 @@ from goat_jax.config_files import load_config
 from goat_jax.models import lm
 from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
+from goat_jax.plan import AttentionPlan
 
 C4_TOKENS = 4_000_000_000  # the official token budget (train_c4.py)
 C4_SEQ, C4_BATCH = 2048, 128  # 128 x 2048 = 262,144 tokens per step
@@ -130,7 +131,7 @@ def parameter_count(config) -> int:
     """Parameters of the run's model, from ``jax.eval_shape`` of its task's ``init`` on the
     training input shapes (nothing is allocated, so 1B models count in seconds on a CPU)."""
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))
     batch = task.dummy_batch(config, 1)
     inputs = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in task.model_inputs(batch)]
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict
 
+from goat_jax.plan import MODEL_SECTION_FIELDS
+
 # Parameter / module names never weight-decayed (a task's ``no_decay_names``; arrays with fewer
 # than two dims are never decayed anyway, goat_jax.train.optim.decay_mask). Biases and norm
 # scales are the usual AdamW exclusions (decay would pull norm gains to 0, and biases carry no
@@ -38,13 +40,18 @@ NO_DECAY_NAMES = frozenset({
 
 
 def model_fields(config: Any, task: str, model: str) -> Dict[str, Any]:
-    """The fields of ``config.model`` for the model class, without the deprecated ``name``.
+    """The fields of ``config.model`` for the model class: without the attention plan's
+    (``implementation``, ``max_documents_per_row``: the entry point builds the plan from them,
+    :meth:`goat_jax.plan.AttentionPlan.from_config`, and hands it to the task's ``build_model``)
+    and without the deprecated ``name``.
 
     ``model.name`` used to pick the model from a registry, a second name next to ``config.task``.
     The task now builds its model; an old config or checkpoint that still says
     ``model.name=<model>`` works (with a FutureWarning to remove it), another value is refused.
     """
     values = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
+    for name in MODEL_SECTION_FIELDS:
+        values.pop(name, None)
     if "name" in values:
         name = values.pop("name")
         if name != model:

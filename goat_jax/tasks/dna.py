@@ -72,8 +72,11 @@ def official_model_config(encoding: str = "goat") -> ml_collections.ConfigDict:
     return m
 
 
-def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
-    """This host's crops of the genome in the LM batch format (``inputs``/``targets``/``weights``)."""
+def make_datasets(config, global_batch_size: int, process_index: int, process_count: int, *,
+                  plan: AttentionPlan) -> tasks.Datasets:
+    """This host's crops of the genome in the LM batch format (``inputs``/``targets``/``weights``).
+    ``plan`` is unused (crops are not packed documents)."""
+    del plan
     if config.model.vocab_size < fasta.VOCAB_SIZE:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} must be >= {fasta.VOCAB_SIZE} "
                          "(the DNA tokens ACGNT).")
@@ -119,8 +122,7 @@ def eval_metrics(totals: Dict[str, float]) -> Dict[str, float]:
 TASK = tasks.Task(
     name="dna",
     batch_keys=("inputs", "targets", "weights"),
-    build_model=lambda config: lm.TransformerLM(lm_task.model_config(config, "dna"),
-                                                plan=AttentionPlan.from_config(config)),
+    build_model=lambda config, plan: lm.TransformerLM(lm_task.model_config(config, "dna"), plan=plan),
     make_datasets=make_datasets,
     loss=loss,
     dummy_batch=lm_task.dummy_batch,

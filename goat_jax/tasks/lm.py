@@ -48,17 +48,18 @@ def model_config(config, task: str = "lm") -> lm.LMConfig:
     return lm.LMConfig.from_config(model_fields(config, task, "lm"))
 
 
-def build_model(config):
-    """The ``config.model`` LM (``decode=False``)."""
-    return lm.TransformerLM(model_config(config), plan=AttentionPlan.from_config(config))
+def build_model(config, plan: AttentionPlan):
+    """The ``config.model`` LM (``decode=False``) whose attention runs under ``plan`` (the run's,
+    built once by the entry point)."""
+    return lm.TransformerLM(model_config(config), plan=plan)
 
 
 # cuDNN takes half-precision inputs only: a float32 model runs 'flash' even on a GPU.
 _CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def document_bound(config, platform: str, context: int) -> Optional[int]:
-    """``model.max_documents_per_row`` where cuDNN's packed layout may attend this run's packed
+def document_bound(config, plan: AttentionPlan, platform: str, context: int) -> Optional[int]:
+    """The run's ``plan.max_documents_per_row`` where cuDNN's packed layout may attend its packed
     documents, else None: the most documents (the padding counting as one) a packed row may
     hold there, which the packers honour by starting a new row (goat_jax/data/packing.py).
 
@@ -68,11 +69,11 @@ def document_bound(config, platform: str, context: int) -> Optional[int]:
     device queries that start inside a document, which cuDNN's layout cannot express, so
     flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
     where flash runs costs only fuller rows. Whether the plan's kernel may be cuDNN and its bound
-    are the run's attention plan's (:meth:`goat_jax.plan.AttentionPlan.document_bound`);
-    training and evaluation both ask here."""
+    are ``plan``'s (:meth:`goat_jax.plan.AttentionPlan.document_bound`); training and evaluation
+    both ask here."""
     if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
         return None
-    bound = AttentionPlan.from_config(config).document_bound()
+    bound = plan.document_bound()
     if bound is None or platform != "gpu" or context > 1:
         return None
     if np.dtype(jnp.dtype(model_config(config).dtype)).name not in _CUDNN_DTYPES:
@@ -80,14 +81,16 @@ def document_bound(config, platform: str, context: int) -> Optional[int]:
     return int(bound)
 
 
-def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
+def make_datasets(config, global_batch_size: int, process_index: int, process_count: int, *,
+                  plan: AttentionPlan) -> tasks.Datasets:
     """This host's train iterator and eval factory, text or synthetic, in one batch format:
-    ``inputs``, ``targets`` ``[B, seq_len]`` int32 and ``weights`` ``[B, seq_len]`` float32."""
+    ``inputs``, ``targets`` ``[B, seq_len]`` int32 and ``weights`` ``[B, seq_len]`` float32.
+    Packed documents honour ``plan``'s document bound (:func:`document_bound`)."""
     # data.source == 'synthetic': the paper's toy / retrieval tasks (copy mixture, passkey, NIAH)
     # in the text pipeline's batch format, so the same task, model and loss train on them.
     extra = {}
     context = int(validation.ENGINE["mesh"].value(config.get("mesh"), "context"))
-    bound = document_bound(config, jax.devices()[0].platform, context)
+    bound = document_bound(config, plan, jax.devices()[0].platform, context)
     if bound is not None:  # the packer starts a new row rather than exceed it
         extra["max_documents"] = bound
     make = synthetic.make_synthetic_datasets if is_synthetic(config) else text.make_lm_datasets

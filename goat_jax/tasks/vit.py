@@ -31,14 +31,17 @@ def model_config(config) -> vit.ViTConfig:
     return vit.ViTConfig.from_config(model_fields(config, "vit", "vit"))
 
 
-def build_model(config):
-    """The ``config.model`` ViT."""
-    return vit.ViT(model_config(config), plan=AttentionPlan.from_config(config))
+def build_model(config, plan: AttentionPlan):
+    """The ``config.model`` ViT whose attention runs under ``plan`` (the run's)."""
+    return vit.ViT(model_config(config), plan=plan)
 
 
-def make_datasets(config, global_batch_size: int, process_index: int, process_count: int) -> tasks.Datasets:
+def make_datasets(config, global_batch_size: int, process_index: int, process_count: int, *,
+                  plan: AttentionPlan) -> tasks.Datasets:
     """This host's train iterator and eval factory (at the training resolution). ``info`` holds
-    ``make_eval_at(resolution)`` for evaluations at other resolutions and the ``ImageInfo``."""
+    ``make_eval_at(resolution)`` for evaluations at other resolutions and the ``ImageInfo``.
+    ``plan`` is unused (images are not packed documents)."""
+    del plan
     train, make_eval_at, info = images.make_image_datasets(
         config.data, global_batch_size=global_batch_size, seed=config.seed,
         process_index=process_index, process_count=process_count)
@@ -84,6 +87,7 @@ def vit_flops_per_image(cfg: vit.ViTConfig, resolution: int) -> float:
 # The ViT task's config fields: ViTConfig plus its 'preset', the image pipeline's data.
 FIELDS = tasks.TaskFields(model=vit.ViTConfig, data={"images": images.FIELD_SPECS},
                           model_extra={"preset": vit.FIELD_SPECS["preset"]},
+                          plan_fields=("implementation",),  # no packed documents, so no document bound
                           # model.name='vit': what checkpoints written before the task alone chose the model hold.
                           model_name="vit")
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
+from goat_jax.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
@@ -185,6 +186,7 @@ class Run:
     model: Any  # the Linen model
     params: Any  # the 'params' collection, unboxed, on the default device
     step: int  # the checkpoint's step
+    plan: AttentionPlan  # the run's attention plan (the model's), built once by load_run
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -275,7 +277,8 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
     config = read_config(workdir)
     task = tasks_lib.get_task(config.task)
     config = tasks_lib.with_field_defaults(config, task)  # an older run lacks newer fields
-    model = task.build_model(config)
+    plan = AttentionPlan.from_config(config)  # the evaluation's one plan: the model's, kept on the Run
+    model = task.build_model(config, plan)
     tx, _ = make_optimizer(task, config)
     _, init_state = make_init_fns(task, model, tx, config, batch_size=1)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -300,4 +303,4 @@ def load_run(workdir: str, step: Optional[int] = None) -> Run:
                                 "newer ones up to step %s).", step, directory, newest)
     finally:
         ckpt.close()
-    return Run(workdir=workdir, config=config, task=task, model=model, params=state.params, step=int(step))
+    return Run(workdir=workdir, config=config, task=task, model=model, params=state.params, step=int(step), plan=plan)

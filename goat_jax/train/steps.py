@@ -101,8 +101,11 @@ class ShardedSteps:
 
 
 def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-                       rules: sharding_lib.Rules, batch_shardings: Dict[str, Any]) -> ShardedSteps:
-    """Builds the model and optimizer and jits init, train and eval steps for ``mesh``.
+                       rules: sharding_lib.Rules, batch_shardings: Dict[str, Any], *,
+                       plan: AttentionPlan) -> ShardedSteps:
+    """Builds the model and optimizer and jits init, train and eval steps for ``mesh``; the
+    model's attention and the engine's balancing run under ``plan`` (the run's, built once by the
+    entry point with :meth:`goat_jax.plan.AttentionPlan.from_config`).
 
     Parameter and optimizer-state shardings come from the parameters' logical names
     (:func:`~goat_jax.train.sharding.logical_shardings`) and are imposed by jit's
@@ -110,7 +113,7 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
     take effect because every function is traced under the mesh and the rules
     (:func:`~goat_jax.train.sharding.with_mesh_and_rules`).
     """
-    model = task.build_model(config)
+    model = task.build_model(config, plan)
     tx, schedule = run_lib.make_optimizer(task, config)
     init_params, init_state = run_lib.make_init_fns(task, model, tx, config,
                                                     sharding_lib.data_parallel_size(mesh))
@@ -122,7 +125,7 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn, plan=AttentionPlan.from_config(config)):  # balancing (long_context.py); the model has the plan
+    def under_mesh(fn):  # balancing (long_context.py) under the plan the model has
         return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, plan), mesh, rules)
 
     accum, opts = config.grad_accum_steps, platforms.gpu_compiler_options(config.get("gpu_xla_flags"), mesh.devices.flat[0].platform)

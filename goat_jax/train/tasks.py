@@ -55,20 +55,36 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
 from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from goat_jax.config.fields import Section, specs_of
+from goat_jax.config.fields import Int, Section, Str, specs_of
+from goat_jax.kernels import IMPLEMENTATIONS
 from goat_jax.losses import softmax_cross_entropy, weighted_cross_entropy  # noqa: F401 -- the tasks' shared losses
+from goat_jax.plan import DEFAULT as DEFAULT_PLAN
 from goat_jax.train import validation
 
 Batch = Dict[str, Any]
 
 # Where built-in tasks live: config.task = 'lm' loads goat_jax.tasks.lm:TASK.
 BUILTIN_PACKAGE = "goat_jax.tasks"
+
+
+# The attention plan's fields of a config's ``model`` section, declared once for every task
+# (:meth:`goat_jax.plan.AttentionPlan.from_config` reads them, with the top-level
+# ``context_strategy`` and ``context_load_balance``). They are the plan's, not the model's: the
+# entry point builds the plan once and hands it to ``build_model``; the models hold no copy.
+PLAN_FIELDS = Section(
+    implementation=(DEFAULT_PLAN.implementation, Str(
+        choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto")),
+    max_documents_per_row=(DEFAULT_PLAN.max_documents_per_row, Int(
+        min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
+                   "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)")),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +123,8 @@ class TaskFields:
         the model ('' for none); the field is accepted (deprecated) and never added.
       data_defaults: ``{'data.field': default}`` of data fields a config may leave out (runs
         written before the field existed resume under this value).
+      plan_fields: the fields of :data:`PLAN_FIELDS` (the attention plan's) the ``model``
+        section takes, next to the model's own.
     """
 
     model: Any
@@ -116,11 +134,19 @@ class TaskFields:
     model_extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
     model_name: str = ""
     data_defaults: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    plan_fields: Tuple[str, ...] = tuple(PLAN_FIELDS.specs)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.plan_fields) - set(PLAN_FIELDS.specs))
+        if unknown:
+            raise ValueError(f"TaskFields.plan_fields: {unknown} are not fields of the attention plan "
+                             f"({sorted(PLAN_FIELDS.specs)}).")
 
     def schema(self) -> Dict[str, set]:
         """``{section: field names}`` of the task's sections (``model``, ``data``)."""
         model = ({f.name for f in dataclasses.fields(self.model)} if dataclasses.is_dataclass(self.model)
                  else set(_specs(self.model)))
+        model |= set(self.plan_fields)
         return {"model": model | set(self.model_extra) | ({"name"} if self.model_name else set()),
                 "data": set().union(*(set(_specs(d)) for d in self.data.values()))}
 
@@ -128,13 +154,15 @@ class TaskFields:
         """``{section: {field: Field}}`` checked on ``config`` ('' for the top level): the
         model's declarations, the data pipeline the config chooses, the top-level fields."""
         source = self.data_source(config) if self.data_source else next(iter(self.data))
-        return {"": dict(self.top_level), "model": {**_specs(self.model), **self.model_extra},
+        plan = {name: PLAN_FIELDS.specs[name] for name in self.plan_fields}
+        return {"": dict(self.top_level), "model": {**_specs(self.model), **plan, **self.model_extra},
                 "data": _specs(self.data[source])}
 
     def defaults(self) -> Dict[str, Any]:
         """``{'section.field': default}``: the model section's defaults, ``data_defaults`` and
         ``model.name``; what a config that leaves the field out computes with."""
         out = {f"model.{name}": value for name, value in _defaults(self.model).items()}
+        out.update({f"model.{name}": PLAN_FIELDS.default(name) for name in self.plan_fields})
         out.update(self.data_defaults)
         if self.model_name:
             out["model.name"] = self.model_name
@@ -167,9 +195,13 @@ class Task:
     Attributes:
       name: a readable name for logs (``config.task`` is what loads it).
       batch_keys: keys every batch holds (checked on the first batch).
-      build_model: ``config -> nn.Module``.
-      make_datasets: ``(config, global_batch_size, process_index, process_count) -> Datasets``;
-        each process gets its own ``global_batch_size / process_count`` rows.
+      build_model: ``(config, plan) -> nn.Module``: the model of ``config`` whose attention runs
+        under ``plan`` (the run's :class:`goat_jax.plan.AttentionPlan`, which the entry point
+        builds once with ``AttentionPlan.from_config(config)`` and hands to the engine too); a
+        task never builds a plan itself.
+      make_datasets: ``(config, global_batch_size, process_index, process_count, *, plan) ->
+        Datasets``; each process gets its own ``global_batch_size / process_count`` rows;
+        ``plan`` as above (the packers honour its document bound, ``plan.document_bound()``).
       loss: ``(apply_fn, params, batch, rng) -> (loss_sum, (weight_sum, aux_sums))``.
       dummy_batch: ``(config, batch_size) -> numpy batch`` of the training shapes (for init and
         benchmarks; only ``batch_keys`` matter).
@@ -189,7 +221,7 @@ class Task:
 
     name: str
     batch_keys: Tuple[str, ...]
-    build_model: Callable[[Any], Any]
+    build_model: Callable[[Any, Any], Any]
     make_datasets: Callable[..., Datasets]
     loss: Callable[..., Tuple[jax.Array, Tuple[jax.Array, Dict[str, jax.Array]]]]
     dummy_batch: Callable[[Any, int], Batch]
@@ -305,7 +337,31 @@ def get_task(name: Any) -> Task:
         raise ValueError(f"config.task={name!r}: {module_name}.{attr} is "
                          f"{'missing' if task is None else type(task).__name__}, not a "
                          "goat_jax.train.tasks.Task.")
+    check_contract(task, name)
     return task
+
+
+# How each callable of the contract is called (positional arguments, keywords), with placeholders.
+_CALLS = {"build_model": ((None, None), {}),
+          "make_datasets": ((None, 1, 0, 1), {"plan": None})}
+
+
+def check_contract(task: Task, name: str) -> None:
+    """Raises ValueError naming ``config.task`` and the callable when ``task`` cannot be called
+    the way the engine calls it (:data:`_CALLS`): e.g. a task written before ``build_model``
+    took the run's plan (``build_model(config)`` -> ``build_model(config, plan)``)."""
+    for field, (args, keywords) in _CALLS.items():
+        fn = getattr(task, field)
+        try:
+            inspect.signature(fn).bind(*args, **keywords)
+        except TypeError as err:
+            spelled = ", ".join(["config", "global_batch_size", "process_index", "process_count"][:len(args)]
+                                if field == "make_datasets" else ["config", "plan"])
+            extra = ", *, plan" if keywords else ""
+            raise ValueError(f"config.task={name!r}: its {field} cannot be called as {field}({spelled}{extra}) "
+                             f"({err}); the engine passes the run's attention plan (goat_jax.train.tasks.Task).") from None
+        except ValueError:  # a builtin without a signature: called as it is
+            continue
 
 
 # ----------------------------------------------------------------------------------------------

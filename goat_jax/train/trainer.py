@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import signal
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,13 +76,22 @@ def _check_fields(section: str, present: set, allowed: set, required: set) -> No
                          "(goat_jax/train/validation.py and the task's fields say what each means).")
 
 
+class Validated(NamedTuple):
+    """What :func:`validate_config` found a valid config computes with."""
+
+    global_batch: int  # the global batch size, resolved
+    plan: AttentionPlan  # the run's attention plan: built here, once, and handed to the model and the engine
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int, process_count: int = 1,
-                    platform: Optional[str] = None) -> int:
+                    platform: Optional[str] = None) -> Validated:
     """Checks ``config`` against the engine's and the task's schema and the device layout
     (``platform``: 'cpu', 'gpu' or 'tpu' of the devices the run will use, when known: a kernel
     named in the config that cannot run there is refused first).
 
-    Returns the resolved global batch size. Raises ValueError naming the offending field (unknown
+    Returns the resolved global batch size and the run's attention plan (:class:`Validated`:
+    the plan is built here once, from the checked fields, for the entry point to hand to
+    ``task.build_model`` and the engine). Raises ValueError naming the offending field (unknown
     fields, mesh vs device count, batch divisibility, sequence length vs model limits).
     """
     task = tasks_lib.get_task(config.get("task"))
@@ -105,7 +114,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
 
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
-    plan = AttentionPlan.from_config(config)  # what the task's model carries
+    plan = AttentionPlan.from_config(config)  # the run's one plan: the task's model and the engine run under it
     long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(plan.context_axis)], task.name, platform, plan)
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
@@ -134,7 +143,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
         raise ValueError(f"optimizer.decay_grouping={grouping!r} is not a grouping of the "
                          f"{task.name!r} task: use one of {allowed}.")
     task.validate(config)
-    return global_batch
+    return Validated(global_batch, plan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +166,7 @@ def is_finished(config: ml_collections.ConfigDict, workdir: str) -> bool:
     an invalid config, a workdir without checkpoints or an incompatible one (the trainer then
     says why). For callers that skip a finished run without starting a trainer for it."""
     try:
-        global_batch = validate_config(config, jax.device_count(), jax.process_count())
+        global_batch = validate_config(config, jax.device_count(), jax.process_count()).global_batch
     except ValueError:
         return False
     task = tasks_lib.get_task(config.task)
@@ -207,7 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     config = validation.with_engine_defaults(config)  # fields left out: their declared defaults
     if config.distributed:
         sharding_lib.initialize_distributed()  # no-op if the entry point already did
-    global_batch = validate_config(config, jax.device_count(), jax.process_count(), jax.devices()[0].platform)
+    global_batch, plan = validate_config(config, jax.device_count(), jax.process_count(), jax.devices()[0].platform)
     # A config written before a field existed (e.g. data.packing) gets the field's default.
     config = tasks_lib.with_field_defaults(config, tasks_lib.get_task(config.task))
     if jax.process_index() == 0:  # the process that logs: W&B online needs credentials, network
@@ -218,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     with lock_lib.hold(workdir, jax.process_index()), interrupts.stop_signals() as stop:
         progress = {"step": 0}  # the step being run, for the failure message
         try:
-            return _train_locked(config, workdir, global_batch, resume_with_changes, progress, stop)
+            return _train_locked(config, workdir, global_batch, plan, resume_with_changes, progress, stop)
         except Exception as e:  # pylint: disable=broad-except
             # A full disk or a dead peer, buried in orbax/JAX errors: one line that says so.
             explained = failures_lib.explain(
@@ -229,7 +238,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             raise explained from e
 
 
-def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int,
+def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch: int, plan: AttentionPlan,
                   resume_with_changes: bool, progress: Dict[str, Any],
                   preemption: interrupts.StopSignals) -> Dict[str, Any]:
     """The body of :func:`train_and_evaluate`, run holding the workdir lock; keeps
@@ -255,7 +264,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
     # --- Data -----------------------------------------------------------------------------------
     # Processes holding the same rows (a context or tensor group across hosts) read the same data.
     group, groups = sharding_lib.batch_groups(mesh, global_batch)
-    data = task.make_datasets(config, global_batch, group, groups)
+    data = task.make_datasets(config, global_batch, group, groups, plan=plan)
     dummy = task.dummy_batch(config, global_batch // groups)
     batch_shardings = {k: sharding_lib.batch_sharding(mesh, np.ndim(v)) for k, v in dummy.items()}
 
@@ -268,7 +277,7 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str, global_batch:
                 for k in batch_shardings}
 
     # --- Model, optimizer, sharded init (or restore), jitted steps -------------------------------
-    steps = steps_lib.make_sharded_steps(task, config, mesh, rules, batch_shardings)
+    steps = steps_lib.make_sharded_steps(task, config, mesh, rules, batch_shardings, plan=plan)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             steps.abstract_state, steps.state_shardings)
     # Compiled ahead of the first step, so that a step that cannot fit in memory is refused
