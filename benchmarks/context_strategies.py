@@ -72,7 +72,7 @@ def collectives(hlo: str) -> dict:
 def measure(config_arg: str, target_name: str, overrides: dict) -> dict:
     """One compile (this process): the compile tool's report plus the program's collectives."""
     from goat_jax import aot  # pylint: disable=g-import-not-at-top
-    from goat_jax import config_files
+    from goat_jax.config import files as config_files
     from goat_jax.aot import compiler
 
     from goat_jax.train import validation

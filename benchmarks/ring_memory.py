@@ -30,7 +30,7 @@ def measure(blocks: str, tokens: int) -> dict:
     from goat_jax import aot
     from goat_jax.kernels import ring
     from goat_jax.kernels.mask import AttentionMask
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.kernels.plan import AttentionPlan
 
     c, heads, head_dim = 4, 8, 64
     devices = aot.target_devices(aot.parse_target("v5p-8"))

@@ -31,7 +31,7 @@ million-base window changes, and why:
 import ml_collections
 
 from configs import dna_long
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.models import lm
 
 WINDOW = 1_048_576  # bases per training window (2**20)

@@ -27,7 +27,7 @@ Choices where the recipe is silent or the engine differs, said here:
 
 import ml_collections
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import dna
 from goat_jax.models import lm
 from goat_jax.tasks import dna as dna_task

@@ -21,7 +21,7 @@ What long context changes, and why:
   and RoPE's PI scale are the training length), ``model.max_len`` too (the tables of 'learned' /
   'naive_prior' must hold the window).
 * the sequence is split over the devices: ``mesh.context=-1`` (all devices), ``mesh.data=1``;
-  attention runs with queries sharded and keys/values all-gathered (goat_jax/kernels/context.py), and
+  attention runs with queries sharded and keys/values all-gathered (goat_jax/kernels/all_gather.py), and
   ``context_load_balance=True`` (the LM is causal: dual-chunk-swap order, every shard the same
   work). On 8 chips a device holds 16,384 bases of each window. Trade context for data with
   e.g. ``--config.mesh.context=4 --config.mesh.data=-1`` (the batch must stay divisible by the
@@ -48,7 +48,7 @@ A CPU smoke on 8 fake devices (seconds per step; any FASTA, here pyfaidx's 40 kb
 import ml_collections
 
 from configs import dna_hg38
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.models import lm
 
 LONG_SEQ_LEN = 131_072  # bases per training window

@@ -37,7 +37,7 @@ than 8/3 x 768 brings it to the "125M" class).
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
 

@@ -20,7 +20,7 @@ Parameters: 16 x (2048^2 x 2 [q, o] + 2048 x 512 x 2 [k, v] + 3 x 2048 x 8192 [S
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
 

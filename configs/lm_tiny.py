@@ -14,7 +14,7 @@ for GOAT by ',linear_sink': the sink continued linearly past the training length
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import text
 from goat_jax.models import lm
 

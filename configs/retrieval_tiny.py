@@ -25,7 +25,7 @@ identical across encodings.
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import REQUIRED, parse_config_arg
+from goat_jax.config.args import REQUIRED, parse_config_arg
 from goat_jax.data import synthetic
 from goat_jax.models import lm
 

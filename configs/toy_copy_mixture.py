@@ -16,7 +16,7 @@ Argument: '' (default, ~40 s on 2 CPU cores) or 'smoke' (the test's shorter run)
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import synthetic
 
 

@@ -18,7 +18,7 @@ at 224/384/512 by resizing to r * 256/224 and centre-cropping r.
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import images
 from goat_jax.models import vit
 

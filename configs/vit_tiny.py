@@ -19,7 +19,7 @@ since RandAugment / Mixup are for 300-epoch ImageNet runs, not one pass over 60k
 import ml_collections
 from ml_collections import config_dict
 
-from goat_jax.config_args import parse_config_arg
+from goat_jax.config.args import parse_config_arg
 from goat_jax.data import images
 from goat_jax.models import vit
 

@@ -31,10 +31,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from goat_jax.benchmarking import Variant, measure  # noqa: E402
-from goat_jax.config_files import load_config  # noqa: E402
+from goat_jax.config.files import load_config  # noqa: E402
 from goat_jax.eval import chunked, extrapolation  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
-from goat_jax.plan import AttentionPlan  # noqa: E402
+from goat_jax.kernels.plan import AttentionPlan  # noqa: E402
 
 
 def compiled(fn, args):

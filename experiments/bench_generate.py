@@ -27,11 +27,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from goat_jax.config_files import load_config  # noqa: E402
+from goat_jax.config.files import load_config  # noqa: E402
 from goat_jax.eval import harness, lm_run  # noqa: E402
 from goat_jax.models import sampling  # noqa: E402
 from goat_jax.train import tasks  # noqa: E402
-from goat_jax.plan import AttentionPlan  # noqa: E402
+from goat_jax.kernels.plan import AttentionPlan  # noqa: E402
 
 
 class _Request:  # what generate_until reads of lm-eval's Instance

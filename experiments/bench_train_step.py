@@ -27,12 +27,12 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
     from absl import app
     from absl import flags
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding as sharding_lib
 from goat_jax.train import tasks
 from goat_jax.train import trainer
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 _OUT = flags.DEFINE_string("out", "benchmarks/train_step.md", "Markdown file to write.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats of engine / bare runs.")

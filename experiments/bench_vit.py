@@ -31,7 +31,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
 from configs import vit_s16_imagenet, vit_tiny
 from goat_jax.models.vit import POSITION_ENCODINGS
 from goat_jax.tasks import vit as vit_task
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 _OUT = flags.DEFINE_string("out", "benchmarks/vit.md", "Markdown file to write.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per encoding and shape.")

@@ -46,7 +46,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
     from absl import flags
 from goat_jax import aot  # pylint: disable=wrong-import-position
 from goat_jax import cli  # pylint: disable=wrong-import-position
-from goat_jax import config_files  # pylint: disable=wrong-import-position
+from goat_jax.config import files as config_files  # pylint: disable=wrong-import-position
 from goat_jax import files  # pylint: disable=wrong-import-position
 from goat_jax.train import run as run_lib  # pylint: disable=wrong-import-position
 

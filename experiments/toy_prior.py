@@ -51,7 +51,8 @@ if __name__ == "__main__":
     platforms.avoid_libtpu_without_tpu()  # before any JAX backend starts (goat_jax/platforms.py)
     from absl import flags, logging  # pylint: disable=g-import-not-at-top
 
-    from goat_jax import cli, config_files  # pylint: disable=g-import-not-at-top
+    from goat_jax import cli  # pylint: disable=g-import-not-at-top
+    from goat_jax.config import files as config_files  # pylint: disable=g-import-not-at-top
 
     _CONFIG = config_files.define_config_flag("config", "configs/toy_copy_mixture.py",
                                               "Toy config (overrides: --config.x=y).")

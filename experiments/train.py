@@ -34,7 +34,7 @@ with _extras.imports(__name__):  # the 'train' extra: one line naming it if abse
     from absl import flags
     from absl import logging
 from goat_jax import cli
-from goat_jax import config_files
+from goat_jax.config import files as config_files
 from goat_jax.train import interrupts
 from goat_jax.train import sharding
 from goat_jax.train import trainer

@@ -79,7 +79,7 @@ def report_errors(main: Callable[..., Any]) -> Callable[..., Any]:
 def _parse_absl_flags(argv):
     with _extras.imports(__name__):
         from absl import flags  # pylint: disable=g-import-not-at-top
-    from goat_jax import config_files  # pylint: disable=g-import-not-at-top
+    from goat_jax.config import files as config_files  # pylint: disable=g-import-not-at-top
     absl_argv, nones = config_files.take_none_overrides(argv)  # --config.<field>=None
     try:
         rest = flags.FLAGS(absl_argv)

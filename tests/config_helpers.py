@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.train import validation
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 
 def set_fields(config, **overrides):

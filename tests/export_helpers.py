@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests.config_helpers import random_params, set_fields
 
 # The tolerance of the issue: logits within 1e-4, relative to the largest logit, max over positions.

@@ -128,7 +128,7 @@ def test_smoke_lm_train_step_compiles_for_v5e_4_through_experiments_compile(tmp_
     assert set(mem) == {"arguments", "outputs", "temporaries", "aliased", "total"}
     assert mem["aliased"] > 0  # the donated train state is reused for the new one
     assert report["fits"] is True and report["device_memory_bytes"] == 16 << 30
-    from goat_jax import config_files
+    from goat_jax.config import files as config_files
     from goat_jax.train import tasks
     config = config_files.load_config("configs/lm_tiny.py:goat,smoke", {"seq_len": 128})
     per_token = tasks.get_task("lm").flops_per_token(config)

@@ -21,7 +21,8 @@ needs_libtpu = pytest.mark.skipif(
 _SCRIPT = r"""
 import json, sys
 import jax
-from goat_jax import aot, config_files
+from goat_jax import aot
+from goat_jax.config import files as config_files
 
 out = {}
 for name, overrides in json.loads(sys.argv[1]).items():

@@ -13,7 +13,7 @@ import pytest
 
 from goat_jax.eval import chunked, extrapolation
 from goat_jax.models import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests.config_helpers import random_params
 from tests.test_gpt2_block import _gelu_tanh, _layer_norm

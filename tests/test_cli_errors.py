@@ -199,7 +199,7 @@ def _checkpointed_run(workdir, step, **overrides):
     """A workdir holding a checkpoint at ``step`` of ``configs/lm_tiny.py:goat,smoke`` as the
     command line resolves it (the fingerprint the trainer compares; the state is a stand-in)."""
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    from goat_jax import config_files  # pylint: disable=g-import-not-at-top
+    from goat_jax.config import files as config_files  # pylint: disable=g-import-not-at-top
     from goat_jax.train import checkpoint, run, tasks, trainer  # pylint: disable=g-import-not-at-top
 
     config = config_files.load_config("configs/lm_tiny.py:goat,smoke",

@@ -27,7 +27,7 @@ from goat_jax.models import lm, vit
 from goat_jax.prior import PriorSettings
 from goat_jax.tasks import lm as lm_task
 from goat_jax.train import checkpoint, tasks, validation
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_CONFIG = os.path.join(ROOT, "tests", "fixtures", "old_lm_smoke_config.json")
@@ -265,7 +265,7 @@ def test_every_model_field_is_settable_though_the_file_does_not_list_it():
     import dataclasses
     import importlib.util
 
-    from goat_jax.config_files import load_config, resolve_path
+    from goat_jax.config.files import load_config, resolve_path
     from goat_jax.models import lm
 
     path = resolve_path("configs/retrieval_tiny.py")

@@ -15,7 +15,7 @@ import sys
 import pytest
 from absl import flags
 
-from goat_jax import config_files
+from goat_jax.config import files as config_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,7 +54,7 @@ def _linked_pairs(config):
 
 def _parse(monkeypatch, spec, *overrides):
     """The config of ``spec`` with ``--config.<field>=<value>`` overrides, parsed by the loader
-    and flag of the commands (goat_jax/config_files.py)."""
+    and flag of the commands (goat_jax/config/files.py)."""
     values = flags.FlagValues()
     holder = config_files.define_config_flag("config", None, "test", flag_values=values)
     argv = ["prog", f"--config={spec}", *overrides]

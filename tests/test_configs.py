@@ -13,7 +13,7 @@ from goat_jax.models import count_params
 from goat_jax.train import tasks
 from goat_jax.train import trainer, validation
 from tests.config_helpers import set_fields
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"lm_tiny": lm_tiny, "lm_c4_125m": lm_c4_125m, "lm_fineweb_1b": lm_fineweb_1b}
@@ -168,7 +168,7 @@ def test_ablation_script_configs_are_valid():
     import ast
     import shlex
 
-    from goat_jax.config_files import load_config
+    from goat_jax.config.files import load_config
     from goat_jax.train import trainer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Context parallelism (goat_jax/kernels/context.py): a sequence sharded over the ``context`` mesh axis
+"""Context parallelism (goat_jax/kernels/all_gather.py): a sequence sharded over the ``context`` mesh axis
 must compute what the unsharded run computes.
 
 On 8 fake CPU devices (one subprocess per test: XLA_FLAGS must precede JAX):
@@ -29,10 +29,10 @@ from tests.config_helpers import lm_smoke_config, run_on_fake_devices
 _LAYER_SCRIPT = r'''
 import json, sys
 import flax, jax, jax.numpy as jnp, numpy as np
-from goat_jax import segments as seglib
+from goat_jax.prior import segments as seglib
 from goat_jax.kernels import balance
 from goat_jax.layers.positional import PositionalAttention
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests import jitted
 
@@ -67,7 +67,8 @@ for enc, impl, c, balanced, with_seg, tensor in json.loads(sys.argv[1]):
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
     # The model carries the run's plan (load-balanced order, when balanced).
-    balanced_module = module.clone(plan=AttentionPlan(load_balanced=balanced))
+    balanced_module = module.clone(implementation=None,  # one holder: the plan
+        plan=AttentionPlan(implementation=module.implementation, load_balanced=balanced))
     sharded = jax.grad(lambda *a: loss(*a, m=balanced_module), argnums=(0, 1), has_aux=True)
 
     args = (params, perm(x), perm(pos), perm(seg), perm(w))
@@ -264,7 +265,7 @@ def test_a_kernel_for_other_hardware_is_refused_first_and_by_platform(implementa
 
 
 def test_context_with_a_task_without_sequences_is_refused():
-    from goat_jax.config_files import load_config  # pylint: disable=g-import-not-at-top
+    from goat_jax.config.files import load_config  # pylint: disable=g-import-not-at-top
     config = load_config("configs/vit_tiny.py")
     config.mesh.context, config.mesh.data = 2, 4
     with pytest.raises(ValueError, match=r"mesh\.context=2 splits each sequence over devices, but the 'vit' task has no seq_len"):
@@ -311,7 +312,8 @@ def test_balance_batch_reorders_every_sequence_array_and_adds_positions():
 # abstract parameters replicated on the mesh, the sequence in the given order.
 _COMPILE_GRAD = r'''
 def compile_grad(attn, x, mesh, balanced):
-    attn = attn.clone(plan=AttentionPlan(load_balanced=balanced))  # the model's plan, as the engine builds it
+    attn = attn.clone(implementation=None,  # one holder: the plan
+        plan=AttentionPlan(implementation=attn.implementation, load_balanced=balanced))  # the model's plan, as the engine builds it
     with jax.set_mesh(mesh):
         params = jax.eval_shape(lambda x: flax.core.meta.unbox(attn.init(jax.random.key(0), x, is_causal=True)), x)
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
@@ -325,8 +327,8 @@ import flax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from goat_jax import GoatAttention, PriorSettings, aot
 from goat_jax.kernels import balance
-from goat_jax.plan import AttentionPlan
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 devices = aot.target_devices(aot.parse_target("v5e-4"))
 B, T, E = 2, 2048, 256

@@ -83,7 +83,7 @@ import jax, numpy as np
 from goat_jax.eval import context, dna, lm_run
 from goat_jax.models import sampling
 from goat_jax.models.lm import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import tasks
 from tests.config_helpers import lm_smoke_config
 
@@ -106,8 +106,8 @@ out["dna"] = [dna.evaluate_records(model, params, records, 16, **kw),
 # A run of context_strategy='ring' is evaluated in a ring: no gather, ppermutes, the same logits.
 tokens = np.random.default_rng(1).integers(0, 5, (2, 64)).astype(np.int32)
 whole = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x))(params, tokens))
-ring = dataclasses.replace(run, config=config.copy_and_resolve_references())
-ring.config.context_strategy = "ring"
+ring_plan = run.plan.replace(context_strategy="ring")  # the run's one plan (load_run builds it from config.json)
+ring = dataclasses.replace(run, plan=ring_plan, model=run.model.clone(plan=ring_plan))
 ring_apply = jax.jit(ring.apply_fn)
 text = ring_apply.lower(ring.params, tokens).as_text()
 out["ring"] = {"gathers": text.count("all_gather"), "permutes": text.count("collective_permute"),

@@ -14,7 +14,7 @@ import pytest
 from configs import dna_hg38, dna_tiny
 from goat_jax.data import dna as dna_data
 from goat_jax.models import count_params
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import tasks
 from goat_jax.train import trainer
 from tests import test_configs

@@ -164,8 +164,8 @@ _TOY = textwrap.dedent('''
 
     positional.register(Toy())
 
-    from goat_jax import config_files
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.config import files as config_files
+    from goat_jax.kernels.plan import AttentionPlan
     from goat_jax.tasks import lm as lm_task
     from goat_jax.train import trainer
 

@@ -25,7 +25,7 @@ from goat_jax.config.fields import Float, Int
 from goat_jax.train import run as run_lib
 from goat_jax.train import sharding, tasks, trainer
 from tests.config_helpers import set_fields
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

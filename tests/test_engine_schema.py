@@ -9,7 +9,7 @@ import ml_collections
 import pytest
 
 from goat_jax.config.fields import Int, Section
-from goat_jax.config_files import apply_overrides, load_config
+from goat_jax.config.files import apply_overrides, load_config
 from goat_jax.train import run as run_lib
 from goat_jax.train import tasks, trainer, validation, wandb_logger
 

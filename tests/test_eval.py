@@ -21,7 +21,7 @@ from goat_jax.eval import extrapolation, plots, retrieval, sinks
 from goat_jax.models import LMConfig, TransformerLM
 from tests import jitted
 from tests.config_helpers import random_params
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 V = 259
 TINY = dict(vocab_size=V, num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, pos_rank=2,

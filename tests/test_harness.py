@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.config_helpers import lm_smoke_config
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 pytest.importorskip("lm_eval")
 

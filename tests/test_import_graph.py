@@ -240,3 +240,20 @@ def test_the_architecture_page_states_every_rule():
     assert "tests/test_import_graph.py" in page
     rules = page.split("## Rules", 1)[1]
     assert len(RULES) == rules.count("\n- ") - 1  # one bullet per rule, plus circles/lines/entry points
+
+
+@pytest.mark.parametrize("old", ["goat_jax.plan", "goat_jax.config_files", "goat_jax.config_args",
+                                 "goat_jax.segments", "goat_jax.kernels.context", "goat_jax.long_context"])
+def test_a_moved_module_is_refused_in_one_line_naming_its_room(old):
+    """The modules that moved to the room holding them (docs/architecture.md) fail to import
+    under their old name with the new one, not a bare "No module named"."""
+    import importlib  # pylint: disable=g-import-not-at-top
+    import goat_jax  # pylint: disable=g-import-not-at-top
+    new = goat_jax.MOVED_MODULES[old]
+    with pytest.raises(ModuleNotFoundError, match=rf"^{re.escape(old)} moved to {re.escape(new)}: import it from there"):
+        importlib.import_module(old)
+    package, _, name = old.rpartition(".")
+    with pytest.raises(ModuleNotFoundError, match=rf"^{re.escape(old)} moved to "):
+        exec(f"from {package} import {name}", {})  # pylint: disable=exec-used
+    assert importlib.import_module(new.split()[0]) is not None  # the new room exists
+    assert old not in _source_files()  # and the old file is gone

@@ -9,7 +9,7 @@ import pytest
 
 from goat_jax import kernels
 from goat_jax.kernels import capabilities as caps
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import goat_reference as ref
 
 CPU_KERNELS = ("xla", "flash", "dense", "splash_interpret")

@@ -16,7 +16,7 @@ import pytest
 from goat_jax import kernels
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import registry, strategies
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGISTRY = os.path.join("goat_jax", "kernels", "registry.py")

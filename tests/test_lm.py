@@ -14,7 +14,7 @@ import pytest
 
 from goat_jax.models import LMConfig, TransformerLM, count_params
 from goat_jax.models.lm import POSITION_ENCODINGS, lm_flops_per_token, matmul_params
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 # pos_rank 2 leaves 16 - (2*2 + 1) = 11 content dims per head; training_seq_len fixes the sink
 # normalization so KV-cache decoding is allowed.

@@ -176,7 +176,7 @@ def test_lm_task_accepts_documents_and_feeds_their_fields_to_the_model():
 def test_segment_positions_reproduce_the_packers_positions(corpus, rng):
     import jax.numpy as jnp
 
-    from goat_jax import segments
+    from goat_jax.prior import segments
 
     _, make_eval, _ = _make(_config(corpus[0]))
     for b in make_eval():

@@ -17,7 +17,7 @@ import pytest
 
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.models.lm import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.tasks import lm as lm_task
 from tests import config_helpers
 from tests.config_helpers import lm_smoke_config
@@ -77,7 +77,7 @@ def test_documents_packing_trains_and_evaluates_in_process(tmp_path):
     """The default suite's sibling of the CLI test below: the trainer on packed documents (4
     steps), then the documents evaluation of the run it wrote. Resuming the packer exactly is
     tested at the pipeline level (tests/test_packing.py) and through the CLI (slow, below)."""
-    from goat_jax.config_files import load_config
+    from goat_jax.config.files import load_config
     from goat_jax.eval import documents as doc_eval
     from goat_jax.eval import lm_run
     from goat_jax.train import trainer
@@ -124,7 +124,7 @@ def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_
     documents evaluation past 1x runs (each document scaled by the fixed factor); when an
     evaluation fails after another finished, the finished one is in OUT/results.json."""
     from experiments import evaluate
-    from goat_jax.config_files import load_config
+    from goat_jax.config.files import load_config
     from goat_jax.eval import documents as doc_eval
     from goat_jax.train import trainer
 
@@ -154,7 +154,7 @@ def test_yarn_on_packed_documents_takes_a_fixed_factor_and_a_failure_keeps_what_
 
 
 def _documents_config(**overrides):
-    from goat_jax.config_files import load_config
+    from goat_jax.config.files import load_config
     return load_config("configs/lm_tiny.py:goat,smoke", {
         "data.packing": "documents", "seq_len": 256, "model.max_documents_per_row": 2, **overrides})
 

@@ -5,11 +5,11 @@ rendered rows are shell comments with the right budget arithmetic."""
 import jax
 import numpy as np
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.reproduce import paper_table
 from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 
 def test_parameter_count_equals_a_real_init():

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 from tests.marks import SLOW_CASE
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "param_fingerprints.json")
 

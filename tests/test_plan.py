@@ -1,4 +1,4 @@
-"""How attention runs is one value (goat_jax.plan.AttentionPlan), and a kernel or a context
+"""How attention runs is one value (goat_jax.kernels.plan.AttentionPlan), and a kernel or a context
 strategy is one module: a toy kernel (tests/toy_kernel.py) and a toy strategy
 (tests/toy_strategy.py), each one module outside the package, appear in the tables, the automatic
 choice, the docs table and the config's choices, and run, with no other file touched. The plan
@@ -12,8 +12,8 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from goat_jax import plan as plan_lib
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels import plan as plan_lib
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 from tests.config_helpers import lm_smoke_config, run_on_fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ import jax, jax.numpy as jnp, numpy as np
 import tests.toy_strategy  # the one module: it registers its row
 from goat_jax import kernels
 from goat_jax.kernels import strategies
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import validation
 from tests import goat_reference as ref
 
@@ -116,7 +116,7 @@ def test_each_default_of_the_plan_is_stated_once_and_read_everywhere():
         tree = ast.parse(f.read())
     kernel_imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                       and (n.module or "").startswith("goat_jax.kernels.")]
-    assert kernel_imports == [], kernel_imports
+    assert kernel_imports == ["goat_jax.kernels.plan"], kernel_imports  # the plan's value, no kernel
 
 
 def test_no_contextvar_carries_attention_settings():
@@ -171,7 +171,7 @@ def test_a_layer_takes_its_plan_or_its_fields_never_both():
 def test_the_models_refuse_the_plans_fields_naming_where_they_went():
     from goat_jax.models import lm, vit  # pylint: disable=g-import-not-at-top
     with pytest.raises(ValueError, match=r"\['implementation'\] are the attention plan's, not the model's: .*"
-                                         r"plan=goat_jax.plan.AttentionPlan\(implementation=...\)"):
+                                         r"plan=goat_jax.kernels.plan.AttentionPlan\(implementation=...\)"):
         lm.LMConfig.from_config({"implementation": "xla"})
     with pytest.raises(ValueError, match="max_documents_per_row.*are the attention plan's"):
         vit.ViTConfig.from_config({"max_documents_per_row": 4})

@@ -10,7 +10,7 @@ from configs import lm_tiny
 from goat_jax.eval import probe as probe_extrapolation
 from goat_jax.eval import lm_run
 from goat_jax.train import tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 
 @pytest.mark.slow(reason="trains a run and probes it with every intervention")

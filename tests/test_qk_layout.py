@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from goat_jax import kernels
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.prior import PriorSettings
 from tests import goat_reference as ref
 from tests import jitted
@@ -106,7 +106,7 @@ def test_vit_takes_the_layout_and_lane_aligned_is_one_function_in_float32_and_bf
     64-wide heads pack 66 channels under 'official' and 64 under 'lane_aligned'; a lane-aligned
     ViT gives the same logits in float32 as in bf16 (to bf16 rounding), and other logits than
     the official layout's."""
-    from goat_jax.config_files import load_config  # pylint: disable=g-import-not-at-top
+    from goat_jax.config.files import load_config  # pylint: disable=g-import-not-at-top
     from goat_jax.train import tasks, trainer  # pylint: disable=g-import-not-at-top
     images = jnp.asarray(rng.normal(size=(2, 28, 28, 1)), jnp.float32)
     widths = {}

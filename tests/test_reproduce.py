@@ -11,10 +11,10 @@ import shlex
 import pytest
 
 from experiments import reproduce
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.reproduce import dna_family, lm_family, paper, suites, vit_family
 from goat_jax.train import trainer
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 
 @pytest.mark.slow(reason="trains and evaluates every family of the smoke suite end to end")

@@ -16,12 +16,12 @@ import pytest
 
 from experiments import reproduce
 from goat_jax import kernels
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.prior.settings import PriorSpec
 from goat_jax.reproduce import dna_family, layout, records, report, runner, stats, suites, vit_family
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.train import tasks, trainer
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 E = stats.Estimate
 TINY = suites.SUITES["tiny"]

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.prior.settings import PriorSpec
 from goat_jax.reproduce import jobs as jobs_lib
 from goat_jax.reproduce import lm_family, stats, suites

@@ -17,9 +17,9 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from goat_jax import kernels
 from goat_jax.kernels import balance
-from goat_jax import segments as seglib
+from goat_jax.prior import segments as seglib
 from goat_jax.layers.positional import PositionalAttention
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests.ring_cases import ring_case
 from tests import jitted
@@ -76,7 +76,8 @@ for enc, c, balanced, with_seg in json.loads(sys.argv[2]):
     mesh = jax.make_mesh((8 // c, 1, c, 1), ("data", "fsdp", "context", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     for strategy in ("all_gather", "ring"):
-        run = grad_of(module.clone(plan=AttentionPlan(context_strategy=strategy, load_balanced=balanced)))
+        run = grad_of(module.clone(implementation=None,  # one holder: the plan
+        plan=AttentionPlan(implementation=module.implementation, context_strategy=strategy, load_balanced=balanced)))
         with jax.set_mesh(mesh):
             val, (gp, gx) = jax.jit(run)(params, perm(x), perm(pos), perm(seg), perm(w))
         gx = jnp.take(gx, np.argsort(order), axis=1)
@@ -176,7 +177,7 @@ def test_the_choice_names_the_context_strategy_balancing_and_the_ring_blocks(cap
     import jax.numpy as jnp
 
     from goat_jax.kernels import choice
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.kernels.plan import AttentionPlan
     mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
     with caplog.at_level(logging.INFO, logger="goat_jax"), choice.record_choices() as found:
         # Shapes unused elsewhere in this process: the log line is written once per message.

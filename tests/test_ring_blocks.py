@@ -20,7 +20,7 @@ import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from goat_jax.kernels import ring, ring_blocks
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import cudnn_stand_in
 from tests.ring_cases import ring_case
 
@@ -97,7 +97,7 @@ import json
 import jax, jax.numpy as jnp
 from goat_jax.kernels import ring
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import cudnn_stand_in
 from goat_jax.kernels import ring_blocks
 
@@ -166,7 +166,7 @@ def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatc
     import jax.numpy as jnp
 
     from goat_jax import kernels
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.kernels.plan import AttentionPlan
 
     shape = (1, 8, 4096, 4096)
     ring = AttentionPlan(context_strategy="ring")
@@ -204,7 +204,7 @@ def test_cudnn_under_all_gather_logs_why_a_causal_mask_is_explicit(monkeypatch, 
 
     from goat_jax import kernels
     from goat_jax.kernels import capabilities as caps
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.kernels.plan import AttentionPlan
 
     gpu = _context_mesh("gpu", "NVIDIA H200")
     monkeypatch.setattr(kernels.choice, "target", lambda *a, **kw: ("gpu", "this test", _Device("NVIDIA H200")))

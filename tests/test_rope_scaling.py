@@ -15,7 +15,7 @@ from goat_jax.positional import rope_scaling as rs
 from tests import goat_reference as goat_ref
 from tests import jitted
 from tests.marks import SLOW_CASE
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 E, N, H = 32, 4, 16  # model dim, query heads, head dim
 BASE = 100.0  # a small base puts YaRN's ramp inside the 8 pairs at these training lengths

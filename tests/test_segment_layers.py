@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from goat_jax import positional
-from goat_jax import segments
+from goat_jax.prior import segments
 from goat_jax.data.packing import PAD_SEGMENT_ID
 from goat_jax.layers.positional import PositionalAttention
 from tests import goat_reference as ref
@@ -300,7 +300,7 @@ def test_max_documents_per_row_is_checked_when_the_layer_is_built(value):
     later); the attention plan, which holds the bound, refuses it too."""
     from flax import nnx
     from goat_jax import nnx as gnnx
-    from goat_jax.plan import AttentionPlan
+    from goat_jax.kernels.plan import AttentionPlan
 
     builders = (lambda: ref.goat_module(num_heads=2, pos_rank=2, abs_rank=2, max_documents_per_row=value),
                 lambda: PositionalAttention(num_heads=2, max_documents_per_row=value),

@@ -16,7 +16,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from goat_jax.models.lm import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.models import sampling
 
 enc, kv, sampled, full = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
@@ -87,7 +87,7 @@ _REFUSAL = r'''
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from goat_jax.models.lm import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.models import sampling
 
 model = TransformerLM(LMConfig(vocab_size=31, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=48,

@@ -117,9 +117,9 @@ _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, '.')
 import jax
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.train import trainer, sharding, tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 import flax.linen as nn
 config = load_config('configs/lm_tiny.py:goat,smoke')
 config.num_train_steps = 6
@@ -176,9 +176,9 @@ _COMPILED_SCRIPT = r"""
 import json, re, sys
 sys.path.insert(0, '.')
 import jax
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.train import trainer, sharding, tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 config = load_config('configs/lm_tiny.py:goat,smoke')  # batch 8, length 64, embed 64, mlp 128, vocab 259
 task = tasks.get_task('lm')
 rules = sharding.rules_from_config(config.sharding_rules)

@@ -15,7 +15,7 @@ from flax import nnx
 import tests.toy_encoding as toy  # the one module: it registers the encoding
 from goat_jax import nnx as gnnx
 from goat_jax.models.lm import LMConfig, TransformerLM
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 E, N, K, H, V, T = 16, 4, 2, 4, 11, 9
 

@@ -24,7 +24,7 @@ from goat_jax.data import text
 from goat_jax.train import optim
 from goat_jax.train import tasks
 from goat_jax.train import trainer
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_KEYS = {"step", "train_loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu", "elapsed_s"}

@@ -21,10 +21,10 @@ _SCRIPT = r'''
 import json, logging, sys
 import flax, jax, jax.numpy as jnp, numpy as np
 from goat_jax import kernels
-from goat_jax import segments as seglib
+from goat_jax.prior import segments as seglib
 from goat_jax.kernels import balance
 from goat_jax.layers.positional import PositionalAttention
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from tests import goat_reference as ref
 from tests import jitted
 from tests.ring_cases import ring_case
@@ -86,7 +86,8 @@ for enc, impl, c, balanced, with_seg in json.loads(sys.argv[2]):
     perm = lambda a: None if a is None else jnp.take(a, order, axis=1)
     mesh = jax.make_mesh((8 // c, 1, c, 1), ("data", "fsdp", "context", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
-    run = grad_of(module.clone(plan=AttentionPlan(context_strategy="ulysses", load_balanced=balanced)))
+    run = grad_of(module.clone(implementation=None,  # one holder: the plan
+        plan=AttentionPlan(implementation=module.implementation, context_strategy="ulysses", load_balanced=balanced)))
     with jax.set_mesh(mesh):
         val, (gp, gx) = jax.jit(run)(params, perm(x), perm(pos), perm(seg), perm(w))
     gx = jnp.take(gx, np.argsort(order), axis=1)
@@ -180,7 +181,7 @@ def _abstract_call(n, t, s, plan_strategy="ulysses", **kw):
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
     from goat_jax import kernels  # pylint: disable=g-import-not-at-top
-    from goat_jax.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "context"))
     q = jnp.zeros((2, t, n, 8), jnp.float32)
     k = jnp.zeros((2, s, 2, 8), jnp.float32)
@@ -215,7 +216,7 @@ def test_the_choice_names_ulysses_and_the_kernel_it_runs_on_the_whole_sequence(c
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
     from goat_jax.kernels import choice  # pylint: disable=g-import-not-at-top
-    from goat_jax.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
     mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
     with caplog.at_level(logging.INFO, logger="goat_jax"), choice.record_choices() as found:
         choice.resolve_implementation(None, jnp.float32, 26, (1, 4, 48, 48), mesh=mesh,

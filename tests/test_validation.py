@@ -11,7 +11,7 @@ import os
 import ml_collections
 import pytest
 
-from goat_jax.config_args import REQUIRED, parse_config_arg
+from goat_jax.config.args import REQUIRED, parse_config_arg
 from goat_jax.data import synthetic, text
 from goat_jax.models import lm
 from goat_jax.train import tasks

@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.tasks import vit as vit_task
 from goat_jax.models.vit import (POSITION_ENCODINGS, ViT, ViTConfig, bicubic_matrix, make_attention,
                                  resize_position_table)

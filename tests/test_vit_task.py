@@ -17,7 +17,7 @@ from goat_jax.models.vit import POSITION_ENCODINGS
 from goat_jax.tasks import vit as vit_task
 from goat_jax.train import tasks
 from goat_jax.train import trainer
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

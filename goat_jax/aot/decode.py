@@ -80,7 +80,7 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     for a config that cannot decode: a task whose model is not the LM (a ViT), or
     ``mesh.context > 1`` (not wired yet)."""
     from goat_jax.models.lm import TransformerLM  # pylint: disable=g-import-not-at-top
-    from goat_jax.plan import DEFAULT as DEFAULT_PLAN
+    from goat_jax.kernels.plan import DEFAULT as DEFAULT_PLAN
     from goat_jax.train import sharding as sharding_lib
     from goat_jax.train import tasks as tasks_lib
     from goat_jax.train import trainer

@@ -192,7 +192,7 @@ def packed_inputs(encoding: str, b: int, t: int, n: int, kh: int, h: int, ids, d
 
     from goat_jax.layers import goat as attn_lib
     from goat_jax import prior as prior_lib
-    from goat_jax import segments
+    from goat_jax.prior import segments
     from goat_jax.positional import rope
     from goat_jax.prior import packing
 

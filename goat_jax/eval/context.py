@@ -37,7 +37,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax.kernels import balance
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
@@ -93,13 +93,16 @@ def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: 
 def on_mesh(run: Any, context: int, devices: Optional[Sequence[Any]] = None) -> Any:
     """``run`` (an :class:`goat_jax.eval.lm_run.LMRun`) with each window split over ``context``
     devices (the first of ``devices``, default all): its ``mesh`` set and its parameters
-    replicated on that mesh. ``context == 1`` returns ``run`` unchanged (one device)."""
+    replicated on that mesh, and its model under the run's plan (``run.plan``: its
+    ``context_strategy`` crosses the shards). ``context == 1`` returns ``run`` unchanged (one
+    device)."""
     if context == 1:
         return run
     devices = list(jax.devices() if devices is None else devices)[:context]
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "tensor": 1}, devices)
     params = jax.device_put(run.params, NamedSharding(mesh, P()))
-    return dataclasses.replace(run, params=params, mesh=mesh)
+    model = run.model if run.model.plan == run.plan else run.model.clone(plan=run.plan)
+    return dataclasses.replace(run, params=params, mesh=mesh, model=model)
 
 
 def setup(plan: AttentionPlan, context: int) -> dict:
@@ -113,8 +116,8 @@ def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], j
     """``(params, tokens [B, T]) -> logits [B, T, V]`` of ``model`` with the sequence split over
     ``mesh``'s ``context`` axis by the logical rules of ``config`` (a run's: its
     ``sharding_rules``) and attention crossing the shards with its ``context_strategy`` (the
-    model's plan: the run's, :attr:`goat_jax.train.run.Run.plan`); call it inside ``jax.jit``
-    with the parameters of :func:`on_mesh`, as the evaluations do."""
+    model's plan: the run's, :attr:`goat_jax.train.run.Run.plan`, which :func:`on_mesh` gives
+    it); call it inside ``jax.jit`` with the parameters of :func:`on_mesh`, as the evaluations do."""
     rules = sharding.rules_from_config(config.sharding_rules)
     plan = DEFAULT if model.plan is None else model.plan
     model = model.clone(plan=plan.replace(load_balanced=False))  # windows arrive in sequence order

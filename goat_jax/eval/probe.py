@@ -22,7 +22,7 @@ absolute inputs and the first-key bump see a shift). The interventions on the pr
 functions of ``goat_jax.prior.sink_term`` / ``goat_jax.prior.fourier`` (the modules that define
 them, so every caller sees the replacement) inside this process while they are evaluated and
 restore them after; "last L keys" is a sliding window in the model's attention plan
-(:attr:`goat_jax.plan.AttentionPlan.window`); nothing is written to the run. The CLI writes :func:`probe`'s result to
+(:attr:`goat_jax.kernels.plan.AttentionPlan.window`); nothing is written to the run. The CLI writes :func:`probe`'s result to
 ``OUT/probe.json`` and its :func:`markdown` to ``OUT/probe.md``.
 """
 

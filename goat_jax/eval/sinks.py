@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
-from goat_jax.plan import DEFAULT
+from goat_jax.kernels.plan import DEFAULT
 
 Params = Any
 

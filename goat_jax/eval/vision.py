@@ -28,7 +28,7 @@ from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.layers.goat import GoatPrior
 from goat_jax.models.vit import ViTConfig
-from goat_jax.plan import DEFAULT
+from goat_jax.kernels.plan import DEFAULT
 
 
 def evaluate_resolutions(model, params, make_eval_at: Callable[[int], Iterator[Dict[str, np.ndarray]]],

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 from goat_jax.export import mapping, safetensors_io
 from goat_jax.export import tokenizer as tokenizer_lib
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 DTYPES = ("float32", "bfloat16")
 MODELING_FILES = ("configuration_goat.py", "modeling_goat.py")

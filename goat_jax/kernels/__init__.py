@@ -24,7 +24,7 @@ One concern a module:
   :func:`~goat_jax.kernels.choice.choose` (the one choice of a call, logged once with its reason)
   and :func:`record_choices`.
 * :mod:`~goat_jax.kernels.dispatch`: :func:`attend`, the front door, under a
-  :class:`goat_jax.plan.AttentionPlan`; :mod:`~goat_jax.kernels.local`: one kernel on one
+  :class:`goat_jax.kernels.plan.AttentionPlan`; :mod:`~goat_jax.kernels.local`: one kernel on one
   device's arrays.
 * the kernels, one module each with its row: :mod:`~goat_jax.kernels.xla`,
   :mod:`~goat_jax.kernels.flash` (pure-JAX online softmax with a recomputing custom VJP, memory
@@ -32,7 +32,7 @@ One concern a module:
   interpret mode on CPU), :mod:`~goat_jax.kernels.dense` (the materialized float32 reference);
   exact padding for them in :mod:`~goat_jax.kernels.padding`.
 * context parallelism: the strategies' table :mod:`~goat_jax.kernels.strategies`, one module
-  each: :mod:`~goat_jax.kernels.context` ('all_gather': keys all-gathered over the context mesh
+  each: :mod:`~goat_jax.kernels.all_gather` ('all_gather': keys all-gathered over the context mesh
   axis), :mod:`~goat_jax.kernels.ring` ('ring') and :mod:`~goat_jax.kernels.ulysses` ('ulysses':
   all-to-all over heads); :mod:`~goat_jax.kernels.balance`
   (load-balanced order), :mod:`~goat_jax.kernels.mesh` (the mesh, read once per call and passed

@@ -123,7 +123,7 @@ def balance_batch(batch: Dict[str, Any], seq_len: int, num_shards: int) -> Dict[
 def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Callable[..., Any]:
     """``step(first, batch)`` (a train or eval step) run on the batch in :func:`balance_order`
     (:func:`balance_batch`); the model's attention plan says the order (``load_balanced``,
-    :meth:`goat_jax.plan.AttentionPlan.from_config` reads it from the same config field)."""
+    :meth:`goat_jax.kernels.plan.AttentionPlan.from_config` reads it from the same config field)."""
     @functools.wraps(step)
     def wrapped(first, batch):
         return step(first, balance_batch(batch, seq_len, num_shards))
@@ -132,7 +132,7 @@ def balanced_step(step: Callable[..., Any], seq_len: int, num_shards: int) -> Ca
 
 def context_step(step: Callable[..., Any], config: Any, mesh: Any, plan: Any) -> Callable[..., Any]:
     """``step`` (a train or eval step) on the batch in load-balanced order
-    (:func:`balanced_step`) when the run's ``plan`` (a :class:`goat_jax.plan.AttentionPlan`) is
+    (:func:`balanced_step`) when the run's ``plan`` (a :class:`goat_jax.kernels.plan.AttentionPlan`) is
     balanced and ``mesh``'s context axis has more than one device; else ``step`` itself. The
     model carries the same plan (its task builds it from the same config), so its attention
     expects that order."""

@@ -99,7 +99,7 @@ class Capability:
     ring_blocks: Optional[RingBlocks] = dataclasses.field(default=None, compare=False)
     fast_widths: Optional[FastWidths] = dataclasses.field(default=None, compare=False)
     # packs segment ids into a layout of at most max_documents_per_row documents per row, which
-    # the data packers honour (goat_jax.plan.AttentionPlan.document_bound)
+    # the data packers honour (goat_jax.kernels.plan.AttentionPlan.document_bound)
     bounds_documents: bool = False
 
     def takes(self, feature: str) -> bool:

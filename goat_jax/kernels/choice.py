@@ -31,7 +31,7 @@ import jax
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import strategies
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 from goat_jax.targets import chips
 
 FLASH_THRESHOLD_BYTES = 16 * 2**20  # automatic choice: 'flash' above this many float32 logits bytes
@@ -339,7 +339,7 @@ def resolve_implementation(implementation: Optional[str], dtype: Any, qk_dim: in
         key padding mask or keys other than the queries / an additive bias / a traced causal
         offset (a KV cache); kernels that cannot take them are passed over (automatic) or
         refused (explicit), from the capability table.
-      plan: the call's :class:`goat_jax.plan.AttentionPlan` (its context strategy and balancing);
+      plan: the call's :class:`goat_jax.kernels.plan.AttentionPlan` (its context strategy and balancing);
         default: the default plan.
     Raises:
       ValueError naming the reason when an explicit choice cannot run.

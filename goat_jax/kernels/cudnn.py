@@ -25,7 +25,7 @@ from goat_jax.kernels import ring_blocks
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims, pad_lengths, pad_width
 from goat_jax.kernels.xla import dot_product_attention
-from goat_jax.plan import DEFAULT
+from goat_jax.kernels.plan import DEFAULT
 
 Array = jax.Array
 HEAD_DIM_MULTIPLE, LENGTH_MULTIPLE = 8, 2  # what cuDNN pads q/k/v widths and lengths to

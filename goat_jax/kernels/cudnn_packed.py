@@ -56,8 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax.kernels import mesh as mesh_lib
-from goat_jax.plan import DEFAULT
-from goat_jax.segments import run_starts
+from goat_jax.kernels.plan import DEFAULT
+from goat_jax.prior.segments import run_starts
 from goat_jax.kernels.mask import AttentionMask
 from goat_jax.kernels.padding import pad_head_dims
 

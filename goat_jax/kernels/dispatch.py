@@ -19,7 +19,7 @@ from goat_jax.kernels import strategies
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels.local import attend_local, zero_empty_rows
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 
 Array = jax.Array
 
@@ -80,7 +80,7 @@ def attend(
       mesh: the mesh the call runs on (default: the mesh in context, read here once): its
         context axis splits the sequence (the plan's strategy, :mod:`goat_jax.kernels.strategies`),
         and splash runs under ``jax.shard_map`` on it.
-      plan: the :class:`goat_jax.plan.AttentionPlan` of the call (context strategy, balancing,
+      plan: the :class:`goat_jax.kernels.plan.AttentionPlan` of the call (context strategy, balancing,
         axis, window, documents bound); default: the default plan.
       choice: the call's kernel as a layer chose it once from the same mask
         (:func:`goat_jax.kernels.choice.choose`): used as it is (its name, its mesh), not

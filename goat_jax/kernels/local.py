@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from goat_jax.kernels.capabilities import CAPABILITIES
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 
 Array = jax.Array
 

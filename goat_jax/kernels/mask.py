@@ -23,7 +23,7 @@ The contract every kernel honours (query ``i``, key ``j``, sequence indices from
   several runs (:meth:`AttentionMask.split_documents`) is refused there: eager calls raise
   naming ``segment_ids``, under ``jit`` the row's outputs are NaN, never the runs' answer.
 * ``window`` (static int or None): ``i`` sees ``j`` only if ``i + offset - j < window`` (a
-  sliding window of the last ``window`` keys; an evaluation's, :attr:`goat_jax.plan.AttentionPlan.window`).
+  sliding window of the last ``window`` keys; an evaluation's, :attr:`goat_jax.kernels.plan.AttentionPlan.window`).
 
 A query row with no visible key outputs zeros on every kernel (:func:`goat_jax.kernels.attend`
 selects them after the kernel, :meth:`AttentionMask.rows_with_keys`).
@@ -102,7 +102,7 @@ class AttentionMask:
 
     The mask says which keys each query sees, nothing else: how a kernel lays the rows out (the
     document bound cuDNN's packed layout is sized by) is the plan's
-    (:attr:`goat_jax.plan.AttentionPlan.max_documents_per_row`).
+    (:attr:`goat_jax.kernels.plan.AttentionPlan.max_documents_per_row`).
     """
 
     causal: bool = False

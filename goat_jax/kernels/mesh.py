@@ -15,7 +15,7 @@ import numpy as np
 import jax
 from jax.sharding import PartitionSpec as P
 
-from goat_jax.plan import DEFAULT
+from goat_jax.kernels.plan import DEFAULT
 
 CONTEXT_AXIS = DEFAULT.context_axis  # the mesh axis a sequence is split over (AttentionPlan.context_axis)
 
@@ -93,7 +93,7 @@ class Specs(NamedTuple):
 def partition(mesh: Any, b: int, n: int, kh: int, context_axis: str = CONTEXT_AXIS) -> Optional[Layout]:
     """The :class:`Layout` of a call with ``b`` examples, ``n`` query and ``kh`` key/value heads
     on ``mesh``, or None outside a mesh of more than one device. The ``context`` axis splits
-    neither the batch nor the heads (:mod:`goat_jax.kernels.context` splits the sequence over it).
+    neither the batch nor the heads (:mod:`goat_jax.kernels.all_gather` splits the sequence over it).
 
     Mosaic kernels cannot be partitioned by XLA, so on a mesh splash runs under
     ``jax.shard_map``, each device on its own examples (and heads). The batch dim is split over

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from goat_jax.kernels import capabilities, context, cudnn, dense, flash, ring, splash, strategies, ulysses, xla
+from goat_jax.kernels import all_gather, capabilities, cudnn, dense, flash, ring, splash, strategies, ulysses, xla
 
 KERNELS: Dict[str, capabilities.Capability] = {
     "cudnn": cudnn.ROW,
@@ -34,7 +34,7 @@ KERNELS: Dict[str, capabilities.Capability] = {
 }
 
 STRATEGIES: Dict[str, strategies.Strategy] = {
-    "all_gather": context.STRATEGY,
+    "all_gather": all_gather.STRATEGY,
     "ring": ring.STRATEGY,
     "ulysses": ulysses.STRATEGY,
 }

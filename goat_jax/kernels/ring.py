@@ -46,9 +46,9 @@ from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import ring_blocks
 from goat_jax.kernels import strategies
 from goat_jax.kernels.balance import STRATEGY_FIELD
-from goat_jax.kernels.context import check_shardable
+from goat_jax.kernels.all_gather import check_shardable
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 Array = jax.Array
 NAME = "ring"

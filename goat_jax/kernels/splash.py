@@ -34,7 +34,7 @@ def _widen_mask_cache() -> None:
     """Makes jax's cache of processed splash masks hold :data:`_MASK_CACHE_SIZE` masks (jax
     keeps 12). Building a splash kernel processes its mask block by block in NumPy for the
     forward and both backward kernels (seconds at long T); context parallelism (2 masks per
-    shard, goat_jax/kernels/context.py) with rematerialized layers needs far more than 12, so every
+    shard, goat_jax/kernels/all_gather.py) with rematerialized layers needs far more than 12, so every
     layer re-processed every mask and tracing grew with mesh.context (benchmarks/context.md).
     The cache holds NumPy mask descriptions only, as jax's does. A jax without these names is
     left alone (only slower)."""

@@ -1,10 +1,10 @@
 """How attention crosses the ``context`` mesh axis: one row per context strategy
 (:data:`STRATEGIES`), each declared by its own module (``STRATEGY = Strategy(...)``: 'all_gather'
-in :mod:`goat_jax.kernels.context`, 'ring' in :mod:`goat_jax.kernels.ring`, 'ulysses' in
+in :mod:`goat_jax.kernels.all_gather`, 'ring' in :mod:`goat_jax.kernels.ring`, 'ulysses' in
 :mod:`goat_jax.kernels.ulysses`) and listed in the literal table
 :data:`goat_jax.kernels.registry.STRATEGIES` (a plugin registers its own with :func:`register`),
 so a new strategy (the all-to-all one was) is one new module, and the plan's
-``context_strategy`` (:class:`goat_jax.plan.AttentionPlan`) and the config's choices are read off
+``context_strategy`` (:class:`goat_jax.kernels.plan.AttentionPlan`) and the config's choices are read off
 this table.
 
 Every strategy has one signature: ``attend(q, k, v, *, mask, bias, mesh, plan, implementation,
@@ -16,8 +16,9 @@ A strategy states its own checks on its row: what it cannot take of a kernel (``
 read by every refusal and the automatic choice), what it refuses of a run's config before any
 work (``check_run``, called by :func:`check_config`), what the compile report and the choice's
 log line say of it (``report``), and the situation a causal mask is in under it (``detour``).
-:func:`check_config` holds the checks every strategy shares (the engine calls it through
-goat_jax/long_context.py).
+:func:`check_config` holds the checks every strategy shares (the engine's config check calls it,
+goat_jax/train/trainer.py, passing the registered encodings that add a bias: this floor imports
+no encoding).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels.balance import BALANCE_FIELD, check_length
-from goat_jax.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan
 
 
 class Run(NamedTuple):
@@ -108,7 +109,7 @@ def check_config(config: Any, num_shards: int, task_name: str, platform: Optiona
     ``platform`` at all (said first: it is the decisive reason, whatever the lengths), a task
     with a ``seq_len``, the strategy's own refusals (its ``check_run``: ring's kernel and bias),
     a ``seq_len`` the shards (and their chunks, and splash's blocks) divide, and no encoding that
-    cannot run reordered (``plan``: the run's :class:`goat_jax.plan.AttentionPlan`, whose
+    cannot run reordered (``plan``: the run's :class:`goat_jax.kernels.plan.AttentionPlan`, whose
     ``load_balanced`` and ``context_strategy`` are its ``context_load_balance`` and
     ``context_strategy``; ``bias_encodings``: the names of the position encodings that add a
     materialized bias, which the caller reads from the registry, since kernels import no

@@ -30,7 +30,7 @@ What it requires:
   gathered sequence is put back in natural order before the kernel, and the output back in
   balanced order after it: two reorders, no benefit); the log line says so.
 * Self-attention over one sequence with a static causal offset: decoding against a KV cache and
-  cross-attention are refused in one line (:func:`goat_jax.kernels.context.check_shardable`).
+  cross-attention are refused in one line (:func:`goat_jax.kernels.all_gather.check_shardable`).
 
 GOAT's prior. The layer packs the prior into q/k in the global program, before attention is
 called, so each shard packs its own positions and the exchange carries the packed width (66
@@ -54,10 +54,10 @@ from goat_jax.kernels import capabilities as caps
 from goat_jax.kernels import mesh as mesh_lib
 from goat_jax.kernels import strategies
 from goat_jax.kernels.balance import STRATEGY_FIELD, natural_order
-from goat_jax.kernels.context import check_shardable
+from goat_jax.kernels.all_gather import check_shardable
 from goat_jax.kernels.local import attend_local
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 Array = jax.Array
 NAME = "ulysses"

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import kernels
-from goat_jax import segments as segments_lib
+from goat_jax.prior import segments as segments_lib
 
 Array = jax.Array
 
@@ -131,7 +131,7 @@ def resolve_call_segments(call: AttentionCall, segment_ids: Optional[Array],
                           kv_segment_ids: Optional[Array], decode: bool) -> AttentionCall:
     """Validates a call's segment ids and returns the call with ``q_segment_ids`` /
     ``kv_segment_ids`` set and, where no explicit positions were given, ``q_positions`` /
-    ``k_positions`` restarting at 0 at each segment (:func:`goat_jax.segments.segment_positions`).
+    ``k_positions`` restarting at 0 at each segment (:func:`goat_jax.prior.segments.segment_positions`).
 
     Every check runs before any parameter or cache is made. Raises ValueError naming the
     argument for: ``kv_segment_ids`` without ``segment_ids``; cross-attention (key is not query)
@@ -221,7 +221,7 @@ class Encoded(NamedTuple):
 
 class KernelRequest(NamedTuple):
     """What a layer's variant needs to choose the call's kernel once (:meth:`choose`): the call's
-    :class:`goat_jax.plan.AttentionPlan`, its mask before encoding (segment ids, key padding, the
+    :class:`goat_jax.kernels.plan.AttentionPlan`, its mask before encoding (segment ids, key padding, the
     plan's window: the mask's own rules say which features the call needs), whether it decodes
     (a traced cache index), the compute dtype and the logits shape."""
 

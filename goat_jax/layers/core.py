@@ -40,7 +40,7 @@ from goat_jax.layers.call import (
     resolve_call_segments)
 from goat_jax.layers.encoding import CacheDecl, Encoding, ParamDecl, Prepared, Sizes
 from goat_jax.partitioning import with_logical_partitioning
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 Array = jax.Array
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from goat_jax.layers import core as attention_core
 from goat_jax.layers.encoding import Encoding, ParamDecl
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 Array = jax.Array
 Dtype = Any
@@ -102,10 +102,10 @@ class Attention(nn.Module):
     * ``max_documents_per_row``: the most documents (runs of equal ``segment_ids``, padding
       counting as one) a row may hold, the static size of cuDNN's packed layout (segment ids on
       Hopper GPUs, goat_jax/kernels/cudnn_packed.py); None: the plan's. Other kernels ignore it.
-    * ``plan``: how attention runs (:class:`goat_jax.plan.AttentionPlan`: the kernel, the context
+    * ``plan``: how attention runs (:class:`goat_jax.kernels.plan.AttentionPlan`: the kernel, the context
       strategy and balancing, the documents bound, a window), as a model hands it to every layer;
       None: a plan of ``implementation`` and ``max_documents_per_row``. Given with either field,
-      the two must agree (:meth:`goat_jax.plan.AttentionPlan.merged`).
+      the two must agree (:meth:`goat_jax.kernels.plan.AttentionPlan.merged`).
     * ``encoding``: the position encoding (:class:`goat_jax.layers.encoding.Encoding`), for a
       layer built on one directly (``Attention(num_heads=4, encoding=MyEncoding())``).
     """

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import positional
-from goat_jax import segments
+from goat_jax.prior import segments
 from goat_jax.layers.goat import GoatAttention
-from goat_jax.plan import DEFAULT, AttentionPlan, plan_fields_hint
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan, plan_fields_hint
 from goat_jax.config.fields import Bool, Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.layers.call import LOGN_MODES, check_logn
 from goat_jax.positional import fire, fox, naive_prior, rope, rope_scaling
@@ -388,7 +388,7 @@ class TransformerLM(nn.Module):
     default to ``arange(T)``; they drive the attention prior / rotation and, for 'sinusoidal' /
     'learned', the absolute embedding. ``segment_ids`` ([B, T] int; document-aware packing,
     ``data.packing='documents'``) keep every layer's attention inside each document; positions
-    then default to each document's own (``goat_jax.segments.segment_positions``), which the
+    then default to each document's own (``goat_jax.prior.segments.segment_positions``), which the
     absolute embeddings read too. Not while decoding.
 
     KV-cache decoding: ``dm = model.clone(decode=True)``; ``dm.init(rng, tokens_of_full_length)``
@@ -406,7 +406,7 @@ class TransformerLM(nn.Module):
 
     config: LMConfig
     decode: bool = False
-    # How attention runs (goat_jax.plan.AttentionPlan: the run's, built once from its config by
+    # How attention runs (goat_jax.kernels.plan.AttentionPlan: the run's, built once from its config by
     # the entry point and handed over by the task); None: the default plan (automatic kernel).
     plan: Optional[AttentionPlan] = None
 

@@ -43,7 +43,7 @@ import numpy as np
 from goat_jax.layers.goat import GoatAttention
 from goat_jax.config.fields import Dtype, Float, Int, Str, borrow, check_instance, declare, specs_of
 from goat_jax.models.lm import DTYPES
-from goat_jax.plan import DEFAULT, AttentionPlan, plan_fields_hint
+from goat_jax.kernels.plan import DEFAULT, AttentionPlan, plan_fields_hint
 from goat_jax.prior import PriorSettings
 from goat_jax import positional
 from goat_jax.layers.positional import PositionalAttention

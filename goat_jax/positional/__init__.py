@@ -96,7 +96,7 @@ the positions per document (``EncodingContext.q_pos`` [B, T], ``k_pos`` / ``atte
 documents, so an encoding that reads positions only through the context honours segments with
 no code of its own. An encoding that reads anything else about the sequence must make it per
 document: ``ctx.key_len`` (and the query/key lengths) is the packed window's, so a
-length-dependent encoding reads ``goat_jax.segments.segment_lengths(ctx.call.kv_segment_ids)``
+length-dependent encoding reads ``goat_jax.prior.segments.segment_lengths(ctx.call.kv_segment_ids)``
 ([B, S], each token's document length; 'rope_pi' does this) when ``ctx.call.q_segment_ids`` is
 not None; an encoding that cannot be made per document raises in ``check_layer``/``encode``
 when segment ids are given. tests/test_segment_layers.py runs every registered 1D encoding on

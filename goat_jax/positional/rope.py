@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
-from goat_jax import segments
+from goat_jax.prior import segments
 from goat_jax.prior import angles
 from goat_jax.config.fields import Float, borrow, declare
 from goat_jax.positional.base import EncodingContext, EncodingSettings, PositionEncoding
@@ -138,7 +138,7 @@ class RopePI(PositionEncoding):
     """'rope_pi': RoPE with positions times ``training_seq_len / key_length`` once the keys outgrow
     the training length. While decoding the key length is the cache's, i.e. that of the full
     forward the decoding reproduces. With segment ids the key length is each token's own
-    document's (``goat_jax.segments.segment_lengths``), so a packed document is scaled as it is
+    document's (``goat_jax.prior.segments.segment_lengths``), so a packed document is scaled as it is
     alone."""
 
     name = "rope_pi"

@@ -28,9 +28,9 @@ import numpy as np
 from goat_jax import _extras
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import optax
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.train import tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 ENCODINGS = ("goat", "rope")
 OFFICIAL_CONFIG = "configs/dna_hg38.py"

@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from goat_jax import cli, files
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.reproduce import dna_family, lm_family, records, vit_family
 from goat_jax.reproduce.progress import LengthProgress, finished_lengths
 from goat_jax.reproduce.suites import Job, Suite

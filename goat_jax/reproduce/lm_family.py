@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.eval import plots, toy
 from goat_jax.eval import chunked, extrapolation, lm_run
 from goat_jax import cli
@@ -29,7 +29,7 @@ from goat_jax.eval import runs as ev
 from goat_jax.reproduce import layout, records, stats
 from goat_jax.reproduce.progress import LengthProgress
 from goat_jax.reproduce.suites import Job, LayoutCheck, RivalChecks, Suite
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 
 CHANCE_DIGIT_LOSS = math.log(10)  # nats: a uniform guess over the digits 0-9 (passkey keys, NIAH values)

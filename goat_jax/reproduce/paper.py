@@ -10,7 +10,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Optional
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.reproduce import vit_family
 from goat_jax.reproduce.suites import Suite, plan
 

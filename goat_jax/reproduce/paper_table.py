@@ -26,11 +26,11 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.models import lm
 from goat_jax.reproduce.suites import Job
 from goat_jax.train import tasks
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 C4_TOKENS = 4_000_000_000  # the official token budget (train_c4.py)
 C4_SEQ, C4_BATCH = 2048, 128  # 128 x 2048 = 262,144 tokens per step

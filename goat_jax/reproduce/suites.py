@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
-from goat_jax import config_files
+from goat_jax.config import files as config_files
 from goat_jax.reproduce import notes as report_notes
 
 ENCODINGS = ("goat", "rope", "rope_pi", "alibi", "sinusoidal", "nope")  # the language family's

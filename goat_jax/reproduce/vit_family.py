@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from goat_jax import cli
-from goat_jax.config_files import load_config
+from goat_jax.config.files import load_config
 from goat_jax.eval import canvas as canvas_lib
 from goat_jax.eval import vision
 from goat_jax.reproduce import layout, records, stats

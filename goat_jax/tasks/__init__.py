@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict
 
-from goat_jax.plan import MODEL_SECTION_FIELDS
+from goat_jax.kernels.plan import MODEL_SECTION_FIELDS
 
 # Parameter / module names never weight-decayed (a task's ``no_decay_names``; arrays with fewer
 # than two dims are never decayed anyway, goat_jax.train.optim.decay_mask). Biases and norm
@@ -42,7 +42,7 @@ NO_DECAY_NAMES = frozenset({
 def model_fields(config: Any, task: str, model: str) -> Dict[str, Any]:
     """The fields of ``config.model`` for the model class: without the attention plan's
     (``implementation``, ``max_documents_per_row``: the entry point builds the plan from them,
-    :meth:`goat_jax.plan.AttentionPlan.from_config`, and hands it to the task's ``build_model``)
+    :meth:`goat_jax.kernels.plan.AttentionPlan.from_config`, and hands it to the task's ``build_model``)
     and without the deprecated ``name``.
 
     ``model.name`` used to pick the model from a registry, a second name next to ``config.task``.

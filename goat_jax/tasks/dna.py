@@ -33,7 +33,7 @@ from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES
 from goat_jax.tasks import lm as lm_task
 from goat_jax.train import optim
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import tasks
 
 

@@ -25,7 +25,7 @@ from goat_jax.data.synthetic import is_synthetic
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import tasks
 from goat_jax.train import validation
 
@@ -69,7 +69,7 @@ def document_bound(config, plan: AttentionPlan, platform: str, context: int) -> 
     device queries that start inside a document, which cuDNN's layout cannot express, so
     flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
     where flash runs costs only fuller rows. Whether the plan's kernel may be cuDNN and its bound
-    are ``plan``'s (:meth:`goat_jax.plan.AttentionPlan.document_bound`); training and evaluation
+    are ``plan``'s (:meth:`goat_jax.kernels.plan.AttentionPlan.document_bound`); training and evaluation
     both ask here."""
     if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
         return None

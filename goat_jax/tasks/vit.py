@@ -20,7 +20,7 @@ import numpy as np
 from goat_jax.data import images
 from goat_jax.models import vit
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import tasks
 
 Batch = tasks.Batch

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from goat_jax import _extras
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax

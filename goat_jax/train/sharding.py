@@ -8,7 +8,7 @@ maps them onto the four mesh axes:
 * ``fsdp``   -- batch split *and* parameters/optimizer state split (ZeRO-3 style): weights are
   all-gathered per layer in the forward pass and gradients reduce-scattered.
 * ``context`` -- context (sequence) parallelism: activations split over their length,
-  parameters replicated; attention all-gathers keys and values (:mod:`goat_jax.kernels.context`).
+  parameters replicated; attention all-gathers keys and values (:mod:`goat_jax.kernels.all_gather`).
 * ``tensor`` -- Megatron-style tensor parallelism over heads / MLP hidden / vocab.
 
 The axes are laid out in that order, ``tensor`` innermost (on the fastest links), then

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import _extras, platforms
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels import balance
+from goat_jax.kernels.plan import AttentionPlan
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax
 
-from goat_jax import long_context
 from goat_jax.train import memory as memory_lib
 from goat_jax.train import optim
 from goat_jax.train import run as run_lib
@@ -105,7 +105,7 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
                        plan: AttentionPlan) -> ShardedSteps:
     """Builds the model and optimizer and jits init, train and eval steps for ``mesh``; the
     model's attention and the engine's balancing run under ``plan`` (the run's, built once by the
-    entry point with :meth:`goat_jax.plan.AttentionPlan.from_config`).
+    entry point with :meth:`goat_jax.kernels.plan.AttentionPlan.from_config`).
 
     Parameter and optimizer-state shardings come from the parameters' logical names
     (:func:`~goat_jax.train.sharding.logical_shardings`) and are imposed by jit's
@@ -125,8 +125,8 @@ def make_sharded_steps(task: tasks_lib.Task, config: ml_collections.ConfigDict, 
         step=replicated, params=param_shardings,
         opt_state=sharding_lib.optimizer_shardings(tx, abstract_state.opt_state, param_shardings, mesh))
 
-    def under_mesh(fn):  # balancing (long_context.py) under the plan the model has
-        return sharding_lib.with_mesh_and_rules(long_context.context_step(fn, config, mesh, plan), mesh, rules)
+    def under_mesh(fn):  # load balancing (kernels/balance.py) under the plan the model has
+        return sharding_lib.with_mesh_and_rules(balance.context_step(fn, config, mesh, plan), mesh, rules)
 
     accum, opts = config.grad_accum_steps, platforms.gpu_compiler_options(config.get("gpu_xla_flags"), mesh.devices.flat[0].platform)
     return ShardedSteps(

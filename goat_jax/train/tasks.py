@@ -62,10 +62,9 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Sequence,
 import jax
 import jax.numpy as jnp
 
-from goat_jax.config.fields import Int, Section, Str, specs_of
-from goat_jax.kernels import IMPLEMENTATIONS
+from goat_jax.config.fields import Section, specs_of
+from goat_jax.kernels import plan as plan_lib
 from goat_jax.losses import softmax_cross_entropy, weighted_cross_entropy  # noqa: F401 -- the tasks' shared losses
-from goat_jax.plan import DEFAULT as DEFAULT_PLAN
 from goat_jax.train import validation
 
 Batch = Dict[str, Any]
@@ -75,16 +74,10 @@ BUILTIN_PACKAGE = "goat_jax.tasks"
 
 
 # The attention plan's fields of a config's ``model`` section, declared once for every task
-# (:meth:`goat_jax.plan.AttentionPlan.from_config` reads them, with the top-level
+# (:meth:`goat_jax.kernels.plan.AttentionPlan.from_config` reads them, with the top-level
 # ``context_strategy`` and ``context_load_balance``). They are the plan's, not the model's: the
 # entry point builds the plan once and hands it to ``build_model``; the models hold no copy.
-PLAN_FIELDS = Section(
-    implementation=(DEFAULT_PLAN.implementation, Str(
-        choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto")),
-    max_documents_per_row=(DEFAULT_PLAN.max_documents_per_row, Int(
-        min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized for "
-                   "(GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)")),
-)
+PLAN_FIELDS = plan_lib.config_fields()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +189,7 @@ class Task:
       name: a readable name for logs (``config.task`` is what loads it).
       batch_keys: keys every batch holds (checked on the first batch).
       build_model: ``(config, plan) -> nn.Module``: the model of ``config`` whose attention runs
-        under ``plan`` (the run's :class:`goat_jax.plan.AttentionPlan`, which the entry point
+        under ``plan`` (the run's :class:`goat_jax.kernels.plan.AttentionPlan`, which the entry point
         builds once with ``AttentionPlan.from_config(config)`` and hands to the engine too); a
         task never builds a plan itself.
       make_datasets: ``(config, global_batch_size, process_index, process_count, *, plan) ->

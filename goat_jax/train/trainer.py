@@ -36,7 +36,9 @@ import numpy as np
 
 from goat_jax import _extras, files
 from goat_jax.config.fields import check_config
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels import strategies
+from goat_jax.kernels.plan import AttentionPlan
+from goat_jax.positional import ENCODINGS
 with _extras.imports(__name__):  # optional packages: one-line error naming the extra
     import ml_collections
     import optax  # noqa: F401  # the engine needs it (train/steps.py, optim.py): named for the trainer
@@ -45,7 +47,6 @@ from goat_jax.train import checkpoint as checkpoint_lib
 from goat_jax.train import failures as failures_lib
 from goat_jax.train import interrupts
 from goat_jax.train import lock as lock_lib
-from goat_jax import long_context
 from goat_jax.train import metrics as metrics_lib
 from goat_jax.train import profiling
 from goat_jax.train import run as run_lib
@@ -115,7 +116,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int, process
     mesh_shape = sharding_lib.mesh_shape(config.mesh, num_devices)  # raises naming mesh.*
     sharding_lib.rules_from_config(config.sharding_rules)
     plan = AttentionPlan.from_config(config)  # the run's one plan: the task's model and the engine run under it
-    long_context.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(plan.context_axis)], task.name, platform, plan)
+    # The run's strategy states its own checks (kernels/strategies.py); the encodings that add a
+    # materialized bias come from the registry (the kernels floor imports no encoding).
+    strategies.check_config(config, mesh_shape[sharding_lib.MESH_AXES.index(plan.context_axis)], task.name, platform,
+                            plan, bias_encodings=frozenset(e.name for e in ENCODINGS if e.materialized_bias))
     batch_shards = mesh_shape[0] * mesh_shape[1]
 
     gbs, pdbs = config.global_batch_size, config.per_device_batch_size

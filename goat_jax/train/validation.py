@@ -21,7 +21,7 @@ from goat_jax.config.fields import (REQUIRED, RESUME_ADJUSTABLE as ADJUSTABLE, R
                                     RESUME_FIXED as FIXED, RESUME_SAFE as SAFE, Bool, Field, Float, Int, Ints,
                                     Opaque, Section, Str)
 from goat_jax.kernels import strategies
-from goat_jax.plan import DEFAULT as PLAN
+from goat_jax.kernels.plan import DEFAULT as PLAN
 from goat_jax.train import sharding, wandb_logger
 
 __all__ = ["ENGINE", "ENGINE_FIELDS", "ENGINE_REQUIRED", "ENGINE_SECTIONS", "engine_defaults", "engine_specs",

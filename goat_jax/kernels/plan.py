@@ -13,14 +13,16 @@ its fields. A layer built by hand takes a plan (``plan=``) or, as a shorthand fo
 fields alone, ``implementation=`` / ``max_documents_per_row=`` (never both). Each default is
 stated here, once.
 
-This module imports nothing of goat_jax: the models read their defaults here without importing a
-kernel; the names it holds (a kernel, a strategy) are checked against the kernels' own tables
-where they are used (:mod:`goat_jax.kernels`).
+At import this module imports nothing of goat_jax (the kernels import it while their table is
+built; :func:`config_fields` and :meth:`AttentionPlan.document_bound` read the table when called);
+the names a plan holds (a kernel, a strategy) are checked against the kernels' own tables where
+they are used (:mod:`goat_jax.kernels`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -111,6 +113,22 @@ class AttentionPlan:
 MODEL_SECTION_FIELDS = ("implementation", "max_documents_per_row")
 
 
+@functools.lru_cache(maxsize=None)
+def config_fields() -> Any:
+    """The declarations (default, type, range, doc) of :data:`MODEL_SECTION_FIELDS`, as a
+    :class:`goat_jax.config.fields.Section`: every task's ``model`` section takes them
+    (:class:`goat_jax.train.tasks.TaskFields`), :meth:`AttentionPlan.from_config` reads them."""
+    # Imported here: the kernels import this module while their table is being built.
+    from goat_jax.config.fields import Int, Section, Str  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top
+    return Section(
+        implementation=(DEFAULT.implementation, Str(
+            choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto")),
+        max_documents_per_row=(DEFAULT.max_documents_per_row, Int(
+            min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized "
+                       "for (GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)")))
+
+
 def plan_fields_hint(names: Any) -> str:
     """What to say when a model's config is given fields of the plan (``names``: the unknown
     ones): '' when none of them is the plan's, else where they go now."""
@@ -119,7 +137,7 @@ def plan_fields_hint(names: Any) -> str:
         return ""
     spelled = ", ".join(f"{name}=..." for name in moved)
     return (f" {moved} are the attention plan's, not the model's: build the model with "
-            f"plan=goat_jax.plan.AttentionPlan({spelled}) (a config keeps them as model.<field>, which "
+            f"plan=goat_jax.kernels.plan.AttentionPlan({spelled}) (a config keeps them as model.<field>, which "
             "AttentionPlan.from_config reads).")
 
 

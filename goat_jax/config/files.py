@@ -2,7 +2,7 @@
 
 A config is code: ``configs/<name>.py`` defines ``get_config(arg)``, and a *spec*
 ``'configs/lm_tiny.py:rope,smoke'`` names the file and its argument (parsed by
-:mod:`goat_jax.config_args`). :func:`load_config` builds the config of a spec and applies dotted
+:mod:`goat_jax.config.args`). :func:`load_config` builds the config of a spec and applies dotted
 overrides (``{'model.pos_rank': 8}``); :func:`define_config_flag` is the absl flag
 ``--config FILE[:ARG] [--config.x=y ...]`` of ``experiments.train`` and ``experiments.toy_prior``,
 the same loader with ml_collections' ``--config.<field>=<value>`` overrides (typed, repeatable
@@ -33,7 +33,7 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
     from ml_collections import config_flags
     from ml_collections.config_flags import config_path
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # goat_jax/config/files.py
 # Command-line values that set a field to None (``--config.global_batch_size=None``).
 NONE_VALUES = ("None", "none")
 # Pairs of fields of which a config sets exactly one (the other None): the one given on the

@@ -39,7 +39,7 @@ from goat_jax.kernels.balance import check_length, natural_order
 from goat_jax.kernels.capabilities import CAPABILITIES
 from goat_jax.kernels.local import attend_local
 from goat_jax.kernels.mask import AttentionMask
-from goat_jax.plan import AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 
 Array = jax.Array
 

@@ -108,5 +108,5 @@ def check_positions_agree(positions: Array, segment_ids: Array, name: str,
         raise ValueError(
             f"{name} contradicts {ids_name}: row {row} starts a new segment at index {col} but its "
             f"position there is {int(pos[row, col])}, not 0. Pass positions that restart at each "
-            f"document (goat_jax.segments.segment_positions({ids_name})), or omit {name} and the "
+            f"document (goat_jax.prior.segments.segment_positions({ids_name})), or omit {name} and the "
             "layer derives them.")
