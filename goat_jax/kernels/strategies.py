@@ -67,6 +67,9 @@ class Strategy:
     report: Optional[Callable[[caps.Capability], Dict[str, Any]]] = dataclasses.field(
         default=None, compare=False, repr=False)
     detour: Optional[str] = None  # the situation (capabilities.DETOURS) a causal mask is in under it
+    # Each device's kernel attends whole sequences under the global mask (Ulysses): a kernel's packed
+    # layout (cuDNN's documents bound, AttentionPlan.document_bound) applies as on one device.
+    whole_sequences: bool = False
 
 
 # name -> strategy, in registration order: goat_jax/kernels/registry.py's literal table, filled
