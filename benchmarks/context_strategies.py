@@ -65,8 +65,9 @@ def collectives(hlo: str) -> dict:
             continue
         kind = m.group(2)
         result = m.group(1)
-        if m.group(3) and kind in ("all-gather", "collective-permute"):
-            # Their async start returns (operands, results[, scalar contexts]): count the results.
+        if m.group(3) and kind in ("all-gather", "collective-permute", "all-to-all"):
+            # Their async start returns (operands, results[, scalar contexts]): count the results
+            # (the GPU compiler's all-to-all-start too: ((operands), results)).
             shapes = [(d, dims) for d, dims in _SHAPE.findall(result) if dims]
             half = len(shapes) // 2
             result = " ".join(f"{d}[{dims}]" for d, dims in shapes[half:] or shapes)
