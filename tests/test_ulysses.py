@@ -243,7 +243,9 @@ def test_packed_documents_take_cudnns_packed_layout_only_where_the_kernel_sees_w
 
     from goat_jax.kernels import choice  # pylint: disable=g-import-not-at-top
     from goat_jax.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(choice, "target", lambda *a, **kw: ("gpu", "this test", _Hopper()))
+    # Its own "where": choice.log_once keeps every line once per process, and tests/test_ring_blocks.py
+    # asserts the ring's line.
+    monkeypatch.setattr(choice, "target", lambda *a, **kw: ("gpu", "the Ulysses choice test", _Hopper()))
     mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
     plan = AttentionPlan(context_strategy=strategy)
     shape = (1, 8, 4096, 4096)
