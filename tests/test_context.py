@@ -328,7 +328,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from goat_jax import GoatAttention, PriorSettings, aot
 from goat_jax.kernels import balance
 from goat_jax.kernels.plan import AttentionPlan
-from goat_jax.kernels.plan import AttentionPlan
 
 devices = aot.target_devices(aot.parse_target("v5e-4"))
 B, T, E = 2, 2048, 256
@@ -402,6 +401,7 @@ import flax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from goat_jax import GoatAttention, PriorSettings, aot
 from goat_jax.kernels import balance
+from goat_jax.kernels.plan import AttentionPlan
 target = aot.parse_target("h200x8")
 devices = aot.target_devices(target)
 B, T, E = 2, 2048, 256

@@ -167,7 +167,11 @@ def _most_documents(batches):
     ("cpu", 1, {}, False), ("tpu", 1, {}, False),  # xla / splash: no packed cuDNN layout
     ("gpu", 1, {}, False),  # float32: flash
     ("gpu", 1, {"model.dtype": "bfloat16"}, True),
-    ("gpu", 2, {"model.dtype": "bfloat16"}, False),  # context parallelism: flash
+    ("gpu", 2, {"model.dtype": "bfloat16"}, False),  # context parallelism (all-gather): flash
+    ("gpu", 2, {"model.dtype": "bfloat16", "context_strategy": "ring"}, False),  # flash ring blocks
+    # Ulysses: each device runs cuDNN's packed layout on whole rows, which the packer must bound
+    ("gpu", 2, {"model.dtype": "bfloat16", "context_strategy": "ulysses"}, True),
+    ("gpu", 1, {"model.dtype": "bfloat16", "context_strategy": "ulysses"}, True),
     ("gpu", 1, {"model.dtype": "bfloat16", "model.implementation": "flash"}, False),
     ("gpu", 1, {"model.dtype": "bfloat16", "model.implementation": "cudnn"}, True),
     ("gpu", 1, {"model.dtype": "bfloat16", "data.packing": "concat"}, False),  # no segment ids

@@ -189,8 +189,10 @@ def test_automatic_choice_runs_the_ring_on_the_platforms_fused_blocks(monkeypatc
         with pytest.raises(ValueError, match=r"^implementation='cudnn' cannot take segment ids or key padding under "
                                              r"context_strategy='ring': [^\n]*$"):
             kernels.resolve_implementation("cudnn", jnp.bfloat16, 72, shape, mesh=gpu, segments=True, plan=ring)
-    # Without ring, nothing changed: cuDNN's packed layout on Hopper.
-    assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "cudnn"
+    # Under all-gather (the default plan) each shard's ids reach the kernel ragged: flash
+    # (tests/test_ulysses.py); on one device, cuDNN's packed layout on Hopper.
+    assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, mesh=gpu, segments=True) == "flash"
+    assert kernels.resolve_implementation(None, jnp.bfloat16, 72, shape, segments=True) == "cudnn"
 
 
 def test_cudnn_under_all_gather_logs_why_a_causal_mask_is_explicit(monkeypatch, caplog):

@@ -227,6 +227,42 @@ def test_the_choice_names_ulysses_and_the_kernel_it_runs_on_the_whole_sequence(c
             "runs xla on the whole sequence for 1/4 of the heads (no load balancing needed)") in caplog.text
 
 
+class _Hopper:
+    device_kind = "NVIDIA H200"
+
+
+@pytest.mark.parametrize("strategy,packed", [("all_gather", False), ("ring", False), ("ulysses", True)])
+def test_packed_documents_take_cudnns_packed_layout_only_where_the_kernel_sees_whole_sequences(
+        monkeypatch, strategy, packed):
+    """On a Hopper GPU with segment ids over context 4: Ulysses runs the whole sequence under the
+    global mask, so cuDNN's packed layout serves it; under all-gather (each shard's queries at their
+    offset against every key) and ring the ids are ragged per device, so the automatic choice runs
+    flash and an explicit 'cudnn' is refused in one line (all-gather's shards used to reach the
+    packed layout, which aligns query and key documents top-left: wrong there)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+    from goat_jax.kernels import choice  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels.plan import AttentionPlan  # pylint: disable=g-import-not-at-top
+    # Its own "where": choice.log_once keeps every line once per process, and tests/test_ring_blocks.py
+    # asserts the ring's line.
+    monkeypatch.setattr(choice, "target", lambda *a, **kw: ("gpu", "the Ulysses choice test", _Hopper()))
+    mesh = jax.sharding.AbstractMesh((1, 4), ("data", "context"))
+    plan = AttentionPlan(context_strategy=strategy)
+    shape = (1, 8, 4096, 4096)
+    pick = lambda impl, **kw: choice.resolve_implementation(impl, jnp.bfloat16, 72, shape, mesh=mesh, plan=plan, **kw)
+    assert pick(None, segments=True) == ("cudnn" if packed else "flash")
+    if packed:
+        assert pick("cudnn", segments=True) == "cudnn"
+    else:
+        why = "packed self-attention only" if strategy == "all_gather" else "under context_strategy='ring'"
+        with pytest.raises(ValueError, match=why) as err:
+            pick("cudnn", segments=True)
+        assert "\n" not in str(err.value)
+    if strategy != "ring":  # without segment ids cuDNN serves every strategy but the ring's masks
+        assert pick(None) == "cudnn"
+
+
 @pytest.mark.slow(reason="compiles the FineWeb 1B step for 8 H200s with the CUDA plugin (the aot-gpu extra, not installed in CI)")
 def test_fineweb_with_packed_documents_under_ulysses_runs_cudnn_packed_on_8_h200s():
     """The issue's done-when on a host with the aot-gpu extra: configs/lm_fineweb_1b.py (packed

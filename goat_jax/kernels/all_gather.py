@@ -159,4 +159,4 @@ def attend(q: Array, k: Array, v: Array, *, mask: AttentionMask, bias: Optional[
 
 STRATEGY = strategies.Strategy(
     name=NAME, attend=attend, summary="every device gathers all keys and values (K/V memory O(T)); any kernel",
-    detour="gathered_causal")  # each shard's causal mask sits at its own offset (a row's detours say how it runs it)
+    detour="gathered_causal", ragged_segments=True)  # each shard's causal mask sits at its own offset (a row's detours say how it runs it)

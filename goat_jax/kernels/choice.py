@@ -302,8 +302,13 @@ def choose(implementation: Optional[str], dtype: Any, qk_dim: int,
     # strategy splitting the sequence (cuDNN's ring blocks take none of them).
     key_masks = uses.pop("key_masks", False) or uses.get("segment_ids") or uses.get("ragged_segments")
     causal = uses.pop("gathered_causal", False)  # read only for a kernel's detour under its strategy
-    req = request(dtype, qk_dim, like=like, mesh=mesh, strategy=split_by(mesh, plan), key_masks=bool(key_masks),
-                  **uses)
+    strategy = split_by(mesh, plan)
+    if strategy is not None and strategy.ragged_segments and uses.get("segment_ids"):
+        # The call's mask is the global one, but the strategy runs the kernel on each device's
+        # queries (at their offset, with their ids) against other keys: ragged, which a kernel that
+        # takes segment ids only as packed self-attention (cuDNN's packed layout) cannot express.
+        uses["ragged_segments"] = True
+    req = request(dtype, qk_dim, like=like, mesh=mesh, strategy=strategy, key_masks=bool(key_masks), **uses)
     if implementation is None or implementation == "auto":
         name, why = _automatic(req, logits_shape, mesh, plan)
         context = context_plan(name, mesh, plan, causal)

@@ -120,10 +120,10 @@ def config_fields() -> Any:
     (:class:`goat_jax.train.tasks.TaskFields`), :meth:`AttentionPlan.from_config` reads them."""
     # Imported here: the kernels import this module while their table is being built.
     from goat_jax.config.fields import Int, Section, Str  # pylint: disable=g-import-not-at-top
-    from goat_jax.kernels import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top
+    from goat_jax.kernels.capabilities import implementations  # pylint: disable=g-import-not-at-top
     return Section(
         implementation=(DEFAULT.implementation, Str(
-            choices=IMPLEMENTATIONS, optional=True, doc="attention kernel; None: auto")),
+            choices=implementations(), optional=True, doc="attention kernel; None: auto")),
         max_documents_per_row=(DEFAULT.max_documents_per_row, Int(
             min=1, doc="packed documents per row (padding counts as one) that cuDNN's packed layout is sized "
                        "for (GPUs; memory grows with it; a row with more is refused on the host: docs/packing.md)")))

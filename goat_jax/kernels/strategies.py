@@ -68,6 +68,12 @@ class Strategy:
     report: Optional[Callable[[caps.Capability], Dict[str, Any]]] = dataclasses.field(
         default=None, compare=False, repr=False)
     detour: Optional[str] = None  # the situation (capabilities.DETOURS) a causal mask is in under it
+    # Each device's kernel attends whole sequences under the global mask (Ulysses): a kernel's packed
+    # layout (cuDNN's documents bound, AttentionPlan.document_bound) applies as on one device.
+    whole_sequences: bool = False
+    # The row's kernel runs each device's queries (at their offset, with their ids) against other keys
+    # (all-gather): segment ids reach it ragged (the capability feature), whatever the call's mask.
+    ragged_segments: bool = False
 
 
 # name -> strategy, in registration order: goat_jax/kernels/registry.py's literal table, filled

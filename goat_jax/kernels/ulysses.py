@@ -214,4 +214,4 @@ STRATEGY = strategies.Strategy(
     name=NAME, attend=attend,
     summary=("all-to-all over heads: each device runs any kernel on the whole sequence for 1 / c of the heads "
              "(K/V memory O(T K / c)); heads divisible by c"),
-    check_run=check_run, report=_report)
+    check_run=check_run, report=_report, whole_sequences=True)

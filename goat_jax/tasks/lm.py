@@ -22,6 +22,7 @@ from goat_jax import prior as prior_lib
 from goat_jax.config.fields import Field, Int
 from goat_jax.data import synthetic, text
 from goat_jax.data.synthetic import is_synthetic
+from goat_jax.kernels import strategies
 from goat_jax.models import lm
 from goat_jax.tasks import NO_DECAY_NAMES, model_fields
 from goat_jax.train import optim
@@ -65,16 +66,20 @@ def document_bound(config, plan: AttentionPlan, platform: str, context: int) -> 
 
     The layout may run only for ``data.packing='documents'`` rows of a text run, with
     ``model.implementation`` None or 'cudnn', on a GPU (``platform``), in bfloat16 / float16,
-    and with the sequence whole on each device (``context`` 1: context parallelism gives each
-    device queries that start inside a document, which cuDNN's layout cannot express, so
-    flash runs). Errs towards "may run" (the GPU generation is not checked): a bound applied
-    where flash runs costs only fuller rows. Whether the plan's kernel may be cuDNN and its bound
-    are ``plan``'s (:meth:`goat_jax.kernels.plan.AttentionPlan.document_bound`); training and evaluation
-    both ask here."""
+    and with each device's kernel seeing whole rows: ``context`` 1, or a ``context_strategy``
+    whose kernel attends whole sequences (Ulysses:
+    :attr:`goat_jax.kernels.strategies.Strategy.whole_sequences`). Under all-gather and ring each
+    device's queries may start inside a document, which cuDNN's layout cannot express, so flash
+    runs. Errs towards "may run" (the GPU generation is not checked): a bound applied where
+    flash runs costs only fuller rows. Whether the plan's kernel may be cuDNN and its bound
+    are ``plan``'s (:meth:`goat_jax.kernels.plan.AttentionPlan.document_bound`); training and
+    evaluation both ask here."""
     if is_synthetic(config) or text.DATA.value(config.data, "packing") != "documents":
         return None
     bound = plan.document_bound()
-    if bound is None or platform != "gpu" or context > 1:
+    if bound is None or platform != "gpu":
+        return None
+    if context > 1 and not strategies.get(plan.context_strategy).whole_sequences:
         return None
     if np.dtype(jnp.dtype(model_config(config).dtype)).name not in _CUDNN_DTYPES:
         return None
