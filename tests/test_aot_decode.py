@@ -94,6 +94,18 @@ def test_a_decode_step_at_context_4_holds_a_quarter_of_the_cache_per_chip():
     assert mem["aliased"] >= total // 4 and mem["temporaries"] < total, r
 
 
+def test_step_rules_take_context_out_of_every_mapping_and_keep_the_rest():
+    from goat_jax.aot.decode import step_rules
+    from goat_jax.train import sharding
+
+    rules = sharding.rules_from_config([("batch", ["data", "fsdp"]), ("length", "context"), ("embed", "fsdp"),
+                                        ("heads", ["context", "tensor"]), ("mlp", None), ("x", ["context"])])
+    assert step_rules(rules) == (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
+                                 ("heads", "tensor"), ("mlp", None), ("x", None))
+    assert step_rules(sharding.DEFAULT_RULES) == tuple((n, None if t == "context" else t)
+                                                       for n, t in sharding.DEFAULT_RULES)
+
+
 def test_a_vit_config_and_search_batch_are_refused_in_one_line_before_any_compile(tmp_path):
     for args, words in (
             (["--config", "configs/vit_tiny.py:ape,smoke", "--target", "v5e-4"],
