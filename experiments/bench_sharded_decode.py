@@ -187,4 +187,6 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
+    from goat_jax import platforms  # pylint: disable=g-import-not-at-top
+    platforms.avoid_libtpu_without_tpu()  # before any JAX backend starts (goat_jax/platforms.py)
     main()
