@@ -26,8 +26,9 @@ folder never mixes two runs' files). Ctrl-C stops a compile at once (one line, e
 config's global batch, one new token per row, against a cache of its full window (``seq_len``
 slots) laid out on the config's mesh (rows over data x fsdp, slots over context, KV heads over
 tensor); compile.json records ``step: "decode"``, ``cache_length``, ``kv_cache_bytes_total`` and
-``kv_cache_bytes_per_chip`` (the train step's records ``step: "train"``). ``mesh.context > 1`` is
-refused for it: this compile path does not yet lay a one-token step out over context.
+``kv_cache_bytes_per_chip`` (the train step's records ``step: "train"``). With ``mesh.context > 1``
+each chip holds ``seq_len / context`` of the cache's slots and the step attends them with the
+split-cache merge (goat_jax/kernels/decode_merge.py), its one-token activations unsplit.
 """
 
 import json

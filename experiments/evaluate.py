@@ -59,8 +59,9 @@ factor (default: dynamic, max(1, length / training length)); ``--evals documents
 it, since the dynamic factor would follow the packed window's length, not each document's.
 ``--mesh_context N`` splits each window over N devices (the ``context`` mesh axis, for runs trained
 with ``mesh.context > 1`` whose windows one device cannot hold; goat_jax.eval.context): extrapolation,
-niah, the synthetic passkey and dna; evaluations that decode or read attention probabilities are
-refused with it. Every check of the request runs on every run before any evaluation; if an
+niah, both passkeys, dna and lm_eval (its window, ``--lm_eval_max_length`` or seq_len, a multiple of
+N; generation decodes with the KV cache split over the devices); evaluations that read attention
+probabilities are refused with it. Every check of the request runs on every run before any evaluation; if an
 evaluation fails anyway, or the command is stopped (Ctrl-C, SIGTERM, SIGHUP: one line, exit 130 /
 143 / 129), the ones that finished before it are written to OUT first.
 
@@ -310,7 +311,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             config = run_lib.read_config(workdir)
             lm_run.check_request(config, workdir, evals, mults, **swap)
             context.check_request(config, workdir, evals, mults, args.mesh_context, chunk_size=args.chunk_size,
-                                  lengths=dna_lengths)
+                                  lengths=dna_lengths, lm_eval_length=args.lm_eval_max_length)
     if "resolution" in evals:  # ViT runs: a family of its own, evaluated in goat_jax.eval.vision
         from goat_jax.eval import vision
 

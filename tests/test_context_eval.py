@@ -166,6 +166,10 @@ def _run_dir(path, task="lm", **data):
      r"64\) cannot be split: windows must be multiples of 3 \(--mesh_context\)\. Change --multipliers or "
      r"--mesh_context\.$"),
     (["--evals", "extrapolation", "--mesh_context", "0"], r"^--mesh_context must be an integer >= 1"),
+    (["--evals", "lm_eval", "--lm_eval_tasks", "x", "--lm_eval_max_length", "50", "--mesh_context", "4"],
+     r"^--mesh_context 4 splits each window over 4 devices, but lm_eval's window of 50 tokens "
+     r"\(--lm_eval_max_length\) cannot be split: it must be a multiple of 4 \(--mesh_context\)\. Give "
+     r"--lm_eval_max_length a multiple of 4, or change --mesh_context\.$"),
 ])
 def test_what_cannot_split_a_window_is_refused_before_any_work(tmp_path, args, match):
     workdir = _run_dir(tmp_path / "run")

@@ -293,3 +293,73 @@ def test_a_task_yaml_that_does_not_parse_is_named_when_its_task_is_asked_for(tmp
     assert [b.split(":")[0] for b in harness.unreadable_task_yamls(str(tmp_path))] == [str(tmp_path / "broken.yaml")]
     with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['broken_task'\].*broken\.yaml: .*Fix them"):
         harness.evaluate(None, ["broken_task"], include_path=str(tmp_path))
+
+
+_SPLIT_SCRIPT = r'''
+import json, os, sys
+root = sys.argv[1]
+for var, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                   ("HF_HOME", root + "/hf")):
+    os.environ[var] = value
+from experiments import evaluate
+from goat_jax.eval import lm_run
+from tests.test_harness import _samples, _write_tasks, random_param_workdir
+
+workdir = random_param_workdir(root + "/run")
+tasks_dir = root + "/tasks"
+os.makedirs(tasks_dir)
+_write_tasks(tasks_dir, lm_run.load_lm_run(workdir))
+# Short requests (length buckets 16 and 32, not multiples of 3): what padding to the shards covers.
+short = [{"question": "Hi", "choices": ["a", "bc"], "label": 0},
+         {"question": "A cat sat on a", "choices": ["mat", "hat and a coat"], "label": 0}]
+with open(tasks_dir + "/goat_short.json", "w") as f:
+    json.dump(short, f)
+with open(tasks_dir + "/goat_short.yaml", "w") as f:
+    json.dump({"task": "goat_short", "dataset_path": "json",
+               "dataset_kwargs": {"data_files": {"test": tasks_dir + "/goat_short.json"}}, "test_split": "test",
+               "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+               "doc_to_target": "{{label}}",
+               "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}, f)
+TASKS = ("goat_mc", "goat_short", "goat_rolling", "goat_gen")
+out = {}
+for c in (1, 4, 3):
+    evaluate.main(["--workdir", workdir, "--evals", "lm_eval", "--lm_eval_tasks", ",".join(TASKS),
+                   "--lm_eval_include_path", tasks_dir, "--lm_eval_batch_size", "2", "--lm_eval_bootstrap_iters", "0",
+                   "--lm_eval_max_length", "48", "--lm_eval_log_samples", "--mesh_context", str(c),
+                   "--out", f"{root}/eval{c}"])
+    with open(f"{root}/eval{c}/results.json") as f:
+        saved = json.load(f)["goat"]
+    out[c] = {"results": saved["lm_eval"]["results"], "setup": saved["setup"],
+              "resps": {t: [s["resps"] for s in _samples(f"{root}/eval{c}", t)]
+                        for t in TASKS}}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_lm_eval_with_the_window_split_over_context_gives_the_unsplit_scores(tmp_path):
+    """``experiments.evaluate --evals lm_eval --mesh_context c`` on 8 fake CPU devices: every
+    log-likelihood (multiple choice, rolling windows) equals ``--mesh_context 1``'s to float32
+    round-off and the greedy generations are the same text. A 48-token window: at context 4 the
+    length buckets (16, 32, 48) split as they are; at context 3 the short task's buckets are
+    padded to 18 and 33 (unpadded, the split refuses them), the padding invisible to every score
+    (causal attention)."""
+    from tests.config_helpers import run_on_fake_devices
+
+    out = json.loads(run_on_fake_devices(_SPLIT_SCRIPT, str(tmp_path)).split("RESULT ")[-1])
+    one = out["1"]
+    assert one["setup"]["mesh_context"] == 1
+    for c in ("4", "3"):
+        split = out[c]
+        assert split["setup"] == {"mesh_context": int(c), "context_strategy": "all_gather"}, split["setup"]
+        for task in ("goat_mc", "goat_short", "goat_rolling"):
+            got = [[r[0] for r in resps] for resps in split["resps"][task]]
+            ref = [[r[0] for r in resps] for resps in one["resps"][task]]
+            scores = lambda rows: [x[0] if isinstance(x, list) else x for row in rows for x in row]  # noqa: E731
+            np.testing.assert_allclose(scores(got), scores(ref), rtol=1e-5, atol=1e-4, err_msg=f"{task} at {c}")
+        for task in ("goat_mc", "goat_short"):  # is_greedy flags
+            assert [[r[0][1] for r in resps] for resps in split["resps"][task]] == \
+                [[r[0][1] for r in resps] for resps in one["resps"][task]]
+        assert split["resps"]["goat_gen"] == one["resps"]["goat_gen"]
+        assert split["results"]["goat_mc"]["acc,none"] == one["results"]["goat_mc"]["acc,none"]
+        assert split["results"]["goat_rolling"]["byte_perplexity,none"] == pytest.approx(
+            one["results"]["goat_rolling"]["byte_perplexity,none"], rel=1e-5)

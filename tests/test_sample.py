@@ -1,5 +1,6 @@
 """``python -m experiments.sample`` on real checkpoints of the trainer: a tiny language run (two
-steps of configs/lm_tiny.py:goat,smoke) and a tiny genome run (configs/dna_tiny.py:goat,smoke).
+steps of configs/lm_tiny.py:goat,smoke) and a tiny genome run (configs/dna_tiny.py:goat,smoke), each
+also with the KV cache split over 4 fake CPU devices (``--mesh_context 4``).
 Greedy continuations equal an independent reference (the model's full forward pass re-run on
 the growing sequence, argmax, no KV cache); every refusal is one line, before any weights are
 read."""
@@ -115,6 +116,23 @@ def test_a_genome_run_continues_bases_greedily_as_the_reference(dna_workdir, tmp
     ids = fasta.encode("ACGTTGCAN")[0].tolist()  # R (IUPAC) is read as N; no BOS for genomes
     assert row["tokens"] == reference_greedy(dna_workdir, ids, 8)
     assert row["continuation"] == fasta.decode(row["tokens"]) and row["eos_at"] is None
+
+
+def test_a_genome_run_continues_bases_with_the_cache_split_over_context_4(dna_workdir, tmp_path):
+    """The command on a genome run with ``--mesh_context 4`` (4 fake CPU devices): the KV cache's
+    slots split over them (goat_jax/kernels/decode_merge.py), the bases of the full-forward
+    reference."""
+    out = tmp_path / "dna4.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "experiments.sample", "--workdir", dna_workdir, "--prompt",
+                           "acgtTGCAR", "--max_new_tokens", "8", "--temperature", "0", "--out", str(out),
+                           "--mesh_context", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("tokens/s: ") and "8 tokens in" in proc.stdout.splitlines()[-1]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = fasta.encode("ACGTTGCAN")[0].tolist()
+    assert row["tokens"] == reference_greedy(dna_workdir, ids, 8)
+    assert row["continuation"] == fasta.decode(row["tokens"]) and row["continuation"] in proc.stdout
 
 
 def _copy_run(workdir, tmp_path, **config_changes):

@@ -107,3 +107,20 @@ def test_a_bias_encoding_is_refused_in_one_line_under_a_context_mesh():
     out = run_on_fake_devices(_REFUSAL, devices=2)
     assert "REFUSED decoding with the KV cache split over mesh.context=2: this position encoding adds a " \
            "materialized" in out, out
+
+
+@pytest.mark.slow(reason="a benchmark's smoke run (~10 s): its decode loop is generate's, tested above")
+def test_the_decode_benchmark_runs_split_and_gives_one_devices_tokens(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "decode.md"
+    proc = subprocess.run([sys.executable, "experiments/bench_sharded_decode.py", "--slots", "256", "--contexts", "1",
+                           "4", "--devices", "4", "--new_tokens", "4", "--repeats", "1", "--out", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 256 |")]
+    assert [(r[1], r[2].split(" of ")[0], r[5], r[6].rstrip(" |")) for r in rows] == [
+        ("1", "0.2", "yes", "0"), ("4", "0.1", "yes", "4")], rows  # MiB, one decimal

@@ -34,14 +34,14 @@ One concern a module, every public name re-exported here (``aot.compile_train_st
 :mod:`~goat_jax.aot.target` (target names, compile-only devices, the cuDNN stand-in),
 :mod:`~goat_jax.aot.compiler` (the compile and what it reports: memory, the HBM refusal, custom
 calls, fit), :mod:`~goat_jax.aot.decode` (one KV-cache decode step against a cache of the full
-window, and the cache's bytes per chip), :mod:`~goat_jax.aot.search` (the largest batch that fits) and
+window, split over ``context`` where the mesh has it, and the cache's bytes per chip), :mod:`~goat_jax.aot.search` (the largest batch that fits) and
 :mod:`~goat_jax.aot.report` (the Markdown pages). The chips' numbers come from the one chip
 table, :mod:`goat_jax.targets.chips`.
 """
 
 from goat_jax.aot.compiler import (FIT_MARGIN, GiB, compile_train_step, custom_calls, fit, memory,
                                    out_of_memory)
-from goat_jax.aot.decode import cache_bytes, cache_shardings, compile_decode_step
+from goat_jax.aot.decode import cache_bytes, cache_shardings, compile_decode_step, step_rules
 from goat_jax.aot.report import markdown, search_markdown, summary_table
 from goat_jax.aot.search import largest_batch, with_batch
 from goat_jax.aot.target import (CHIPS, GPU_INSTALL_HINT, GPUS_PER_NODE, INSTALL_HINT, TARGET_FAMILIES, Chip,
@@ -52,4 +52,4 @@ __all__ = ["CHIPS", "FIT_MARGIN", "GPU_INSTALL_HINT", "GPUS_PER_NODE", "GiB", "I
            "Chip", "Target", "TargetUnavailable", "cache_bytes", "cache_shardings", "compile_decode_step",
            "compile_train_step", "cuda_plugin_installed", "custom_calls",
            "fit", "gpu_target", "largest_batch", "libtpu_installed", "markdown", "memory", "out_of_memory",
-           "parse_target", "search_markdown", "summary_table", "target_devices", "with_batch"]
+           "parse_target", "search_markdown", "step_rules", "summary_table", "target_devices", "with_batch"]

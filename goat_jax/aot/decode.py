@@ -12,16 +12,23 @@ dimension (the config's ``sharding_rules``). The step is the model's own decode 
 The report is the train step's (:func:`goat_jax.aot.compile_train_step`: memory per device, fit,
 kernels) with ``step: 'decode'``, ``cache_length`` and the keys' and values' bytes:
 ``kv_cache_bytes_total`` (the whole cache, every layer) and ``kv_cache_bytes_per_chip`` (what one
-chip holds under those shardings). A mesh with ``context > 1`` is refused before any work: the
-attention layer decodes against a cache split over ``context`` (goat_jax/kernels/decode_merge.py),
-but this compile path runs the step under the run's logical rules, which split a one-token step's
-activations over ``context`` too; the cache shardings here already split its slots there.
+chip holds under those shardings).
+
+Under a mesh with ``context > 1`` the cache's slots are split over ``context`` (each chip holds
+``seq_len / context`` of them) and the layer's decode branch, which sees the mesh's context axis,
+scores each shard's slots and merges the partial softmaxes (goat_jax/kernels/decode_merge.py;
+docs/training.md, "Decoding with a sharded cache"). The step's activations (one token per row)
+are not split over ``context``: the step is traced under :func:`step_rules`, the config's rules
+with ``context`` taken out of every mapping, while the cache keeps the config's own (its
+``length`` over ``context``), as ``experiments.sample --mesh_context`` runs it. The report's
+``attention_implementation`` is then ``'decode_merge'`` (the kernel the layer planned is not what
+attends a split cache).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -44,6 +51,22 @@ def _names(path: tuple, ndim: int, scanned: bool) -> Optional[tuple]:
         names = ("batch", "length", "kv_heads", None)
         return (("layers",) + names) if scanned else names
     return None if ndim == 0 else (None,) * ndim
+
+
+def step_rules(rules: Sequence[Tuple[str, Any]]) -> Tuple[Tuple[str, Any], ...]:
+    """The logical ``rules`` (normalized pairs, :func:`goat_jax.train.sharding.rules_from_config`)
+    with the ``context`` mesh axis taken out of every mapping: a decode step's activations hold one
+    token per row, which ``context`` cannot split; only the cache's slots are split there
+    (:func:`cache_shardings` keeps the config's own rules)."""
+    out = []
+    for logical, target in rules:
+        if isinstance(target, tuple):
+            kept = tuple(a for a in target if a != "context")
+            target = kept if len(kept) > 1 else (kept[0] if kept else None)
+        elif target == "context":
+            target = None
+        out.append((logical, target))
+    return tuple(out)
 
 
 def cache_shardings(abstract_cache: Any, mesh: Any, rules: Any, scanned: bool) -> Any:
@@ -77,8 +100,7 @@ def cache_bytes(abstract_cache: Any, shardings: Any) -> tuple[int, int]:
 def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Compiles one decode step of ``config``'s LM for ``target`` (module doc) and returns its
     report (``experiments.compile --step decode`` writes it). Raises ValueError naming the field
-    for a config that cannot decode: a task whose model is not the LM (a ViT), or
-    ``mesh.context > 1`` (not wired yet)."""
+    for a config that cannot decode: a task whose model is not the LM (a ViT)."""
     from goat_jax.models.lm import TransformerLM  # pylint: disable=g-import-not-at-top
     from goat_jax.kernels.plan import DEFAULT as DEFAULT_PLAN
     from goat_jax.train import sharding as sharding_lib
@@ -92,12 +114,6 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     if not isinstance(model, TransformerLM):
         raise ValueError(f"--step decode compiles the language model's KV-cache step; config.task="
                          f"{config.task!r} builds a {type(model).__name__}, which does not decode. Use --step train.")
-    count = target.num_chips if devices is None else len(devices)
-    context = dict(zip(sharding_lib.MESH_AXES, sharding_lib.mesh_shape(config.mesh, count)))["context"]
-    if context > 1:
-        raise ValueError(f"--step decode with mesh.context={context}: this compile path does not yet lay a "
-                         "one-token decode step out over context (its logical rules would split the token); compile "
-                         "the decode step with --config.mesh.context=1 (and the devices on data, fsdp or tensor).")
     devices = target_devices(target) if devices is None else list(devices)
     hosts = len({d.process_index for d in devices})
     global_batch, plan = trainer.validate_config(config, len(devices), hosts)  # the compile's one plan
@@ -123,7 +139,9 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
         logits, state = decoder.apply({"params": params, "cache": cache}, token, mutable=["cache"])
         return logits[:, -1], state["cache"]
 
-    fn = jax.jit(sharding_lib.with_mesh_and_rules(step, mesh, rules), donate_argnums=1,
+    # The cache by the config's rules (slots over context); the one-token step's activations by
+    # step_rules (never over context), so the layer's decode branch merges the split cache.
+    fn = jax.jit(sharding_lib.with_mesh_and_rules(step, mesh, step_rules(rules)), donate_argnums=1,
                  in_shardings=(param_shardings, shardings, rows), out_shardings=(rows, shardings))
     start = time.perf_counter()
     with gpu_target(target):
@@ -156,4 +174,8 @@ def compile_decode_step(config: Any, target: Target, devices: Optional[Sequence[
     for key in ("attention_implementation", "packed_head_dim"):
         if report[key] is not None and len(report[key]) == 1:
             report[key] = report[key][0]
+    if report["mesh"].get("context", 1) > 1:
+        # The layer planned its kernel as usual, but a cache split over context is attended by
+        # the split-cache merge (pure JAX, no fused kernel), which is what the step runs.
+        report["attention_implementation"] = "decode_merge"
     return finish(report, error, per_device, chip.hbm_bytes)

@@ -16,14 +16,16 @@ natural order: load balancing (``context_load_balance``) changes which device do
 not the numbers.
 
 What runs split (:data:`SPLIT`): the evaluations that score whole windows in one forward pass,
-and what decodes with the KV cache (the standard passkey's answer, ``--chunk_size``'s windows
-in query chunks): the cache's slots are split over the devices, each shard scores its own and
-the partial softmaxes are merged (:func:`on_run_mesh`, goat_jax/kernels/decode_merge.py). The
-others are refused before any work (:func:`check_request`), naming the flag and the fix
+what decodes with the KV cache (the standard passkey's answer, ``--chunk_size``'s windows in
+query chunks): the cache's slots are split over the devices, each shard scores its own and the
+partial softmaxes are merged (:func:`on_run_mesh`, goat_jax/kernels/decode_merge.py), and
+lm_eval (goat_jax/eval/harness.py): its log-likelihood batches are padded on the right to lengths
+the shards divide (:func:`window_multiple`; causal attention keeps the padding out of every
+score) and scored by :func:`apply_fn`, its generations decode with the split cache. The others
+are refused before any work (:func:`check_request`), naming the flag and the fix
 (:data:`UNSPLIT`): sinks, documents and diagnostics read attention probabilities, which split
-attention never forms; lm_eval batches and pads its own requests to lengths the shards need not
-divide. DNA's GC agreement samples 200 bases after 200-base prompts with the replicated
-parameters and no split (each device repeats that short work).
+attention never forms. DNA's GC agreement samples 200 bases after 200-base prompts with the
+replicated parameters and no split (each device repeats that short work).
 """
 
 from __future__ import annotations
@@ -42,29 +44,38 @@ from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
 
-# The evaluations that run split: those that score whole windows with one forward pass, and the
+# The evaluations that run split: those that score whole windows with one forward pass, the
 # standard passkey, which decodes its answer with the KV cache split over the devices
-# (goat_jax/kernels/decode_merge.py).
-SPLIT = ("extrapolation", "niah", "passkey", "dna")
+# (goat_jax/kernels/decode_merge.py), and lm_eval (its batches padded to lengths the shards divide).
+SPLIT = ("extrapolation", "niah", "passkey", "dna", "lm_eval")
 # Why each other evaluation cannot split a window (completes "--evals NAME ...").
 UNSPLIT = {
     "sinks": "reads attention probabilities, which attention split over the context axis never forms",
     "documents": "reads attention probabilities (the mass on each document's first token), which "
                  "attention split over the context axis never forms",
     "diagnostics": "runs the KV cache in query chunks and reads attention probabilities",
-    "lm_eval": "batches and decodes lm-eval's requests itself",
 }
+
+
+def window_multiple(config: Any, context: int) -> int:
+    """What a window must be a multiple of to be split over ``context`` devices with ``config``'s
+    (a run's) attention: the shards, times the kernel's blocks where it has static ones
+    (:func:`goat_jax.kernels.balance.length_multiple`; windows are scored in natural order, never
+    load-balanced). 1 when ``context`` is 1."""
+    implementation = (config.get("model") or {}).get("implementation")
+    return balance.length_multiple(context, False, implementation)
 
 
 def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: Sequence[int], context: int, *,
                   chunk_size: Optional[int] = None, lengths: Optional[Sequence[int]] = None,
-                  num_devices: Optional[int] = None) -> None:
+                  num_devices: Optional[int] = None, lm_eval_length: Optional[int] = None) -> None:
     """Raises ValueError naming ``--mesh_context`` (or the flag in its way) and the fix unless
     every evaluation of the request can run with each window split over ``context`` devices:
-    an evaluation that reads probabilities or batches its own requests (:data:`UNSPLIT`), more
-    devices than there are (``num_devices``, default ``jax.device_count()``), or a window
-    (``m x seq_len`` for each of ``multipliers``, or dna's ``lengths`` in bases) that the shards
-    do not divide. Reads only ``config`` (a run's config.json), so it runs before any work."""
+    an evaluation that reads probabilities (:data:`UNSPLIT`), more devices than there are
+    (``num_devices``, default ``jax.device_count()``), or a window (``m x seq_len`` for each of
+    ``multipliers``, dna's ``lengths`` in bases, lm_eval's window ``lm_eval_length``, default
+    ``seq_len``) that the shards do not divide. Reads only ``config`` (a run's config.json), so it
+    runs before any work."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"{FLAG} must be an integer >= 1 (the devices each window is split over), got {context!r}.")
     if context == 1:
@@ -75,15 +86,23 @@ def check_request(config: Any, workdir: str, evals: Sequence[str], multipliers: 
             raise ValueError(f"{split}, but --evals {name} {UNSPLIT.get(name, 'does not score whole windows')} "
                              f"(run {workdir}); evaluate it in a command of its own with {FLAG} 1.")
     implementation = (config.get("model") or {}).get("implementation")
-    multiple = balance.length_multiple(context, False, implementation)
+    multiple = window_multiple(config, context)
+    kernel = f" x model.implementation={implementation!r}'s 128-token blocks" if multiple != context else ""
+    window_evals = [e for e in evals if e != "lm_eval"]
     by_bases = bool(lengths) and "dna" in evals
-    windows = list(lengths) if by_bases else [int(m) * int(config.seq_len) for m in multipliers]
+    windows = (list(lengths) if by_bases else [int(m) * int(config.seq_len) for m in multipliers]) if window_evals else []
     bad = [n for n in windows if n % multiple]
     if bad:
-        kernel = f" x model.implementation={implementation!r}'s 128-token blocks" if multiple != context else ""
         given = "--lengths" if by_bases else f"--multipliers x seq_len {int(config.seq_len)}"
         raise ValueError(f"{split}, but a window of {bad[0]} tokens ({given}) cannot be split: windows must be "
                          f"multiples of {multiple} ({FLAG}{kernel}). Change {given.split()[0]} or {FLAG}.")
+    if "lm_eval" in evals:
+        window = int(lm_eval_length) if lm_eval_length is not None else int(config.seq_len)
+        if window % multiple:
+            given = "--lm_eval_max_length" if lm_eval_length is not None else f"seq_len {int(config.seq_len)}"
+            raise ValueError(f"{split}, but lm_eval's window of {window} tokens ({given}) cannot be split: it must "
+                             f"be a multiple of {multiple} ({FLAG}{kernel}). Give --lm_eval_max_length a multiple "
+                             f"of {multiple}, or change {FLAG}.")
     # Last: the request itself first (what cannot split a window cannot on any host).
     available = jax.device_count() if num_devices is None else num_devices
     if context > available:

@@ -21,7 +21,13 @@ bytes, SentencePiece or GPT-2 BPE; never retrained). How requests become model i
 * Log-probabilities are a float32 log-softmax of the model's logits, summed in float64 on the
   host; ``is_greedy`` says whether every continuation token is the argmax. Requests run in
   batches of ``batch_size``, longest first, padded on the right to a power-of-two length
-  (causal attention makes the padding invisible; one compile per length bucket).
+  (causal attention makes the padding invisible; one compile per length bucket). A run on a
+  context mesh (``experiments.evaluate --mesh_context N``, :func:`goat_jax.eval.context.on_mesh`)
+  scores each batch split over the devices (:func:`goat_jax.eval.context.apply_fn`), its length
+  rounded up to a multiple the shards divide (:func:`goat_jax.eval.context.window_multiple`;
+  the window ``max_length`` must be one), and decodes ``generate_until`` with the KV cache's
+  slots split over them (goat_jax/kernels/decode_merge.py): the same scores and tokens as on
+  one device, up to float rounding.
 * ``loglikelihood_rolling`` cuts a document into lm-eval's disjoint rolling windows of
   ``max_length`` predictions (each token predicted once, with as much context as fits).
 * ``generate_until`` decodes with the KV cache (:func:`goat_jax.models.sampling.generate`),
@@ -56,7 +62,9 @@ with _extras.imports(__name__):  # optional packages: one-line error naming the 
 
 from goat_jax.data import synthetic
 from goat_jax.data import tokenizers as tokenizers_lib
+from goat_jax.eval import context as context_lib
 from goat_jax.eval import lm_run
+from goat_jax.kernels import mesh as kernels_mesh
 from goat_jax.models import sampling
 
 log = logging.getLogger(__name__)
@@ -106,10 +114,23 @@ class GoatLM(LM):
         self.model, self.params = run.model, run.params
         self.tokenizer = tokenizers_lib.make_tokenizer(run.config.data, allow_training=False)
         self.prefix_token_id = int(self.tokenizer.bos_id)
+        # experiments.evaluate --mesh_context: each batch split over the context devices of the
+        # run's mesh (goat_jax/eval/context.py), its length a multiple of what they divide.
+        self.mesh = getattr(run, "mesh", None)
+        self.length_multiple = 1
         model = self.model
+        apply = lambda params, inputs: model.apply({"params": params}, inputs)  # noqa: E731
+        if self.mesh is not None:
+            shards = kernels_mesh.context_shards(self.mesh)
+            self.length_multiple = context_lib.window_multiple(run.config, shards)
+            if self.max_length % self.length_multiple:
+                raise ValueError(f"max_length={self.max_length}: with the window split over {shards} devices "
+                                 f"(--mesh_context {shards}) it must be a multiple of {self.length_multiple}; "
+                                 f"give --lm_eval_max_length a multiple of {self.length_multiple}.")
+            apply = context_lib.apply_fn(model, self.mesh, run.config)
 
         def score(params, inputs, targets):
-            logits = model.apply({"params": params}, inputs)  # [B, L, V]
+            logits = apply(params, inputs)  # [B, L, V]
             logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
             target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
             return target_logp, jnp.argmax(logits, axis=-1) == targets
@@ -166,6 +187,7 @@ class GoatLM(LM):
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             length = bucket_length(len(rows[chunk[0]][0]), window)
+            length = -(-length // self.length_multiple) * self.length_multiple  # <= window, its multiple
             inputs = np.full((self.batch_size, length), self.tokenizer.pad_id, np.int32)
             targets = np.zeros((self.batch_size, length), np.int32)
             for r, i in enumerate(chunk):
@@ -247,7 +269,7 @@ class GoatLM(LM):
                 chunk = members[start:start + self.batch_size]
                 prompts = np.asarray([jobs[i][0] for i in chunk], np.int32)
                 rng = jax.random.PRNGKey(start) if temperature > 0 else None
-                tokens = jax.device_get(sampling.generate(
+                tokens = jax.device_get(context_lib.on_run_mesh(self.run, sampling.generate)(
                     self.model, self.params, jnp.asarray(prompts), max_new, rng,
                     temperature=temperature, top_k=top_k, prefill_multiple=self.prefill_multiple,
                     cache_length=self.max_length))

@@ -522,7 +522,8 @@ def evaluate_run(run: LMRun, evals: Sequence[str], multipliers: Sequence[int], *
         chunked.check_chunk_size(chunk_size)  # before any evaluation runs
     if getattr(run, "mesh", None) is not None:  # windows split over devices: what can split, before any work
         context.check_request(run.config, run.workdir, evals, multipliers, context_shards(run.mesh),
-                              chunk_size=chunk_size, lengths=(dna_options or {}).get("lengths"))
+                              chunk_size=chunk_size, lengths=(dna_options or {}).get("lengths"),
+                              lm_eval_length=(lm_eval_options or {}).get("max_length"))
     if "passkey" in evals:  # a length too short for every prompt: nothing to score is an error
         checks.check_passkey_lengths(run.config, run.workdir, multipliers)
     if "lm_eval" in evals:
