@@ -58,7 +58,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from goat_jax.aot import decode as aot_decode  # noqa: E402
-from goat_jax.config_files import load_config  # noqa: E402
+from goat_jax.config.files import load_config  # noqa: E402
+from goat_jax.kernels.plan import AttentionPlan  # noqa: E402
 from goat_jax.train import sharding, tasks  # noqa: E402
 
 
@@ -149,7 +150,7 @@ def main(argv=None) -> str:
 
     config = load_config(args.config)
     task = tasks.get_task(config.task)
-    model = task.build_model(config)
+    model = task.build_model(config, AttentionPlan.from_config(config))  # the benchmark's one plan
     params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
     load_start, start = os.getloadavg()[0], time.perf_counter()
     rows = []
