@@ -13,6 +13,7 @@ import pytest
 
 from experiments import evaluate
 from goat_jax.eval import checks, runs
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import run as run_lib
 
 
@@ -108,6 +109,7 @@ def test_a_second_evaluation_into_the_same_out_is_refused_unless_overwrite(tmp_p
 class _FakeRun:
     step, train_len = 3, 32
     config = ml_collections.ConfigDict({"context_strategy": "all_gather"})
+    plan = AttentionPlan.from_config(config)  # what load_run builds from it
 
 
 @pytest.mark.parametrize("interrupt", [False, True])
