@@ -104,7 +104,7 @@ def _one(config, model, params, slots: int, context: int, args) -> dict:
         layout = mesh if mesh is not None else sharding.make_mesh(
             {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, jax.devices()[:1])
         shardings = aot_decode.cache_shardings(abstract, layout, sharding.rules_from_config(config.sharding_rules),
-                                               bool(config.model.get("scan_layers", False)))
+                                               bool(model.config.scan_layers))
         total, per_device = aot_decode.cache_bytes(abstract, shardings)
         if mesh is not None:
             zeros = jax.device_put(zeros, shardings)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import json
 import os
+import subprocess
+import sys
 import warnings
 
 import jax.numpy as jnp
@@ -242,7 +244,9 @@ def _imports(path):
 def test_lower_layers_do_not_import_the_engine():
     """Models and data pipelines import the ground-floor config module, not the engine (nor the
     tasks above it); goat_jax/config imports nothing else from goat_jax but the leaf module
-    goat_jax._extras (the one-line error for a missing optional package)."""
+    goat_jax._extras (the one-line error for a missing optional package), except the config-file
+    loader's completion with the declared defaults, imported where it runs: importing the package
+    imports no engine module."""
     lower = [os.path.join(ROOT, "goat_jax", d, n) for d in ("models", "data")
              for n in sorted(os.listdir(os.path.join(ROOT, "goat_jax", d))) if n.endswith(".py")]
     prior = os.path.join(ROOT, "goat_jax", "prior")  # a module or a package
@@ -252,9 +256,21 @@ def test_lower_layers_do_not_import_the_engine():
            if m.startswith(("goat_jax.train", "goat_jax.tasks", "goat_jax.eval"))}
     assert not bad, bad
     config_dir = os.path.join(ROOT, "goat_jax", "config")
+    # The one exception: files.py (loading a config file for a command line) completes the file
+    # with the engine's and the task's declared defaults, importing them where it does so.
+    loading = {("files.py", "goat_jax.train")}  # from goat_jax.train import tasks, validation
     bad = {n: m for n in os.listdir(config_dir) if n.endswith(".py")
-           for m in _imports(os.path.join(config_dir, n)) if m.startswith("goat_jax.") and not m.startswith(("goat_jax.config", "goat_jax._extras"))}
+           for m in _imports(os.path.join(config_dir, n)) if m.startswith("goat_jax.")
+           and not m.startswith(("goat_jax.config", "goat_jax._extras")) and (n, m) not in loading}
     assert not bad, bad
+    with open(os.path.join(config_dir, "files.py")) as f:
+        top = [n for n in ast.parse(f.read()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [getattr(n, "module", None) for n in top if (getattr(n, "module", None) or "").startswith("goat_jax.train")]
+    # So importing the config package, the loader included, imports no engine module.
+    script = ("import sys, goat_jax.config, goat_jax.config.files, goat_jax.config.args\n"
+              "print(sorted(m for m in sys.modules if m.startswith(('goat_jax.train', 'goat_jax.tasks'))))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
     assert "goat_jax.config.fields" in set(_imports(os.path.join(ROOT, "goat_jax", "models", "lm.py")))
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from goat_jax.data import text
 from goat_jax.models import LMConfig
+from goat_jax.tasks import lm as lm_task
 from goat_jax.train import trainer
 from tests.config_helpers import lm_smoke_config
 
@@ -31,7 +32,7 @@ def test_the_compile_tools_remat_search_turns_the_policy_off_with_remat():
     off, on = search.with_batch(config, 2, remat=False), search.with_batch(config, 2, remat=True)
     assert (off.model.remat, off.model.remat_policy) == (False, "full")
     assert (on.model.remat, on.model.remat_policy) == (True, "dots")
-    LMConfig.from_config(off.model)
+    lm_task.model_config(off)  # the model's fields of the section (the plan's are the plan's)
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -10,6 +10,7 @@ from flax import traverse_util
 
 from configs import lm_c4_125m
 from goat_jax.models import lm as lm_lib
+from goat_jax.tasks import lm as lm_task
 from tests.marks import SLOW_CASE
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -163,7 +164,7 @@ def test_official_synthetic_variant_fields():
             assert c.data.span_loss_weight == 10.0 and c.model.baseline_attention_scale == 1.0
             assert plain.data.span_loss_weight is None and plain.model.baseline_attention_scale is None
             assert plain.model.init_scale_prior == 1e-3
-            cfg = lm_lib.LMConfig.from_config(c.model)
+            cfg = lm_task.model_config(c)  # the model's fields of c.model (the plan's are the plan's)
             assert cfg.head_size - (2 * 8 + 1) >= 1  # R = 8 fits the head at every size
             changed = {k for k, v in c.model.items() if plain.model[k] != v}
             assert changed <= {"pos_rank", "abs_rank", "init_scale_prior", "baseline_attention_scale",

@@ -15,6 +15,7 @@ from configs import lm_tiny
 from goat_jax import interop
 from goat_jax import prior as prior_lib
 from goat_jax.models import lm
+from goat_jax.tasks import lm as lm_task
 from tests import jitted
 from tests.test_attention import E, make_module_and_params
 
@@ -130,5 +131,5 @@ def test_lm_tiny_config_argument_turns_it_on():
     assert on.model.sink_extrapolation == "linear" and off.model.sink_extrapolation == "official"
     on.model.sink_extrapolation = "official"
     assert on.to_dict() == off.to_dict()
-    model_cfg = lm.LMConfig.from_config(lm_tiny.get_config("goat,linear_sink").model)
+    model_cfg = lm_task.model_config(lm_tiny.get_config("goat,linear_sink"))
     assert model_cfg.prior.sink_extrapolation == "linear" and model_cfg.prior.training_seq_len == 128

@@ -1,8 +1,9 @@
 """Models: the Llama-style / GPT-2 language model and the ViT, each with its config dataclass.
 
-A task builds its model from its config (``goat_jax.tasks.lm.build_model``: a
-:class:`TransformerLM` of ``LMConfig.from_config(config.model)``); ``config.task`` is the one
-name that chooses it (an old config's ``model.name`` is accepted with a warning, see
+A task builds its model from its config and the run's attention plan
+(``goat_jax.tasks.lm.build_model(config, plan)``: a :class:`TransformerLM` of
+``goat_jax.tasks.lm.model_config(config)``, ``config.model`` without the plan's fields);
+``config.task`` is the one name that chooses it (an old config's ``model.name`` is accepted with a warning, see
 :func:`goat_jax.tasks.model_fields`). Weight decay is grouped by the optimizer's rules
 (:mod:`goat_jax.train.optim`) and the tasks' declarations (:data:`goat_jax.tasks.NO_DECAY_NAMES`).
 """
