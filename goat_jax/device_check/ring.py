@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 N, H = 8, 64  # heads, head dim
 NUMERIC_TOLERANCE = 2e-2  # bf16, relative to the largest entry (device_check's bar)
@@ -135,9 +135,30 @@ def numerics_rows(length: int, reference, stand_in=None) -> List[List]:
     return rows
 
 
+def compile_and_time(fn, args, repeats: int, deadline: float) -> Tuple[float, Optional[float]]:
+    """``(median wall ms, compiled MiB)`` of ``fn`` on ``args`` (the ring and Ulysses sections'
+    timings): compiled once (arguments, outputs and temporaries from ``memory_analysis``; None
+    where the backend gives none), one warm-up call, then up to ``repeats`` timed calls, stopping
+    early past ``deadline`` (at least one). Errors propagate: the sections record them per row."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    mib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                    + mem.output_size_in_bytes) / 2**20
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+        if time.time() > deadline:
+            break
+    return 1e3 * statistics.median(times), mib
+
+
 def timing_rows(lengths: List[int], repeats: int, deadline: float, stand_in=None) -> List[List]:
     """Forward + backward wall time of the ring step on cuDNN blocks, flash blocks and plain cuDNN."""
-    import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
     scale = H ** -0.5
@@ -152,23 +173,11 @@ def timing_rows(lengths: List[int], repeats: int, deadline: float, stand_in=None
             fn = (plain_step(length, scale, stand_in is not None) if name == "plain:cudnn"
                   else ring_step(_blocks(name.split(":")[1], stand_in, length), length, scale))
             try:
-                compiled = jax.jit(fn).lower(*args).compile()
-                mem = compiled.memory_analysis()
-                mib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                                + mem.output_size_in_bytes) / 2**20
-                jax.block_until_ready(compiled(*args))  # warm-up
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(compiled(*args))
-                    times.append(time.perf_counter() - t0)
-                    if time.time() > deadline:
-                        break
+                ms, mib = compile_and_time(fn, args, repeats, deadline)
             except Exception as err:  # noqa: BLE001 -- e.g. out of memory: record, go on
                 rows.append([length, name, None, None, None, f"**ERROR** {type(err).__name__}: "
                              f"{str(err).splitlines()[0][:200]}"])
                 continue
-            ms = 1e3 * statistics.median(times)
             plain_ms = ms if name == "plain:cudnn" else plain_ms
             ratio = None if plain_ms is None else ms / plain_ms
             stood_in = stand_in is not None and (name == "plain:cudnn" or _stood_in(name.split(":")[1], stand_in))

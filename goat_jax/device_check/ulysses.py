@@ -23,7 +23,6 @@ stand-in (tests/cudnn_stand_in.py, the ring's cuDNN blocks), so only the plumbin
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import List
 
@@ -86,9 +85,7 @@ def _ring_pair(t: int, blocks, segments: bool):
 
 def rows(lengths: List[int], repeats: int, deadline: float, dry_run: bool, stand_in=None) -> List[List]:
     """The section's rows (columns :data:`HEAD`) at each sequence length of ``lengths``."""
-    import jax  # pylint: disable=g-import-not-at-top
-
-    from goat_jax.device_check.ring import _blocks
+    from goat_jax.device_check.ring import _blocks, compile_and_time
 
     out = []
     for t in lengths:
@@ -106,24 +103,11 @@ def rows(lengths: List[int], repeats: int, deadline: float, dry_run: bool, stand
                 out.append([t, name, shape, None, None, None, None, "skipped: time budget"])
                 continue
             try:
-                fn, args = build()
-                compiled = jax.jit(fn).lower(*args).compile()
-                mem = compiled.memory_analysis()
-                mib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                                + mem.output_size_in_bytes) / 2**20
-                jax.block_until_ready(compiled(*args))  # warm-up
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(compiled(*args))
-                    times.append(time.perf_counter() - t0)
-                    if time.time() > deadline:
-                        break
+                ms, mib = compile_and_time(*build(), repeats, deadline)
             except Exception as err:  # noqa: BLE001 -- an unchecked machine: record, go on
                 out.append([t, name, shape, None, None, None, None,
                             f"**ERROR** {type(err).__name__}: {str(err).splitlines()[0][:200]}"])
                 continue
-            ms = 1e3 * statistics.median(times)
             per_layer = ms * count
             ulysses_ms = per_layer if name.startswith("ulysses") else ulysses_ms
             ratio = None if ulysses_ms is None else per_layer / ulysses_ms
