@@ -5,8 +5,9 @@ from goat_jax, so every layer (data, train, reproduce) can use it."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Union
+from typing import Any, Dict, Union
 
 
 def write_whole(path: str, data: Union[str, bytes]) -> None:
@@ -24,6 +25,18 @@ def write_whole(path: str, data: Union[str, bytes]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def read_json_object(path: str) -> Dict[str, Any]:
+    """The JSON object in the file ``path`` (a cache, a record, a report's results). A file that
+    is not one raises ValueError: ``json.JSONDecodeError`` or ``UnicodeDecodeError`` as JSON
+    reading raises them, or "a JSON list, not an object" for another JSON value; a missing file
+    raises the OSError of ``open``. The callers say what an unreadable file means for them."""
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f)
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -79,11 +79,8 @@ def dna_memory(suite: Suite, jobs: Sequence[Job]) -> list[dict]:
     for path in (cache, kept):
         if path and os.path.exists(path):
             try:
-                with open(path, encoding="utf-8") as f:
-                    cached = json.load(f)
-                if not isinstance(cached, dict):
-                    raise ValueError(f"a JSON {type(cached).__name__}, not an object")
-            except (ValueError, UnicodeDecodeError) as e:  # a derived cache: measured again, said
+                cached = files.read_json_object(path)
+            except ValueError as e:  # a derived cache (JSON or decoding error, not an object): measured again, said
                 cli.log(f"  compiled-memory cache {path} is unreadable ({e}); measuring again")
                 continue
             if cached.get("key") == key:

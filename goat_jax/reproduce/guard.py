@@ -20,10 +20,10 @@ report folder, and a report that lacks runs an earlier one reported never replac
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterable, Iterator
 
+from goat_jax import files
 from goat_jax.train import lock as lock_lib
 
 HARNESS_LOCK = ".reproduce.lock"
@@ -89,11 +89,8 @@ def reported_runs(out: str, families: Iterable[str]) -> set[str]:
     if not os.path.exists(path):
         return set()
     try:
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-        if not isinstance(old, dict):
-            raise ValueError(f"a JSON {type(old).__name__}, not an object")
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        old = files.read_json_object(path)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path} is unreadable ({e})") from None
     families = set(families)
     runs = set()

@@ -168,11 +168,8 @@ def cached_evaluation(job: Job, suite: Suite, log: bool = False,
     if not os.path.exists(cache):
         return None
     try:
-        with open(cache, encoding="utf-8") as f:
-            cached = json.load(f)
-        if not isinstance(cached, dict):
-            raise ValueError(f"a JSON {type(cached).__name__}, not an object")
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        cached = files.read_json_object(cache)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         if log:
             cli.log(f"  {job.run_name}: cached evaluation {cache} is unreadable ({e}); evaluating again")
         return None

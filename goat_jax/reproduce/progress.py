@@ -38,11 +38,8 @@ class LengthProgress:
         if not os.path.exists(path):
             return
         try:
-            with open(path, encoding="utf-8") as f:
-                held = json.load(f)
-            if not isinstance(held, dict):
-                raise ValueError(f"a JSON {type(held).__name__}, not an object")
-        except (ValueError, UnicodeDecodeError, OSError) as e:  # JSONDecodeError is a ValueError
+            held = files.read_json_object(path)
+        except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if log:
                 cli.log(f"  {self.name}: the finished lengths in {path} are unreadable ({e}); scoring every length")
             return

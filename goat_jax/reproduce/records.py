@@ -130,15 +130,13 @@ def _load(path: str) -> Optional[dict]:
     exists but is not a readable JSON object (it used to count as "no record", so a torn record
     was retrained and overwritten without a word)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            rec = json.load(f)
+        return files.read_json_object(path)
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnreadableRecord(path, f"{type(e).__name__}: {e}") from None
-    if not isinstance(rec, dict):
-        raise UnreadableRecord(path, f"a JSON {type(rec).__name__}, not an object")
-    return rec
+    except ValueError as e:  # another JSON value than an object
+        raise UnreadableRecord(path, str(e)) from None
 
 
 def check_readable(job: Job) -> None:
