@@ -39,7 +39,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from goat_jax.kernels import balance
-from goat_jax.kernels.plan import DEFAULT, AttentionPlan
+from goat_jax.kernels.plan import AttentionPlan
 from goat_jax.train import sharding
 
 FLAG = "--mesh_context"
@@ -138,8 +138,7 @@ def apply_fn(model: Any, mesh: Any, config: Any) -> Callable[[Any, jax.Array], j
     model's plan: the run's, :attr:`goat_jax.train.run.Run.plan`, which :func:`on_mesh` gives
     it); call it inside ``jax.jit`` with the parameters of :func:`on_mesh`, as the evaluations do."""
     rules = sharding.rules_from_config(config.sharding_rules)
-    plan = DEFAULT if model.plan is None else model.plan
-    model = model.clone(plan=plan.replace(load_balanced=False))  # windows arrive in sequence order
+    model = model.clone(plan=model.plan.replace(load_balanced=False))  # windows arrive in sequence order
 
     def apply(params, tokens):
         # The window enters split over its length, as every activation after it.

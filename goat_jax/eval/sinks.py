@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from goat_jax import prior as prior_lib
-from goat_jax.kernels.plan import DEFAULT
 
 Params = Any
 
@@ -67,8 +66,7 @@ def _unscanned(model, params: Params):
             params[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
     # Dense kernel: the only one that materializes the probabilities the layers sow.
     cfg = dataclasses.replace(cfg, scan_layers=False, remat=False)
-    plan = (DEFAULT if model.plan is None else model.plan).replace(implementation="dense")
-    return model.clone(config=cfg, decode=False, plan=plan), params
+    return model.clone(config=cfg, decode=False, plan=model.plan.replace(implementation="dense")), params
 
 
 def prior_spec(model) -> prior_lib.PriorSpec:

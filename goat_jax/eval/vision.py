@@ -28,7 +28,6 @@ from goat_jax import _extras
 from goat_jax import prior as prior_lib
 from goat_jax.layers.goat import GoatPrior
 from goat_jax.models.vit import ViTConfig
-from goat_jax.kernels.plan import DEFAULT
 
 
 def evaluate_resolutions(model, params, make_eval_at: Callable[[int], Iterator[Dict[str, np.ndarray]]],
@@ -121,7 +120,7 @@ def cls_attention_maps(model, params, images: np.ndarray, layer: Optional[int] =
     """
     cfg = model.config
     layer = cfg.num_layers - 1 if layer is None else layer
-    dense = model.clone(plan=(DEFAULT if model.plan is None else model.plan).replace(implementation="dense"))
+    dense = model.clone(plan=model.plan.replace(implementation="dense"))
     _, state = jax.jit(lambda p, x: dense.apply({"params": p}, x, mutable=["intermediates"]))(params, images)
     probs = state["intermediates"][f"block_{layer}"]["attention"]["attention_probs"][0]  # [B, N, L, L]
     grid = (images.shape[1] // cfg.patch_size, images.shape[2] // cfg.patch_size)

@@ -44,7 +44,7 @@ def _run_model(config: Any):
     if not isinstance(model, TransformerLM):
         raise ValueError(f"config.task={config.task!r} trains a {type(model).__name__}; the export takes the "
                          "language model of the 'lm' and 'dna' tasks.")
-    window = getattr(model.plan, "window", None) if model.plan is not None else None
+    window = model.plan.window
     return task, config, model, window
 
 

@@ -327,7 +327,7 @@ class GeluMLP(nn.Module):
         return dense(cfg.embed_dim, ("mlp", "embed"), "wo")(h)
 
 
-def make_attention(cfg: LMConfig, decode: bool, plan: Optional[AttentionPlan] = None,
+def make_attention(cfg: LMConfig, decode: bool, plan: AttentionPlan = DEFAULT,
                    name: str = "attention") -> nn.Module:
     """The attention module for ``cfg.position_encoding``: GoatAttention for 'goat', otherwise
     PositionalAttention ('sinusoidal'/'learned' use its 'nope' mode, their positions being in the
@@ -335,7 +335,7 @@ def make_attention(cfg: LMConfig, decode: bool, plan: Optional[AttentionPlan] = 
     common = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_heads, head_dim=cfg.head_size,
                   out_features=cfg.embed_dim, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                   param_dtype=cfg.weight_dtype, decode=decode, kernel_init_std=cfg.attention_init_std,
-                  logn_scaling=cfg.logn_scaling, plan=DEFAULT if plan is None else plan, name=name)
+                  logn_scaling=cfg.logn_scaling, plan=plan, name=name)
     if cfg.position_encoding == "goat":
         # GOAT's content logits keep 1/sqrt(d_c) (packed at attention scale 1, as the official
         # module); baseline_attention_scale applies to the baselines only.
@@ -361,7 +361,7 @@ class DecoderBlock(nn.Module):
     config: LMConfig
     decode: bool = False
     scanned: bool = False
-    plan: Optional[AttentionPlan] = None  # the model's (TransformerLM.plan)
+    plan: AttentionPlan = DEFAULT  # the model's (TransformerLM.plan)
 
     @nn.compact
     def __call__(self, x: Array, positions: Optional[Array], segment_ids: Optional[Array] = None):
@@ -407,8 +407,8 @@ class TransformerLM(nn.Module):
     config: LMConfig
     decode: bool = False
     # How attention runs (goat_jax.kernels.plan.AttentionPlan: the run's, built once from its config by
-    # the entry point and handed over by the task); None: the default plan (automatic kernel).
-    plan: Optional[AttentionPlan] = None
+    # the entry point and handed over by the task); by default the default plan (automatic kernel).
+    plan: AttentionPlan = DEFAULT
 
     def _decode_offset(self, length: int) -> Optional[Array]:
         """Position of the first token of this call while decoding (absolute encodings only:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from goat_jax.kernels import balance
 from goat_jax.kernels import mesh as mesh_lib
+from goat_jax.kernels.plan import DEFAULT
 
 Array = jax.Array
 
@@ -59,13 +60,11 @@ def cache_slots(model: nn.Module, length: int) -> int:
     sequences over ``context`` to what the model's attention plan can split (each shard holds an
     equal part of the cache; the sizing forward of ``init`` runs the plan's context strategy on
     the whole cache). The extra slots are never written, and masked as unwritten."""
-    plan = getattr(model, "plan", None)
-    axis = plan.context_axis if plan is not None else mesh_lib.CONTEXT_AXIS
-    shards = mesh_lib.context_shards(mesh_lib.ambient_mesh(), axis)
+    plan = getattr(model, "plan", DEFAULT)  # a model without one runs the default plan
+    shards = mesh_lib.context_shards(mesh_lib.ambient_mesh(), plan.context_axis)
     if shards <= 1:
         return length
-    multiple = balance.length_multiple(shards, bool(plan is not None and plan.load_balanced),
-                                       plan.implementation if plan is not None else None)
+    multiple = balance.length_multiple(shards, plan.load_balanced, plan.implementation)
     return -(-length // multiple) * multiple
 
 

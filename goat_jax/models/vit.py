@@ -264,14 +264,13 @@ def _dense(cfg: ViTConfig, features: int, axes, name: str) -> nn.Module:
                     bias_init=nn.with_logical_partitioning(nn.initializers.normal(1e-6), axes[1:]), name=name)
 
 
-def make_attention(cfg: ViTConfig, plan: Optional[AttentionPlan] = None, name: str = "attention") -> nn.Module:
+def make_attention(cfg: ViTConfig, plan: AttentionPlan = DEFAULT, name: str = "attention") -> nn.Module:
     """GoatAttention (2D, CLS) for 'goat', else PositionalAttention (the encoding itself for
     :data:`ATTENTION_ENCODINGS`, 'nope' for those that live on the embeddings). Shared knobs are passed identically; every variant
-    has qkv and output biases, as the official ViT. ``plan``: the model's attention plan (None:
-    the default plan)."""
+    has qkv and output biases, as the official ViT. ``plan``: the model's attention plan."""
     common = dict(num_heads=cfg.num_heads, out_features=cfg.embed_dim, use_bias=True,
                   dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                  plan=DEFAULT if plan is None else plan, name=name)
+                  plan=plan, name=name)
     if cfg.position_encoding == "goat":
         return GoatAttention(prior=cfg.prior, pos_encoding="2d", has_cls_token_default=True, **common)
     return PositionalAttention(position_encoding=cfg.attention_encoding, settings=cfg.encoding_settings, **common)
@@ -287,7 +286,7 @@ class EncoderBlock(nn.Module):
 
     config: ViTConfig
     drop_path: float = 0.0
-    plan: Optional[AttentionPlan] = None  # the model's (ViT.plan)
+    plan: AttentionPlan = DEFAULT  # the model's (ViT.plan)
 
     @nn.compact
     def __call__(self, x: Array, grid: Tuple[int, int], train: bool) -> Array:
@@ -313,7 +312,7 @@ class ViT(nn.Module):
     """
 
     config: ViTConfig
-    plan: Optional[AttentionPlan] = None  # how attention runs (the task builds it from the run's config)
+    plan: AttentionPlan = DEFAULT  # how attention runs (the run's, handed over by the task)
 
     @nn.compact
     def __call__(self, images: Array, *, train: bool = False) -> Array:

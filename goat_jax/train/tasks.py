@@ -334,25 +334,22 @@ def get_task(name: Any) -> Task:
     return task
 
 
-# How each callable of the contract is called (positional arguments, keywords), with placeholders.
-_CALLS = {"build_model": ((None, None), {}),
-          "make_datasets": ((None, 1, 0, 1), {"plan": None})}
+# How the engine calls each callable of the contract: its spelling, and placeholder arguments.
+_CALLS = {"build_model": ("build_model(config, plan)", (None, None), {}),
+          "make_datasets": ("make_datasets(config, global_batch_size, process_index, process_count, *, plan)",
+                            (None, 1, 0, 1), {"plan": None})}
 
 
 def check_contract(task: Task, name: str) -> None:
     """Raises ValueError naming ``config.task`` and the callable when ``task`` cannot be called
     the way the engine calls it (:data:`_CALLS`): e.g. a task written before ``build_model``
     took the run's plan (``build_model(config)`` -> ``build_model(config, plan)``)."""
-    for field, (args, keywords) in _CALLS.items():
-        fn = getattr(task, field)
+    for field, (spelled, args, keywords) in _CALLS.items():
         try:
-            inspect.signature(fn).bind(*args, **keywords)
+            inspect.signature(getattr(task, field)).bind(*args, **keywords)
         except TypeError as err:
-            spelled = ", ".join(["config", "global_batch_size", "process_index", "process_count"][:len(args)]
-                                if field == "make_datasets" else ["config", "plan"])
-            extra = ", *, plan" if keywords else ""
-            raise ValueError(f"config.task={name!r}: its {field} cannot be called as {field}({spelled}{extra}) "
-                             f"({err}); the engine passes the run's attention plan (goat_jax.train.tasks.Task).") from None
+            raise ValueError(f"config.task={name!r}: its {field} cannot be called as {spelled} ({err}); the "
+                             "engine passes the run's attention plan (goat_jax.train.tasks.Task).") from None
         except ValueError:  # a builtin without a signature: called as it is
             continue
 
